@@ -1,0 +1,353 @@
+"""The compaction engine: fit a conversation or a prompt into a token budget, and report every cut.
+
+Pure: no I/O, no clock, no randomness; the same input gives the same output. The shell hands in the
+budget, a counter and the previous turn's `Plan`, and gets back what to send, a `Report`, and the
+`Plan` to hand in next turn.
+
+Rules, in order of precedence:
+1. System/developer messages and tool definitions are never touched. If they alone exceed the
+   budget, `BudgetTooSmall` is raised (the shell answers 413): nothing else could help.
+2. The task (first user message) and the last `keep_recent` messages are never deleted. Tool units
+   (a call and all of its results) are kept or evicted whole.
+3. Everything else is evictable, biggest unit first. Units evicted last turn stay evicted (sticky), so
+   the prompt's prefix, and the server's prefix cache, survive from one turn to the next.
+4. If evicting all of that is not enough, protected messages are shrunk middle-out, biggest first.
+5. Evicted units that fit back into the room left over are re-admitted, so the window is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from contextpaw.conversation import Conversation, Message, Unit, content_id
+from contextpaw.markers import elision_text, fold, hole_text, marker_role
+from contextpaw.report import Removal, Report
+from contextpaw.tokens import Counter
+
+SHRINK_FLOOR = 64
+"""A shrunk message keeps at least this many tokens of its own text (its head and tail)."""
+
+MARKER_SLACK = 4
+"""Tokens allowed for a marker's real id tokenizing differently from the placeholder it was sized with."""
+
+
+class BudgetTooSmall(Exception):
+    """What must be kept does not fit; carries the numbers for the caller's 413."""
+
+    def __init__(self, required: int, budget: int, what: str) -> None:
+        super().__init__(
+            f"{what} need {required} tokens but the budget is {budget}; nothing can be removed to fit"
+        )
+        self.required = required
+        self.budget = budget
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One turn's decisions, remembered per conversation so the next turn keeps them."""
+
+    evicted: frozenset[str] = frozenset()
+    """Keys of evicted units."""
+    shrunk: Mapping[str, int] = field(default_factory=dict)
+    """Unit key -> the token size its message was shrunk to."""
+
+
+@dataclass(slots=True)
+class ChatResult:
+    messages: list[Mapping[str, Any]] | None
+    """What to send; None when nothing changed (forward the original bytes)."""
+    report: Report
+    plan: Plan
+
+
+@dataclass(slots=True)
+class PromptResult:
+    prompt: str | None
+    report: Report
+
+
+def compact_chat(
+    conversation: Conversation,
+    budget: int,
+    counter: Counter,
+    *,
+    keep_recent: int = 4,
+    previous: Plan | None = None,
+    fixed_tokens: int = 0,
+) -> ChatResult:
+    """Fit `conversation` into `budget` tokens (tools and `fixed_tokens` of template included)."""
+    return _ChatCompaction(conversation, budget, counter, keep_recent, previous or Plan(), fixed_tokens).run()
+
+
+class _ChatCompaction:
+    """The state of one compaction run; a class only to keep the steps readable."""
+
+    def __init__(
+        self, conv: Conversation, budget: int, counter: Counter, keep_recent: int, previous: Plan, fixed: int
+    ) -> None:
+        self.msgs = list(conv.messages)
+        self.budget = budget
+        self.counter = counter
+        self.previous = previous
+        self.fixed = fixed + counter.tools(conv.tools)
+        self.cost = [counter.message(m) for m in self.msgs]
+        self.units = conv.units()
+        self.unit_of = {i: u for u in self.units for i in u.indices}
+        self.unit_cost = {u: sum(self.cost[i] for i in u.indices) for u in self.units}
+        n = len(self.msgs)
+        first_user = next((i for i, m in enumerate(self.msgs) if m.role == "user"), None)
+        protected = set(range(max(0, n - keep_recent), n)) | ({first_user} - {None})
+        self.pinned = [u for u in self.units if any(self.msgs[i].pinned for i in u.indices)]
+        self.protected = [u for u in self.units if u not in self.pinned and protected.intersection(u.indices)]
+        self.evictable = [u for u in self.units if u not in self.pinned and u not in self.protected]
+        self.evicted: set[Unit] = set()
+        self.gone: set[int] = set()
+        self.kept = sum(self.cost)
+        self.shrunk: dict[int, tuple[Message, int, int]] = {}  # index -> (message, its tokens, elided)
+        self._marker_cost: dict[tuple[int, int], int] = {}
+
+    def run(self) -> ChatResult:
+        original = self.fixed + self.kept
+        report = Report(
+            compacted=False,
+            strategy="none",
+            original_tokens=original,
+            final_tokens=original,
+            budget=self.budget,
+            counter=self.counter.name,
+            exact=self.counter.exact,
+        )
+        if original <= self.budget:
+            return ChatResult(None, report, Plan())
+        pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
+        if pinned > self.budget:
+            raise BudgetTooSmall(pinned, self.budget, "the system prompt and tool definitions")
+
+        sticky = {u for u in self.evictable if u.key in self.previous.evicted}
+        for unit in sticky:
+            self.evict(unit)
+        for unit in sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices)):
+            # Markers only add tokens, so the kept sum is a cheap lower bound for the full total.
+            if self.fixed + self.kept <= self.budget and self.total() <= self.budget:
+                break
+            if unit not in self.evicted:
+                self.evict(unit)
+        if self.total() > self.budget:
+            self.shrink_protected()
+        self.refill(exclude=sticky)
+
+        messages, removals, evicted, final = self.render()
+        report.compacted = True
+        report.final_tokens = final
+        report.removals = removals
+        report.markers = list(dict.fromkeys(r.marker_id for r in removals))
+        report.evicted = evicted
+        actions = {r.action for r in removals}
+        report.strategy = "+".join(a for a, k in (("evict", "dropped"), ("shrink", "shrunk")) if k in actions)
+        plan = Plan(
+            evicted=frozenset(u.key for u in self.evicted),
+            shrunk={self.unit_of[i].key: size for i, (_, size, _) in self.shrunk.items()},
+        )
+        return ChatResult([m.raw for m in messages], report, plan)
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def evict(self, unit: Unit) -> None:
+        self.evicted.add(unit)
+        self.gone.update(unit.indices)
+        self.kept -= sum(self.size(i) for i in unit.indices)
+
+    def readmit(self, unit: Unit) -> None:
+        self.evicted.discard(unit)
+        self.gone.difference_update(unit.indices)
+        self.kept += sum(self.size(i) for i in unit.indices)
+
+    def size(self, i: int) -> int:
+        return self.shrunk[i][1] if i in self.shrunk else self.cost[i]
+
+    def total(self) -> int:
+        """Tokens of what would be sent now: kept messages, shrunk sizes and hole markers."""
+        return self.fixed + self.kept + sum(self.marker_cost(h) for h in self.holes())
+
+    def holes(self) -> list[tuple[int, int]]:
+        """Maximal runs of evicted message indices, as (first, last) pairs in order."""
+        runs: list[list[int]] = []
+        for i in sorted(self.gone):
+            if runs and runs[-1][1] == i - 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+        return [(a, b) for a, b in runs]
+
+    def marker_cost(self, hole: tuple[int, int]) -> int:
+        """Tokens of a hole's marker, with a placeholder id of the real id's length (ids are hashes)."""
+        if hole not in self._marker_cost:
+            note = self.hole_note(hole, "cp-" + "0" * 12)
+            self._marker_cost[hole] = self.counter.text(note) + self.counter.message_overhead + MARKER_SLACK
+        return self._marker_cost[hole]
+
+    def hole_note(self, hole: tuple[int, int], marker_id: str) -> str:
+        span = range(hole[0], hole[1] + 1)
+        return hole_text([self.msgs[i].role for i in span], sum(self.cost[i] for i in span), marker_id)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def shrink_protected(self) -> None:
+        """Shrink protected messages middle-out, biggest first, until the rest fits.
+
+        A message shrunk last turn is shrunk to the same size again when that still fits, so its
+        text, and the prefix cache behind it, stays the same from turn to turn.
+        """
+        candidates = sorted(
+            (i for u in self.protected for i in u.indices if self.msgs[i].content_text),
+            key=lambda i: (-self.cost[i], i),
+        )
+        for i in candidates:
+            over = self.total() - self.budget
+            if over <= 0:
+                return
+            message = self.msgs[i]
+            own = self.counter.text(message.content_text)
+            overhead = self.cost[i] - own
+            target = max(SHRINK_FLOOR, own - over)
+            remembered = self.previous.shrunk.get(self.unit_of[i].key)
+            if remembered is not None and SHRINK_FLOOR <= remembered - overhead <= target:
+                target = remembered - overhead
+            if target >= own:
+                continue
+            kept_text, elided = shrink_text(message.content_text, target, self.counter, content_id(message.content_text))
+            smaller = message.with_content(kept_text)
+            size = self.counter.message(smaller)
+            self.kept += size - self.cost[i]
+            self.shrunk[i] = (smaller, size, elided)
+        if self.total() > self.budget:
+            raise BudgetTooSmall(self.total(), self.budget, "the task, the recent messages and the markers")
+
+    def refill(self, exclude: set[Unit]) -> None:
+        """Re-admit units evicted this turn that fit in the room left, biggest first."""
+        for unit in sorted(self.evicted - exclude, key=lambda u: (-self.unit_cost[u], u.indices)):
+            if self.fixed + self.kept + self.unit_cost[unit] > self.budget:
+                continue
+            self.readmit(unit)
+            if self.total() > self.budget:
+                self.evict(unit)
+
+    def render(self) -> tuple[list[Message], list[Removal], dict[str, Any], int]:
+        holes = {h[0]: h for h in self.holes()}
+        out: list[Message] = []
+        removals: list[Removal] = []
+        evicted: dict[str, Any] = {}
+        final = self.fixed
+        pending_fold: str | None = None
+        i = 0
+        while i < len(self.msgs):
+            if i in holes:
+                first, last = holes[i]
+                raws = [self.msgs[j].raw for j in range(first, last + 1)]
+                marker_id = content_id(raws)
+                evicted[marker_id] = raws
+                removals += [
+                    Removal(j, self.msgs[j].role, self.cost[j], "dropped", marker_id) for j in range(first, last + 1)
+                ]
+                note = self.hole_note(holes[i], marker_id)
+                after = last + 1
+                role = marker_role(
+                    out[-1].role if out else None, self.msgs[after].role if after < len(self.msgs) else None
+                )
+                if role is not None:
+                    out.append(Message.from_wire({"role": role, "content": note}))
+                    final += self.counter.message(out[-1])
+                elif after < len(self.msgs):
+                    pending_fold = note
+                else:
+                    final -= self.counter.message(out[-1])
+                    out[-1] = fold(out[-1], note)
+                    final += self.counter.message(out[-1])
+                i = after
+                continue
+            if i in self.shrunk:
+                message, size, elided = self.shrunk[i]
+                marker_id = content_id(self.msgs[i].content_text)
+                evicted[marker_id] = self.msgs[i].content_text
+                removals.append(Removal(i, message.role, elided, "shrunk", marker_id))
+            else:
+                message, size = self.msgs[i], self.cost[i]
+            if pending_fold is not None:
+                message, pending_fold = fold(message, pending_fold), None
+                size = self.counter.message(message)
+            out.append(message)
+            final += size
+            i += 1
+        return out, removals, evicted, final
+
+
+def shrink_text(text: str, target: int, counter: Counter, marker_id: str) -> tuple[str, int]:
+    """Keep the head and tail of `text` within `target` tokens, note included; cut at line ends.
+
+    Returns the new text and the number of tokens elided. Converges in a few passes: each pass scales
+    the kept character count by how far the last result overshot.
+    """
+    total = counter.text(text)
+    keep_chars = max(1, int(len(text) * target / max(total, 1)))
+    for _ in range(8):
+        head, tail = _head_tail(text, keep_chars)
+        middle = text[len(head) : len(text) - len(tail)]
+        elided = max(total - counter.text(head) - counter.text(tail), 0)
+        note = elision_text(elided, middle.count("\n"), marker_id)
+        result = head + note + tail
+        size = counter.text(result)
+        if size <= target or keep_chars <= 2:
+            return result, elided
+        keep_chars = max(2, int(keep_chars * target / size) - 1)
+    return result, elided
+
+
+def _head_tail(text: str, keep_chars: int) -> tuple[str, str]:
+    """Split `keep_chars` between head and tail, moving each cut to a line end if one is near."""
+    half = keep_chars // 2
+    head_end = half
+    newline = text.rfind("\n", 0, head_end)
+    if newline >= half * 0.75:
+        head_end = newline + 1
+    tail_start = len(text) - (keep_chars - head_end)
+    newline = text.find("\n", tail_start)
+    if newline != -1 and newline - tail_start <= half * 0.25:
+        tail_start = newline + 1
+    tail_start = max(tail_start, head_end)
+    return text[:head_end], text[tail_start:]
+
+
+def compact_prompt(
+    prompt: str,
+    budget: int,
+    counter: Counter,
+    *,
+    fixed_tokens: int = 0,
+) -> PromptResult:
+    """Fit a raw prompt: keep its head and tail, elide the middle with a marker."""
+    original = fixed_tokens + counter.text(prompt)
+    report = Report(
+        compacted=False,
+        strategy="none",
+        original_tokens=original,
+        final_tokens=original,
+        budget=budget,
+        counter=counter.name,
+        exact=counter.exact,
+    )
+    if original <= budget:
+        return PromptResult(None, report)
+    room = budget - fixed_tokens
+    if room < SHRINK_FLOOR:
+        raise BudgetTooSmall(fixed_tokens + SHRINK_FLOOR, budget, "the system text and template")
+    marker_id = content_id(prompt)
+    kept, elided = shrink_text(prompt, room, counter, marker_id)
+    report.compacted = True
+    report.strategy = "head_tail"
+    report.final_tokens = fixed_tokens + counter.text(kept)
+    report.removals = [Removal(-1, "prompt", elided, "shrunk", marker_id)]
+    report.markers = [marker_id]
+    report.evicted = {marker_id: prompt}
+    return PromptResult(kept, report)

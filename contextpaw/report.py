@@ -1,0 +1,81 @@
+"""The report: what compaction did, told the same way to the client, the operator and the model.
+
+It travels as response headers, as a `contextpaw` object in the body (or the stream's final record),
+as one log line, and as metrics. The evicted content rides along for retrieval and summarizing but is
+never put on the wire to the client by `to_json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Action = Literal["dropped", "shrunk", "summarized"]
+
+
+@dataclass(slots=True)
+class Removal:
+    """One place where content left the model's view."""
+
+    index: int
+    """Position of the message in the original request (-1 for a raw prompt)."""
+    role: str
+    tokens: int
+    """Tokens removed (for a shrink: what was elided, not the whole message)."""
+    action: Action
+    marker_id: str
+
+
+@dataclass(slots=True)
+class Report:
+    compacted: bool
+    strategy: str
+    """none | evict | shrink | evict+shrink | head_tail | refused | passthrough"""
+    original_tokens: int
+    final_tokens: int
+    budget: int
+    counter: str = "estimate"
+    exact: bool = False
+    window: int | None = None
+    removals: list[Removal] = field(default_factory=list)
+    markers: list[str] = field(default_factory=list)
+    recovered_from_upstream_400: bool = False
+    summarized: bool = False
+    summary_reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+    evicted: dict[str, Any] = field(default_factory=dict, repr=False)
+    """marker id -> the content removed under it (messages or text), verbatim."""
+
+    @property
+    def evicted_tokens(self) -> int:
+        return sum(r.tokens for r in self.removals)
+
+    def to_json(self) -> dict[str, Any]:
+        """The client-facing form: numbers and ids, never the evicted content itself."""
+        out = asdict(self)
+        out.pop("evicted")
+        out["evicted_tokens"] = self.evicted_tokens
+        return out
+
+    def headers(self) -> dict[str, str]:
+        out = {"X-ContextPaw-Compacted": "true" if self.compacted else "false"}
+        if self.original_tokens:
+            out |= {
+                "X-ContextPaw-Original-Tokens": str(self.original_tokens),
+                "X-ContextPaw-Final-Tokens": str(self.final_tokens),
+                "X-ContextPaw-Evicted-Tokens": str(self.evicted_tokens),
+                "X-ContextPaw-Budget": str(self.budget),
+            }
+        if self.recovered_from_upstream_400:
+            out["X-ContextPaw-Recovered"] = "upstream-400"
+        return out
+
+    def summary(self) -> str:
+        """One line for logs and mitmweb comments; no prompt text."""
+        dropped = sum(1 for r in self.removals if r.action == "dropped")
+        shrunk = sum(1 for r in self.removals if r.action == "shrunk")
+        return (
+            f"compacted {self.original_tokens}→{self.final_tokens} tokens "
+            f"(budget {self.budget}, {self.evicted_tokens} evicted: {dropped} dropped, {shrunk} shrunk; "
+            f"strategy {self.strategy}, counter {self.counter})"
+        )
