@@ -7,7 +7,8 @@ budget, a counter and the previous turn's `Plan`, and gets back what to send, a 
 Rules, in order of precedence:
 1. System/developer messages and tool definitions are never touched. If they alone exceed the
    budget, `BudgetTooSmall` is raised (the shell answers 413): nothing else could help.
-2. The task (first user message) and the last `keep_recent` messages are never deleted. Tool units
+2. The task (first user message), the current request (last user message) and the last
+   `keep_recent` messages are never deleted. Tool units
    (a call and all of its results) are kept or evicted whole.
 3. Everything else is evictable, biggest unit first. Units evicted last turn stay evicted (sticky), so
    the prompt's prefix, and the server's prefix cache, survive from one turn to the next.
@@ -97,8 +98,8 @@ class _ChatCompaction:
         self.unit_of = {i: u for u in self.units for i in u.indices}
         self.unit_cost = {u: sum(self.cost[i] for i in u.indices) for u in self.units}
         n = len(self.msgs)
-        first_user = next((i for i, m in enumerate(self.msgs) if m.role == "user"), None)
-        protected = set(range(max(0, n - keep_recent), n)) | ({first_user} - {None})
+        users = [i for i, m in enumerate(self.msgs) if m.role == "user"]
+        protected = set(range(max(0, n - keep_recent), n)) | ({users[0], users[-1]} if users else set())
         self.pinned = [u for u in self.units if any(self.msgs[i].pinned for i in u.indices)]
         self.protected = [u for u in self.units if u not in self.pinned and protected.intersection(u.indices)]
         self.evictable = [u for u in self.units if u not in self.pinned and u not in self.protected]

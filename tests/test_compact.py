@@ -1,0 +1,362 @@
+"""The compaction engine's contract, as properties over random agent conversations and named cases."""
+
+from __future__ import annotations
+
+import json
+
+import jinja2
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from contextpaw.compact import SHRINK_FLOOR, BudgetTooSmall, Plan, compact_chat, compact_prompt
+from contextpaw.conversation import Conversation, Message
+from contextpaw.markers import MARKER_PREFIX
+from contextpaw.tokens import EstimateCounter
+
+COUNTER = EstimateCounter()
+
+# -- random conversations ---------------------------------------------------------------------
+
+texts = st.one_of(
+    st.just(""),
+    st.text(max_size=40),
+    st.builds(lambda line, n: (line + "\n") * n, st.text(min_size=1, max_size=30), st.integers(1, 400)),
+    st.builds(lambda word, n: " ".join([word] * n), st.sampled_from(["data", "日本語", "ünï", "🐾"]), st.integers(50, 3000)),
+)
+
+
+def _content(text: str, style: int) -> object:
+    if style == 0:
+        return text
+    parts: list[object] = [{"type": "text", "text": text}]
+    if style == 2:
+        parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}})
+    return parts
+
+
+@st.composite
+def conversations(draw: st.DrawFn, alternating: bool = False) -> tuple[list[dict], list | None]:
+    ollama = draw(st.booleans())
+    msgs: list[dict] = []
+    if draw(st.booleans()):
+        msgs.append({"role": "system", "content": draw(st.text(max_size=200))})
+    msgs.append({"role": "user", "content": "TASK: " + draw(texts)})
+    call_no = 0
+    for _ in range(draw(st.integers(0, 25))):
+        last = msgs[-1]["role"]
+        kind = draw(st.sampled_from(["user", "assistant", "tools"]))
+        if alternating:
+            kind = "assistant" if last == "user" else "user"
+        if kind == "tools" and last != "user" and last != "tool":
+            kind = "user"
+        if kind == "tools":
+            n = draw(st.integers(1, 3))
+            calls = []
+            for k in range(n):
+                fn = {"name": f"tool{k}", "arguments": {"q": draw(st.text(max_size=20))}}
+                if ollama:
+                    calls.append({"function": fn})
+                else:
+                    fn["arguments"] = json.dumps(fn["arguments"])
+                    calls.append({"id": f"call_{call_no}", "type": "function", "function": fn})
+                call_no += 1
+            msgs.append({"role": "assistant", "content": "" if ollama else None, "tool_calls": calls})
+            for k, call in enumerate(calls):
+                result = {"role": "tool", "content": draw(texts)}
+                if ollama:
+                    result["tool_name"] = call["function"]["name"]
+                else:
+                    result["tool_call_id"] = call["id"]
+                msgs.append(result)
+        else:
+            message = {"role": kind, "content": _content(draw(texts), draw(st.integers(0, 2)))}
+            if kind == "assistant" and draw(st.booleans()):
+                message["thinking"] = draw(st.text(max_size=50))
+            if ollama and kind == "user" and draw(st.integers(0, 5)) == 0:
+                message["images"] = ["iVBORw0KGgo="]
+            msgs.append(message)
+    if msgs[-1]["role"] != "user":
+        msgs.append({"role": "user", "content": "and now?"})
+    tools = [{"type": "function", "function": {"name": "tool0", "parameters": {"type": "object"}}}]
+    return msgs, (tools if draw(st.booleans()) else None)
+
+
+def sent_tokens(messages: list, tools: object) -> int:
+    return COUNTER.tools(tools) + sum(COUNTER.message(Message.from_wire(m)) for m in messages)
+
+
+def check_pairing(messages: list) -> None:
+    """Every tool result follows its call, every call has all of its results."""
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") or []
+        if m["role"] == "tool":
+            raise AssertionError(f"orphaned tool result at {i}")
+        if calls:
+            results = messages[i + 1 : i + 1 + len(calls)]
+            assert len(results) == len(calls) and all(r["role"] == "tool" for r in results), f"call at {i} lost results"
+            ids = {c.get("id") for c in calls}
+            assert all(r.get("tool_call_id") in ids for r in results if "tool_call_id" in r)
+            i += len(calls)
+        i += 1
+
+
+def kept_indices(original: list, sent: list) -> list[int]:
+    """Original positions of the messages sent unchanged (identity: kept messages are not copied)."""
+    position = {id(m): i for i, m in enumerate(original)}
+    return [position[id(m)] for m in sent if id(m) in position]
+
+
+# -- properties ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversations(), st.floats(0.05, 1.2), st.integers(0, 6))
+def test_any_conversation_fits_with_everything_that_matters_intact(case, fraction, keep_recent):
+    msgs, tools = case
+    conv = Conversation.from_wire(msgs, tools)
+    original = sent_tokens(msgs, tools)
+    budget = max(1, int(original * fraction))
+    try:
+        result = compact_chat(conv, budget, COUNTER, keep_recent=keep_recent)
+    except BudgetTooSmall as e:
+        pinned = COUNTER.tools(tools) + sum(COUNTER.message(Message.from_wire(m)) for m in msgs if m["role"] == "system")
+        protected = keep_recent + 1 + 3  # recent messages, the task, and tool units that straddle the line
+        assert e.required > budget
+        assert budget < pinned + protected * (SHRINK_FLOOR + 200) + 400, "gave up although shrinking could fit"
+        return
+    if result.messages is None:
+        assert original <= budget and not result.report.compacted
+        return
+    sent = result.messages
+    report = result.report
+    # it fits, counted by the same counter, markers included, and the report says so
+    assert sent_tokens(sent, tools) == report.final_tokens <= budget
+    # system messages are identical and the head is never rewritten
+    systems = [m for m in msgs if m["role"] == "system"]
+    assert [m for m in sent if m["role"] == "system"] == systems
+    assert all(s is m for s, m in zip(sent, msgs[: len(systems)]) if m["role"] == "system")
+    # order is preserved and the last user message is there (whole or shrunk middle-out)
+    kept = kept_indices(msgs, sent)
+    assert kept == sorted(kept)
+    last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    last_text = Message.from_wire(msgs[last_user]).content_text
+    assert last_user in kept or any(
+        m["role"] == "user" and last_text[:10] in Message.from_wire(m).content_text for m in sent
+    )
+    check_pairing(sent)
+    # no system marker, no new same-role neighbours
+    for a, b in zip(sent, sent[1:]):
+        if a["role"] == b["role"] and a["role"] in ("user", "assistant"):
+            assert any(x["role"] == y["role"] and x["role"] == a["role"] for x, y in zip(msgs, msgs[1:]))
+    # what the report says was dropped is exactly what is missing
+    dropped = {r.index for r in report.removals if r.action == "dropped"}
+    shrunk = {r.index for r in report.removals if r.action == "shrunk"}
+    folded = [Message.from_wire(m).content_text for m in sent if MARKER_PREFIX in json.dumps(m)]
+    for i in set(range(len(msgs))) - set(kept) - dropped - shrunk:
+        original = Message.from_wire(msgs[i]).content_text
+        assert any(f.endswith(original) for f in folded), f"message {i} vanished without a report"
+    assert sum(r.tokens for r in report.removals if r.action == "dropped") == sum(
+        COUNTER.message(Message.from_wire(msgs[i])) for i in dropped
+    )
+    assert set(report.markers) == set(report.evicted)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversations(), st.floats(0.1, 0.9))
+def test_compaction_is_deterministic_and_idempotent(case, fraction):
+    msgs, tools = case
+    budget = int(sent_tokens(msgs, tools) * fraction)
+    try:
+        first = compact_chat(Conversation.from_wire(msgs, tools), budget, COUNTER)
+    except BudgetTooSmall:
+        return
+    again = compact_chat(Conversation.from_wire(msgs, tools), budget, COUNTER)
+    assert first.messages == again.messages and first.plan == again.plan
+    if first.messages is not None:
+        second = compact_chat(Conversation.from_wire(first.messages, tools), budget, COUNTER)
+        assert second.messages is None, "an output that fits was changed again"
+
+
+MISTRAL_STYLE = jinja2.Environment().from_string(
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.index0 != 0 %}{{ raise('system message not first') }}{% endif %}"
+    "{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}{{ raise('roles must alternate') }}{% endif %}"
+    "{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% elif m.role == 'assistant' %}{{ m.content }}</s>"
+    "{% endif %}{% endfor %}"
+)
+
+
+def render_strict(messages: list) -> str:
+    def fail(reason: str) -> None:
+        raise jinja2.TemplateError(reason)
+
+    return MISTRAL_STYLE.render(messages=messages, raise_exception=fail, **{"raise": fail})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversations(alternating=True), st.floats(0.05, 0.9))
+def test_markers_never_break_a_strict_alternating_template(case, fraction):
+    msgs, _ = case
+    render_strict(msgs)
+    try:
+        result = compact_chat(Conversation.from_wire(msgs), int(sent_tokens(msgs, None) * fraction), COUNTER)
+    except BudgetTooSmall:
+        return
+    assume(result.messages is not None)
+    render_strict(result.messages)
+
+
+# -- named regressions ----------------------------------------------------------------------------
+
+
+def agent_loop(turns: int, dump_lines: int = 200, parallel: int = 1) -> list[dict]:
+    msgs: list[dict] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Fix the failing test in parser.py."},
+    ]
+    for t in range(turns):
+        calls = [
+            {"id": f"c{t}_{k}", "type": "function", "function": {"name": "read", "arguments": f'{{"n": {t}}}'}}
+            for k in range(parallel)
+        ]
+        msgs.append({"role": "assistant", "content": None, "tool_calls": calls})
+        msgs += [
+            {"role": "tool", "tool_call_id": c["id"], "content": f"output {t}.{k}\n" * dump_lines}
+            for k, c in enumerate(calls)
+        ]
+    msgs.append({"role": "user", "content": "Status?"})
+    return msgs
+
+
+def test_huge_newest_tool_dump_is_shrunk_middle_out_not_deadlocked():
+    msgs = agent_loop(3, dump_lines=10)
+    msgs.insert(-1, {"role": "assistant", "content": None, "tool_calls": [{"id": "big", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]})
+    msgs.insert(-1, {"role": "tool", "tool_call_id": "big", "content": "".join(f"log line {n}\n" for n in range(20000))})
+    result = compact_chat(Conversation.from_wire(msgs), 4000, COUNTER)
+    dump = next(m for m in result.messages if m.get("tool_call_id") == "big")
+    assert dump["content"].startswith("log line 0\n") and dump["content"].endswith("log line 19999\n")
+    assert MARKER_PREFIX in dump["content"] and "tokens" in dump["content"]
+    assert any(r.action == "shrunk" for r in result.report.removals)
+    assert result.report.final_tokens <= 4000
+    # the cut lands on line boundaries: every kept line is whole
+    head, _, rest = dump["content"].partition("\n" + MARKER_PREFIX)
+    assert head.endswith("log line " + head.rsplit("log line ", 1)[1])
+
+
+def test_parallel_tool_calls_are_evicted_with_all_their_results():
+    msgs = agent_loop(12, dump_lines=100, parallel=3)
+    result = compact_chat(Conversation.from_wire(msgs), 6000, COUNTER)
+    check_pairing(result.messages)
+    dropped = [r for r in result.report.removals if r.action == "dropped"]
+    assert dropped and len(dropped) % 4 == 0  # each unit: one call message and three results
+
+
+def test_system_prompt_alone_over_budget_is_a_clear_error():
+    msgs = [{"role": "system", "content": "rule\n" * 5000}, {"role": "user", "content": "hi"}]
+    with pytest.raises(BudgetTooSmall, match="system prompt") as err:
+        compact_chat(Conversation.from_wire(msgs), 1000, COUNTER)
+    assert err.value.required > err.value.budget == 1000
+
+
+def test_only_large_content_is_the_first_user_message():
+    task = "".join(f"requirement {n}: must hold\n" for n in range(5000))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": task}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    result = compact_chat(Conversation.from_wire(msgs), 3000, COUNTER)
+    sent_task = result.messages[1]["content"]
+    assert sent_task.startswith("requirement 0: must hold") and sent_task.endswith("requirement 4999: must hold\n")
+    assert result.messages[0] is msgs[0] and result.messages[2:] == msgs[2:]
+    assert 0.95 * 3000 <= result.report.final_tokens <= 3000
+
+
+def test_kept_messages_come_out_as_they_came_in():
+    msgs = agent_loop(30)
+    msgs[5]["x_vendor_field"] = {"keep": [1, 2]}
+    result = compact_chat(Conversation.from_wire(msgs), 5000, COUNTER)
+    for m in result.messages:
+        if MARKER_PREFIX not in json.dumps(m):
+            assert any(m is original for original in msgs)
+
+
+def test_fitting_conversation_is_a_no_op():
+    msgs = agent_loop(2)
+    result = compact_chat(Conversation.from_wire(msgs), 100_000, COUNTER)
+    assert result.messages is None and not result.report.compacted and result.report.removals == []
+
+
+def test_evictions_are_sticky_so_the_prefix_survives_the_next_turn():
+    msgs = agent_loop(40, dump_lines=60)
+    budget = int(sent_tokens(msgs, None) * 0.5)
+    turn1 = compact_chat(Conversation.from_wire(msgs), budget, COUNTER)
+    grown = msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "n1", "type": "function", "function": {"name": "read", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "n1", "content": "new\n" * 60},
+        {"role": "user", "content": "next"},
+    ]
+    fresh = compact_chat(Conversation.from_wire(grown), budget, COUNTER)
+    sticky = compact_chat(Conversation.from_wire(grown), budget, COUNTER, previous=turn1.plan)
+
+    def common_prefix(a: list, b: list) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    assert turn1.plan.evicted <= sticky.plan.evicted
+    assert common_prefix(turn1.messages, sticky.messages) >= common_prefix(turn1.messages, fresh.messages)
+    assert common_prefix(turn1.messages, sticky.messages) > len(turn1.messages) // 2
+
+
+def test_marker_names_tokens_says_gone_and_carries_retrieval_id():
+    msgs = agent_loop(20)
+    result = compact_chat(Conversation.from_wire(msgs), 3000, COUNTER)
+    marker = next(m for m in result.messages if MARKER_PREFIX in json.dumps(m))
+    text = Message.from_wire(marker).content_text
+    assert "tokens" in text and "no longer visible" in text and "do not guess" in text
+    marker_id = next(i for i in result.report.markers if i in text)
+    assert result.report.evicted[marker_id][0]["role"] in ("assistant", "tool")
+    assert marker["role"] != "system"
+
+
+def test_unknown_fields_images_and_ids_survive_a_round_trip():
+    raw = [
+        {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:x"}}], "name": "bob"},
+        {"role": "assistant", "content": None, "reasoning_content": "hm", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "r", "vendor": 1},
+        {"role": "user", "content": "x", "images": ["AAAA"]},
+    ]
+    conv = Conversation.from_wire(raw)
+    assert conv.to_wire() == raw and [len(u.indices) for u in conv.units()] == [1, 2, 1]
+    assert conv.messages[0].images == 1 and conv.messages[3].images == 1
+
+
+def test_ollama_tool_results_pair_by_position():
+    raw = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "a", "arguments": {}}}, {"function": {"name": "b", "arguments": {}}}]},
+        {"role": "tool", "tool_name": "a", "content": "1"},
+        {"role": "tool", "tool_name": "b", "content": "2"},
+        {"role": "user", "content": "q2"},
+    ]
+    assert [u.indices for u in Conversation.from_wire(raw).units()] == [(0,), (1, 2, 3), (4,)]
+
+
+@pytest.mark.parametrize("bad", [[1], [{"content": "no role"}], [{"role": 3, "content": "x"}]])
+def test_malformed_messages_are_a_value_error(bad):
+    with pytest.raises(ValueError):
+        Conversation.from_wire(bad)
+
+
+def test_raw_prompt_keeps_head_and_tail_and_marks_the_middle():
+    prompt = "SECRET=walrus\n" + "".join(f"filler {n}\n" for n in range(8000)) + "What is SECRET?"
+    result = compact_prompt(prompt, 1000, COUNTER)
+    assert result.prompt.startswith("SECRET=walrus\n") and result.prompt.endswith("What is SECRET?")
+    assert MARKER_PREFIX in result.prompt
+    assert 0.95 * 1000 <= result.report.final_tokens <= 1000
+    assert result.report.removals[0].tokens > 0 and result.report.evicted[result.report.markers[0]] == prompt
+
+
+def test_raw_prompt_that_fits_is_untouched():
+    assert compact_prompt("short", 100, COUNTER).prompt is None
