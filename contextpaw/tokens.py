@@ -61,3 +61,73 @@ class EstimateCounter(Counter):
         if not text:
             return 0
         return math.ceil(len(text.encode("utf-8", "surrogatepass")) / self.bytes_per_token)
+
+
+class TokenizerCounter(Counter):
+    """Exact content counts from the model's own tokenizer (a `tokenizers.Tokenizer`).
+
+    Content is exact; the template's per-message overhead is whatever the caller measured for this
+    model (from the backend's rendered template) or the default.
+    """
+
+    name = "tokenizer"
+    exact = True
+
+    def __init__(self, tokenizer: Any, message_overhead: int = MESSAGE_OVERHEAD) -> None:
+        self.tokenizer = tokenizer
+        self.message_overhead = message_overhead
+
+    @classmethod
+    def from_file(cls, path: str, **kw: Any) -> TokenizerCounter:
+        """Load a `tokenizer.json` (Hugging Face format) or build one from a `.gguf` model file."""
+        if str(path).endswith(".gguf"):
+            return cls(tokenizer_from_gguf(path), **kw)
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)), **kw)
+
+    def text(self, text: str) -> int:
+        if not text:
+            return 0
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+# llama.cpp pre-tokenizer names whose splitting is GPT-2's byte-level regex, with or without
+# single-digit splitting first (llama-vocab.cpp groups them the same way).
+_GPT2_PRE = {"gpt2", "default", "olmo", "jais", "poro-chat"}
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+
+
+def tokenizer_from_gguf(path: str) -> Any:
+    """Build a `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata (no hub download).
+
+    Supports the byte-level BPE family (`tokenizer.ggml.model == "gpt2"`) with the pre-tokenizers
+    named above; other vocabularies raise `ValueError`, and the caller falls back to calibration.
+    """
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    fields = GGUFReader(path).fields
+
+    def value(key: str) -> Any:
+        field = fields.get(key)
+        return None if field is None else field.contents()
+
+    kind, pre = value("tokenizer.ggml.model"), value("tokenizer.ggml.pre") or "default"
+    if kind != "gpt2" or pre not in _GPT2_PRE | _DIGIT_SPLIT_PRE:
+        raise ValueError(f"cannot rebuild a {kind}/{pre} tokenizer from GGUF; use a tokenizer.json")
+    tokens = value("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if pre in _DIGIT_SPLIT_PRE
+        else byte_level
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    types = value("tokenizer.ggml.token_type") or []
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    )
+    return tokenizer

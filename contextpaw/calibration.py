@@ -1,0 +1,112 @@
+"""A counter that learns from the server: how many tokens it counts for every token we estimate.
+
+Per backend and model, from the server's reported prompt counts against our estimate of exactly what
+was sent. The learned factor is the largest ratio among recent good samples (plus a small safety
+margin), so it never under-counts anything it has seen; old samples age out of the window, so one odd
+sample cannot inflate it forever. Samples are refused when they cannot be trusted: the prompt was
+truncated by the server, part of it came from a prefix cache the count leaves out, or it is too small
+for the template's fixed cost not to dominate. `state()`/`restore()` give the shell what to persist
+in a small JSON file, so the learning survives restarts; this module does no I/O itself.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from contextpaw.conversation import Message
+from contextpaw.tokens import Counter
+from contextpaw.truncation import detect
+
+MIN_SAMPLE_TOKENS = 200
+SAFETY = 1.03
+OUTLIER = 2.5
+"""A ratio this many times the median of the window is refused as an outlier."""
+
+
+class CalibratedCounter(Counter):
+    """The base estimate scaled by a learned factor."""
+
+    name = "calibrated"
+
+    def __init__(self, base: Counter, factor: float) -> None:
+        self.base = base
+        self.factor = factor
+        self.message_overhead = math.ceil(base.message_overhead * factor)
+
+    def text(self, text: str) -> int:
+        return math.ceil(self.base.text(text) * self.factor)
+
+    def message(self, message: Message) -> int:
+        return math.ceil(self.base.message(message) * self.factor)
+
+
+@dataclass(slots=True)
+class Verdict:
+    accepted: bool
+    reason: str
+
+
+class Calibration:
+    """Per (backend, model) ratios of reported to estimated tokens."""
+
+    def __init__(self, window: int = 20) -> None:
+        self.window = window
+        self.ratios: dict[str, deque[float]] = {}
+        self.refused = 0
+
+    def factor(self, key: str) -> float:
+        ratios = self.ratios.get(key)
+        return max(ratios) * SAFETY if ratios else 1.0
+
+    def counter(self, key: str, base: Counter) -> CalibratedCounter:
+        return CalibratedCounter(base, self.factor(key))
+
+    def observe(
+        self, key: str, estimated: int, reported: int | None, *, num_ctx: int | None = None, cached: bool = False
+    ) -> Verdict:
+        """Learn from one response; `estimated` is the base counter's count of what was sent."""
+        verdict = self._judge(key, estimated, reported, num_ctx, cached)
+        if verdict.accepted:
+            self.ratios.setdefault(key, deque(maxlen=self.window)).append(reported / estimated)
+        else:
+            self.refused += 1
+        return verdict
+
+    def _judge(self, key: str, estimated: int, reported: int | None, num_ctx: int | None, cached: bool) -> Verdict:
+        if reported is None or reported <= 0:
+            return Verdict(False, "no count reported")
+        if cached:
+            return Verdict(False, "count leaves out a cached prefix")
+        if estimated < MIN_SAMPLE_TOKENS:
+            return Verdict(False, "too small to learn from")
+        if detect(estimated, reported, num_ctx, exact=False):
+            return Verdict(False, "server truncated the prompt")
+        ratios = self.ratios.get(key)
+        if ratios and len(ratios) >= 3 and reported / estimated > OUTLIER * statistics.median(ratios):
+            return Verdict(False, "outlier")
+        return Verdict(True, "ok")
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "factors": {k: round(self.factor(k), 4) for k in self.ratios},
+            "samples": {k: len(v) for k, v in self.ratios.items()},
+            "refused": self.refused,
+        }
+
+    def state(self) -> dict[str, object]:
+        return {"ratios": {k: list(v) for k, v in self.ratios.items()}}
+
+    def restore(self, state: object) -> bool:
+        """Take back a saved state; a damaged one costs the learning, never the proxy."""
+        try:
+            self.ratios = {
+                str(k): deque((float(r) for r in v if float(r) > 0), maxlen=self.window)
+                for k, v in state["ratios"].items()  # type: ignore[index]
+            }
+            return True
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self.ratios = {}
+            return False

