@@ -28,7 +28,7 @@ from contextpaw.report import Removal, Report
 from contextpaw.tokens import Counter
 
 SHRINK_FLOOR = 64
-"""A shrunk message keeps at least this many tokens of its own text (its head and tail)."""
+"""A shrunk message keeps at least this many tokens of its own text (head and tail), note aside."""
 
 MARKER_SLACK = 4
 """Tokens allowed for a marker's real id tokenizing differently from the placeholder it was sized with."""
@@ -77,9 +77,16 @@ def compact_chat(
     keep_recent: int = 4,
     previous: Plan | None = None,
     fixed_tokens: int = 0,
+    digests: Mapping[str, str] | None = None,
 ) -> ChatResult:
-    """Fit `conversation` into `budget` tokens (tools and `fixed_tokens` of template included)."""
-    return _ChatCompaction(conversation, budget, counter, keep_recent, previous or Plan(), fixed_tokens).run()
+    """Fit `conversation` into `budget` tokens (tools and `fixed_tokens` of template included).
+
+    `digests` maps a hole's marker id (from an earlier run's report) to a summary of what it held;
+    a hole that comes out the same carries its digest inside the marker, within the budget.
+    """
+    run = _ChatCompaction(conversation, budget, counter, keep_recent, previous or Plan(), fixed_tokens)
+    run.digests = dict(digests or {})
+    return run.run()
 
 
 class _ChatCompaction:
@@ -108,6 +115,7 @@ class _ChatCompaction:
         self.kept = sum(self.cost)
         self.shrunk: dict[int, tuple[Message, int, int]] = {}  # index -> (message, its tokens, elided)
         self._marker_cost: dict[tuple[int, int], int] = {}
+        self.digests: dict[str, str] = {}
 
     def run(self) -> ChatResult:
         original = self.fixed + self.kept
@@ -146,7 +154,10 @@ class _ChatCompaction:
         report.markers = list(dict.fromkeys(r.marker_id for r in removals))
         report.evicted = evicted
         actions = {r.action for r in removals}
-        report.strategy = "+".join(a for a, k in (("evict", "dropped"), ("shrink", "shrunk")) if k in actions)
+        report.strategy = "+".join(
+            a for a, k in (("evict", "dropped"), ("summarize", "summarized"), ("shrink", "shrunk")) if k in actions
+        )
+        report.summarized = "summarized" in actions
         plan = Plan(
             evicted=frozenset(u.key for u in self.evicted),
             shrunk={self.unit_of[i].key: size for i, (_, size, _) in self.shrunk.items()},
@@ -185,13 +196,17 @@ class _ChatCompaction:
     def marker_cost(self, hole: tuple[int, int]) -> int:
         """Tokens of a hole's marker, with a placeholder id of the real id's length (ids are hashes)."""
         if hole not in self._marker_cost:
-            note = self.hole_note(hole, "cp-" + "0" * 12)
+            real_id = self.hole_id(hole) if self.digests else None
+            note = self.hole_note(hole, "cp-" + "0" * 12, self.digests.get(real_id or ""))
             self._marker_cost[hole] = self.counter.text(note) + self.counter.message_overhead + MARKER_SLACK
         return self._marker_cost[hole]
 
-    def hole_note(self, hole: tuple[int, int], marker_id: str) -> str:
+    def hole_id(self, hole: tuple[int, int]) -> str:
+        return content_id([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
+
+    def hole_note(self, hole: tuple[int, int], marker_id: str, digest: str | None = None) -> str:
         span = range(hole[0], hole[1] + 1)
-        return hole_text([self.msgs[i].role for i in span], sum(self.cost[i] for i in span), marker_id)
+        return hole_text([self.msgs[i].role for i in span], sum(self.cost[i] for i in span), marker_id, digest)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -212,9 +227,11 @@ class _ChatCompaction:
             message = self.msgs[i]
             own = self.counter.text(message.content_text)
             overhead = self.cost[i] - own
-            target = max(SHRINK_FLOOR, own - over)
+            note = self.counter.text(elision_text(own, message.content_text.count("\n"), "cp-" + "0" * 12))
+            floor = SHRINK_FLOOR + note
+            target = max(floor, own - over)
             remembered = self.previous.shrunk.get(self.unit_of[i].key)
-            if remembered is not None and SHRINK_FLOOR <= remembered - overhead <= target:
+            if remembered is not None and floor <= remembered - overhead <= target:
                 target = remembered - overhead
             if target >= own:
                 continue
@@ -246,13 +263,12 @@ class _ChatCompaction:
         while i < len(self.msgs):
             if i in holes:
                 first, last = holes[i]
-                raws = [self.msgs[j].raw for j in range(first, last + 1)]
-                marker_id = content_id(raws)
-                evicted[marker_id] = raws
-                removals += [
-                    Removal(j, self.msgs[j].role, self.cost[j], "dropped", marker_id) for j in range(first, last + 1)
-                ]
-                note = self.hole_note(holes[i], marker_id)
+                marker_id = self.hole_id(holes[i])
+                evicted[marker_id] = [self.msgs[j].raw for j in range(first, last + 1)]
+                digest = self.digests.get(marker_id)
+                action = "summarized" if digest else "dropped"
+                removals += [Removal(j, self.msgs[j].role, self.cost[j], action, marker_id) for j in range(first, last + 1)]
+                note = self.hole_note(holes[i], marker_id, digest)
                 after = last + 1
                 role = marker_role(
                     out[-1].role if out else None, self.msgs[after].role if after < len(self.msgs) else None

@@ -17,8 +17,12 @@ from contextpaw.conversation import Message
 MARKER_PREFIX = "[ContextPaw:"
 
 
-def hole_text(roles: Sequence[str], tokens: int, marker_id: str) -> str:
-    """The note standing in for evicted messages: what, how much, that it is gone, and how to get it back."""
+def hole_text(roles: Sequence[str], tokens: int, marker_id: str, digest: str | None = None) -> str:
+    """The note standing in for evicted messages: what, how much, that it is gone, and how to get it back.
+
+    With a digest, the note carries it, labelled as a summary so the model does not take it for the
+    original text.
+    """
     kinds = Tally("tool result" if r == "tool" else f"{r} message" for r in roles)
     what = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in sorted(kinds.items()))
     return (
@@ -26,7 +30,7 @@ def hole_text(roles: Sequence[str], tokens: int, marker_id: str) -> str:
         f"{tokens:,} tokens) were removed here to fit the context window. That content is no "
         f"longer visible to you: do not guess or invent what it said. If you need it, run the tool "
         f"again or ask for it (retrieval id {marker_id}).]"
-    )
+    ) + (f"\n[ContextPaw summary of the removed messages (a digest, not the original text):\n{digest}\n]" if digest else "")
 
 
 def elision_text(tokens: int, lines: int, marker_id: str) -> str:

@@ -125,7 +125,8 @@ def test_any_conversation_fits_with_everything_that_matters_intact(case, fractio
         pinned = COUNTER.tools(tools) + sum(COUNTER.message(Message.from_wire(m)) for m in msgs if m["role"] == "system")
         protected = keep_recent + 1 + 3  # recent messages, the task, and tool units that straddle the line
         assert e.required > budget
-        assert budget < pinned + protected * (SHRINK_FLOOR + 200) + 400, "gave up although shrinking could fit"
+        images = sum(Message.from_wire(m).images for m in msgs) * COUNTER.image_tokens  # cannot be shrunk
+        assert budget < pinned + images + protected * (SHRINK_FLOOR + 200) + 400, "gave up although shrinking could fit"
         return
     if result.messages is None:
         assert original <= budget and not result.report.compacted
@@ -360,3 +361,14 @@ def test_raw_prompt_keeps_head_and_tail_and_marks_the_middle():
 
 def test_raw_prompt_that_fits_is_untouched():
     assert compact_prompt("short", 100, COUNTER).prompt is None
+
+
+def test_a_digest_rides_in_its_hole_marker_within_the_budget():
+    msgs = agent_loop(20)
+    first = compact_chat(Conversation.from_wire(msgs), 3000, COUNTER)
+    digests = {marker_id: f"Digest of {marker_id}: file outputs 0-9 read." for marker_id in first.report.markers}
+    second = compact_chat(Conversation.from_wire(msgs), 3000, COUNTER, digests=digests, previous=first.plan)
+    assert second.report.summarized and second.report.final_tokens <= 3000
+    carried = [m for m in second.messages if "a digest, not the original text" in json.dumps(m)]
+    assert carried and all(any(d in json.dumps(m) for d in digests.values()) for m in carried)
+    assert {r.action for r in second.report.removals} == {"summarized"}
