@@ -303,22 +303,23 @@ class _ChatCompaction:
 def shrink_text(text: str, target: int, counter: Counter, marker_id: str) -> tuple[str, int]:
     """Keep the head and tail of `text` within `target` tokens, note included; cut at line ends.
 
-    Returns the new text and the number of tokens elided. Converges in a few passes: each pass scales
-    the kept character count by how far the last result overshot.
+    Returns the new text and the number of tokens elided. Each pass scales the kept characters by how
+    far the last result overshot, and always by at least one token's worth, so it terminates; the
+    last resort keeps only the note.
     """
     total = counter.text(text)
-    keep_chars = max(1, int(len(text) * target / max(total, 1)))
-    for _ in range(8):
+    chars_per_token = max(len(text) / max(total, 1), 1.0)
+    keep_chars = int(len(text) * target / max(total, 1))
+    while keep_chars > 0:
         head, tail = _head_tail(text, keep_chars)
-        middle = text[len(head) : len(text) - len(tail)]
         elided = max(total - counter.text(head) - counter.text(tail), 0)
-        note = elision_text(elided, middle.count("\n"), marker_id)
-        result = head + note + tail
+        middle_lines = text.count("\n", len(head), len(text) - len(tail))
+        result = head + elision_text(elided, middle_lines, marker_id) + tail
         size = counter.text(result)
-        if size <= target or keep_chars <= 2:
+        if size <= target:
             return result, elided
-        keep_chars = max(2, int(keep_chars * target / size) - 1)
-    return result, elided
+        keep_chars = min(int(keep_chars * target / size), keep_chars - int((size - target) * chars_per_token) - 1)
+    return elision_text(total, text.count("\n"), marker_id).strip("\n"), total
 
 
 def _head_tail(text: str, keep_chars: int) -> tuple[str, str]:

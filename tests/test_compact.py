@@ -372,3 +372,15 @@ def test_a_digest_rides_in_its_hole_marker_within_the_budget():
     carried = [m for m in second.messages if "a digest, not the original text" in json.dumps(m)]
     assert carried and all(any(d in json.dumps(m) for d in digests.values()) for m in carried)
     assert {r.action for r in second.report.removals} == {"summarized"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts, st.integers(70, 3000))
+def test_any_raw_prompt_fits_its_budget(prompt, budget):
+    try:
+        result = compact_prompt(prompt, budget, COUNTER)
+    except BudgetTooSmall:
+        assert budget < SHRINK_FLOOR
+        return
+    if result.prompt is not None:
+        assert COUNTER.text(result.prompt) == result.report.final_tokens <= budget
