@@ -1,0 +1,461 @@
+"""The mitmproxy shell: options and hooks, and nothing else.
+
+Three addons, one concern each, in the order their hooks run:
+- `AdminEndpoints` answers `/contextpaw/*` itself;
+- `Backends` knows which backend a flow goes to, and answers a JSON 502 when it does not answer;
+- `Compactor` fits requests into the window and puts the report into the response.
+The decisions live in `wire`, `windows`, `compact`, `streams` and `evicted`; the hooks move bytes
+between mitmproxy and them, off the event loop when the bytes are big, and fail open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.proxy import mode_specs
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from contextpaw import admin, wire
+from contextpaw.compact import BudgetTooSmall
+from contextpaw.evicted import EvictedStore, PlanMemory
+from contextpaw.report import Report
+from contextpaw.streams import StreamReport, report_bytes, with_report
+from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.windows import Budgeter
+
+logger = logging.getLogger("contextpaw")
+
+OFFLOAD_BYTES = 256 * 1024
+"""Bodies above this are parsed and compacted in a worker thread, so other flows keep moving."""
+PROBE_TIMEOUT_S = 2.0
+RETRY_TIMEOUT_S = 3600.0
+"""A retried prompt may take as long as the original; the client's own timeout is the real bound."""
+STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
+HOP_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "accept-encoding"}
+)
+"""Not copied onto the retry or its answer: they describe one connection or one encoding."""
+JSON_TYPE = "application/json; charset=utf-8"
+BACKEND_HEADER = "X-ContextPaw-Backend"
+
+# flow.metadata keys; values stay JSON-like so saved flows keep them.
+ROUTE = "contextpaw.route"
+REPORT = "contextpaw.report"
+"""The client form of the report."""
+HEADERS = "contextpaw.headers"
+"""The X-ContextPaw-* headers for the response."""
+ORIGINAL = "contextpaw.original"
+"""The request body as the client sent it, when ContextPaw changed it (for mitmweb and the retry)."""
+LOCAL = "contextpaw.local"
+"""The response was made here, not by the backend."""
+RETRIED = "contextpaw.retried"
+
+
+def _reply(flow: http.HTTPFlow, status: int, body: bytes, content_type: str = JSON_TYPE) -> None:
+    flow.response = http.Response.make(status, body, {"Content-Type": content_type})
+    flow.metadata[LOCAL] = True
+
+
+async def _off_loop[T](big: bool, fn: Callable[[], T]) -> T:
+    return await asyncio.to_thread(fn) if big else fn()
+
+
+def _is_reverse(flow: http.HTTPFlow) -> bool:
+    return isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode)
+
+
+class Backends:
+    """Which backend (Ollama or llama-server) a flow goes to, and whether it answers.
+
+    A destination is a backend when it is configured (`contextpaw_ollama`, `contextpaw_llamacpp`),
+    when the client names the kind (`X-ContextPaw-Backend`), or when it is a reverse-mode target
+    that identifies itself on a probe (once). mitmproxy answers a refused upstream with an HTML page
+    that no hook can replace, so a flow without an open upstream connection is checked first and
+    answered with a 502 in the caller's own JSON convention.
+    """
+
+    def __init__(self, stats: admin.Stats) -> None:
+        self.stats = stats
+        self.configured: dict[tuple[str, int], wire.Backend] = {}
+        self.probed: dict[tuple[str, int], wire.Backend] = {}
+        self.last_error: dict[str, str] = {}
+        self._client: aiohttp.ClientSession | None = None
+
+    def load(self, loader: Any) -> None:
+        loader.add_option("contextpaw_ollama", Sequence[str], [], "Ollama backend URL (repeatable).")
+        loader.add_option("contextpaw_llamacpp", Sequence[str], [], "llama-server backend URL (repeatable).")
+
+    def configure(self, updated: set[str]) -> None:
+        if not {"contextpaw_ollama", "contextpaw_llamacpp"} & updated:
+            return
+        configured = {}
+        for kind in wire.Kind:
+            for url in getattr(ctx.options, f"contextpaw_{kind}"):
+                try:
+                    backend = wire.Backend.parse(kind, url)
+                except ValueError as e:
+                    raise exceptions.OptionsError(f"contextpaw_{kind}: {e}") from None
+                configured[(backend.host, backend.port)] = backend
+        self.configured = configured
+
+    def done(self) -> None:
+        if self._client is not None:
+            asyncio.get_running_loop().create_task(self._client.close())
+            self._client = None
+
+    def server_connect_error(self, data: ServerConnectionHookData) -> None:
+        self.last_error[_address(data)] = data.server.error or "connect failed"
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        self.last_error.pop(_address(data), None)
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response or flow.error or not flow.live or flow.server_conn.connected or not self.serves(flow):
+            return
+        if await self.answers(flow.request.host, flow.request.port):
+            return
+        backend = await self.backend_of(flow)
+        reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"
+        _reply(flow, 502, report_bytes(wire.gateway_error(backend and backend.kind, flow.request.path, reason)))
+        self.stats.add("unreachable")
+
+    def serves(self, flow: http.HTTPFlow) -> bool:
+        """Whether this flow goes to a backend rather than anywhere else a regular proxy reaches."""
+        return (
+            _is_reverse(flow)
+            or (flow.request.host, flow.request.port) in self.configured
+            or BACKEND_HEADER in flow.request.headers
+        )
+
+    async def backend_of(self, flow: http.HTTPFlow) -> wire.Backend | None:
+        address = (flow.request.host, flow.request.port)
+        if address in self.configured:
+            return self.configured[address]
+        url = f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}"
+        named = flow.request.headers.get(BACKEND_HEADER, "").lower()
+        if named in set(wire.Kind):
+            return wire.Backend.parse(wire.Kind(named), url)
+        if not _is_reverse(flow):
+            return None
+        if address not in self.probed:
+            root, props = await asyncio.gather(self._get(url + "/"), self._get(url + "/props"))
+            kind = wire.identify(root[1] if root and root[0] == 200 else None, props and props[0])
+            if kind is None:
+                return None
+            self.probed[address] = wire.Backend.parse(kind, url)
+            logger.info("%s identified as %s", url, kind)
+        return self.probed[address]
+
+    async def answers(self, host: str, port: int) -> bool:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), PROBE_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return True
+
+    async def health(self) -> list[dict[str, Any]]:
+        backends = list({**self.configured, **self.probed}.values())
+        answers = await asyncio.gather(*(self.answers(b.host, b.port) for b in backends))
+        return [
+            {"kind": b.kind, "url": b.url, "answers": up, "last_error": self.last_error.get(f"{b.host}:{b.port}")}
+            for b, up in zip(backends, answers, strict=True)
+        ]
+
+    def client(self) -> aiohttp.ClientSession:
+        """The session for calls of our own; it ignores HTTP_PROXY, which may point at this proxy."""
+        if self._client is None:
+            self._client = aiohttp.ClientSession(trust_env=False)
+        return self._client
+
+    async def _get(self, url: str) -> tuple[int, str] | None:
+        try:
+            async with self.client().get(url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+                return resp.status, await resp.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+
+def _address(data: ServerConnectionHookData) -> str:
+    host, port = data.server.address or ("?", 0)
+    return f"{host}:{port}"
+
+
+class Compactor:
+    """Fits handled requests into the budget, refuses or rescues them, and reports what was lost."""
+
+    def __init__(self, backends: Backends, stats: admin.Stats, store: EvictedStore) -> None:
+        self.backends = backends
+        self.stats = stats
+        self.store = store
+        self.plans = PlanMemory(1024)
+        self.budgeter = Budgeter(default_ctx=4096, reserve=1024, margin=64)
+        self.estimate = EstimateCounter()
+
+    def load(self, loader: Any) -> None:
+        add = loader.add_option
+        add("contextpaw_policy", str, "compact",
+            "compact: fit overflowing requests and report it; strict: refuse them with 413; off: pass through.",
+            choices=("compact", "strict", "off"))
+        add("contextpaw_keep_recent", int, 4, "Most recent messages that are never evicted.")
+        add("contextpaw_default_ctx", int, 4096, "Context window when neither the request nor the backend says.")
+        add("contextpaw_output_reserve", int, 1024,
+            "Tokens kept for the answer when the request sets no limit (at most half the window).")
+        add("contextpaw_margin", int, 64, "Tokens kept for the chat template and counting error.")
+        add("contextpaw_conversations", int, 1024, "Conversations whose eviction plan is remembered (LRU).")
+        add("contextpaw_evicted_items", int, 10_000, "Evicted contents kept for /contextpaw/evicted/<id>.")
+        add("contextpaw_evicted_mb", int, 256, "Megabytes of evicted content kept.")
+        add("contextpaw_evicted_ttl", int, 86_400, "Seconds evicted content is kept.")
+
+    def configure(self, updated: set[str]) -> None:
+        o = ctx.options
+        for name, least in MINIMUMS.items():
+            if name in updated and getattr(o, name) < least:
+                raise exceptions.OptionsError(f"{name} must be at least {least}, not {getattr(o, name)}")
+        if o.contextpaw_output_reserve + o.contextpaw_margin >= o.contextpaw_default_ctx:
+            raise exceptions.OptionsError(
+                f"contextpaw_output_reserve ({o.contextpaw_output_reserve}) + contextpaw_margin "
+                f"({o.contextpaw_margin}) leave no room in contextpaw_default_ctx ({o.contextpaw_default_ctx})"
+            )
+        self.budgeter = Budgeter(
+            default_ctx=o.contextpaw_default_ctx, reserve=o.contextpaw_output_reserve, margin=o.contextpaw_margin
+        )
+        self.store.max_items = o.contextpaw_evicted_items
+        self.store.max_bytes = o.contextpaw_evicted_mb << 20
+        self.store.max_age_s = o.contextpaw_evicted_ttl
+        self.plans.max_conversations = o.contextpaw_conversations
+
+    async def counter_for(self, backend: wire.Backend, model: str) -> Counter:
+        """The counter for a backend's model: the estimate until exact counting exists."""
+        return self.estimate
+
+    # -- request ------------------------------------------------------------------------------
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response or flow.error or not flow.live:
+            return
+        backend = await self.backends.backend_of(flow)
+        route = backend and wire.route_for(backend.kind, flow.request.method, flow.request.path)
+        raw = flow.request.get_content(strict=False)
+        if backend is None or route is None or raw is None:
+            return
+        flow.metadata[ROUTE] = route.name
+        self.stats.add("requests")
+        try:
+            await self._fit(flow, backend, route, raw)
+        except Exception as e:  # fail open: the backend answers the request as the client sent it
+            logger.exception("ContextPaw failed on %s; forwarding the request unchanged", flow.request.path)
+            flow.metadata[HEADERS] = {"X-ContextPaw-Error": f"{type(e).__name__} while compacting; forwarded unchanged"}
+            self.stats.add("errors")
+
+    async def _fit(self, flow: http.HTTPFlow, backend: wire.Backend, route: wire.Route, raw: bytes) -> None:
+        """Decide and apply; the request body is the last thing changed, so a failure leaves it whole."""
+        policy = ctx.options.contextpaw_policy
+        big = len(raw) > OFFLOAD_BYTES
+        try:
+            parsed = await _off_loop(big, functools.partial(route.read, raw))
+        except wire.NotCompactable as e:
+            logger.debug("%s forwarded as is: %s", flow.request.path, e)
+            return
+        budget = await self.budgeter.budget(backend, parsed.params)
+        counter = await self.counter_for(backend, parsed.params.model)
+        previous = self.plans.get(parsed.key) if parsed.key else None
+        fit = functools.partial(
+            parsed.fit, budget.tokens, counter, keep_recent=ctx.options.contextpaw_keep_recent, previous=previous
+        )
+        try:
+            fitted = await _off_loop(big, fit)
+        except BudgetTooSmall as e:
+            if policy != "off":
+                self._refuse(flow, route, budget.impossible(e))
+            return
+        report = fitted.report
+        report.window = budget.window
+        self.stats.add("original_tokens", report.original_tokens)
+        if policy == "off":
+            if report.compacted:
+                flow.comment = f"contextpaw off; would have {report.summary()}"
+            return
+        if policy == "strict" and report.compacted:
+            self._refuse(flow, route, budget.refusal(report.original_tokens))
+            return
+        if parsed.key and fitted.plan is not None:
+            self.plans.put(parsed.key, fitted.plan)
+        self._keep_report(flow, report)
+        if fitted.body is not None:
+            self._note_compaction(flow, route, report, parsed.params.model)
+            flow.metadata[ORIGINAL] = raw
+            flow.request.content = fitted.body
+
+    def _refuse(self, flow: http.HTTPFlow, route: wire.Route, overflow: wire.Overflow) -> None:
+        report = Report(False, "refused", overflow.required, overflow.required, overflow.budget, window=overflow.window)
+        self._keep_report(flow, report)
+        _reply(flow, 413, report_bytes(route.refusal(overflow, report.to_json())))
+        logger.info("%s refused: %s", route.name, overflow.message)
+        self.stats.add("refused")
+
+    @staticmethod
+    def _keep_report(flow: http.HTTPFlow, report: Report) -> None:
+        flow.metadata[REPORT] = report.to_json()
+        flow.metadata[HEADERS] = report.headers()
+
+    def _note_compaction(self, flow: http.HTTPFlow, route: wire.Route, report: Report, model: str) -> None:
+        for marker_id, content in report.evicted.items():
+            self.store.put(marker_id, content)
+        self.stats.add("compacted")
+        self.stats.add("evicted_tokens", report.evicted_tokens)
+        flow.marked = ":scissors:"
+        flow.comment = report.summary()
+        logger.info("%s %s: %s", route.name, model, report.summary())
+        logger.debug("evicted under %s: %r", report.markers, report.evicted)
+
+    # -- response -----------------------------------------------------------------------------
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        response = flow.response
+        assert response is not None
+        response.headers.update(flow.metadata.get(HEADERS, {}))
+        if flow.metadata.get(LOCAL) or not response.headers.get("content-type", "").startswith(STREAM_TYPES):
+            return
+        route = wire.ROUTES.get(flow.metadata.get(ROUTE, ""))
+        report = flow.metadata.get(REPORT)
+        if route is None or report is None or response.headers.get("content-encoding", "identity") != "identity":
+            response.stream = True
+            return
+        response.stream = StreamReport(route.framing, route.is_final, report_bytes(report))
+        if "content-length" in response.headers:
+            del response.headers["content-length"]
+            response.headers["transfer-encoding"] = "chunked"
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        response = flow.response
+        assert response is not None
+        route = wire.ROUTES.get(flow.metadata.get(ROUTE, ""))
+        if route is None or REPORT not in flow.metadata or flow.metadata.get(LOCAL) or response.stream:
+            return
+        try:
+            overflow = wire.upstream_overflow(response.status_code, response.content or b"")
+            if overflow and ctx.options.contextpaw_policy == "compact" and not flow.metadata.get(RETRIED):
+                await self._rescue(flow, route, overflow)
+            self._report_in_body(flow, route)
+        except Exception as e:  # fail open: the client gets the backend's answer as it was
+            logger.exception("ContextPaw failed on the response to %s; passing it through", flow.request.path)
+            response.headers["X-ContextPaw-Error"] = f"{type(e).__name__} on the response; passed through"
+            self.stats.add("errors")
+
+    async def _rescue(self, flow: http.HTTPFlow, route: wire.Route, overflow: wire.UpstreamOverflow) -> None:
+        """Compact to the window the backend just named, and ask it once more (never twice)."""
+        flow.metadata[RETRIED] = True
+        raw = flow.metadata.get(ORIGINAL) or flow.request.get_content(strict=False) or b""
+        big = len(raw) > OFFLOAD_BYTES
+        parsed = await _off_loop(big, functools.partial(route.read, raw))
+        backend = await self.backends.backend_of(flow)
+        assert backend is not None, "only flows to a backend have a route"
+        counter = await self.counter_for(backend, parsed.params.model)
+        budget = self.budgeter.after_upstream_overflow(overflow, flow.metadata[REPORT]["original_tokens"], parsed.params)
+        previous = self.plans.get(parsed.key) if parsed.key else None
+        fit = functools.partial(
+            parsed.fit, budget.tokens, counter, keep_recent=ctx.options.contextpaw_keep_recent, previous=previous
+        )
+        try:
+            fitted = await _off_loop(big, fit)
+        except BudgetTooSmall as e:
+            flow.response.headers["X-ContextPaw-Error"] = f"the upstream 400 cannot be rescued: {e}"
+            return
+        if fitted.body is None:
+            return
+        self.stats.add("retried_400")
+        headers = {k: v for k, v in flow.request.headers.items() if k.lower() not in HOP_HEADERS}
+        async with self.backends.client().post(
+            flow.request.url, data=fitted.body, headers=headers, timeout=aiohttp.ClientTimeout(total=RETRY_TIMEOUT_S)
+        ) as answer:
+            body = await answer.read()
+            kept = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS]
+            status = answer.status
+        report = fitted.report
+        report.window = overflow.n_ctx
+        report.recovered_from_upstream_400 = status < 400
+        self.stats.add("recovered_400", report.recovered_from_upstream_400)
+        if parsed.key and fitted.plan is not None:
+            self.plans.put(parsed.key, fitted.plan)
+        self._keep_report(flow, report)
+        self._note_compaction(flow, route, report, parsed.params.model)
+        flow.metadata[ORIGINAL] = raw
+        flow.response = http.Response.make(status, body, http.Headers(kept))
+        flow.response.headers.update(report.headers())
+
+    @staticmethod
+    def _report_in_body(flow: http.HTTPFlow, route: wire.Route) -> None:
+        response = flow.response
+        assert response is not None
+        if not response.content:
+            return
+        value = report_bytes(flow.metadata[REPORT])
+        if response.headers.get("content-type", "").startswith(STREAM_TYPES):
+            response.content = StreamReport(route.framing, route.is_final, value).transform(response.content)
+        elif (body := with_report(response.content, value)) is not None:
+            response.content = body
+
+
+MINIMUMS = {
+    "contextpaw_default_ctx": 1,
+    "contextpaw_conversations": 1,
+    "contextpaw_evicted_items": 1,
+    "contextpaw_evicted_mb": 1,
+    "contextpaw_evicted_ttl": 1,
+    "contextpaw_keep_recent": 0,
+    "contextpaw_output_reserve": 0,
+    "contextpaw_margin": 0,
+}
+
+
+class AdminEndpoints:
+    """`/contextpaw/*`: answered here, never forwarded; loopback only unless a token is set."""
+
+    def __init__(self, backends: Backends, compactor: Compactor) -> None:
+        self.backends = backends
+        self.compactor = compactor
+        self.admin = admin.Admin(compactor.stats, compactor.store, self._health)
+
+    def load(self, loader: Any) -> None:
+        loader.add_option(
+            "contextpaw_admin_token", str | None, None,
+            "Token (header X-ContextPaw-Token) that lets non-loopback clients use /contextpaw/*.",
+        )
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response or flow.error or not flow.live or not admin.is_admin(flow.request.path):
+            return
+        if not self.backends.serves(flow):
+            return
+        client_host = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        token = flow.request.headers.get("X-ContextPaw-Token")
+        if admin.authorized(client_host, token, ctx.options.contextpaw_admin_token):
+            reply = await self.admin.answer(flow.request.method, flow.request.path)
+        else:
+            reply = admin.json_reply(403, {"error": "ContextPaw endpoints are for loopback clients or token holders"})
+        _reply(flow, reply.status, reply.body, reply.content_type)
+
+    async def _health(self) -> dict[str, Any]:
+        return {
+            "policy": ctx.options.contextpaw_policy,
+            "backends": await self.backends.health(),
+            "counter": self.compactor.estimate.name,
+            "calibration": None,
+            "conversations": len(self.compactor.plans),
+        }
+
+
+def make_addons() -> list[object]:
+    """The addons, sharing their counts and the evicted store, in hook order."""
+    store = EvictedStore(max_items=10_000, max_bytes=256 << 20, max_age_s=86_400)
+    stats = admin.Stats(store)
+    backends = Backends(stats)
+    compactor = Compactor(backends, stats, store)
+    return [AdminEndpoints(backends, compactor), backends, compactor]

@@ -1,0 +1,114 @@
+"""ContextPaw's own endpoints under `/contextpaw/`, answered by the proxy and never forwarded.
+
+- `GET /contextpaw/health`: version, policy, backends and whether they answer, and the counts.
+- `GET /contextpaw/metrics`: the same counts in Prometheus text format.
+- `GET /contextpaw/evicted/<id>`: content removed under a marker, verbatim, for an agent to re-read.
+
+They reveal prompt content, so only loopback clients may call them unless an access token is set.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from contextpaw.evicted import EvictedStore
+
+PREFIX = "/contextpaw/"
+JSON = "application/json"
+
+COUNTS = {
+    "requests": "Requests on a compactable route",
+    "compacted": "Requests compacted to fit the window",
+    "refused": "Requests refused with 413",
+    "retried_400": "Upstream context-overflow 400s retried after compacting",
+    "recovered_400": "Retries after an upstream 400 that succeeded",
+    "errors": "Internal errors that failed open",
+    "unreachable": "Requests answered 502 because the backend did not answer",
+    "original_tokens": "Prompt tokens as sent by clients, on compactable routes",
+    "evicted_tokens": "Prompt tokens removed by compaction",
+}
+
+
+def package_version() -> str:
+    try:
+        return version("contextpaw")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown"
+
+
+class Stats(Collector):
+    """Counts for /health and /metrics, in a registry of their own (one per addon instance)."""
+
+    def __init__(self, store: EvictedStore) -> None:
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.store = store
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self.counts[name] += amount
+
+    def collect(self) -> Iterator[Metric]:
+        for name, text in COUNTS.items():
+            yield CounterMetricFamily(f"contextpaw_{name}", text, value=self.counts[name])
+        yield GaugeMetricFamily("contextpaw_evicted_store_items", "Evicted contents kept", value=len(self.store))
+        yield GaugeMetricFamily("contextpaw_evicted_store_bytes", "Bytes of evicted content kept", value=self.store.bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = JSON
+
+
+def json_reply(status: int, obj: Any) -> Reply:
+    return Reply(status, json.dumps(obj, ensure_ascii=False).encode())
+
+
+def is_admin(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def authorized(client_host: str, presented: str | None, token: str | None) -> bool:
+    """Loopback clients always; others only with the configured token."""
+    try:
+        address = ipaddress.ip_address(client_host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    if (mapped or address).is_loopback:
+        return True
+    return bool(token) and presented == token
+
+
+class Admin:
+    def __init__(self, stats: Stats, store: EvictedStore, health: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self.stats = stats
+        self.store = store
+        self.health = health
+
+    async def answer(self, method: str, path: str) -> Reply:
+        if method not in ("GET", "HEAD"):
+            return json_reply(405, {"error": f"{method} is not allowed on {path}"})
+        name = path.split("?", 1)[0].removeprefix(PREFIX)
+        if name == "health":
+            return json_reply(200, {"version": package_version(), **await self.health(), "stats": self.stats.counts})
+        if name == "metrics":
+            return Reply(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
+        if name.startswith("evicted/"):
+            marker_id = name.removeprefix("evicted/")
+            content = self.store.get(marker_id)
+            if content is None:
+                return json_reply(404, {"error": f"{marker_id} is not kept (unknown, expired, or over the store's bounds)"})
+            return Reply(200, b'{"id":' + json.dumps(marker_id).encode() + b',"content":' + content + b"}")
+        return json_reply(404, {"error": f"no such ContextPaw endpoint: {path}"})

@@ -1,0 +1,90 @@
+"""What compaction remembers between turns, each in a bounded store.
+
+`EvictedStore` keeps evicted content for `GET /contextpaw/evicted/<id>`, so an agent told that
+something was removed can fetch it again; it is bounded by count, bytes and age because prompts can
+be large and the proxy runs for weeks. `PlanMemory` keeps each conversation's last `Plan` (by `wire.Chat.key`), so the
+next turn evicts the same units and the backend's prefix cache survives.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from contextpaw.compact import Plan
+
+
+class EvictedStore:
+    """Evicted content by marker id, oldest dropped first when a bound is reached."""
+
+    def __init__(
+        self, *, max_items: int, max_bytes: int, max_age_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def put(self, marker_id: str, content: Any) -> None:
+        """Keep `content` (JSON-like) under `marker_id`; the same id again refreshes its age."""
+        data = json.dumps(content, ensure_ascii=False).encode()
+        self._drop(marker_id)
+        if len(data) > self.max_bytes:
+            return
+        self._items[marker_id] = (self._clock(), data)
+        self._bytes += len(data)
+        self._expire()
+        while len(self._items) > self.max_items or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+
+    def get(self, marker_id: str) -> bytes | None:
+        """The content as JSON bytes, or None when it was never kept or has been dropped."""
+        self._expire()
+        item = self._items.get(marker_id)
+        return item[1] if item else None
+
+    def _expire(self) -> None:
+        deadline = self._clock() - self.max_age_s
+        while self._items and next(iter(self._items.values()))[0] < deadline:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, marker_id: str) -> None:
+        item = self._items.pop(marker_id, None)
+        if item:
+            self._bytes -= len(item[1])
+
+
+class PlanMemory:
+    """The last plan per conversation, least recently used dropped first."""
+
+    def __init__(self, max_conversations: int) -> None:
+        self.max_conversations = max_conversations
+        self._plans: OrderedDict[str, Plan] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: str) -> Plan | None:
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key: str, plan: Plan) -> None:
+        self._plans[key] = plan
+        self._plans.move_to_end(key)
+        while len(self._plans) > self.max_conversations:
+            self._plans.popitem(last=False)
+

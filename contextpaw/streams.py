@@ -1,0 +1,132 @@
+"""The report inside response bodies: buffered JSON, NDJSON streams and SSE streams.
+
+The report is spliced into the bytes the backend sent, just before the object's closing brace, so
+everything else reaches the client byte for byte (Go's `\\u003c` escapes, key order, spacing).
+
+Streams are passed through record by record as they arrive. In NDJSON the report joins the
+`done: true` object, which is always last. In SSE the final-looking event (finish or usage chunk) is
+held back until the next event shows whether it really was the last before `[DONE]` or the end;
+token events are never held, so the client's first token is not delayed. The transformer is a
+mitmproxy stream callable: called per chunk and once with b"" at the end, it never returns b"" before
+that (an empty chunk would end a chunked body).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+REPORT_KEY = b"contextpaw"
+DONE = b"data: [DONE]"
+
+
+def report_bytes(report: Mapping[str, Any]) -> bytes:
+    return json.dumps(report, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def splice(obj: bytes, value: bytes) -> bytes | None:
+    """`obj` (the bytes of one JSON object) with `"contextpaw": value` added; None if not an object."""
+    body = obj.rstrip()
+    if not body.lstrip().startswith(b"{") or not body.endswith(b"}"):
+        return None
+    head = body[:-1].rstrip()
+    comma = b"" if head.lstrip() == b"{" else b","
+    return head + comma + b'"' + REPORT_KEY + b'":' + value + b"}" + obj[len(body) :]
+
+
+def with_report(raw: bytes, value: bytes) -> bytes | None:
+    """A buffered JSON body with the report added, or None when the body is not a JSON object."""
+    try:
+        if not isinstance(json.loads(raw), dict):
+            return None
+    except ValueError:
+        return None
+    return splice(raw, value)
+
+
+class StreamReport:
+    """A stream callable that passes records through and puts the report into the final one."""
+
+    def __init__(
+        self, framing: Literal["ndjson", "sse"], is_final: Callable[[Mapping[str, Any]], bool], report: bytes
+    ) -> None:
+        self._separator = b"\n" if framing == "ndjson" else b"\n\n"
+        self._sse = framing == "sse"
+        self._is_final = is_final
+        self._report = report
+        self._pending = b""
+        self._held: bytes | None = None
+        self._placed = False
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        if not data:
+            return self._joined(self._finish())
+        self._pending += data
+        *records, self._pending = self._pending.split(self._separator)
+        out: list[bytes] = []
+        for record in records:
+            out += self._record(record + self._separator)
+        return self._joined(out)
+
+    def transform(self, body: bytes) -> bytes:
+        """The whole of a buffered stream, transformed at once (a retried request's answer)."""
+        return b"".join(self(body) + self(b""))
+
+    @staticmethod
+    def _joined(pieces: list[bytes]) -> list[bytes]:
+        data = b"".join(pieces)
+        return [data] if data else []
+
+    def _record(self, record: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        if self._held is not None:
+            held, self._held = self._held, None
+            if record.strip() == DONE:
+                return [self._merge(held), record]
+            out.append(held)
+        if not self._placed and self._final(record):
+            if self._sse:
+                self._held = record
+                return out
+            return [*out, self._merge(record)]
+        return [*out, record]
+
+    def _finish(self) -> list[bytes]:
+        out = [self._merge(self._held)] if self._held is not None else []
+        self._held = None
+        rest, self._pending = self._pending, b""
+        return out + ([rest] if rest else [])
+
+    def _span(self, record: bytes) -> tuple[int, int] | None:
+        """Where the JSON payload of a record lies: the whole NDJSON line, or an SSE `data:` line."""
+        if not self._sse:
+            return 0, len(record)
+        if record.startswith(b"data:"):
+            start = 0
+        elif (found := record.find(b"\ndata:")) != -1:
+            start = found + 1
+        else:
+            return None
+        end = record.find(b"\n", start)
+        return start + len(b"data:"), end if end != -1 else len(record)
+
+    def _final(self, record: bytes) -> bool:
+        span = self._span(record)
+        if span is None:
+            return False
+        try:
+            obj = json.loads(record[span[0] : span[1]])
+        except ValueError:
+            return False
+        return isinstance(obj, dict) and self._is_final(obj)
+
+    def _merge(self, record: bytes) -> bytes:
+        span = self._span(record)
+        assert span is not None, "only records with a JSON payload are merged"
+        start, end = span
+        merged = splice(record[start:end], self._report)
+        if merged is None:
+            return record
+        self._placed = True
+        return record[:start] + merged + record[end:]

@@ -1,0 +1,251 @@
+"""Wire formats: which requests ContextPaw handles, and how each API spells them.
+
+One module per API (`ollama`, `openai`, `llamacpp`) builds `Route`s: how to read a body into a
+conversation or a prompt plus the request parameters that size the budget, how to write the
+compacted body back, the API's own error shapes, and how its stream marks the final record. This
+package is pure: bytes and dicts in, bytes and dicts out, no mitmproxy and no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from contextpaw.compact import Plan, compact_chat, compact_prompt
+from contextpaw.conversation import Conversation
+from contextpaw.report import Report
+from contextpaw.tokens import Counter
+
+
+class Kind(StrEnum):
+    """The server behind a port; it decides which routes exist there."""
+
+    OLLAMA = "ollama"
+    LLAMACPP = "llamacpp"
+
+
+class NotCompactable(ValueError):
+    """A body ContextPaw does not understand (bad JSON, a batch prompt): forward it untouched.
+
+    Not an error of ours: the backend answers it in its own words.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """What a request says about its own window and answer length."""
+
+    model: str
+    stream: bool
+    num_ctx: int | None = None
+    """The window the request asks for (Ollama `options.num_ctx`); None when it cannot say."""
+    max_output: int | None = None
+    """The answer length asked for (`num_predict`, `max_tokens`, ...); None when unbounded or absent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    """A request after compaction: the body to send (None: the original bytes) and what was done."""
+
+    body: bytes | None
+    report: Report
+    plan: Plan | None = None
+    """The chat's decisions, to hand back next turn; prompts have no turns."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chat:
+    body: dict[str, Any]
+    conversation: Conversation
+    params: Params
+
+    @property
+    def key(self) -> str:
+        """Who this conversation is across turns: model, system messages and first user message.
+
+        Those stay the same while the history after them grows, and differ between conversations.
+        """
+        messages = self.conversation.messages
+        anchor = [m.raw for m in messages if m.pinned] + [m.raw for m in messages if m.role == "user"][:1]
+        data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
+        return hashlib.blake2b(data.encode(), digest_size=12).hexdigest()
+
+    def fit(self, budget: int, counter: Counter, *, keep_recent: int, previous: Plan | None) -> Fitted:
+        result = compact_chat(self.conversation, budget, counter, keep_recent=keep_recent, previous=previous)
+        body = None if result.messages is None else _write(self.body, messages=result.messages)
+        return Fitted(body, result.report, result.plan)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    body: dict[str, Any]
+    prompt: str
+    params: Params
+    fixed_text: str = ""
+    """Text that is sent with the prompt but never cut (Ollama's `system`, `suffix`)."""
+    images: int = 0
+
+    key = None
+    """Prompts have no turns to remember."""
+
+    def fit(self, budget: int, counter: Counter, *, keep_recent: int, previous: Plan | None) -> Fitted:
+        fixed = counter.text(self.fixed_text) + self.images * counter.image_tokens
+        result = compact_prompt(self.prompt, budget, counter, fixed_tokens=fixed)
+        return Fitted(None if result.prompt is None else _write(self.body, prompt=result.prompt), result.report)
+
+
+@dataclass(frozen=True, slots=True)
+class Overflow:
+    """The numbers a refusal states: what the request needs and what fits."""
+
+    required: int
+    budget: int
+    window: int
+    cause: str
+    """A sentence with the numbers: why the request cannot be sent as it is."""
+
+    @property
+    def message(self) -> str:
+        return (
+            f"ContextPaw: {self.cause} (the budget is a {self.window}-token context window minus "
+            f"{self.window - self.budget} tokens kept for the answer and the template)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamOverflow:
+    """A backend's own context overflow (llama-server's `exceed_context_size_error`)."""
+
+    n_prompt_tokens: int
+    n_ctx: int
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One handled endpoint: how to read, rewrite and answer it in its API's convention."""
+
+    name: str
+    parse: Callable[[dict[str, Any]], Chat | Prompt]
+    refusal: Callable[[Overflow, dict[str, Any]], dict[str, Any]]
+    """(numbers, report JSON) -> the 413 body."""
+    gateway_error: Callable[[str], dict[str, Any]]
+    """reason -> the 502 body when the backend does not answer."""
+    framing: Literal["ndjson", "sse"]
+    is_final: Callable[[Mapping[str, Any]], bool]
+    """Whether a stream record is the last one that carries data (the report goes into it)."""
+
+    def read(self, raw: bytes) -> Chat | Prompt:
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise NotCompactable(f"body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise NotCompactable("body is not a JSON object")
+        try:
+            return self.parse(body)
+        except NotCompactable:
+            raise
+        except (ValueError, TypeError, AttributeError) as e:
+            raise NotCompactable(str(e)) from None
+
+
+def _write(body: Mapping[str, Any], **changes: Any) -> bytes:
+    """The request body with one field replaced; everything else is kept as the client sent it."""
+    return json.dumps({**body, **changes}, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def int_field(container: Any, *names: str) -> int | None:
+    """The first of `names` in `container` that holds an integer (bools are not integers)."""
+    if not isinstance(container, Mapping):
+        return None
+    for name in names:
+        value = container.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def output_limit(value: int | None) -> int | None:
+    """A requested answer length, with the 'unlimited' spellings (-1, -2, 0) read as no limit."""
+    return value if value is not None and value > 0 else None
+
+
+def upstream_overflow(status: int, raw: bytes) -> UpstreamOverflow | None:
+    """Recognise llama-server's overflow error, bare or wrapped in a string by Ollama."""
+    if status not in (400, 500):
+        return None
+    try:
+        error = json.loads(raw).get("error")
+        if isinstance(error, str):
+            error = json.loads(error).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(error, Mapping) or error.get("type") != "exceed_context_size_error":
+        return None
+    n_prompt, n_ctx = int_field(error, "n_prompt_tokens"), int_field(error, "n_ctx")
+    if n_prompt is None or n_ctx is None:
+        return None
+    return UpstreamOverflow(n_prompt, n_ctx)
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """A configured backend: its kind and where it listens."""
+
+    kind: Kind
+    url: str
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, kind: Kind, url: str) -> Backend:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{kind} backend {url!r} is not an http(s) URL")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls(kind, f"{parts.scheme}://{parts.hostname}:{port}", parts.hostname, port)
+
+
+def identify(root_text: str | None, props_status: int | None) -> Kind | None:
+    """A backend's kind from its answers: Ollama says so on `GET /`, llama-server serves `/props`."""
+    if root_text is not None and root_text.strip() == "Ollama is running":
+        return Kind.OLLAMA
+    if props_status == 200:
+        return Kind.LLAMACPP
+    return None
+
+
+def route_for(kind: Kind, method: str, path: str) -> Route | None:
+    """The handled route for a request, or None for anything that passes through untouched."""
+    if method != "POST":
+        return None
+    return _ROUTES[kind].get(_plain(path))
+
+
+def gateway_error(kind: Kind, path: str, reason: str) -> dict[str, Any]:
+    """A 502 body in the convention of whatever the client called, handled route or not."""
+    path = _plain(path)
+    if path.startswith("/v1/"):
+        return openai.CHAT.gateway_error(reason)
+    return (ollama.CHAT if kind is Kind.OLLAMA else llamacpp.COMPLETION).gateway_error(reason)
+
+
+def _plain(path: str) -> str:
+    return path.split("?", 1)[0].rstrip("/") or "/"
+
+
+# The API modules build their routes from the types above, so they are imported last.
+from contextpaw.wire import llamacpp, ollama, openai  # noqa: E402
+
+_OPENAI = {"/v1/chat/completions": openai.CHAT, "/v1/completions": openai.COMPLETIONS}
+_ROUTES: dict[Kind, dict[str, Route]] = {
+    Kind.OLLAMA: _OPENAI | {"/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE},
+    Kind.LLAMACPP: _OPENAI
+    | {"/chat/completions": openai.CHAT, "/completion": llamacpp.COMPLETION, "/completions": llamacpp.COMPLETION},
+}
+ROUTES = {r.name: r for routes in _ROUTES.values() for r in routes.values()}

@@ -1,0 +1,50 @@
+"""llama-server's native `/completion` (also `/completions`).
+
+Streams are SSE without `[DONE]`; the last event carries `"stop": true`. The window is the server's
+slot size, which a request cannot change. Errors are `{"error": {"code", "message", "type", ...}}`
+with llama-server's own field names (`n_prompt_tokens`, `n_ctx`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from contextpaw.wire import NotCompactable, Overflow, Params, Prompt, Route, int_field, output_limit
+
+
+def _completion(body: dict[str, Any]) -> Prompt:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise NotCompactable("only a single string prompt can be compacted")
+    params = Params(
+        model=str(body.get("model", "")),
+        stream=body.get("stream") is True,
+        max_output=output_limit(int_field(body, "n_predict", "max_tokens")),
+    )
+    return Prompt(body, prompt, params)
+
+
+def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "error": {
+            "code": 413,
+            "message": overflow.message,
+            "type": "context_overflow",
+            "n_prompt_tokens": overflow.required,
+            "budget": overflow.budget,
+            "n_ctx": overflow.window,
+        },
+        "contextpaw": report,
+    }
+
+
+def _gateway_error(reason: str) -> dict[str, Any]:
+    return {"error": {"code": 502, "message": reason, "type": "unavailable_error"}}
+
+
+def _is_final(record: Mapping[str, Any]) -> bool:
+    return record.get("stop") is True
+
+
+COMPLETION = Route("llamacpp.completion", _completion, _refusal, _gateway_error, "sse", _is_final)

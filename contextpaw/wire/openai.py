@@ -1,0 +1,70 @@
+"""The OpenAI-compatible API both backends serve: `/v1/chat/completions` and `/v1/completions`.
+
+Streams are SSE ending with `data: [DONE]`; `stream` defaults to false. The request cannot name a
+window, only the answer length. Errors are `{"error": {"message", "type", "code", ...}}`, the shape
+OpenAI clients raise from; a refusal uses OpenAI's own `context_length_exceeded` code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from contextpaw.conversation import Conversation
+from contextpaw.wire import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, output_limit
+
+MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
+"""llama-server reads `n_predict` too; all three mean the same limit."""
+
+
+def _params(body: Mapping[str, Any]) -> Params:
+    return Params(
+        model=str(body.get("model", "")),
+        stream=body.get("stream") is True,
+        max_output=output_limit(int_field(body, *MAX_OUTPUT_FIELDS)),
+    )
+
+
+def _chat(body: dict[str, Any]) -> Chat:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise NotCompactable("messages is not a list")
+    return Chat(body, Conversation.from_wire(messages, body.get("tools")), _params(body))
+
+
+def _completion(body: dict[str, Any]) -> Prompt:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise NotCompactable("only a single string prompt can be compacted")
+    return Prompt(body, prompt, _params(body))
+
+
+def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": overflow.message,
+            "type": "context_overflow",
+            "param": "messages",
+            "code": "context_length_exceeded",
+            "n_prompt_tokens": overflow.required,
+            "budget": overflow.budget,
+            "num_ctx": overflow.window,
+        },
+        "contextpaw": report,
+    }
+
+
+def _gateway_error(reason: str) -> dict[str, Any]:
+    return {"error": {"message": reason, "type": "api_error", "param": None, "code": "backend_unreachable"}}
+
+
+def _is_final(record: Mapping[str, Any]) -> bool:
+    """The finish chunk or the usage chunk: nothing but the report may follow them."""
+    choices = record.get("choices")
+    if not isinstance(choices, list):
+        return False
+    return not choices or any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
+
+
+CHAT = Route("openai.chat", _chat, _refusal, _gateway_error, "sse", _is_final)
+COMPLETIONS = Route("openai.completions", _completion, _refusal, _gateway_error, "sse", _is_final)
