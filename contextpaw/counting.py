@@ -1,0 +1,148 @@
+"""Counts from the backend itself: llama-server's tokenizer and template, fetched without blocking.
+
+The engine counts synchronously, so the shell asks the server first and hands the engine a
+`BackendCounter` holding exact counts for every text in the request (cached by content, so an agent
+loop pays only for its new messages). Two more numbers come from the server once per base URL: the
+template's fixed cost (system default, generation prompt) and its cost per message. The whole
+request's exact total comes from `/v1/chat/completions/input_tokens`, used to check the result.
+Any failure returns None: the caller falls back to its tokenizer or calibrated counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from contextpaw.tokens import Counter
+
+log = logging.getLogger(__name__)
+
+
+class LRU(OrderedDict):
+    """A bounded mapping: every cache in the proxy must be."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateCost:
+    fixed: int
+    """Tokens the template adds once (default system prompt, BOS, generation prompt)."""
+    fixed_with_system: int
+    """The same when the request brings its own system message (templates drop their default then)."""
+    per_message: int
+
+
+class BackendCounter(Counter):
+    """Exact counts fetched from the server; a text it has not seen falls back (markers, shrunk text)."""
+
+    name = "backend"
+    exact = True
+
+    def __init__(self, known: Mapping[str, int], fallback: Counter, per_message: int) -> None:
+        self.known = known
+        self.fallback = fallback
+        # +1: a message's text tokenized alone can merge one token fewer than inside the template
+        self.message_overhead = per_message + 1
+
+    def text(self, text: str) -> int:
+        known = self.known.get(text)
+        return known if known is not None else self.fallback.text(text)
+
+
+class LlamaCppCounting:
+    """Asks a llama-server to count, with bounded caches and a per-call timeout."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout: float = 5.0, cache_size: int = 8192) -> None:
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.texts: LRU = LRU(cache_size)
+        self.totals: LRU = LRU(256)
+        self.templates: dict[str, TemplateCost] = {}
+        self.calls = 0
+        self.seconds = 0.0
+
+    async def _post(self, base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
+        self.calls += 1
+        try:
+            async with self.session.post(base_url.rstrip("/") + path, json=body, timeout=self.timeout) as resp:
+                resp.raise_for_status()
+                return await resp.json(content_type=None)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    async def _tokens(self, base_url: str, text: str, special: bool) -> int:
+        body = {"content": text, "add_special": special, "parse_special": special}
+        return len((await self._post(base_url, "/tokenize", body))["tokens"])
+
+    async def template(self, base_url: str) -> TemplateCost:
+        """Measure the template once: rendered and counted by the server, with one-token messages."""
+        if base_url not in self.templates:
+            one = [{"role": "user", "content": "x"}]
+            three = [*one, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]
+            with_system = [{"role": "system", "content": "s"}, *one]
+            counts = []
+            for messages in (one, three, with_system):
+                prompt = (await self._post(base_url, "/apply-template", {"messages": messages}))["prompt"]
+                counts.append(await self._tokens(base_url, prompt, special=True))
+            per_message = max(0, (counts[1] - counts[0] - 2) // 2)
+            self.templates[base_url] = TemplateCost(
+                fixed=max(0, counts[0] - per_message - 1),
+                fixed_with_system=max(0, counts[2] - 2 * per_message - 2),
+                per_message=per_message,
+            )
+        return self.templates[base_url]
+
+    async def counter(
+        self, base_url: str, texts: Iterable[str], fallback: Counter, has_system: bool
+    ) -> tuple[BackendCounter, int] | None:
+        """A counter that knows every text in `texts`, and the template's fixed cost; None on failure."""
+        try:
+            template = await self.template(base_url)
+            missing = list({t for t in texts if t and (base_url, _key(t)) not in self.texts})
+            counts = await asyncio.gather(*(self._tokens(base_url, t, special=False) for t in missing))
+            for text, n in zip(missing, counts):
+                self.texts.put((base_url, _key(text)), n)
+            known = {t: self.texts[(base_url, _key(t))] for t in texts if t and (base_url, _key(t)) in self.texts}
+        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+            log.warning("backend counting at %s failed (%s); falling back", base_url, e)
+            return None
+        fixed = template.fixed_with_system if has_system else template.fixed
+        return BackendCounter(known, fallback, template.per_message), fixed
+
+    async def total(self, base_url: str, body: Mapping[str, Any]) -> int | None:
+        """The server's exact prompt size for a chat body (template and tools included); None on failure."""
+        key = (base_url, _key(json.dumps(body, sort_keys=True, default=str)))
+        if key not in self.totals:
+            try:
+                answer = await self._post(base_url, "/v1/chat/completions/input_tokens", dict(body))
+                self.totals.put(key, int(answer["input_tokens"]))
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+                log.info("input_tokens at %s unavailable (%s)", base_url, e)
+                return None
+        return self.totals[key]
+
+    def stats(self) -> dict[str, Any]:
+        return {"calls": self.calls, "seconds": round(self.seconds, 3), "cached_texts": len(self.texts)}
+
+
+def _key(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
