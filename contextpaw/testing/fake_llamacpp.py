@@ -1,0 +1,550 @@
+"""A fast, deterministic fake llama-server (no model), to llamacpp.md §5.
+
+It reproduces what a proxy depends on: the per-slot window with the exact
+``exceed_context_size_error`` 400 (also for ``stream:true``), token counts that agree across
+``/tokenize``, ``/apply-template``, ``/v1/chat/completions/input_tokens``, ``usage`` and the error,
+a prefix cache per slot (``timings.cache_n``), generation capped by the room left in the window,
+and the three response formats with their streams. The model is :func:`scripted_reply`.
+
+Tokenizer: ``<s> </s> <|im_start|> <|im_end|>`` are single special tokens (ids 1-4) when
+``parse_special``; the rest splits as ``\\s*\\S+|\\s+\\Z`` (a word with its leading white space, and
+trailing white space). Template: ChatML. BOS comes only from ``add_special``.
+
+Run: ``python -m contextpaw.testing.fake_llamacpp --port 8080 --n-ctx 2048``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from contextpaw.testing.common import (
+    SSE_DONE,
+    LazyStream,
+    Pacing,
+    Vocabulary,
+    common_arguments,
+    compact_json,
+    context_overflow_error,
+    pacing,
+    routing_errors,
+    scripted_reply,
+    serve,
+    sse,
+)
+
+BOS = 1
+SPECIAL_TOKENS = {"<s>": BOS, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4}
+_SPECIAL = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
+_PIECE = re.compile(r"\s*\S+|\s+\Z")
+FINGERPRINT = "b0-fake"
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    model: str = "fake-model"
+    n_ctx: int = 4096
+    slots: int = 1
+    pacing: Pacing = Pacing()
+
+
+class Tokenizer:
+    """One deterministic tokenizer behind every endpoint, so all the counts agree."""
+
+    def __init__(self) -> None:
+        self._vocab = Vocabulary(SPECIAL_TOKENS)
+
+    def pieces(self, text: str, parse_special: bool = True) -> list[str]:
+        parts = _SPECIAL.split(text) if parse_special else [text]
+        return [
+            piece
+            for part in parts
+            for piece in ([part] if part in SPECIAL_TOKENS else _PIECE.findall(part))
+        ]
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+        return [BOS] * add_special + self._vocab.ids(self.pieces(text, parse_special))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return "".join(self._vocab.pieces(tokens))
+
+
+def _text(content: Any) -> str:
+    """OpenAI message content: a string, null, or a list of parts of which the text ones count."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return content or ""
+
+
+def render_chatml(body: dict[str, Any]) -> str:
+    """The fake's chat template; tools become one system preamble, as llamacpp.md §5 specifies."""
+    messages = list(body["messages"])
+    if body.get("tools"):
+        messages.insert(0, {"role": "system", "content": json.dumps(body["tools"])})
+    prompt = "".join(f"<|im_start|>{m['role']}\n{_text(m.get('content'))}<|im_end|>\n" for m in messages)
+    if body.get("add_generation_prompt", True):
+        prompt += "<|im_start|>assistant\n"
+    return prompt
+
+
+class RequestError(Exception):
+    """An error answered as llama-server does, ``{"error":{"code","message","type"}}``."""
+
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.body = {"error": {"code": status, "message": message, "type": kind}}
+        self.status = status
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(text=compact_json(value), status=status, content_type="application/json", charset="utf-8")
+
+
+@dataclass
+class Slot:
+    index: int
+    cached: list[int] = field(default_factory=list)
+    busy: bool = False
+    last_used: int = 0
+
+
+class Slots:
+    """The server's slots: a request waits (sending nothing) until one is idle, and takes the idle
+    slot whose cache shares the longest prefix with its prompt, else the least recently used."""
+
+    def __init__(self, count: int) -> None:
+        self._slots = [Slot(i) for i in range(count)]
+        self._idle = asyncio.Condition()
+        self._clock = itertools.count(1)
+
+    @asynccontextmanager
+    async def claim(self, tokens: list[int]) -> AsyncIterator[Slot]:
+        async with self._idle:
+            await self._idle.wait_for(lambda: any(not s.busy for s in self._slots))
+            slot = max(
+                (s for s in self._slots if not s.busy),
+                key=lambda s: (common_prefix(s.cached, tokens), -s.last_used),
+            )
+            slot.busy = True
+        try:
+            yield slot
+        finally:
+            async with self._idle:
+                slot.busy, slot.last_used = False, next(self._clock)
+                self._idle.notify()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@dataclass
+class Completion:
+    """One finished generation, in the terms of llama-server's result objects."""
+
+    n_prompt: int
+    n_cached: int
+    pieces: list[str]
+    tokens: list[int]
+    hit_window: bool
+    stopped_by_limit: bool
+    prompt_text: str
+    slot: int
+
+    @property
+    def content(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.stopped_by_limit else "stop"
+
+    def usage(self) -> dict[str, Any]:
+        n = len(self.pieces)
+        return {
+            "completion_tokens": n,
+            "prompt_tokens": self.n_prompt,
+            "total_tokens": n + self.n_prompt,
+            "prompt_tokens_details": {"cached_tokens": self.n_cached},
+        }
+
+    def timings(self) -> dict[str, Any]:
+        """Synthetic but consistent: 0.5 ms per prompt token evaluated, 5 ms per generated token."""
+        prompt_n, predicted_n = self.n_prompt - self.n_cached, len(self.pieces)
+        prompt_ms, predicted_ms = 0.5 * prompt_n, 5.0 * predicted_n
+        return {
+            "cache_n": self.n_cached,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": 0.5,
+            "prompt_per_second": 2000.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": 5.0,
+            "predicted_per_second": 200.0,
+        }
+
+
+class ResponseFormat:
+    """How one endpoint encodes partial and final results (llamacpp.md §4.1-4.3)."""
+
+    done_marker = True
+
+    def __init__(self, model: str, completion_id: str, body: dict[str, Any]) -> None:
+        self.model = model
+        self.id = completion_id
+        self.created = int(time.time())
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    def partial(self, piece: str, token: int, decoded: int, n_prompt: int) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def final_events(self, done: Completion) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def whole(self, done: Completion) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class NativeFormat(ResponseFormat):
+    """``/completion``: bare JSON events and no ``[DONE]``."""
+
+    done_marker = False
+
+    def partial(self, piece: str, token: int, decoded: int, n_prompt: int) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": 0,
+                "content": piece,
+                "tokens": [token],
+                "stop": False,
+                "id_slot": -1,
+                "tokens_predicted": decoded,
+                "tokens_evaluated": n_prompt,
+            }
+        ]
+
+    def final_events(self, done: Completion) -> list[dict[str, Any]]:
+        return [self._final(done, content="", tokens=[])]
+
+    def whole(self, done: Completion) -> dict[str, Any]:
+        return self._final(done, content=done.content, tokens=[])
+
+    def _final(self, done: Completion, content: str, tokens: list[int]) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "content": content,
+            "tokens": tokens,
+            "id_slot": done.slot,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": len(done.pieces),
+            "tokens_evaluated": done.n_prompt,
+            "generation_settings": {"n_predict": -1, "stream": False},
+            "prompt": done.prompt_text,
+            "has_new_line": "\n" in done.content,
+            "truncated": done.hit_window,
+            "stop_type": "limit" if done.stopped_by_limit else "eos",
+            "stopping_word": "",
+            "tokens_cached": done.n_prompt + len(done.pieces),
+            "timings": done.timings(),
+        }
+
+
+class TextCompletionFormat(ResponseFormat):
+    """``/v1/completions``: the final chunk always carries ``usage``."""
+
+    def _chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": FINGERPRINT,
+            "object": "text_completion",
+        }
+
+    def partial(self, piece: str, token: int, decoded: int, n_prompt: int) -> list[dict[str, Any]]:
+        return [{**self._chunk(piece, None), "id": self.id}]
+
+    def final_events(self, done: Completion) -> list[dict[str, Any]]:
+        return [self._final(done, "")]
+
+    def whole(self, done: Completion) -> dict[str, Any]:
+        return self._final(done, done.content)
+
+    def _final(self, done: Completion, text: str) -> dict[str, Any]:
+        return {**self._chunk(text, done.finish_reason), "usage": done.usage(), "id": self.id, "timings": done.timings()}
+
+
+class ChatFormat(ResponseFormat):
+    """``/v1/chat/completions``: a role chunk, content chunks, a finish chunk, an optional usage
+    chunk; ``timings`` ride on the last one."""
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "choices": choices,
+            "created": self.created,
+            "id": self.id,
+            "model": self.model,
+            "system_fingerprint": FINGERPRINT,
+            "object": "chat.completion.chunk",
+        }
+
+    def _delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return self._chunk([{"finish_reason": finish_reason, "index": 0, "delta": delta}])
+
+    def partial(self, piece: str, token: int, decoded: int, n_prompt: int) -> list[dict[str, Any]]:
+        role = [self._delta({"role": "assistant", "content": None})] if decoded == 1 else []
+        return [*role, self._delta({"content": piece})]
+
+    def final_events(self, done: Completion) -> list[dict[str, Any]]:
+        events = [self._delta({}, done.finish_reason)]
+        if self.include_usage:
+            events.append({**self._chunk([]), "usage": done.usage()})
+        events[-1]["timings"] = done.timings()
+        return events
+
+    def whole(self, done: Completion) -> dict[str, Any]:
+        return {
+            "choices": [
+                {
+                    "finish_reason": done.finish_reason,
+                    "index": 0,
+                    "message": {"role": "assistant", "content": done.content},
+                }
+            ],
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": FINGERPRINT,
+            "object": "chat.completion",
+            "usage": done.usage(),
+            "id": self.id,
+            "timings": done.timings(),
+        }
+
+
+def _n_predict(body: dict[str, Any]) -> int:
+    """The first non-null of ``n_predict``, ``max_completion_tokens``, ``max_tokens``; -1 if none."""
+    value = next(
+        (body[k] for k in ("n_predict", "max_completion_tokens", "max_tokens") if body.get(k) is not None), -1
+    )
+    if value < -1:
+        raise RequestError(
+            400,
+            f"Field 'n_predict': Value must be between -1 <= value <= 2147483647, but got {value}",
+            "invalid_request_error",
+        )
+    return value
+
+
+class FakeLlamaServer:
+    """The routes; state is the tokenizer table and the slots."""
+
+    def __init__(self, settings: LlamaSettings) -> None:
+        self.settings = settings
+        self.tokenizer = Tokenizer()
+        self.slots = Slots(settings.slots)
+        self._ids = itertools.count(1)
+
+    async def body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError as error:
+            raise RequestError(400, f"Invalid JSON: {error}", "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "Invalid request body", "invalid_request_error")
+        return body
+
+    def chat_prompt(self, body: dict[str, Any]) -> str:
+        if "messages" not in body:
+            raise RequestError(400, "'messages' is required", "invalid_request_error")
+        return render_chatml(body)
+
+    def prompt_tokens(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise RequestError(500, '"prompt" is required', "server_error")
+        if isinstance(prompt, list):
+            return list(prompt)
+        return self.tokenizer.tokenize(prompt, add_special=True)
+
+    # --- informational routes -------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def props(self, request: web.Request) -> web.Response:
+        s = self.settings
+        return _json(
+            {
+                "default_generation_settings": {
+                    "params": {"n_predict": -1, "max_tokens": -1, "n_keep": 0, "n_discard": 0, "stream": False, "temperature": 0.8},
+                    "n_ctx": s.n_ctx,
+                },
+                "total_slots": s.slots,
+                "model_alias": s.model,
+                "model_path": f"/models/{s.model}.gguf",
+                "chat_template": "<chatml>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "build_info": FINGERPRINT,
+                "is_sleeping": False,
+                "endpoint_slots": True,
+                "endpoint_metrics": False,
+            }
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.settings.model
+        meta = {"vocab_type": 2, "n_vocab": 32000, "n_ctx": self.settings.n_ctx, "n_ctx_train": self.settings.n_ctx,
+                "n_embd": 64, "n_params": 1, "size": 1}  # fmt: skip
+        return _json(
+            {
+                "models": [{"name": name, "model": name, "type": "model", "capabilities": ["completion"]}],
+                "object": "list",
+                "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "llamacpp", "meta": meta}],
+            }
+        )
+
+    # --- counting routes ------------------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        text = body.get("content", "")
+        parse_special = body.get("parse_special", True)
+        tokens = self.tokenizer.tokenize(text, body.get("add_special", False), parse_special)
+        if body.get("with_pieces"):
+            return _json({"tokens": [{"id": t, "piece": self.tokenizer.detokenize([t])} for t in tokens]})
+        return _json({"tokens": tokens})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        return _json({"content": self.tokenizer.detokenize(body.get("tokens", []))})
+
+    async def apply_template(self, request: web.Request) -> web.Response:
+        return _json({"prompt": self.chat_prompt(await self.body(request))})
+
+    async def input_tokens(self, request: web.Request) -> web.Response:
+        prompt = self.chat_prompt(await self.body(request))
+        count = len(self.tokenizer.tokenize(prompt, add_special=True))
+        return _json({"input_tokens": count, "object": "response.input_tokens"})
+
+    # --- generation routes ----------------------------------------------------------------
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        return await self.generate(request, body, self.prompt_tokens(body), NativeFormat)
+
+    async def text_completion(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        return await self.generate(request, body, self.prompt_tokens(body), TextCompletionFormat)
+
+    async def chat_completion(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        tokens = self.tokenizer.tokenize(self.chat_prompt(body), add_special=True)
+        return await self.generate(request, body, tokens, ChatFormat)
+
+    async def generate(
+        self, request: web.Request, body: dict[str, Any], tokens: list[int], kind: type[ResponseFormat]
+    ) -> web.StreamResponse:
+        """Slot, overflow check, prefix cache, generation budget, then the response (llamacpp.md §5)."""
+        n_predict = _n_predict(body)
+        encoder = kind(self.settings.model, f"chatcmpl-{next(self._ids):032d}", body)
+        stream = bool(body.get("stream"))
+        async with self.slots.claim(tokens) as slot:
+            n_ctx = self.settings.n_ctx
+            if len(tokens) >= n_ctx:
+                return _json(context_overflow_error(len(tokens), n_ctx), status=400)
+            n_cached = min(common_prefix(slot.cached, tokens), len(tokens) - 1) if body.get("cache_prompt", True) else 0
+            room = n_ctx - len(tokens)
+            budget = room if n_predict == -1 else min(n_predict, room)
+            reply = self.tokenizer.pieces(scripted_reply(self.tokenizer.detokenize(tokens)))
+            pieces = reply[:budget]
+            generated = self.tokenizer.tokenize("".join(pieces), add_special=False)
+            slot.cached = tokens + generated
+            done = Completion(
+                n_prompt=len(tokens),
+                n_cached=n_cached,
+                pieces=pieces,
+                tokens=generated,
+                hit_window=len(reply) > room and budget == room,
+                stopped_by_limit=len(reply) > budget,
+                prompt_text=self.tokenizer.detokenize(tokens),
+                slot=slot.index,
+            )
+            if stream:
+                return await self._stream(request, encoder, done)
+            for index in range(len(pieces)):
+                await self.settings.pacing.before_token(index)
+            return _json(encoder.whole(done))
+
+    async def _stream(self, request: web.Request, encoder: ResponseFormat, done: Completion) -> web.StreamResponse:
+        out = LazyStream(request, "text/event-stream", {"X-Accel-Buffering": "no"})
+        for index, (piece, token) in enumerate(zip(done.pieces, done.tokens)):
+            await self.settings.pacing.before_token(index)
+            for event in encoder.partial(piece, token, index + 1, done.n_prompt):
+                await out.write(sse(event))
+        for event in encoder.final_events(done):
+            await out.write(sse(event))
+        if encoder.done_marker:
+            await out.write(SSE_DONE)
+        return await out.close()
+
+
+def _not_found() -> web.Response:
+    return _json({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}, status=404)
+
+
+@web.middleware
+async def _request_errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as error:
+        return _json(error.body, status=error.status)
+
+
+def fake_llamacpp_app(settings: LlamaSettings = LlamaSettings()) -> web.Application:
+    """An aiohttp app imitating llama-server; serve it with :func:`contextpaw.testing.common.running`."""
+    server = FakeLlamaServer(settings)
+    app = web.Application(middlewares=[routing_errors(_not_found, _not_found), _request_errors])
+    for path in ("/health", "/v1/health"):
+        app.router.add_get(path, server.health)
+    app.router.add_get("/props", server.props)
+    for path in ("/v1/models", "/models"):
+        app.router.add_get(path, server.models)
+    routes = {
+        "/tokenize": server.tokenize,
+        "/detokenize": server.detokenize,
+        "/apply-template": server.apply_template,
+        "/v1/chat/completions/input_tokens": server.input_tokens,
+        "/chat/completions/input_tokens": server.input_tokens,
+        "/completion": server.completion,
+        "/completions": server.completion,
+        "/v1/completions": server.text_completion,
+        "/v1/chat/completions": server.chat_completion,
+        "/chat/completions": server.chat_completion,
+    }
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = common_arguments("A fast deterministic fake llama-server.", port=8080, model="fake-model", n_ctx=4096)
+    parser.add_argument("--slots", type=int, default=1, help="parallel slots, each with its own window (default 1)")
+    args = parser.parse_args(argv)
+    settings = LlamaSettings(model=args.model, n_ctx=args.n_ctx, slots=args.slots, pacing=pacing(args))
+    serve(fake_llamacpp_app(settings), args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,776 @@
+"""A fast, deterministic fake Ollama (v0.33 ``head`` profile, ollama.md §5), and the HTTP surface
+that :mod:`contextpaw.testing.ollama_sim` puts on a real llama-server.
+
+One surface, two engines. :class:`OllamaServer` owns everything Ollama decides itself: num_ctx
+resolution, the loaded runner and ``keep_alive``, message-level truncation (whole messages,
+oldest first, system messages re-collected to the front), the token-level middle cut that keeps
+``num_keep`` (+BOS) tokens and the tail, the 400s, and the native and ``/v1`` wire formats. An
+:class:`Engine` renders, tokenizes and generates. :class:`WhitespaceEngine` is Ollama's own test
+double: whitespace tokens, the ``<|role|> content`` template, and :func:`scripted_reply` as model.
+
+Not imitated: the Modelfile (SYSTEM, MESSAGEs, PARAMETERs), images, thinking, ``_debug_render_only``,
+the Host-header 403, the queue-full 503, the ``legacy`` profile, the ``context`` request field.
+
+Run: ``python -m contextpaw.testing.fake_ollama --port 11434 --n-ctx 4096``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from contextpaw.testing.common import (
+    SSE_DONE,
+    LazyStream,
+    Pacing,
+    Vocabulary,
+    common_arguments,
+    compact_json,
+    context_overflow_error,
+    pacing,
+    routing_errors,
+    scripted_reply,
+    serve,
+    sse,
+)
+
+VERSION = "0.33.0-rc2"
+PROMPT_TOO_LONG = (
+    "the prompt is longer than the context length currently available to the model; shorten the prompt, "
+    "adjust the context length in settings, or use a model with a longer context length"
+)
+DEFAULT_KEEP_ALIVE_S = 300.0
+FOREVER = timedelta(days=292 * 365)
+LOAD_DURATION_NS = 1_000_000
+GENERATION_BOUND = 10  # num_predict -1 means at most 10 x num_ctx tokens
+
+
+@dataclass(frozen=True)
+class OllamaSettings:
+    """What the server (not the model) decides."""
+
+    model: str = "fake:latest"
+    num_ctx: int = 4096  # the default window: OLLAMA_CONTEXT_LENGTH, else the VRAM tier
+    num_keep: int = 4
+    native: bool = False  # /api/chat rendered by llama-server: an overflow is a 400, never a cut
+    context_shift: bool = True  # False as for deepseek2: an overflow that needs a cut is a 400
+    unload_delay: float = 0.05  # how long an unloaded model stays listed in /api/ps
+    pacing: Pacing = Pacing()
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What /api/show, /api/tags, /api/ps and /v1/models say about the one model served."""
+
+    architecture: str
+    context_length: int  # trained length; requested windows are capped to it
+    embedding_length: int
+    parameter_count: int
+    parameter_size: str
+    quantization_level: str
+    size: int
+    template: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The end of one generation, as the final object's metrics report it."""
+
+    done_reason: str
+    prompt_eval_count: int  # tokens placed in the context, after truncation, BOS included
+    eval_count: int
+    prompt_eval_duration: int  # nanoseconds
+    eval_duration: int
+
+
+class OllamaError(Exception):
+    """An error Ollama answers with a status and ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Engine(Protocol):
+    async def open(self) -> ModelCard: ...
+
+    async def close(self) -> None: ...
+
+    async def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str: ...
+
+    async def tokenize(self, text: str, add_special: bool) -> list[int]: ...
+
+    async def adds_bos(self) -> bool: ...
+
+    def generate(self, tokens: list[int], num_predict: int, options: dict[str, Any]) -> AsyncIterator[str | Finish]:
+        """Text pieces as they are generated, then one :class:`Finish`."""
+        ...
+
+
+class WhitespaceEngine:
+    """Tokens are whitespace-separated words (plus BOS for the runner-level count); a message
+    renders as ``<|role|> content``, the generation prompt as ``<|assistant|>``."""
+
+    BOS = 1
+
+    def __init__(self, train_ctx: int = 32768, add_bos: bool = True) -> None:
+        self._train_ctx = train_ctx
+        self._add_bos = add_bos
+        self._vocab = Vocabulary({"<s>": self.BOS})
+
+    async def open(self) -> ModelCard:
+        return ModelCard("llama", self._train_ctx, 64, 1_000_000, "1M", "Q4_0", 1_000_000, "<|{{ .Role }}|> {{ .Content }}")
+
+    async def close(self) -> None:
+        return None
+
+    async def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+        parts = [f"<|tools|> {compact_json(tools)}"] if tools else []
+        for message in messages:
+            parts.append(f"<|{message['role']}|> {message.get('content') or ''}")
+            for call in message.get("tool_calls") or []:
+                function = call.get("function", {})
+                parts.append(f"<|tool_call|> {function.get('name')} {compact_json(function.get('arguments', {}))}")
+        parts.append("<|assistant|>")
+        return " ".join(parts)
+
+    async def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return [self.BOS] * (add_special and self._add_bos) + self._vocab.ids(text.split())
+
+    async def adds_bos(self) -> bool:
+        return self._add_bos
+
+    async def generate(self, tokens: list[int], num_predict: int, options: dict[str, Any]) -> AsyncIterator[str | Finish]:
+        seen = " ".join(self._vocab.pieces(t for t in tokens if t != self.BOS))
+        words = scripted_reply(seen).split()
+        emitted = words[:num_predict]
+        for index, word in enumerate(emitted):
+            yield word if index == 0 else f" {word}"
+        reason = "length" if len(words) > len(emitted) else "stop"
+        yield Finish(reason, len(tokens), len(emitted), 100_000 * len(tokens), 1_000_000 * len(emitted))
+
+
+# --- Go's conventions on the wire ---------------------------------------------------------------
+
+_GO_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_GO_ESCAPED = re.compile("[<>&\u2028\u2029]")
+
+
+def go_json(value: Any) -> str:
+    """Compact JSON escaped like Go's encoding/json (``<``, ``>``, ``&`` and U+2028/9 as ``\\u``)."""
+    return _GO_ESCAPED.sub(lambda m: _GO_ESCAPES[m.group()], compact_json(value))
+
+
+def go_time(moment: datetime) -> str:
+    """RFC 3339 with the fraction's trailing zeros trimmed, as Go's RFC3339Nano prints."""
+    text = moment.strftime("%Y-%m-%dT%H:%M:%S.%f").rstrip("0").rstrip(".")
+    offset = moment.strftime("%z")
+    return text + ("Z" if offset == "+0000" else f"{offset[:3]}:{offset[3:]}")
+
+
+def _now() -> str:
+    return go_time(datetime.now(UTC))
+
+
+def _json(value: Any, status: int = 200, content_type: str = "application/json; charset=utf-8") -> web.Response:
+    return web.Response(text=go_json(value), status=status, headers={"Content-Type": content_type})
+
+
+def _plain(text: str, status: int) -> web.Response:
+    return web.Response(text=text, status=status, headers={"Content-Type": "text/plain; charset=utf-8"})
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_SECONDS_PER = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: Any) -> float | None:
+    """``keep_alive`` as seconds (negative: forever; None: not given): a number of seconds or a Go
+    duration string; a unit-less string other than ``"0"`` is Go's 400."""
+    if value is None or isinstance(value, int | float):
+        return value
+    text = str(value)
+    sign, body = (-1.0, text[1:]) if text[:1] == "-" else (1.0, text.removeprefix("+"))
+    if body == "0":
+        return 0.0
+    if body and _DURATION.sub("", body) == "":
+        return sign * sum(float(n) * _SECONDS_PER[unit] for n, unit in _DURATION.findall(body))
+    reason = "missing unit in duration" if re.fullmatch(r"[\d.]+", body) else "invalid duration"
+    raise OllamaError(400, f'time: {reason} "{text}"')
+
+
+def canonical(name: str) -> str:
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+# --- the encoders: one per wire format ------------------------------------------------------------
+
+
+class Codec(Protocol):
+    content_type: str
+
+    def partial(self, piece: str, first: bool) -> list[bytes]: ...
+
+    async def final(self, text: str, finish: Finish) -> list[bytes]: ...
+
+    async def whole(self, text: str, finish: Finish) -> web.Response: ...
+
+    def failure(self, message: str) -> bytes: ...
+
+
+def _metrics(finish: Finish) -> dict[str, int]:
+    """The final object's metrics; zeros are left out, as Go's ``omitempty`` does."""
+    total = LOAD_DURATION_NS + finish.prompt_eval_duration + finish.eval_duration
+    metrics = {
+        "total_duration": total,
+        "load_duration": LOAD_DURATION_NS,
+        "prompt_eval_count": finish.prompt_eval_count,
+        "prompt_eval_duration": finish.prompt_eval_duration,
+        "eval_count": finish.eval_count,
+        "eval_duration": finish.eval_duration,
+    }
+    return {key: value for key, value in metrics.items() if value}
+
+
+class NativeCodec:
+    """``/api/chat`` and ``/api/generate``: NDJSON lines, the metrics on the ``done:true`` one."""
+
+    content_type = "application/x-ndjson"
+
+    def __init__(
+        self, model: str, part: Callable[[str], dict[str, Any]], context: Callable[[str], Awaitable[dict[str, Any]]]
+    ) -> None:
+        self._model = model
+        self._part = part
+        self._context = context
+
+    def _object(self, text: str, **rest: Any) -> dict[str, Any]:
+        return {"model": self._model, "created_at": _now(), **self._part(text), **rest}
+
+    def partial(self, piece: str, first: bool) -> list[bytes]:
+        return [f"{go_json(self._object(piece, done=False))}\n".encode()]
+
+    async def _done(self, text: str, shown: str, finish: Finish) -> dict[str, Any]:
+        context = await self._context(text)
+        return self._object(shown, done=True, done_reason=finish.done_reason, **context, **_metrics(finish))
+
+    async def final(self, text: str, finish: Finish) -> list[bytes]:
+        return [f"{go_json(await self._done(text, '', finish))}\n".encode()]
+
+    async def whole(self, text: str, finish: Finish) -> web.Response:
+        return _json(await self._done(text, text, finish))
+
+    def failure(self, message: str) -> bytes:
+        return f"{go_json({'error': message})}\n".encode()
+
+
+class OpenAICodec:
+    """The ``/v1`` layer: SSE with ``[DONE]``, a ``usage`` chunk only when asked for; a failure
+    mid-stream is swallowed into an empty chunk and the stream ends without ``[DONE]``."""
+
+    content_type = "text/event-stream"
+    prefix = "chatcmpl"
+    _ids = itertools.count(417)
+
+    def __init__(self, model: str, body: dict[str, Any]) -> None:
+        self._model = model
+        self._id = f"{self.prefix}-{next(self._ids) % 999}"
+        self._created = int(time.time())
+        self._include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self._id, "object": kind, "created": self._created}
+
+    @staticmethod
+    def _usage(finish: Finish) -> dict[str, int]:
+        prompt, completion = finish.prompt_eval_count, finish.eval_count
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, model: str | None = None) -> bytes:
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
+        return self._event(choices, model)
+
+    def _event(self, choices: list[dict[str, Any]], model: str | None = None, **rest: Any) -> bytes:
+        head = self._head("chat.completion.chunk")
+        return _sse({**head, "model": self._model if model is None else model, "system_fingerprint": "fp_ollama", "choices": choices, **rest})
+
+    def partial(self, piece: str, first: bool) -> list[bytes]:
+        return [self._chunk({"role": "assistant", "content": piece} if first else {"content": piece}, None)]
+
+    async def final(self, text: str, finish: Finish) -> list[bytes]:
+        events = [self._chunk({}, finish.done_reason)]
+        if self._include_usage:
+            events.append(self._event([], usage=self._usage(finish)))
+        return [*events, SSE_DONE]
+
+    async def whole(self, text: str, finish: Finish) -> web.Response:
+        message = {"role": "assistant", "content": text}
+        body = {**self._head("chat.completion"), "model": self._model, "system_fingerprint": "fp_ollama",
+                "choices": [{"index": 0, "message": message, "finish_reason": finish.done_reason}],
+                "usage": self._usage(finish)}  # fmt: skip
+        return _json_line(body)
+
+    def failure(self, message: str) -> bytes:
+        return self._chunk({"role": "assistant", "content": ""}, None, model="")
+
+
+class OpenAICompletionCodec(OpenAICodec):
+    """``/v1/completions``: ``choices`` before ``model``; with ``include_usage`` every chunk
+    carries a zero ``usage`` and a ``choices:[]`` chunk carries the real one."""
+
+    prefix = "cmpl"
+
+    def _text_chunk(self, text: str, finish_reason: str | None) -> bytes:
+        choices = [{"text": text, "index": 0, "finish_reason": finish_reason}]
+        zero = {"usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}} if self._include_usage else {}
+        return _sse({**self._head("text_completion"), "choices": choices, "model": self._model, "system_fingerprint": "fp_ollama", **zero})
+
+    def partial(self, piece: str, first: bool) -> list[bytes]:
+        return [self._text_chunk(piece, None)]
+
+    async def final(self, text: str, finish: Finish) -> list[bytes]:
+        events = [self._text_chunk("", finish.done_reason)]
+        if self._include_usage:
+            usage = {"usage": self._usage(finish)}
+            events.append(_sse({**self._head("text_completion"), "choices": [], "model": self._model, "system_fingerprint": "fp_ollama", **usage}))
+        return [*events, SSE_DONE]
+
+    async def whole(self, text: str, finish: Finish) -> web.Response:
+        choices = [{"text": text, "index": 0, "finish_reason": finish.done_reason}]
+        return _json_line({**self._head("text_completion"), "model": self._model, "system_fingerprint": "fp_ollama",
+                           "choices": choices, "usage": self._usage(finish)})  # fmt: skip
+
+
+def _sse(value: Any) -> bytes:
+    return f"data: {go_json(value)}\n\n".encode()
+
+
+def _json_line(value: Any) -> web.Response:
+    return web.Response(text=go_json(value) + "\n", headers={"Content-Type": "application/json"})
+
+
+def openai_error(status: int, message: str) -> web.Response:
+    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "api_error")
+    error = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return web.Response(text=go_json(error), status=status, headers={"Content-Type": "application/json"})
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+@dataclass
+class Runner:
+    """The loaded model: its window and when it expires."""
+
+    num_ctx: int
+    keep_alive: float
+    expires_at: datetime
+    unloading: bool = False
+
+    def touch(self, keep_alive: float | None) -> None:
+        if keep_alive is not None:
+            self.keep_alive = keep_alive
+        lifetime = FOREVER if self.keep_alive < 0 else timedelta(seconds=self.keep_alive)
+        self.expires_at = datetime.now().astimezone() + lifetime
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, after the API-specific parsing."""
+
+    model: str
+    messages: list[dict[str, Any]] | None  # None: a raw prompt
+    prompt: str
+    tools: list[Any] | None
+    options: dict[str, Any]
+    truncate: bool
+    shift: bool | None
+    keep_alive: float | None
+    native_chat: bool  # only /api/chat takes llama-server's rendering route
+
+
+class OllamaServer:
+    """Ollama's side of every request; the engine does the model's side."""
+
+    def __init__(self, settings: OllamaSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.card: ModelCard | None = None
+        self.runner: Runner | None = None
+
+    async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        self.card = await self.engine.open()
+        yield
+        await self.engine.close()
+
+    # --- parsing and model state ----------------------------------------------------------
+
+    @staticmethod
+    async def body(request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw:
+            raise OllamaError(400, "missing request body")
+        try:
+            body = json.loads(raw)
+        except ValueError as error:
+            raise OllamaError(400, str(error)) from None
+        if not isinstance(body, dict):
+            raise OllamaError(400, "json: cannot unmarshal into Go value of type api.Request")
+        return body
+
+    def model(self, body: dict[str, Any]) -> str:
+        name = body.get("model") or body.get("name") or ""
+        if not name:
+            raise OllamaError(400, "model is required")
+        if canonical(name) != canonical(self.settings.model):
+            raise OllamaError(404, f"model '{name}' not found")
+        return name
+
+    def num_ctx(self, options: dict[str, Any]) -> int:
+        for key in ("num_ctx", "num_keep", "num_predict"):
+            if key in options and not isinstance(options[key], int):
+                raise OllamaError(500, f'option "{key}" must be of type integer')
+        assert self.card is not None
+        return min(max(options.get("num_ctx", self.settings.num_ctx), 4), self.card.context_length)
+
+    def load(self, num_ctx: int, keep_alive: float | None) -> Runner:
+        """Reuse the runner when its window matches, else (re)load one (ollama.md §2.2)."""
+        if self.runner is None or self.runner.num_ctx != num_ctx:
+            kept = DEFAULT_KEEP_ALIVE_S if self.runner is None else self.runner.keep_alive
+            self.runner = Runner(num_ctx, kept, datetime.now().astimezone())
+        self.runner.touch(keep_alive)
+        return self.runner
+
+    def unload(self) -> None:
+        """Expire the runner now; it stays listed until the asynchronous unload completes."""
+        runner = self.runner
+        if runner is None:
+            return
+        runner.expires_at, runner.unloading = datetime.now().astimezone(), True
+
+        def forget() -> None:
+            if self.runner is runner:
+                self.runner = None
+
+        asyncio.get_running_loop().call_later(self.settings.unload_delay, forget)
+
+    def load_reply(self, model: str, body: dict[str, Any], part: dict[str, Any]) -> web.Response:
+        """An empty prompt loads the model, or with ``keep_alive: 0`` unloads it: one JSON object."""
+        keep_alive = keep_alive_seconds(body.get("keep_alive"))
+        if keep_alive == 0:
+            self.unload()
+            reason = "unload"
+        else:
+            self.load(self.num_ctx(body.get("options") or {}), keep_alive)
+            reason = "load"
+        return _json({"model": model, "created_at": _now(), **part, "done": True, "done_reason": reason})
+
+    # --- the pipeline ---------------------------------------------------------------------
+
+    async def fit_messages(self, messages: list[dict[str, Any]], tools: list[Any] | None, num_ctx: int) -> str:
+        """Drop whole messages oldest-first until the rendered prompt (no BOS) fits ``num_ctx``,
+        re-collecting the dropped system messages in front; the last message is always kept."""
+        for start in range(len(messages)):
+            kept = [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
+            prompt = await self.engine.render(kept, tools)
+            if start == len(messages) - 1 or len(await self.engine.tokenize(prompt, add_special=False)) <= num_ctx:
+                return prompt
+        raise AssertionError("unreachable: messages is not empty")
+
+    async def fit_tokens(self, prompt: str, request: Request, num_ctx: int) -> list[int]:
+        """The runner-level step (ollama.md §1.2): the 400s, or the middle cut that keeps the first
+        ``num_keep`` (+BOS) tokens and enough of the tail to fill about half the window."""
+        tokens = await self.engine.tokenize(prompt, add_special=True)
+        if not request.truncate or request.native_chat:
+            if len(tokens) >= num_ctx:
+                raise OllamaError(400, compact_json(context_overflow_error(len(tokens), num_ctx)))
+            return tokens
+        if len(tokens) <= num_ctx - 1:
+            return tokens
+        if not (self.settings.context_shift if request.shift is None else request.shift):
+            raise OllamaError(400, PROMPT_TOO_LONG)
+        num_keep = request.options.get("num_keep", self.settings.num_keep)
+        keep = len(tokens) if num_keep < 0 else num_keep + await self.engine.adds_bos()
+        keep = min(keep, num_ctx - 1)
+        limit = num_ctx - max((num_ctx - keep) // 2, 1)
+        return tokens[:keep] + tokens[len(tokens) - (limit - keep) :]
+
+    async def run(self, request: Request) -> tuple[str, AsyncIterator[str | Finish]]:
+        """Load, truncate, then start generating: the prompt before the token-level step, and the
+        pieces. Errors raised here, before the first piece, carry their own status."""
+        num_ctx = self.load(self.num_ctx(request.options), request.keep_alive).num_ctx
+        prompt = request.prompt
+        if request.messages is not None:
+            prompt = await (self.fit_messages(request.messages, request.tools, num_ctx) if request.truncate
+                            else self.engine.render(request.messages, request.tools))  # fmt: skip
+        tokens = await self.fit_tokens(prompt, request, num_ctx)
+        num_predict = request.options.get("num_predict", -1)
+        num_predict = GENERATION_BOUND * num_ctx if num_predict < 0 else num_predict
+        shift = self.settings.context_shift if request.shift is None else request.shift
+        if not shift:
+            num_predict = min(num_predict, num_ctx - len(tokens))
+        return prompt, self.engine.generate(tokens, num_predict, request.options)
+
+    async def respond(self, request: web.Request, stream: bool, pieces: AsyncIterator[str | Finish], codec: Codec) -> web.StreamResponse:
+        """Drive a generation into ``codec``: one object, or a stream flushed per piece whose
+        headers go out with the first one (so an early error still gets its own status)."""
+        out = LazyStream(request, codec.content_type)
+        text: list[str] = []
+        try:
+            async for item in pieces:
+                if isinstance(item, Finish):
+                    finish = item
+                    break
+                await self.settings.pacing.before_token(len(text))
+                text.append(item)
+                for chunk in codec.partial(item, first=len(text) == 1) if stream else ():
+                    await out.write(chunk)
+        except OllamaError as error:
+            if not (stream and text):
+                raise
+            await out.write(codec.failure(error.message))
+            return await out.close()
+        if not stream:
+            return await codec.whole("".join(text), finish)
+        for chunk in await codec.final("".join(text), finish):
+            await out.write(chunk)
+        return await out.close()
+
+    # --- native routes --------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        model = self.model(body)
+        part = lambda text: {"message": {"role": "assistant", "content": text}}  # noqa: E731
+        if not body.get("messages"):
+            return self.load_reply(model, body, part(""))
+        messages = [{**m, "role": str(m.get("role", "")).lower()} for m in body["messages"]]
+        _, pieces = await self.run(self._native(body, model, messages, "", native_chat=self.settings.native))
+        return await self.respond(request, body.get("stream", True), pieces, NativeCodec(model, part, _no_context))
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        model = self.model(body)
+        part = lambda text: {"response": text}  # noqa: E731
+        prompt = body.get("prompt") or ""
+        if not prompt:
+            return self.load_reply(model, body, part(""))
+        if body.get("raw"):
+            if any(body.get(key) for key in ("system", "template", "context")):
+                raise OllamaError(400, "raw mode does not support template, system, or context")
+            messages = None
+        else:
+            system = [{"role": "system", "content": body["system"]}] if body.get("system") else []
+            messages = [*system, {"role": "user", "content": prompt}]
+        rendered, pieces = await self.run(self._native(body, model, messages, prompt, native_chat=False))
+
+        async def context(text: str) -> dict[str, Any]:
+            """The prompt as rendered before the token-level cut, plus the response, as token ids."""
+            return {} if body.get("raw") else {"context": await self.engine.tokenize(rendered + text, add_special=False)}
+
+        return await self.respond(request, body.get("stream", True), pieces, NativeCodec(model, part, context))
+
+    @staticmethod
+    def _native(body: dict[str, Any], model: str, messages: list[dict[str, Any]] | None, prompt: str, native_chat: bool) -> Request:
+        return Request(
+            model=model,
+            messages=messages,
+            prompt=prompt,
+            tools=body.get("tools"),
+            options=dict(body.get("options") or {}),
+            truncate=body.get("truncate", True) is not False,
+            shift=body.get("shift"),
+            keep_alive=keep_alive_seconds(body.get("keep_alive")),
+            native_chat=native_chat,
+        )
+
+    # --- the /v1 layer --------------------------------------------------------------------
+
+    async def openai_chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        model = self.model(body)
+        if not body.get("messages"):
+            raise OllamaError(400, "[] is too short - 'messages'")
+        messages = [message for m in body["messages"] for message in _from_openai_message(m)]
+        _, pieces = await self.run(self._openai(body, model, messages, "", native_chat=self.settings.native))
+        return await self.respond(request, bool(body.get("stream")), pieces, OpenAICodec(model, body))
+
+    async def openai_completion(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        model = self.model(body)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise OllamaError(400, "invalid type for 'prompt' field")
+        messages = [{"role": "user", "content": prompt}]
+        _, pieces = await self.run(self._openai(body, model, messages, prompt, native_chat=False))
+        return await self.respond(request, bool(body.get("stream")), pieces, OpenAICompletionCodec(model, body))
+
+    @staticmethod
+    def _openai(body: dict[str, Any], model: str, messages: list[dict[str, Any]], prompt: str, native_chat: bool) -> Request:
+        """ollama.md §3.6: no num_ctx, truncate, shift or keep_alive can come through here, and
+        temperature and top_p default to 1.0."""
+        options = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0)}
+        renamed = {"max_tokens": "num_predict", "stop": "stop", "seed": "seed",
+                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}  # fmt: skip
+        options |= {ours: body[theirs] for theirs, ours in renamed.items() if body.get(theirs) is not None}
+        return Request(model, messages, prompt, body.get("tools"), options, True, None, None, native_chat)
+
+    async def openai_models(self, request: web.Request) -> web.Response:
+        model = {"id": canonical(self.settings.model), "object": "model", "created": int(time.time()), "owned_by": "library"}
+        return web.Response(text=go_json({"object": "list", "data": [model]}), headers={"Content-Type": "application/json"})
+
+    # --- informational routes -------------------------------------------------------------
+
+    async def root(self, request: web.Request) -> web.Response:
+        return _plain("Ollama is running", 200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": VERSION})
+
+    def _details(self) -> dict[str, Any]:
+        assert self.card is not None
+        arch = self.card.architecture
+        return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+                "parameter_size": self.card.parameter_size, "quantization_level": self.card.quantization_level}  # fmt: skip
+
+    def _digest(self) -> str:
+        return hashlib.sha256(canonical(self.settings.model).encode()).hexdigest()
+
+    async def tags(self, request: web.Request) -> web.Response:
+        assert self.card is not None
+        name = canonical(self.settings.model)
+        details = {**self._details(), "context_length": self.card.context_length, "embedding_length": self.card.embedding_length}
+        model = {"name": name, "model": name, "modified_at": go_time(datetime.now().astimezone()), "size": self.card.size,
+                 "digest": self._digest(), "details": details, "capabilities": ["completion"]}  # fmt: skip
+        return _json({"models": [model]})
+
+    async def ps(self, request: web.Request) -> web.Response:
+        """The loaded runner with its effective window (``context_length``), CPU-only."""
+        assert self.card is not None
+        runner = self.runner
+        if runner is not None and not runner.unloading and runner.expires_at < datetime.now().astimezone():
+            self.runner = runner = None
+        name = canonical(self.settings.model)
+        models = [] if runner is None else [
+            {"name": name, "model": name, "size": self.card.size, "digest": self._digest(), "details": self._details(),
+             "expires_at": go_time(runner.expires_at), "size_vram": 0, "context_length": runner.num_ctx}
+        ]  # fmt: skip
+        return _json({"models": models})
+
+    async def show(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        self.model(body)
+        assert self.card is not None
+        arch = self.card.architecture
+        model_info = {"general.architecture": arch, "general.parameter_count": self.card.parameter_count,
+                      f"{arch}.context_length": self.card.context_length, f"{arch}.embedding_length": self.card.embedding_length}  # fmt: skip
+        return _json(
+            {
+                "modelfile": f"FROM {canonical(self.settings.model)}\nTEMPLATE {json.dumps(self.card.template)}\n",
+                "template": self.card.template,
+                "details": self._details(),
+                "model_info": model_info,
+                "capabilities": ["completion"],
+                "modified_at": go_time(datetime.now().astimezone()),
+            }
+        )
+
+
+async def _no_context(text: str) -> dict[str, Any]:
+    return {}
+
+
+def _from_openai_message(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """One OpenAI message as Ollama messages: each text part of an array content is its own."""
+    role, content = message.get("role", ""), message.get("content")
+    if isinstance(content, list):
+        return [{"role": role, "content": part.get("text", "")} for part in content if part.get("type") == "text"]
+    converted: dict[str, Any] = {"role": role, "content": content or ""}
+    if message.get("tool_calls"):
+        converted["tool_calls"] = [
+            {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"].get("arguments") or "{}")}}
+            for c in message["tool_calls"]
+        ]
+    return [converted]
+
+
+@web.middleware
+async def _ollama_errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+    """Native routes answer ``{"error": message}``; the ``/v1`` layer wraps it OpenAI's way."""
+    try:
+        return await handler(request)
+    except OllamaError as error:
+        if request.path.startswith("/v1/"):
+            return openai_error(error.status, error.message)
+        return _json({"error": error.message}, status=error.status)
+
+
+def ollama_app(settings: OllamaSettings, engine: Engine) -> web.Application:
+    """Ollama's HTTP surface over ``engine``."""
+    server = OllamaServer(settings, engine)
+    not_found = lambda: _plain("404 page not found", 404)  # noqa: E731
+    not_allowed = lambda: _plain("405 method not allowed", 405)  # noqa: E731
+    app = web.Application(middlewares=[routing_errors(not_found, not_allowed), _ollama_errors])
+    app.cleanup_ctx.append(server.lifetime)
+    for path, handler in {"/": server.root, "/api/version": server.version, "/api/tags": server.tags}.items():
+        app.router.add_get(path, handler)
+    app.router.add_get("/api/ps", server.ps, allow_head=False)
+    app.router.add_get("/v1/models", server.openai_models, allow_head=False)
+    posts = {
+        "/api/chat": server.chat,
+        "/api/generate": server.generate,
+        "/api/show": server.show,
+        "/v1/chat/completions": server.openai_chat,
+        "/v1/completions": server.openai_completion,
+    }
+    for path, handler in posts.items():
+        app.router.add_post(path, handler)
+    return app
+
+
+def fake_ollama_app(settings: OllamaSettings = OllamaSettings(), train_ctx: int = 32768) -> web.Application:
+    """The fake: Ollama's surface over the :class:`WhitespaceEngine`."""
+    return ollama_app(settings, WhitespaceEngine(train_ctx))
+
+
+def ollama_arguments(description: str, model: str, n_ctx: int) -> argparse.ArgumentParser:
+    """The command-line options of both the fake and the simulator."""
+    parser = common_arguments(description, port=11434, model=model, n_ctx=n_ctx)
+    parser.add_argument("--num-keep", type=int, default=4, help="tokens kept at the head by the middle cut (default 4)")
+    parser.add_argument("--native", action="store_true", help="/api/chat in native mode: overflow is a 400")
+    parser.add_argument("--no-context-shift", action="store_true", help="as for deepseek2: overflow is a 400")
+    return parser
+
+
+def ollama_settings(args: argparse.Namespace) -> OllamaSettings:
+    return OllamaSettings(
+        model=args.model,
+        num_ctx=args.n_ctx,
+        num_keep=args.num_keep,
+        native=args.native,
+        context_shift=not args.no_context_shift,
+        pacing=pacing(args),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ollama_arguments("A fast deterministic fake Ollama.", model=OllamaSettings.model, n_ctx=OllamaSettings.num_ctx)
+    parser.add_argument("--train-ctx", type=int, default=32768, help="trained length; caps num_ctx (default 32768)")
+    args = parser.parse_args(argv)
+    serve(fake_ollama_app(ollama_settings(args), args.train_ctx), args.port)
+
+
+if __name__ == "__main__":
+    main()
