@@ -1,0 +1,605 @@
+"""One runtime owns the GPU: arbitration between Ollama and a llama-server that ContextPaw starts.
+
+A card that cannot hold both runtimes' models fails silently: Ollama loads on top of llama-server,
+spills to system RAM and runs many times slower while reporting 100% GPU. The proxy sees every
+request, so it knows which runtime is wanted and makes room first: it lets running requests finish,
+unloads Ollama's models or stops its llama-server, waits until NVML shows the memory back, and only
+then lets the other runtime in.
+
+The decisions (:func:`decide`, :func:`blocking`, :class:`Release`) are pure; :class:`Arbiter` is the
+I/O shell around them. The addon calls :meth:`Arbiter.acquire` in its ``request`` hook and
+:meth:`Arbiter.release` in ``response``/``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from contextpaw.gpu import GpuProbe, NoVram, NvmlProbe, VramReading, sample
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+RELEASE_MARGIN_BYTES = 256 * MIB
+DEFAULT_RETRY_AFTER_S = 5
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5)
+UNLOAD_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+class Kind(StrEnum):
+    OLLAMA = "ollama"
+    LLAMACPP = "llamacpp"
+
+
+# --- decision core ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Forward the request now."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A switch is under way; decide again when it ends."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Start handing the GPU to ``to``."""
+
+    to: Kind
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The wanted runtime cannot be brought up, so nothing is evicted for it."""
+
+    reason: str
+
+
+Decision = Admit | Wait | Switch | Refuse
+
+
+def decide(owner: Kind | None, switching_to: Kind | None, wanted: Kind, cannot_start: str | None) -> Decision:
+    """What a request for ``wanted`` does now.
+
+    While a switch is pending, requests for the outgoing owner wait too: admitting them would keep
+    the drain from ever finishing under steady traffic. ``cannot_start`` is why the wanted runtime
+    could not be brought up, checked before anything is evicted for it.
+    """
+    if switching_to is not None:
+        return Wait()
+    if owner is wanted:
+        return Admit()
+    if cannot_start:
+        return Refuse(cannot_start)
+    return Switch(wanted)
+
+
+def blocking(in_flight: Mapping[Kind, int], target: Kind) -> int:
+    """Requests that must finish before ``target`` may take the GPU: evicting under them would cut
+    their responses off."""
+    return sum(count for kind, count in in_flight.items() if kind is not target)
+
+
+@dataclass(frozen=True)
+class Release:
+    """What an eviction should give back: total used memory before it, and what the evicted runtime
+    held (Ollama's ``size_vram``, or the server process's share)."""
+
+    before_bytes: int
+    held_bytes: int
+
+    @property
+    def ceiling_bytes(self) -> int:
+        """Used memory at which the release counts as done; the margin absorbs the driver's own
+        bookkeeping and other programs' drift."""
+        margin = max(RELEASE_MARGIN_BYTES, self.held_bytes // 20)
+        return self.before_bytes - self.held_bytes + margin
+
+    def done(self, used_bytes: int) -> bool:
+        return used_bytes <= self.ceiling_bytes
+
+
+def retry_after(last_switch_seconds: float | None) -> int:
+    """Seconds a caller turned away during a switch should wait: about one switch."""
+    if last_switch_seconds is None:
+        return DEFAULT_RETRY_AFTER_S
+    return max(1, math.ceil(last_switch_seconds))
+
+
+def start_problem(command: str) -> str | None:
+    """Why llama-server could not be started from ``command``, or None."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as error:
+        return f"contextpaw_llamacpp_cmd cannot be parsed: {error}"
+    if not argv:
+        return "no contextpaw_llamacpp_cmd is configured, so llama-server cannot be started"
+    if shutil.which(argv[0]) is None:
+        return f"contextpaw_llamacpp_cmd: {argv[0]!r} is not an executable"
+    return None
+
+
+# --- I/O shell ----------------------------------------------------------------------------------
+
+
+def default_log_path() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "contextpaw" / "llama-server.log"
+
+
+@dataclass(frozen=True)
+class ArbiterSettings:
+    """Where the runtimes listen, how to start llama-server, and the bounds on every wait (seconds)."""
+
+    ollama_url: str
+    llamacpp_url: str
+    llamacpp_cmd: str = ""
+    llamacpp_log: Path = field(default_factory=default_log_path)
+    wait_timeout: float = 240.0
+    drain_timeout: float = 60.0
+    switch_timeout: float = 180.0
+    health_timeout: float = 120.0
+    stop_grace: float = 10.0
+    release_timeout: float = 30.0
+    poll_interval: float = 0.25
+
+
+class RuntimeUnavailable(Exception):
+    """The wanted runtime cannot serve this request: answer 503, with ``Retry-After`` when asking
+    again later may help."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class SwitchFailed(Exception):
+    """A switch step did not succeed; the message is what the operator needs to fix it."""
+
+
+@dataclass
+class SwitchRecord:
+    source: Kind | None
+    target: Kind
+    started_at: float
+    seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class ArbiterCounters:
+    """Totals for metrics."""
+
+    switches: int = 0
+    failures: int = 0
+    switch_seconds: float = 0.0
+    refused: int = 0
+    wait_timeouts: int = 0
+
+
+class LlamaServer:
+    """The llama-server ContextPaw started. It runs in its own session, so stopping its process
+    group also reaches anything a wrapper script spawned."""
+
+    def __init__(self, process: asyncio.subprocess.Process, argv: list[str], log_path: Path) -> None:
+        self.process = process
+        self.argv = argv
+        self.log_path = log_path
+        self.started_at = time.time()
+        self.stopping = False
+        self.held_bytes: int | None = None
+
+    @classmethod
+    async def spawn(cls, argv: list[str], log_path: Path) -> LlamaServer:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log_file:
+            log_file.write(f"--- {time.ctime()} contextpaw starts: {shlex.join(argv)}\n".encode())
+            log_file.flush()
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return cls(process, argv, log_path)
+
+    @property
+    def running(self) -> bool:
+        return self.process.returncode is None
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL if it outlives ``grace``: a server stuck in teardown must not keep
+        the card."""
+        self.stopping = True
+        if not self.running:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.process.wait(), grace)
+        except TimeoutError:
+            self._signal(signal.SIGKILL)
+            await self.process.wait()
+
+    def _signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    async def log_tail(self, lines: int = 20) -> str:
+        return await asyncio.to_thread(_tail, self.log_path, lines)
+
+    def as_json(self, reading: VramReading | NoVram) -> dict[str, Any]:
+        return {
+            "pid": self.process.pid,
+            "command": self.argv,
+            "log": str(self.log_path),
+            "started_at": self.started_at,
+            "vram_bytes": reading.process_bytes(self.process.pid) if isinstance(reading, VramReading) else None,
+        }
+
+
+def _tail(path: Path, lines: int) -> str:
+    with path.open("rb") as log_file:
+        log_file.seek(0, os.SEEK_END)
+        log_file.seek(max(0, log_file.tell() - 8192))
+        return b"".join(log_file.readlines()[-lines:]).decode(errors="replace").rstrip()
+
+
+class Arbiter:
+    """Gives the GPU to one runtime at a time and admits requests only for that runtime.
+
+    Requests are counted from :meth:`acquire` to :meth:`release`; a switch waits for the other
+    runtime's count to reach zero before evicting it. Switches are serialised by one lock and bounded
+    by ``switch_timeout``; a failed switch leaves the previous owner in place where it can still serve.
+    """
+
+    def __init__(self, settings: ArbiterSettings, gpu: GpuProbe | None = None) -> None:
+        self.settings = settings
+        self.gpu = gpu if gpu is not None else NvmlProbe()
+        self.counters = ArbiterCounters()
+        self._owner: Kind | None = None
+        self._pending: Kind | None = None
+        self._phase = "idle"
+        self._in_flight = {kind: 0 for kind in Kind}
+        self._waiting = {kind: 0 for kind in Kind}
+        self._holders: dict[Hashable, Kind] = {}
+        self._server: LlamaServer | None = None
+        self._last: SwitchRecord | None = None
+        self._errors: deque[str] = deque(maxlen=10)
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._http: aiohttp.ClientSession | None = None
+
+    # --- what the addon calls -------------------------------------------------------------------
+
+    async def acquire(self, kind: str, flow_id: Hashable) -> None:
+        """Return once ``kind`` owns the GPU and the request is counted as running on it.
+
+        Raises :class:`RuntimeUnavailable` when the runtime cannot be brought up, when the switch
+        this request waited for failed, or (with ``retry_after``) when ``wait_timeout`` passes.
+        """
+        if flow_id in self._holders:
+            raise ValueError(f"flow {flow_id!r} already holds {self._holders[flow_id]}")
+        wanted = Kind(kind)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.wait_timeout
+        awaited: SwitchRecord | None = None
+        self._waiting[wanted] += 1
+        try:
+            while True:
+                if awaited is not None and awaited.error is not None:
+                    raise RuntimeUnavailable(awaited.error)
+                cannot_start = start_problem(self.settings.llamacpp_cmd) if wanted is Kind.LLAMACPP else None
+                match decide(self._owner, self._pending, wanted, cannot_start):
+                    case Admit():
+                        self._in_flight[wanted] += 1
+                        self._holders[flow_id] = wanted
+                        return
+                    case Refuse(reason):
+                        self.counters.refused += 1
+                        raise RuntimeUnavailable(reason)
+                    case Switch(target):
+                        awaited = self._begin_switch(target)
+                    case Wait() if self._pending is wanted:
+                        awaited = self._last
+                await self._until_changed(deadline - loop.time(), wanted)
+        finally:
+            self._waiting[wanted] -= 1
+
+    def release(self, flow_id: Hashable) -> None:
+        """End a request's hold; safe to call for a flow that never acquired or already released."""
+        kind = self._holders.pop(flow_id, None)
+        if kind is not None:
+            self._in_flight[kind] -= 1
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def use(self, kind: str) -> AsyncIterator[None]:
+        """Hold ``kind`` for the body of the ``async with``, for callers that live in one coroutine."""
+        flow_id = object()
+        await self.acquire(kind, flow_id)
+        try:
+            yield
+        finally:
+            self.release(flow_id)
+
+    async def status(self) -> dict[str, Any]:
+        """The ``GET /contextpaw/runtime`` body."""
+        reading = await sample(self.gpu)
+        server = self._server
+        last = self._last
+        return {
+            "owner": self._owner,
+            "state": self._phase,
+            "switching_to": self._pending,
+            "in_flight": dict(self._in_flight),
+            "waiting": dict(self._waiting),
+            "llamacpp_process": server.as_json(reading) if server else None,
+            "last_switch": asdict(last) if last else None,
+            "counters": asdict(self.counters),
+            "vram": reading.as_json() if isinstance(reading, VramReading) else None,
+            "vram_unavailable": reading.reason if isinstance(reading, NoVram) else None,
+            "errors": list(self._errors),
+        }
+
+    async def aclose(self) -> None:
+        """Stop what the proxy started; call when the proxy exits."""
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._stop_server()
+        if self._http is not None:
+            await self._http.close()
+        self.gpu.close()
+
+    # --- waiting --------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until_changed(self, remaining: float, wanted: Kind) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(0.0, remaining))
+        except TimeoutError:
+            self.counters.wait_timeouts += 1
+            seconds = self._last.seconds if self._last else None
+            raise RuntimeUnavailable(
+                f"{wanted} is not ready after {self.settings.wait_timeout:g}s ({self._phase})",
+                retry_after=retry_after(seconds),
+            ) from None
+
+    async def _until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
+        """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not await condition():
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(self.settings.poll_interval)
+        return True
+
+    # --- switching ------------------------------------------------------------------------------
+
+    def _begin_switch(self, target: Kind) -> SwitchRecord:
+        record = SwitchRecord(source=self._owner, target=target, started_at=time.time())
+        self._pending, self._last = target, record
+        self._spawn_task(self._run_switch(record))
+        return record
+
+    def _spawn_task(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_switch(self, record: SwitchRecord) -> None:
+        started = asyncio.get_running_loop().time()
+        try:
+            async with self._lock:
+                try:
+                    await self._drain(record.target)
+                    async with asyncio.timeout(self.settings.switch_timeout):
+                        await (self._to_llamacpp() if record.target is Kind.LLAMACPP else self._to_ollama())
+                except (SwitchFailed, TimeoutError) as failure:
+                    record.error = str(failure) or (
+                        f"switch to {record.target} took longer than {self.settings.switch_timeout:g}s"
+                    )
+                    await self._recover(record)
+                else:
+                    self._owner = record.target
+                    self.counters.switches += 1
+        finally:
+            record.seconds = asyncio.get_running_loop().time() - started
+            self.counters.switch_seconds += record.seconds
+            self._pending = None
+            self._phase = "ready" if self._owner else "idle"
+            self._notify()
+
+    async def _recover(self, record: SwitchRecord) -> None:
+        """No half-started or half-stopped server may keep the card; the previous owner stays if it
+        can still serve (Ollama always can: it reloads lazily)."""
+        self.counters.failures += 1
+        self._note(f"switch to {record.target} failed: {record.error}")
+        if record.target is Kind.LLAMACPP or (self._server and self._server.stopping):
+            await self._stop_server()
+        if self._owner is Kind.LLAMACPP and self._server is None:
+            self._owner = None
+
+    async def _drain(self, target: Kind) -> None:
+        self._phase = "draining"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.drain_timeout
+        while busy := blocking(self._in_flight, target):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise SwitchFailed(
+                    f"{busy} request(s) still running after {self.settings.drain_timeout:g}s; "
+                    f"nothing was evicted for {target}"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+
+    async def _to_llamacpp(self) -> None:
+        self._phase = "unloading ollama"
+        await self._await_release(await self._unload_ollama(), "Ollama")
+        self._phase = "starting llama-server"
+        await self._start_server()
+
+    async def _to_ollama(self) -> None:
+        self._phase = "stopping llama-server"
+        await self._await_release(await self._stop_server(), "llama-server")
+
+    async def _await_release(self, release: Release | None, holder: str) -> None:
+        """Wait until NVML shows ``holder``'s memory back: the driver frees it after the process
+        state says so, and loading the other runtime before then spills it to system RAM."""
+        if release is None:
+            return
+        self._phase = f"waiting for {holder} to release VRAM"
+        used: list[int] = []
+
+        async def released() -> bool:
+            reading = await sample(self.gpu)
+            if isinstance(reading, NoVram):
+                return True
+            used.append(reading.used_bytes)
+            return release.done(reading.used_bytes)
+
+        if not await self._until(released, self.settings.release_timeout):
+            raise SwitchFailed(
+                f"{holder} was evicted but VRAM did not come back within {self.settings.release_timeout:g}s: "
+                f"{used[-1] // MIB} MiB used, expected at most {release.ceiling_bytes // MIB} MiB"
+            )
+
+    # --- Ollama ---------------------------------------------------------------------------------
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(trust_env=False)
+        return self._http
+
+    async def _ollama_models(self) -> list[dict[str, Any]]:
+        """What ``/api/ps`` lists; an Ollama that is not running holds no memory."""
+        try:
+            async with self._session().get(f"{self.settings.ollama_url}/api/ps", timeout=PROBE_TIMEOUT) as response:
+                response.raise_for_status()
+                listed = (await response.json())["models"]
+        except aiohttp.ClientConnectorError:
+            return []
+        except (aiohttp.ClientError, TimeoutError, KeyError) as error:
+            raise SwitchFailed(f"Ollama /api/ps failed: {error!r}") from error
+        return listed
+
+    async def _unload_ollama(self) -> Release | None:
+        """Unload every listed model with ``keep_alive: 0``; the expected release is what Ollama says
+        they hold on the GPU (``size_vram``)."""
+        resident = await self._ollama_models()
+        if not resident:
+            return None
+        before = await sample(self.gpu)
+        for model in resident:
+            body = {"model": model["name"], "keep_alive": 0}
+            try:
+                async with self._session().post(
+                    f"{self.settings.ollama_url}/api/generate", json=body, timeout=UNLOAD_TIMEOUT
+                ) as response:
+                    response.raise_for_status()
+            except (aiohttp.ClientError, TimeoutError) as error:
+                raise SwitchFailed(f"Ollama refused to unload {model['name']}: {error!r}") from error
+
+        async def unloaded() -> bool:
+            return not await self._ollama_models()
+
+        if not await self._until(unloaded, self.settings.release_timeout):
+            names = ", ".join(model["name"] for model in await self._ollama_models())
+            raise SwitchFailed(f"Ollama still lists {names} {self.settings.release_timeout:g}s after unloading")
+        if isinstance(before, NoVram):
+            return None
+        return Release(before.used_bytes, sum(model.get("size_vram") or 0 for model in resident))
+
+    # --- llama-server ---------------------------------------------------------------------------
+
+    async def _start_server(self) -> None:
+        argv = shlex.split(self.settings.llamacpp_cmd)
+        before = await sample(self.gpu)
+        try:
+            server = await LlamaServer.spawn(argv, self.settings.llamacpp_log)
+        except OSError as error:
+            raise SwitchFailed(f"cannot start llama-server {argv[0]!r}: {error}") from error
+        self._server = server
+        if not await self._until(lambda: self._healthy(server), self.settings.health_timeout):
+            raise await self._startup_failure(
+                server,
+                f"llama-server did not answer {self.settings.llamacpp_url}/health with 200 "
+                f"within {self.settings.health_timeout:g}s",
+            )
+        after = await sample(self.gpu)
+        if isinstance(before, VramReading) and isinstance(after, VramReading):
+            server.held_bytes = max(0, after.used_bytes - before.used_bytes)
+        self._spawn_task(self._watch(server))
+
+    async def _healthy(self, server: LlamaServer) -> bool:
+        """200 once the model is loaded; llama-server answers 503 while loading."""
+        if not server.running:
+            raise await self._startup_failure(
+                server, f"llama-server exited with code {server.process.returncode} during startup"
+            )
+        try:
+            async with self._session().get(f"{self.settings.llamacpp_url}/health", timeout=PROBE_TIMEOUT) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _startup_failure(self, server: LlamaServer, what: str) -> SwitchFailed:
+        return SwitchFailed(f"{what}; last lines of {server.log_path}:\n{await server.log_tail()}")
+
+    async def _watch(self, server: LlamaServer) -> None:
+        """Notice a server that dies on its own, so the next request starts a new one."""
+        code = await server.process.wait()
+        if server is self._server and not server.stopping:
+            self._server = None
+            if self._owner is Kind.LLAMACPP:
+                self._owner = None
+                self._phase = "idle"
+            self._note(f"llama-server exited unexpectedly with code {code}; see {server.log_path}")
+            self._notify()
+
+    async def _stop_server(self) -> Release | None:
+        """Stop the server this proxy started, never one it did not: the expected release is its own
+        NVML share, else what it took when it started."""
+        server = self._server
+        if server is None or not server.running:
+            self._server = None
+            return None
+        before = await sample(self.gpu)
+        await server.stop(self.settings.stop_grace)
+        self._server = None
+        if isinstance(before, NoVram):
+            return None
+        held = before.process_bytes(server.process.pid) or server.held_bytes
+        return Release(before.used_bytes, held) if held else None
+
+    def _note(self, message: str) -> None:
+        log.warning("contextpaw runtime: %s", message)
+        self._errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}")
