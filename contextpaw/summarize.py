@@ -50,17 +50,13 @@ Evicted = Sequence[Mapping[str, Any]] | str
 PROMPT_VERSION = 1
 """Part of every cache key: changing the prompts must not serve digests made with the old ones."""
 
-SUMMARY_LABEL = (
-    "[ContextPaw summary of the removed content, written by a summarizer model: it is not the "
-    "original text and may miss details.]\n"
-)
 CUT_NOTE = " [summary cut to fit]"
 
 MIN_CHUNK_TOKENS = 64
 """Below this much room per chunk, summarizing costs more calls than it can be worth."""
 
 MIN_DIGEST_TOKENS = 16
-"""A cap that leaves less than this after the label cannot carry a useful digest."""
+"""A digest cut shorter than this is not worth delivering."""
 
 _MAP_PROMPT = """\
 Below, between <transcript> and </transcript>, is part of an AI assistant's conversation that is \
@@ -234,22 +230,20 @@ class Sizes:
 
 
 def shorten(digest: str, tokens: int, counter: Counter) -> str | None:
-    """A labelled digest cut to at most `tokens`, at a sentence or line end, saying it was cut.
+    """`digest` cut to at most `tokens`, at a sentence or line end, saying it was cut.
 
-    For the engine to make a digest fit what is left of the budget. None when the label leaves no
-    room for `MIN_DIGEST_TOKENS` of it: then there is no digest to deliver.
+    Also for the engine, to make a digest fit what is left of the budget. None when less than
+    `MIN_DIGEST_TOKENS` of it would be left: then there is no digest to deliver.
     """
     if counter.text(digest) <= tokens:
         return digest
-    label = SUMMARY_LABEL if digest.startswith(SUMMARY_LABEL) else ""
-    body = digest[len(label) :]
-    room = tokens - counter.text(label + CUT_NOTE)
+    room = tokens - counter.text(CUT_NOTE)
     while room >= MIN_DIGEST_TOKENS:
-        kept = body[: _longest_prefix(body, room, counter)]
+        kept = digest[: _longest_prefix(digest, room, counter)]
         end = max(kept.rfind(". "), kept.rfind("\n"))
         if end > len(kept) // 2:
             kept = kept[: end + 1]
-        result = label + kept.rstrip() + CUT_NOTE
+        result = kept.rstrip() + CUT_NOTE
         over = counter.text(result) - tokens
         if over <= 0:
             return result
@@ -263,7 +257,8 @@ def shorten(digest: str, tokens: int, counter: Counter) -> str | None:
 @dataclass(frozen=True, slots=True)
 class DigestResult:
     text: str | None
-    """The labelled digest, within the cap; None when there is none."""
+    """The digest, within the cap, unlabelled (the hole's marker says it is a summary); None when
+    there is none."""
     summarized: bool
     reason: str | None
     """Why there is no digest (None when there is one)."""
@@ -322,7 +317,7 @@ class Summarizer:
     async def digest(
         self, evicted: Evicted, *, complete: Complete, model: str, window: int, cap_tokens: int
     ) -> DigestResult:
-        """A labelled digest of all of `evicted` within `cap_tokens`, or `summarized=False` and why.
+        """A digest of all of `evicted` within `cap_tokens`, or `summarized=False` and why.
 
         `window` is the summarizer's own context window as discovered (e.g. llama-server /props
         n_ctx); `model` names what `complete` calls, for the cache.
@@ -348,13 +343,12 @@ class Summarizer:
     async def _digest(
         self, evicted: Evicted, complete: Complete, model: str, window: int, cap_tokens: int, tally: _Tally
     ) -> str:
-        body_tokens = cap_tokens - self.counter.text(SUMMARY_LABEL + CUT_NOTE)
-        if body_tokens < MIN_DIGEST_TOKENS:
-            raise SummaryFailed(f"a cap of {cap_tokens} tokens leaves no room after the summary label")
+        if cap_tokens - self.counter.text(CUT_NOTE) < MIN_DIGEST_TOKENS:
+            raise SummaryFailed(f"a cap of {cap_tokens} tokens is too small for a digest")
         pieces = render_span(evicted)
         if not "".join(pieces).strip():
             raise SummaryFailed("nothing to summarize")
-        sizes = Sizes.for_window(window, body_tokens, self.counter)
+        sizes = Sizes.for_window(window, cap_tokens, self.counter)
         if sizes.room < MIN_CHUNK_TOKENS:
             raise SummaryFailed(f"the summarizer's window of {window} tokens is too small")
 
@@ -374,7 +368,7 @@ class Summarizer:
             if len(batches) == len(partials):
                 raise SummaryFailed("the chunk summaries are too long to merge in this window")
             partials = await _all([call(reduce_prompt(b), "merging the chunk summaries") for b in batches])
-        digest = shorten(SUMMARY_LABEL + partials[0].strip(), cap_tokens, self.counter)
+        digest = shorten(partials[0].strip(), cap_tokens, self.counter)
         if digest is None:
             raise SummaryFailed(f"the digest does not fit a cap of {cap_tokens} tokens")
         return digest
