@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import contentviews, ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
@@ -27,6 +27,7 @@ from contextpaw.evicted import EvictedStore, PlanMemory
 from contextpaw.report import Report
 from contextpaw.streams import StreamReport, report_bytes, with_report
 from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.views import ORIGINAL, ContextPawView
 from contextpaw.windows import Budgeter
 
 logger = logging.getLogger("contextpaw")
@@ -50,8 +51,6 @@ REPORT = "contextpaw.report"
 """The client form of the report."""
 HEADERS = "contextpaw.headers"
 """The X-ContextPaw-* headers for the response."""
-ORIGINAL = "contextpaw.original"
-"""The request body as the client sent it, when ContextPaw changed it (for mitmweb and the retry)."""
 LOCAL = "contextpaw.local"
 """The response was made here, not by the backend."""
 RETRIED = "contextpaw.retried"
@@ -453,7 +452,8 @@ class AdminEndpoints:
 
 
 def make_addons() -> list[object]:
-    """The addons, sharing their counts and the evicted store, in hook order."""
+    """The addons, sharing their counts and the evicted store, in hook order; and the content view."""
+    contentviews.add(ContextPawView())
     store = EvictedStore(max_items=10_000, max_bytes=256 << 20, max_age_s=86_400)
     stats = admin.Stats(store)
     backends = Backends(stats)

@@ -2,8 +2,9 @@
 
 One module per API (`ollama`, `openai`, `llamacpp`) builds `Route`s: how to read a body into a
 conversation or a prompt plus the request parameters that size the budget, how to write the
-compacted body back, the API's own error shapes, and how its stream marks the final record. This
-package is pure: bytes and dicts in, bytes and dicts out, no mitmproxy and no I/O.
+compacted body back, the API's own error shapes, and how its stream marks the final record. A parsed
+request fits itself into a budget with the compaction engine. This package is pure: bytes and dicts
+in, bytes and dicts out, no mitmproxy and no I/O.
 """
 
 from __future__ import annotations
@@ -227,12 +228,18 @@ def route_for(kind: Kind, method: str, path: str) -> Route | None:
     return _ROUTES[kind].get(_plain(path))
 
 
-def gateway_error(kind: Kind, path: str, reason: str) -> dict[str, Any]:
-    """A 502 body in the convention of whatever the client called, handled route or not."""
+def gateway_error(kind: Kind | None, path: str, reason: str) -> dict[str, Any]:
+    """A 502 body in the convention of whatever the client called, handled route or not.
+
+    The kind may be unknown (a reverse target that is down was never identified); Ollama's native
+    routes all start with `/api/`.
+    """
     path = _plain(path)
     if path.startswith("/v1/"):
         return openai.CHAT.gateway_error(reason)
-    return (ollama.CHAT if kind is Kind.OLLAMA else llamacpp.COMPLETION).gateway_error(reason)
+    if kind is Kind.OLLAMA or (kind is None and path.startswith("/api/")):
+        return ollama.CHAT.gateway_error(reason)
+    return llamacpp.COMPLETION.gateway_error(reason)
 
 
 def _plain(path: str) -> str:

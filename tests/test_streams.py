@@ -1,0 +1,105 @@
+"""The report inside buffered bodies and streams, byte for byte around it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from contextpaw.streams import StreamReport, splice, with_report
+from contextpaw.wire import llamacpp, ollama, openai
+
+REPORT = b'{"compacted":true}'
+
+OLLAMA_STREAM = (
+    b'{"model":"m","created_at":"t","message":{"role":"assistant","content":"Hel"},"done":false}\n'
+    b'{"model":"m","created_at":"t","message":{"role":"assistant","content":"\\u003cb\\u003e"},"done":false}\n'
+    b'{"model":"m","created_at":"t","message":{"role":"assistant","content":""},"done":true,"done_reason":"stop"}\n'
+)
+OPENAI_STREAM = (
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}\n\n'
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}\n\n'
+    b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3}}\n\n'
+    b"data: [DONE]\n\n"
+)
+LLAMA_STREAM = (
+    b'data: {"index":0,"content":"Hel","stop":false}\n\n'
+    b": ping\n\n"
+    b'data: {"index":0,"content":"","stop":true,"tokens_evaluated":9}\n\n'
+)
+
+
+def records(framing: str, body: bytes) -> list[bytes]:
+    separator = b"\n" if framing == "ndjson" else b"\n\n"
+    return [r for r in body.split(separator) if r]
+
+
+def run(transformer: StreamReport, body: bytes, size: int) -> tuple[list[bytes], bytes]:
+    pieces: list[bytes] = []
+    for i in range(0, len(body), size):
+        pieces += transformer(body[i : i + size])
+    pieces += transformer(b"")
+    return pieces, b"".join(pieces)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "carrier"),
+    [
+        (ollama.CHAT, OLLAMA_STREAM, 2),
+        (openai.CHAT, OPENAI_STREAM, 3),
+        (llamacpp.COMPLETION, LLAMA_STREAM, 2),
+    ],
+)
+@pytest.mark.parametrize("size", [1, 7, 10_000])
+def test_report_lands_in_the_final_record_and_nothing_else_changes(route, body: bytes, carrier: int, size: int) -> None:
+    pieces, out = run(StreamReport(route.framing, route.is_final, REPORT), body, size)
+    assert b"" not in pieces
+    got, sent = records(route.framing, out), records(route.framing, body)
+    assert len(got) == len(sent)
+    for i, (a, b) in enumerate(zip(got, sent, strict=True)):
+        if i == carrier:
+            payload = a.removeprefix(b"data: ")
+            assert json.loads(payload)["contextpaw"] == {"compacted": True}
+            assert a.startswith(b.removesuffix(b"}"))
+        else:
+            assert a == b
+
+
+def test_token_events_are_not_held_back() -> None:
+    transformer = StreamReport("sse", openai.CHAT.is_final, REPORT)
+    first = OPENAI_STREAM.split(b"\n\n")[0] + b"\n\n"
+    assert transformer(first) == [first]
+
+
+def test_a_partial_record_waits_for_its_end_without_an_empty_chunk() -> None:
+    transformer = StreamReport("ndjson", ollama.CHAT.is_final, REPORT)
+    assert transformer(b'{"done":fa') == []
+    assert transformer(b'lse}\n') == [b'{"done":false}\n']
+
+
+def test_a_stream_cut_short_is_passed_on_as_it_is() -> None:
+    transformer = StreamReport("sse", openai.CHAT.is_final, REPORT)
+    body = OPENAI_STREAM.split(b"\n\n")[0] + b"\n\ndata: {\"trunc"
+    assert b"".join(transformer(body) + transformer(b"")) == body
+
+
+def test_mid_stream_errors_pass_through() -> None:
+    body = b'{"message":{"content":"a"},"done":false}\n{"error":"runner died"}\n'
+    assert StreamReport("ndjson", ollama.CHAT.is_final, REPORT).transform(body) == body
+
+
+def test_buffered_json_keeps_its_bytes() -> None:
+    raw = b'{"a":"\\u003c","b":[1, 2]}\n'
+    assert with_report(raw, REPORT) == b'{"a":"\\u003c","b":[1, 2],"contextpaw":{"compacted":true}}\n'
+    assert with_report(b"{}", REPORT) == b'{"contextpaw":{"compacted":true}}'
+    assert with_report(b"[1]", REPORT) is None
+    assert with_report(b"404 page not found", REPORT) is None
+
+
+@given(st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), st.text(max_size=5)), max_size=4))
+def test_splice_adds_exactly_the_report(obj: dict) -> None:
+    raw = json.dumps(obj).encode()
+    assert json.loads(splice(raw, REPORT)) == {**obj, "contextpaw": {"compacted": True}}

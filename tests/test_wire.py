@@ -1,0 +1,227 @@
+"""Wire formats per API, and the budget they size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contextpaw import wire
+from contextpaw.compact import BudgetTooSmall
+from contextpaw.tokens import EstimateCounter
+from contextpaw.windows import Budgeter
+from contextpaw.wire import Kind, NotCompactable, Overflow, Params, UpstreamOverflow, llamacpp, ollama, openai
+
+COUNTER = EstimateCounter()
+
+
+def history(turns: int, words: int = 400) -> list[dict]:
+    out = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "the task"}]
+    for i in range(turns):
+        out.append({"role": "assistant" if i % 2 == 0 else "user", "content": f"turn{i} " + "lorem " * words})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "route"),
+    [
+        (Kind.OLLAMA, "/api/chat", ollama.CHAT),
+        (Kind.OLLAMA, "/api/generate", ollama.GENERATE),
+        (Kind.OLLAMA, "/v1/chat/completions", openai.CHAT),
+        (Kind.OLLAMA, "/v1/completions?x=1", openai.COMPLETIONS),
+        (Kind.LLAMACPP, "/v1/chat/completions", openai.CHAT),
+        (Kind.LLAMACPP, "/chat/completions", openai.CHAT),
+        (Kind.LLAMACPP, "/v1/completions", openai.COMPLETIONS),
+        (Kind.LLAMACPP, "/completion", llamacpp.COMPLETION),
+        (Kind.LLAMACPP, "/completions/", llamacpp.COMPLETION),
+        (Kind.LLAMACPP, "/api/chat", None),
+        (Kind.OLLAMA, "/completion", None),
+        (Kind.OLLAMA, "/api/embed", None),
+    ],
+)
+def test_routes_per_backend(kind: Kind, path: str, route: wire.Route | None) -> None:
+    assert wire.route_for(kind, "POST", path) is route
+
+
+def test_only_posts_are_handled() -> None:
+    assert wire.route_for(Kind.OLLAMA, "GET", "/api/chat") is None
+
+
+def test_ollama_chat_params() -> None:
+    body = {"model": "m", "messages": [], "options": {"num_ctx": 8192, "num_predict": -1}}
+    parsed = ollama.CHAT.read(json.dumps(body).encode())
+    assert parsed.params == Params(model="m", stream=True, num_ctx=8192, max_output=None)
+    body["options"]["num_predict"] = 300
+    body["stream"] = False
+    assert ollama.CHAT.read(json.dumps(body).encode()).params == Params("m", False, 8192, 300)
+
+
+def test_openai_params_read_every_spelling_of_the_answer_limit() -> None:
+    for field in ("max_tokens", "max_completion_tokens", "n_predict"):
+        parsed = openai.CHAT.read(json.dumps({"model": "m", "messages": [], field: 77}).encode())
+        assert parsed.params == Params(model="m", stream=False, num_ctx=None, max_output=77)
+
+
+def test_chat_rewrite_keeps_every_other_field() -> None:
+    body = {"model": "m", "messages": history(12), "options": {"num_ctx": 2048}, "tools": [], "keep_alive": "5m"}
+    fitted = ollama.CHAT.read(json.dumps(body).encode()).fit(1200, COUNTER, keep_recent=2, previous=None)
+    assert fitted.report.compacted and fitted.body is not None
+    sent = json.loads(fitted.body)
+    assert {k: v for k, v in sent.items() if k != "messages"} == {k: v for k, v in body.items() if k != "messages"}
+    assert len(sent["messages"]) < len(body["messages"])
+    assert fitted.plan is not None and fitted.plan.evicted
+
+
+def test_a_chat_that_fits_is_sent_as_it_came() -> None:
+    fitted = openai.CHAT.read(json.dumps({"messages": history(1)}).encode()).fit(100_000, COUNTER, keep_recent=4, previous=None)
+    assert fitted.body is None and not fitted.report.compacted
+
+
+def test_generate_keeps_system_and_suffix_whole_and_counts_them() -> None:
+    body = {"model": "m", "prompt": "word " * 3000, "system": "sys " * 100, "suffix": "end"}
+    parsed = ollama.GENERATE.read(json.dumps(body).encode())
+    fitted = parsed.fit(1000, COUNTER, keep_recent=4, previous=None)
+    sent = json.loads(fitted.body)
+    assert sent["system"] == body["system"] and sent["suffix"] == "end"
+    assert fitted.report.final_tokens <= 1000
+    assert fitted.report.final_tokens >= COUNTER.text(parsed.fixed_text)
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        (openai.CHAT, b"{not json"),
+        (openai.CHAT, b"[1, 2]"),
+        (openai.CHAT, b'{"messages": "hi"}'),
+        (ollama.CHAT, b'{"messages": [{"content": "no role"}]}'),
+        (openai.COMPLETIONS, b'{"prompt": ["a", "batch"]}'),
+        (llamacpp.COMPLETION, b'{"prompt": [1, 2, 3]}'),
+    ],
+)
+def test_bodies_we_do_not_understand_are_not_compactable(route: wire.Route, body: bytes) -> None:
+    with pytest.raises(NotCompactable):
+        route.read(body)
+
+
+def test_conversation_key_survives_new_turns_and_tells_conversations_apart() -> None:
+    first = openai.CHAT.read(json.dumps({"model": "m", "messages": history(2)}).encode())
+    later = openai.CHAT.read(json.dumps({"model": "m", "messages": history(6)}).encode())
+    other = history(6)
+    other[0] = {"role": "system", "content": "You are verbose."}
+    different = openai.CHAT.read(json.dumps({"model": "m", "messages": other}).encode())
+    assert first.key == later.key != different.key
+    assert ollama.GENERATE.read(b'{"prompt": "x"}').key is None
+
+
+OVERFLOW = Overflow(required=5000, budget=3000, window=4096, cause="the request needs 5000 tokens")
+
+
+def test_ollama_refusal_is_one_sentence_with_the_numbers() -> None:
+    body = ollama.CHAT.refusal(OVERFLOW, {"compacted": False})
+    assert isinstance(body["error"], str) and "5000" in body["error"] and "4096" in body["error"]
+    assert body["contextpaw"] == {"compacted": False}
+
+
+def test_openai_refusal_uses_the_context_length_code() -> None:
+    error = openai.CHAT.refusal(OVERFLOW, {})["error"]
+    assert error["type"] == "context_overflow" and error["code"] == "context_length_exceeded"
+    assert (error["n_prompt_tokens"], error["budget"], error["num_ctx"]) == (5000, 3000, 4096)
+
+
+def test_llamacpp_refusal_speaks_llama_server() -> None:
+    error = llamacpp.COMPLETION.refusal(OVERFLOW, {})["error"]
+    assert (error["code"], error["n_prompt_tokens"], error["n_ctx"]) == (413, 5000, 4096)
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "shape"),
+    [
+        (Kind.OLLAMA, "/api/tags", str),
+        (Kind.OLLAMA, "/v1/models", dict),
+        (Kind.LLAMACPP, "/props", dict),
+        (None, "/api/chat", str),
+    ],
+)
+def test_gateway_errors_follow_the_callers_convention(kind: Kind | None, path: str, shape: type) -> None:
+    assert isinstance(wire.gateway_error(kind, path, "down")["error"], shape)
+
+
+LLAMA_400 = {
+    "error": {
+        "code": 400,
+        "message": "request (4390 tokens) exceeds the available context size (4096 tokens), try increasing it",
+        "type": "exceed_context_size_error",
+        "n_prompt_tokens": 4390,
+        "n_ctx": 4096,
+    }
+}
+
+
+def test_upstream_overflow_from_llama_server_and_from_ollama_wrapping_it() -> None:
+    expected = UpstreamOverflow(n_prompt_tokens=4390, n_ctx=4096)
+    assert wire.upstream_overflow(400, json.dumps(LLAMA_400).encode()) == expected
+    assert wire.upstream_overflow(400, json.dumps({"error": json.dumps(LLAMA_400)}).encode()) == expected
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (200, json.dumps(LLAMA_400).encode()),
+        (400, b'{"error": "model is required"}'),
+        (400, b'{"error": {"type": "invalid_request_error"}}'),
+        (400, b"404 page not found"),
+        (500, b'{"error":{"code":500,"message":"Context size has been exceeded.","type":"server_error"}}'),
+    ],
+)
+def test_other_errors_are_not_upstream_overflows(status: int, body: bytes) -> None:
+    assert wire.upstream_overflow(status, body) is None
+
+
+def test_identify_backends_by_their_answers() -> None:
+    assert wire.identify("Ollama is running", 404) is Kind.OLLAMA
+    assert wire.identify(None, 200) is Kind.LLAMACPP
+    assert wire.identify("<html>", 404) is None
+
+
+def test_backend_urls_are_normalised_and_checked() -> None:
+    assert wire.Backend.parse(Kind.OLLAMA, "127.0.0.1:11435").url == "http://127.0.0.1:11435"
+    assert wire.Backend.parse(Kind.LLAMACPP, "http://localhost").port == 80
+    with pytest.raises(ValueError, match="not an http"):
+        wire.Backend.parse(Kind.OLLAMA, "ftp://x")
+
+
+# -- the budget ----------------------------------------------------------------------------------
+
+BUDGETER = Budgeter(default_ctx=4096, reserve=1024, margin=64)
+
+
+def test_window_is_the_requests_num_ctx_else_the_default() -> None:
+    assert BUDGETER.for_window(8192, Params("m", True, max_output=None)).tokens == 8192 - 1024 - 64
+    assert BUDGETER.for_window(4096, Params("m", True, max_output=100)).tokens == 4096 - 100 - 64
+
+
+async def test_budget_prefers_the_request_over_the_default() -> None:
+    backend = wire.Backend.parse(Kind.OLLAMA, "http://127.0.0.1:1")
+    assert (await BUDGETER.budget(backend, Params("m", True, num_ctx=16384))).window == 16384
+    assert (await BUDGETER.budget(backend, Params("m", True))).window == 4096
+
+
+def test_a_huge_answer_limit_takes_at_most_half_the_window() -> None:
+    assert BUDGETER.for_window(4096, Params("m", False, max_output=100_000)).reserve == 2048
+
+
+def test_retry_budget_shrinks_when_the_backend_counted_more_than_we_did() -> None:
+    params = Params("m", False, max_output=100)
+    plain = BUDGETER.for_window(256, params)
+    assert BUDGETER.after_upstream_overflow(UpstreamOverflow(300, 256), 400, params) == plain
+    scaled = BUDGETER.after_upstream_overflow(UpstreamOverflow(600, 256), 300, params)
+    assert scaled.window == 256 and scaled.tokens == plain.tokens // 2
+
+
+def test_refusals_carry_the_budget_numbers() -> None:
+    budget = BUDGETER.for_window(4096, Params("m", False, max_output=96))
+    strict = budget.refusal(9000)
+    assert (strict.required, strict.budget, strict.window) == (9000, 4096 - 96 - 64, 4096)
+    assert "policy strict" in strict.message
+    impossible = budget.impossible(BudgetTooSmall(5000, budget.tokens, "the system prompt"))
+    assert impossible.required == 5000 and "the system prompt need 5000" in impossible.message
