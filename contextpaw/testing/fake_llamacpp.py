@@ -47,6 +47,7 @@ SPECIAL_TOKENS = {"<s>": BOS, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4}
 _SPECIAL = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
 _PIECE = re.compile(r"\s*\S+|\s+\Z")
 FINGERPRINT = "b0-fake"
+SLOT_PROMPT_SIMILARITY = 0.1
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class Slot:
 
 class Slots:
     """The server's slots: a request waits (sending nothing) until one is idle, and takes the idle
-    slot whose cache shares the longest prefix with its prompt, else the least recently used."""
+    slot whose cache shares the longest prefix with its prompt if that covers more than a tenth
+    of it (``--slot-prompt-similarity``), else the least recently used one."""
 
     def __init__(self, count: int) -> None:
         self._slots = [Slot(i) for i in range(count)]
@@ -130,10 +132,10 @@ class Slots:
     async def claim(self, tokens: list[int]) -> AsyncIterator[Slot]:
         async with self._idle:
             await self._idle.wait_for(lambda: any(not s.busy for s in self._slots))
-            slot = max(
-                (s for s in self._slots if not s.busy),
-                key=lambda s: (common_prefix(s.cached, tokens), -s.last_used),
-            )
+            idle = [s for s in self._slots if not s.busy]
+            slot = max(idle, key=lambda s: common_prefix(s.cached, tokens))
+            if common_prefix(slot.cached, tokens) <= SLOT_PROMPT_SIMILARITY * len(tokens):
+                slot = min(idle, key=lambda s: s.last_used)
             slot.busy = True
         try:
             yield slot
