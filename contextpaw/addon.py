@@ -43,6 +43,7 @@ HOP_HEADERS = frozenset(
 )
 """Not copied onto the retry or its answer: they describe one connection or one encoding."""
 JSON_TYPE = "application/json; charset=utf-8"
+POLICIES = ("compact", "strict", "off")
 BACKEND_HEADER = "X-ContextPaw-Backend"
 
 # flow.metadata keys; values stay JSON-like so saved flows keep them.
@@ -201,7 +202,7 @@ class Compactor:
         add = loader.add_option
         add("contextpaw_policy", str, "compact",
             "compact: fit overflowing requests and report it; strict: refuse them with 413; off: pass through.",
-            choices=("compact", "strict", "off"))
+            choices=POLICIES)
         add("contextpaw_keep_recent", int, 4, "Most recent messages that are never evicted.")
         add("contextpaw_default_ctx", int, 4096, "Context window when neither the request nor the backend says.")
         add("contextpaw_output_reserve", int, 1024,
@@ -214,6 +215,8 @@ class Compactor:
 
     def configure(self, updated: set[str]) -> None:
         o = ctx.options
+        if o.contextpaw_policy not in POLICIES:
+            raise exceptions.OptionsError(f"contextpaw_policy must be one of {', '.join(POLICIES)}, not {o.contextpaw_policy!r}")
         for name, least in MINIMUMS.items():
             if name in updated and getattr(o, name) < least:
                 raise exceptions.OptionsError(f"{name} must be at least {least}, not {getattr(o, name)}")

@@ -1,0 +1,352 @@
+"""The mitmproxy shell with taddons/tflow: options, hooks, local answers, failing open."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from mitmproxy import contentviews, exceptions, http
+from mitmproxy.connection import ConnectionState
+from mitmproxy.proxy import mode_specs
+from mitmproxy.test import taddons, tflow, tutils
+
+from contextpaw import wire
+from contextpaw.addon import ORIGINAL, AdminEndpoints, Backends, Compactor, make_addons
+from contextpaw.streams import StreamReport
+
+OLLAMA = "http://127.0.0.1:11435"
+CLOSED_PORT = 9  # discard: nothing listens on loopback there
+
+
+class Proxy:
+    """The addons in a test master, and a way to push a flow through them as mitmproxy would."""
+
+    def __init__(self, tctx: taddons.context, addons: list[object]) -> None:
+        self.tctx = tctx
+        self.admin, self.backends, self.compactor = addons
+        self.addons = addons
+
+    async def hook(self, name: str, flow: http.HTTPFlow) -> None:
+        for addon in self.addons:
+            if hasattr(addon, name):
+                result = getattr(addon, name)(flow)
+                if hasattr(result, "__await__"):
+                    await result
+
+    async def send(self, flow: http.HTTPFlow) -> None:
+        await self.hook("requestheaders", flow)
+        await self.hook("request", flow)
+
+    async def answer(self, flow: http.HTTPFlow, response: http.Response | None = None) -> http.Response:
+        if response is not None:
+            flow.response = response
+        await self.hook("responseheaders", flow)
+        await self.hook("response", flow)
+        assert flow.response is not None
+        return flow.response
+
+
+@pytest.fixture
+async def proxy() -> AsyncIterator[Proxy]:
+    addons = make_addons()
+    with taddons.context(*addons) as tctx:
+        tctx.configure(addons[1], contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=["http://127.0.0.1:8091"])
+        yield Proxy(tctx, addons)
+
+
+def post(path: str, body: object, port: int = 11435, raw: bytes | None = None) -> http.HTTPFlow:
+    flow = tflow.tflow(
+        req=tutils.treq(
+            host="127.0.0.1", port=port, path=path.encode(), method=b"POST",
+            headers=http.Headers(content_type="application/json", authorization="Bearer k"), content=b"",
+        )
+    )
+    flow.request.content = raw if raw is not None else json.dumps(body).encode()
+    flow.server_conn.state = ConnectionState.OPEN  # an upstream connection is open: no reachability probe
+    return flow
+
+
+def get(path: str, port: int = 11435, peer: str = "127.0.0.1") -> http.HTTPFlow:
+    flow = tflow.tflow(req=tutils.treq(host="127.0.0.1", port=port, path=path.encode(), method=b"GET", content=b""))
+    flow.client_conn.peername = (peer, 5555)
+    flow.server_conn.state = ConnectionState.OPEN
+    return flow
+
+
+def long_chat(turns: int = 12, num_ctx: int = 2048) -> dict:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Summarise the logs."}]
+    for i in range(turns):
+        messages.append({"role": "assistant" if i % 2 == 0 else "user", "content": f"part {i} " + "log line " * 300})
+    return {"model": "m", "messages": messages, "stream": False, "options": {"num_ctx": num_ctx}}
+
+
+def ok_json(body: dict) -> http.Response:
+    return http.Response.make(200, json.dumps(body), {"Content-Type": "application/json; charset=utf-8"})
+
+
+# -- options ----------------------------------------------------------------------------------------
+
+
+def test_options_are_validated_with_a_clear_message(proxy: Proxy) -> None:
+    with pytest.raises(exceptions.OptionsError, match="contextpaw_policy"):
+        proxy.tctx.configure(proxy.compactor, contextpaw_policy="lenient")
+    with pytest.raises(exceptions.OptionsError, match="leave no room"):
+        proxy.tctx.configure(proxy.compactor, contextpaw_default_ctx=1000)
+    with pytest.raises(exceptions.OptionsError, match="contextpaw_keep_recent must be at least 0"):
+        proxy.tctx.configure(proxy.compactor, contextpaw_keep_recent=-1)
+    with pytest.raises(exceptions.OptionsError, match="contextpaw_ollama"):
+        proxy.tctx.configure(proxy.backends, contextpaw_ollama=["ftp://nope"])
+
+
+def test_options_change_live(proxy: Proxy) -> None:
+    proxy.tctx.configure(proxy.compactor, contextpaw_default_ctx=32768, contextpaw_evicted_items=5)
+    assert proxy.compactor.budgeter.default_ctx == 32768
+    assert proxy.compactor.store.max_items == 5
+
+
+# -- compaction -------------------------------------------------------------------------------------
+
+
+async def test_overflowing_chat_is_compacted_and_reported_everywhere(proxy: Proxy) -> None:
+    body = long_chat()
+    flow = post("/api/chat", body)
+    await proxy.send(flow)
+    sent = json.loads(flow.request.content)
+    assert len(sent["messages"]) < len(body["messages"])
+    assert sent["options"] == body["options"]
+    assert json.loads(flow.metadata[ORIGINAL]) == body
+    assert flow.marked and flow.comment.startswith("compacted ")
+
+    response = await proxy.answer(flow, ok_json({"message": {"role": "assistant", "content": "ok"}, "done": True}))
+    assert response.headers["X-ContextPaw-Compacted"] == "true"
+    assert int(response.headers["X-ContextPaw-Final-Tokens"]) <= int(response.headers["X-ContextPaw-Budget"])
+    report = json.loads(response.content)["contextpaw"]
+    assert report["compacted"] and report["window"] == 2048 and report["evicted_tokens"] > 0
+    for marker_id in report["markers"]:
+        assert proxy.compactor.store.get(marker_id) is not None
+    assert proxy.compactor.stats.counts["compacted"] == 1
+
+
+async def test_the_next_turn_reuses_the_plan(proxy: Proxy) -> None:
+    body = long_chat()
+    await proxy.send(post("/api/chat", body))
+    assert len(proxy.compactor.plans) == 1
+    body["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+    await proxy.send(post("/api/chat", body))
+    assert len(proxy.compactor.plans) == 1
+
+
+async def test_a_chat_that_fits_is_forwarded_byte_for_byte(proxy: Proxy) -> None:
+    raw = b'{"model": "m",  "messages": [{"role": "user", "content": "hi \\u003c"}]}'
+    flow = post("/api/chat", None, raw=raw)
+    await proxy.send(flow)
+    assert flow.request.content == raw and ORIGINAL not in flow.metadata
+    response = await proxy.answer(flow, ok_json({"done": True}))
+    assert response.headers["X-ContextPaw-Compacted"] == "false"
+
+
+@pytest.mark.parametrize("raw", [b"{broken", b'{"messages": [{"content": "no role"}]}'])
+async def test_malformed_client_json_is_forwarded_for_the_backend_to_answer(proxy: Proxy, raw: bytes) -> None:
+    flow = post("/api/chat", None, raw=raw)
+    await proxy.send(flow)
+    assert flow.request.content == raw and flow.response is None
+    assert proxy.compactor.stats.counts["errors"] == 0
+
+
+async def test_unhandled_routes_pass_through_untouched(proxy: Proxy) -> None:
+    flow = get("/api/tags")
+    before = flow.request.get_state()
+    await proxy.send(flow)
+    assert flow.request.get_state() == before and not flow.metadata
+    response = await proxy.answer(flow, ok_json({"models": []}))
+    assert "X-ContextPaw-Compacted" not in response.headers
+
+
+async def test_policy_off_changes_nothing_on_the_wire(proxy: Proxy) -> None:
+    proxy.tctx.configure(proxy.compactor, contextpaw_policy="off")
+    body = long_chat()
+    flow = post("/api/chat", body)
+    await proxy.send(flow)
+    assert json.loads(flow.request.content) == body
+    response = await proxy.answer(flow, ok_json({"done": True}))
+    assert response.content == b'{"done": true}' and "X-ContextPaw-Compacted" not in response.headers
+    assert "would have compacted" in flow.comment
+
+
+async def test_strict_refuses_with_ollamas_error_shape(proxy: Proxy) -> None:
+    proxy.tctx.configure(proxy.compactor, contextpaw_policy="strict")
+    flow = post("/api/chat", long_chat())
+    await proxy.send(flow)
+    assert flow.response is not None and flow.response.status_code == 413
+    body = json.loads(flow.response.content)
+    assert "policy strict" in body["error"] and "2048-token" in body["error"]
+    assert body["contextpaw"]["strategy"] == "refused"
+    response = await proxy.answer(flow)
+    assert response.headers["X-ContextPaw-Compacted"] == "false"
+    assert proxy.compactor.stats.counts["refused"] == 1
+
+
+async def test_strict_refuses_with_openais_error_shape(proxy: Proxy) -> None:
+    proxy.tctx.configure(proxy.compactor, contextpaw_policy="strict", contextpaw_default_ctx=2048)
+    chat = long_chat()
+    flow = post("/v1/chat/completions", {"model": "m", "messages": chat["messages"], "max_tokens": 100})
+    await proxy.send(flow)
+    error = json.loads(flow.response.content)["error"]
+    assert error["code"] == "context_length_exceeded" and error["num_ctx"] == 2048
+    assert error["budget"] == 2048 - 100 - 64 < error["n_prompt_tokens"]
+
+
+async def test_what_must_be_kept_but_cannot_fit_is_refused_even_when_compacting(proxy: Proxy) -> None:
+    body = {"model": "m", "messages": [{"role": "system", "content": "rule " * 4000}, {"role": "user", "content": "hi"}]}
+    flow = post("/api/chat", body)
+    await proxy.send(flow)
+    assert flow.response.status_code == 413
+    assert "system prompt" in json.loads(flow.response.content)["error"]
+
+
+async def test_an_internal_error_fails_open(proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("bug")
+
+    monkeypatch.setattr(wire.Chat, "fit", broken)
+    body = long_chat()
+    flow = post("/api/chat", body)
+    await proxy.send(flow)
+    assert json.loads(flow.request.content) == body and flow.response is None
+    response = await proxy.answer(flow, ok_json({"done": True}))
+    assert response.headers["X-ContextPaw-Error"].startswith("KeyError")
+    assert response.status_code == 200
+    assert proxy.compactor.stats.counts["errors"] == 1
+
+
+# -- streams ----------------------------------------------------------------------------------------
+
+
+def streamed(content_type: str, **headers: str) -> http.Response:
+    response = http.Response.make(200, b"", http.Headers(content_type=content_type, **headers))
+    response.content = None
+    return response
+
+
+async def test_streams_get_the_report_transformer_and_chunked_framing(proxy: Proxy) -> None:
+    flow = post("/api/chat", long_chat() | {"stream": True})
+    await proxy.send(flow)
+    flow.response = streamed("application/x-ndjson", content_length="100")
+    await proxy.hook("responseheaders", flow)
+    assert isinstance(flow.response.stream, StreamReport)
+    assert "content-length" not in flow.response.headers
+    assert flow.response.headers["transfer-encoding"] == "chunked"
+    assert flow.response.headers["X-ContextPaw-Compacted"] == "true"
+
+
+async def test_encoded_and_unhandled_streams_are_streamed_untouched(proxy: Proxy) -> None:
+    flow = post("/api/chat", long_chat() | {"stream": True})
+    await proxy.send(flow)
+    flow.response = streamed("application/x-ndjson", content_encoding="gzip")
+    await proxy.hook("responseheaders", flow)
+    assert flow.response.stream is True
+    pull = get("/api/pull")
+    pull.response = streamed("application/x-ndjson")
+    await proxy.hook("responseheaders", pull)
+    assert pull.response.stream is True
+
+
+# -- backends ---------------------------------------------------------------------------------------
+
+
+async def test_an_unreachable_backend_gets_a_json_502_in_the_callers_convention(proxy: Proxy) -> None:
+    proxy.tctx.configure(proxy.backends, contextpaw_llamacpp=[f"http://127.0.0.1:{CLOSED_PORT}"])
+    flow = post("/v1/chat/completions", {"messages": []}, port=CLOSED_PORT)
+    flow.server_conn.state = ConnectionState.CLOSED
+    await proxy.send(flow)
+    assert flow.response.status_code == 502
+    assert json.loads(flow.response.content)["error"]["code"] == "backend_unreachable"
+    assert proxy.compactor.stats.counts["unreachable"] == 1
+
+
+async def test_regular_mode_handles_only_configured_destinations(proxy: Proxy) -> None:
+    flow = post("/api/chat", long_chat(), port=9999)
+    await proxy.send(flow)
+    assert ORIGINAL not in flow.metadata
+    named = post("/api/chat", long_chat(), port=9999)
+    named.request.headers["X-ContextPaw-Backend"] = "ollama"
+    await proxy.send(named)
+    assert ORIGINAL in named.metadata
+
+
+async def test_reverse_mode_destinations_are_served(proxy: Proxy) -> None:
+    flow = get("/contextpaw/health", port=12345)
+    flow.client_conn.proxy_mode = mode_specs.ProxyMode.parse("reverse:http://127.0.0.1:12345@127.0.0.1:0")
+    assert proxy.backends.serves(flow)
+
+
+# -- endpoints --------------------------------------------------------------------------------------
+
+
+async def test_health_answers_locally(proxy: Proxy) -> None:
+    flow = get("/contextpaw/health")
+    await proxy.send(flow)
+    health = json.loads(flow.response.content)
+    assert health["policy"] == "compact" and {"requests", "compacted", "errors"} <= set(health["stats"])
+    assert {b["kind"] for b in health["backends"]} == {"ollama", "llamacpp"}
+    response = await proxy.answer(flow)
+    assert "X-ContextPaw-Compacted" not in response.headers
+
+
+async def test_metrics_are_prometheus_text_from_this_instance(proxy: Proxy) -> None:
+    await proxy.send(post("/api/chat", long_chat()))
+    flow = get("/contextpaw/metrics")
+    await proxy.send(flow)
+    text = flow.response.text
+    assert flow.response.headers["content-type"].startswith("text/plain")
+    assert "contextpaw_compacted_total 1.0" in text and "contextpaw_requests_total 1.0" in text
+    assert make_addons()[2].stats.counts["compacted"] == 0  # no global registry
+
+
+async def test_evicted_content_can_be_fetched_again(proxy: Proxy) -> None:
+    body = long_chat()
+    flow = post("/api/chat", body)
+    await proxy.send(flow)
+    await proxy.answer(flow, ok_json({"done": True}))
+    removals = json.loads(flow.response.content)["contextpaw"]["removals"]
+    marker_id = next(r["marker_id"] for r in removals if r["action"] == "dropped")
+    fetch = get(f"/contextpaw/evicted/{marker_id}")
+    await proxy.send(fetch)
+    got = json.loads(fetch.response.content)
+    dropped = [body["messages"][r["index"]] for r in removals if r["marker_id"] == marker_id]
+    assert got == {"id": marker_id, "content": dropped}
+    missing = get("/contextpaw/evicted/cp-000000000000")
+    await proxy.send(missing)
+    assert missing.response.status_code == 404
+
+
+async def test_endpoints_are_loopback_only_unless_a_token_is_given(proxy: Proxy) -> None:
+    flow = get("/contextpaw/health", peer="192.168.1.20")
+    await proxy.send(flow)
+    assert flow.response.status_code == 403
+    proxy.tctx.options.update(contextpaw_admin_token="s3cret")
+    allowed = get("/contextpaw/health", peer="192.168.1.20")
+    allowed.request.headers["X-ContextPaw-Token"] = "s3cret"
+    await proxy.send(allowed)
+    assert allowed.response.status_code == 200
+    mapped = get("/contextpaw/health", peer="::ffff:127.0.0.1")
+    await proxy.send(mapped)
+    assert mapped.response.status_code == 200
+
+
+# -- mitmweb ----------------------------------------------------------------------------------------
+
+
+async def test_contentview_shows_what_was_cut(proxy: Proxy) -> None:
+    flow = post("/api/chat", long_chat())
+    await proxy.send(flow)
+    view = contentviews.prettify_message(flow.request, flow)
+    assert view.view_name == "contextpaw"
+    assert "--- sent by the client" in view.text and "\n-" in view.text and "[ContextPaw:" in view.text
+    untouched = post("/api/chat", {"messages": []})
+    assert contentviews.prettify_message(untouched.request, untouched).view_name != "contextpaw"
+
+
+def test_addon_classes_are_exported_for_embedding() -> None:
+    assert [type(a) for a in make_addons()] == [AdminEndpoints, Backends, Compactor]
