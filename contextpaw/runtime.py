@@ -196,6 +196,11 @@ class ArbiterCounters:
     refused: int = 0
     wait_timeouts: int = 0
 
+    @property
+    def mean_switch_seconds(self) -> float | None:
+        attempts = self.switches + self.failures
+        return self.switch_seconds / attempts if attempts else None
+
 
 class LlamaServer:
     """The llama-server ContextPaw started. It runs in its own session, so stopping its process
@@ -290,6 +295,7 @@ class Arbiter:
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._http: aiohttp.ClientSession | None = None
+        self._closed = False
 
     # --- what the addon calls -------------------------------------------------------------------
 
@@ -308,6 +314,8 @@ class Arbiter:
         self._waiting[wanted] += 1
         try:
             while True:
+                if self._closed:
+                    raise RuntimeUnavailable("the proxy is shutting down")
                 if awaited is not None and awaited.error is not None:
                     raise RuntimeUnavailable(awaited.error)
                 cannot_start = start_problem(self.settings.llamacpp_cmd) if wanted is Kind.LLAMACPP else None
@@ -365,6 +373,7 @@ class Arbiter:
 
     async def aclose(self) -> None:
         """Stop what the proxy started; call when the proxy exits."""
+        self._closed = True
         for task in list(self._tasks):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -385,10 +394,9 @@ class Arbiter:
             await asyncio.wait_for(self._changed.wait(), max(0.0, remaining))
         except TimeoutError:
             self.counters.wait_timeouts += 1
-            seconds = self._last.seconds if self._last else None
             raise RuntimeUnavailable(
                 f"{wanted} is not ready after {self.settings.wait_timeout:g}s ({self._phase})",
-                retry_after=retry_after(seconds),
+                retry_after=retry_after(self.counters.mean_switch_seconds),
             ) from None
 
     async def _until(self, condition: Callable[[], Awaitable[bool]], timeout: float) -> bool:
