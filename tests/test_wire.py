@@ -161,6 +161,8 @@ def test_upstream_overflow_from_llama_server_and_from_ollama_wrapping_it() -> No
     expected = UpstreamOverflow(n_prompt_tokens=4390, n_ctx=4096)
     assert wire.upstream_overflow(400, json.dumps(LLAMA_400).encode()) == expected
     assert wire.upstream_overflow(400, json.dumps({"error": json.dumps(LLAMA_400)}).encode()) == expected
+    envelope = {"error": {"message": json.dumps(LLAMA_400), "type": "invalid_request_error", "code": None}}
+    assert wire.upstream_overflow(400, json.dumps(envelope).encode()) == expected
 
 
 @pytest.mark.parametrize(

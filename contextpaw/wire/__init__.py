@@ -177,11 +177,14 @@ def output_limit(value: int | None) -> int | None:
 
 
 def upstream_overflow(status: int, raw: bytes) -> UpstreamOverflow | None:
-    """Recognise llama-server's overflow error, bare or wrapped in a string by Ollama."""
+    """Recognise llama-server's overflow error: bare, or as Ollama passes it on, as the string in its
+    native `error` or in its OpenAI envelope's `error.message`."""
     if status not in (400, 500):
         return None
     try:
         error = json.loads(raw).get("error")
+        if isinstance(error, Mapping) and str(error.get("message", "")).startswith("{"):
+            error = error["message"]
         if isinstance(error, str):
             error = json.loads(error).get("error")
     except (ValueError, AttributeError):

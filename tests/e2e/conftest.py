@@ -1,0 +1,156 @@
+"""Real processes on free loopback ports: the fake backends, and mitmdump or `contextpaw` in front.
+
+Each process is started once per session (about a second each) and stopped group-wide at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from contextpaw.testing.backends import Backend, free_port, start_module, start_process
+
+REPO = Path(__file__).resolve().parents[2]
+ADDON = REPO / "contextpaw_addon.py"
+FAULT = Path(__file__).with_name("fault.py")
+N_CTX = 1024
+"""Every fake backend's window, and the proxies' default window."""
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class Proxy:
+    """A ContextPaw process and the addresses clients use to reach each backend through it."""
+
+    process: Backend
+    ollama: str
+    llamacpp: str
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def ollama(workdir: Path) -> Iterator[Backend]:
+    """Fake Ollama in native mode: an overflow is llama-server's 400, wrapped in a string."""
+    args = ["--n-ctx", str(N_CTX), "--native"]
+    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "ollama.log") as backend:
+        yield backend
+
+
+@pytest.fixture(scope="session")
+def llamacpp(workdir: Path) -> Iterator[Backend]:
+    args = ["--n-ctx", str(N_CTX)]
+    with start_module("contextpaw.testing.fake_llamacpp", args, "/health", workdir / "llamacpp.log") as backend:
+        yield backend
+
+
+@pytest.fixture(scope="session")
+def slow_llamacpp(workdir: Path) -> Iterator[Backend]:
+    """A llama-server that takes 0.1 s per generated token, to see streaming through the proxy."""
+    args = ["--n-ctx", str(N_CTX), "--chunk-delay", "0.1"]
+    with start_module("contextpaw.testing.fake_llamacpp", args, "/health", workdir / "slow.log") as backend:
+        yield backend
+
+
+def mitmdump(workdir: Path, name: str, upstreams: Sequence[str], *extra: str) -> Proxy:
+    """`mitmdump -s contextpaw_addon.py` in reverse mode in front of each upstream, as documented."""
+    ports = [free_port() for _ in upstreams]
+    argv = [sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q", "-s", str(ADDON)]
+    for upstream, port in zip(upstreams, ports, strict=True):
+        argv += ["--mode", f"reverse:{upstream}@{LOOPBACK}:{port}"]
+    argv += ["--set", f"confdir={workdir / 'conf'}", "--set", "connection_strategy=lazy"]
+    argv += ["--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128", *extra]
+    urls = [f"http://{LOOPBACK}:{port}" for port in ports]
+    process = start_process(argv, urls[0], "/contextpaw/health", workdir / f"{name}.log", 30)
+    return Proxy(process, urls[0], urls[-1])
+
+
+@pytest.fixture(scope="session")
+def proxy(workdir: Path, ollama: Backend, llamacpp: Backend) -> Iterator[Proxy]:
+    """The documented setup: one process, a reverse mode per backend, kinds found by probing."""
+    running = mitmdump(workdir, "proxy", [ollama.url, llamacpp.url])
+    with running.process:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def strict(workdir: Path, ollama: Backend, llamacpp: Backend) -> Iterator[Proxy]:
+    running = mitmdump(workdir, "strict", [ollama.url, llamacpp.url], "--set", "contextpaw_policy=strict")
+    with running.process:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def faulty(workdir: Path, ollama: Backend) -> Iterator[Proxy]:
+    """A proxy whose compaction step raises (tests/e2e/fault.py patches it), to see it fail open."""
+    running = mitmdump(workdir, "faulty", [ollama.url], "-s", str(FAULT))
+    with running.process:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def slow_proxy(workdir: Path, slow_llamacpp: Backend) -> Iterator[Proxy]:
+    running = mitmdump(workdir, "slow-proxy", [slow_llamacpp.url])
+    with running.process:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def command(workdir: Path, llamacpp: Backend) -> Iterator[Proxy]:
+    """The `contextpaw` command, fronting llama-server and an Ollama that is down."""
+    down = f"http://{LOOPBACK}:{free_port()}"
+    port, llama_port = free_port(), free_port()
+    argv = [
+        sys.executable, "-m", "contextpaw.cli", "--ollama", down, "--port", str(port),
+        "--llamacpp", llamacpp.url, "--llamacpp-port", str(llama_port), "--confdir", str(workdir / "conf"), "-q",
+        "--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128",
+    ]  # fmt: skip
+    url = f"http://{LOOPBACK}:{port}"
+    with start_process(argv, url, "/contextpaw/health", workdir / "command.log", 30) as process:
+        yield Proxy(process, url, f"http://{LOOPBACK}:{llama_port}")
+
+
+@pytest.fixture(scope="session")
+def regular(workdir: Path, ollama: Backend) -> Iterator[str]:
+    """mitmdump as a regular HTTP proxy; the Ollama destination is configured. Yields the proxy URL."""
+    port = free_port()
+    proxy_url = f"http://{LOOPBACK}:{port}"
+    argv = [
+        sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q", "-s", str(ADDON),
+        "--mode", f"regular@{LOOPBACK}:{port}", "--set", f"confdir={workdir / 'conf'}",
+        "--set", "connection_strategy=lazy", "--set", f"contextpaw_ollama={ollama.url}",
+    ]  # fmt: skip
+    # Ready as soon as it is started (Ollama answers `/`); then wait until the proxy answers too.
+    with start_process(argv, ollama.url, "/", workdir / "regular.log", 30) as process:
+        deadline = time.monotonic() + 30
+        while fetch(f"{ollama.url}/contextpaw/health", proxy=proxy_url)[0] != 200:
+            assert process.process.poll() is None and time.monotonic() < deadline, process.log.read_text()
+            time.sleep(0.1)
+        yield proxy_url
+
+
+@pytest.fixture(scope="session")
+def get() -> Callable[..., tuple[int, dict[str, str], bytes]]:
+    return fetch
+
+
+def fetch(url: str, proxy: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """A plain GET (through `proxy` when given), returning status, headers and body even on errors."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": proxy} if proxy else {}))
+    try:
+        with opener.open(url, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+    except (urllib.error.URLError, ConnectionError):
+        return 0, {}, b""

@@ -1,0 +1,253 @@
+"""ContextPaw in a real mitmdump (and the `contextpaw` command) in front of the fake backends,
+driven by the real `ollama` and `openai` clients."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import httpx
+import ollama as ollama_client
+import openai
+import pytest
+
+from conftest import N_CTX, Proxy
+from contextpaw.testing.backends import Backend
+
+SECRET = "kiwi"
+SYSTEM = f"SECRET={SECRET}. Answer in one sentence."
+QUESTION = "What is the SECRET?"
+
+
+def overflowing(turns: int = 10) -> list[dict[str, str]]:
+    """A chat far over the window, whose answer needs the system prompt that a cut would lose."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Read these notes."}]
+    for i in range(turns):
+        messages.append({"role": "assistant" if i % 2 == 0 else "user", "content": f"note {i}: " + "lorem ipsum " * 150})
+    messages.append({"role": "user", "content": QUESTION})
+    return messages
+
+
+def undercounted() -> list[dict[str, str]]:
+    """A chat that our byte estimate thinks fits but the backend counts as too long (one token per 'a')."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a " * 1100 + QUESTION}]
+
+
+class Headers:
+    """Captures the response headers an `ollama` client saw (the client itself does not expose them)."""
+
+    def __init__(self) -> None:
+        self.last: httpx.Headers = httpx.Headers()
+
+    def __call__(self, response: httpx.Response) -> None:
+        self.last = response.headers
+
+
+def ollama_at(url: str, **kwargs: object) -> tuple[ollama_client.Client, Headers]:
+    headers = Headers()
+    return ollama_client.Client(host=url, event_hooks={"response": [headers]}, **kwargs), headers
+
+
+def openai_at(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+
+
+OPTIONS = {"num_ctx": N_CTX, "num_predict": 16}
+
+
+# -- compaction, reported in headers, bodies and streams ---------------------------------------------
+
+
+def test_ollama_chat_is_compacted_and_the_model_keeps_its_system_prompt(proxy: Proxy) -> None:
+    client, headers = ollama_at(proxy.ollama)
+    reply = client.chat(model="fake", messages=overflowing(), options=OPTIONS)
+    assert SECRET in reply.message.content
+    assert headers.last["X-ContextPaw-Compacted"] == "true"
+    assert reply.prompt_eval_count <= int(headers.last["X-ContextPaw-Budget"])
+
+
+def test_ollama_chat_stream_carries_the_report_in_the_done_record(proxy: Proxy) -> None:
+    client, headers = ollama_at(proxy.ollama)
+    parts = list(client.chat(model="fake", messages=overflowing(), options=OPTIONS, stream=True))
+    assert parts[-1].done and SECRET in "".join(p.message.content for p in parts)
+    assert headers.last["X-ContextPaw-Compacted"] == "true"
+    body = {"model": "fake", "messages": overflowing(), "options": OPTIONS}
+    with httpx.stream("POST", f"{proxy.ollama}/api/chat", json=body) as response:
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    assert "contextpaw" not in lines[0] and lines[-1]["done"] is True
+    assert lines[-1]["contextpaw"]["compacted"] is True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_generate_is_compacted(proxy: Proxy, stream: bool) -> None:
+    client, headers = ollama_at(proxy.ollama)
+    prompt = "lorem ipsum " * 2000 + QUESTION
+    result = client.generate(model="fake", prompt=prompt, system=SYSTEM, options=OPTIONS, stream=stream)
+    text = "".join(r.response for r in result) if stream else result.response
+    assert SECRET in text and headers.last["X-ContextPaw-Compacted"] == "true"
+
+
+@pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
+def test_openai_chat_reports_in_headers_and_body(proxy: Proxy, backend: str) -> None:
+    raw = openai_at(getattr(proxy, backend)).chat.completions.with_raw_response.create(
+        model="fake", messages=overflowing(), max_tokens=16
+    )
+    completion = raw.parse()
+    assert SECRET in completion.choices[0].message.content
+    assert raw.headers["X-ContextPaw-Compacted"] == "true"
+    report = completion.model_extra["contextpaw"]
+    assert report["compacted"] and report["final_tokens"] <= report["budget"] and report["markers"]
+
+
+@pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
+def test_openai_chat_stream_reports_in_the_last_chunk(proxy: Proxy, backend: str) -> None:
+    chunks = list(
+        openai_at(getattr(proxy, backend)).chat.completions.create(
+            model="fake", messages=overflowing(), max_tokens=16, stream=True
+        )
+    )
+    carriers = [c for c in chunks if c.model_extra and "contextpaw" in c.model_extra]
+    assert carriers == [chunks[-1]]
+    assert chunks[-1].model_extra["contextpaw"]["compacted"] is True
+    assert SECRET in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_completions_are_compacted(proxy: Proxy, backend: str, stream: bool) -> None:
+    prompt = SYSTEM + " " + "lorem ipsum " * 2000 + QUESTION
+    client = openai_at(getattr(proxy, backend))
+    result = client.completions.create(model="fake", prompt=prompt, max_tokens=16, stream=stream)
+    pieces = list(result) if stream else [result]
+    report = pieces[-1].model_extra["contextpaw"]
+    assert report["compacted"] and report["strategy"] == "head_tail"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llamacpp_completion_is_compacted(proxy: Proxy, stream: bool) -> None:
+    body = {"prompt": SYSTEM + " " + "lorem ipsum " * 2000 + QUESTION, "n_predict": 16, "stream": stream}
+    with httpx.stream("POST", f"{proxy.llamacpp}/completion", json=body) as response:
+        assert response.status_code == 200 and response.headers["X-ContextPaw-Compacted"] == "true"
+        text = response.read().decode()
+    final = json.loads(text.strip().split("\n\n")[-1].removeprefix("data: ")) if stream else json.loads(text)
+    assert final["stop"] is True and final["contextpaw"]["compacted"] is True
+
+
+def test_streams_are_passed_through_as_they_come(slow_proxy: Proxy) -> None:
+    client = openai_at(slow_proxy.llamacpp)
+    started = time.monotonic()
+    arrivals = [
+        time.monotonic() - started
+        for _ in client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+    ]
+    assert arrivals[-1] - arrivals[0] > 0.3, "chunks arrived together: the stream was buffered"
+
+
+# -- policies ---------------------------------------------------------------------------------------
+
+
+def test_strict_gives_ollama_clients_a_413_with_the_numbers(strict: Proxy) -> None:
+    client, _ = ollama_at(strict.ollama)
+    with pytest.raises(ollama_client.ResponseError) as refused:
+        client.chat(model="fake", messages=overflowing(), options=OPTIONS)
+    assert refused.value.status_code == 413
+    assert "policy strict" in refused.value.error and f"{N_CTX}-token" in refused.value.error
+
+
+@pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
+def test_strict_gives_openai_clients_context_length_exceeded(strict: Proxy, backend: str) -> None:
+    with pytest.raises(openai.APIStatusError) as refused:
+        openai_at(getattr(strict, backend)).chat.completions.create(model="fake", messages=overflowing(), max_tokens=16)
+    assert refused.value.status_code == 413
+    error = refused.value.response.json()["error"]
+    assert (error["type"], error["code"], error["num_ctx"]) == ("context_overflow", "context_length_exceeded", N_CTX)
+    assert error["n_prompt_tokens"] > error["budget"] == N_CTX - 16 - 64
+
+
+# -- the upstream 400, rescued --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_overflow_400_is_compacted_and_retried_once(proxy: Proxy, backend: str, stream: bool) -> None:
+    body = {"model": "fake", "messages": undercounted(), "max_tokens": 16, "stream": stream}
+    response = httpx.post(f"{getattr(proxy, backend)}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200
+    assert response.headers["X-ContextPaw-Recovered"] == "upstream-400"
+    if stream:
+        events = [e.removeprefix("data: ") for e in response.text.strip().split("\n\n")]
+        assert events[-1] == "[DONE]"
+        report = json.loads(events[-2])["contextpaw"]
+    else:
+        report = response.json()["contextpaw"]
+    assert report["recovered_from_upstream_400"] is True and report["window"] == N_CTX
+
+
+def test_the_ollama_client_never_sees_the_rescued_400(proxy: Proxy) -> None:
+    client, headers = ollama_at(proxy.ollama)
+    reply = client.chat(model="fake", messages=undercounted(), options=OPTIONS)
+    assert SECRET in reply.message.content and headers.last["X-ContextPaw-Recovered"] == "upstream-400"
+
+
+# -- pass-through, own endpoints, failures ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backend", "path"), [("ollama", "/api/version"), ("ollama", "/"), ("llamacpp", "/props"), ("llamacpp", "/v1/models?x=1")]
+)
+def test_other_routes_pass_through_byte_for_byte(
+    proxy: Proxy, ollama: Backend, llamacpp: Backend, get: Callable, backend: str, path: str
+) -> None:
+    direct = get({"ollama": ollama, "llamacpp": llamacpp}[backend].url + path)
+    proxied = get(getattr(proxy, backend) + path)
+    assert (proxied[0], proxied[2]) == (direct[0], direct[2])
+    assert "X-ContextPaw-Compacted" not in proxied[1]
+
+
+def test_health_metrics_and_evicted_content(proxy: Proxy, get: Callable) -> None:
+    completion = openai_at(proxy.llamacpp).chat.completions.create(model="fake", messages=overflowing(), max_tokens=16)
+    report = completion.model_extra["contextpaw"]
+    dropped = next(r for r in report["removals"] if r["action"] == "dropped")
+    status, _, body = get(f"{proxy.llamacpp}/contextpaw/evicted/{dropped['marker_id']}")
+    assert status == 200 and json.loads(body)["content"][0] == overflowing()[dropped["index"]]
+
+    status, _, body = get(f"{proxy.ollama}/contextpaw/health")
+    health = json.loads(body)
+    assert status == 200 and health["stats"]["compacted"] >= 1
+    assert {(b["kind"], b["answers"]) for b in health["backends"]} == {("ollama", True), ("llamacpp", True)}
+    status, headers, body = get(f"{proxy.ollama}/contextpaw/metrics")
+    assert status == 200 and b"contextpaw_compacted_total" in body
+
+
+def test_a_backend_that_is_down_gets_a_json_502(command: Proxy, get: Callable) -> None:
+    client, _ = ollama_at(command.ollama)
+    with pytest.raises(ollama_client.ResponseError) as down:
+        client.chat(model="fake", messages=[{"role": "user", "content": "hi"}])
+    assert down.value.status_code == 502 and "does not answer" in down.value.error
+    with pytest.raises(openai.APIStatusError) as down_v1:
+        openai_at(command.ollama).models.list()
+    assert down_v1.value.response.json()["error"]["code"] == "backend_unreachable"
+    status, _, body = get(f"{command.ollama}/contextpaw/health")
+    assert status == 200
+    assert {b["kind"]: b["answers"] for b in json.loads(body)["backends"]} == {"ollama": False, "llamacpp": True}
+
+
+def test_the_contextpaw_command_compacts(command: Proxy) -> None:
+    completion = openai_at(command.llamacpp).chat.completions.create(model="fake", messages=overflowing(), max_tokens=16)
+    assert completion.model_extra["contextpaw"]["compacted"] and SECRET in completion.choices[0].message.content
+
+
+def test_regular_proxy_mode_handles_configured_backends(regular: str, ollama: Backend) -> None:
+    client, headers = ollama_at(ollama.url, proxy=regular)
+    reply = client.chat(model="fake", messages=overflowing(), options=OPTIONS)
+    assert SECRET in reply.message.content and headers.last["X-ContextPaw-Compacted"] == "true"
+
+
+def test_an_internal_error_fails_open(faulty: Proxy) -> None:
+    client, headers = ollama_at(faulty.ollama)
+    reply = client.chat(model="fake", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    assert SECRET in reply.message.content
+    assert headers.last["X-ContextPaw-Error"].startswith("RuntimeError")
