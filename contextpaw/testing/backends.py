@@ -75,7 +75,9 @@ def locate_llama_server(build: bool = False) -> Located:
     candidate = Path(on_path) if on_path else _cached_llama_server()
     if os.access(candidate, os.X_OK):
         return Located(candidate)
-    return Located(None, f"no llama-server: set LLAMA_SERVER or run {GET_LLAMA_SERVER.relative_to(REPO)} (builds it once)")
+    return Located(
+        None, f"no llama-server: set LLAMA_SERVER or run {GET_LLAMA_SERVER.relative_to(REPO)} (builds it once)"
+    )
 
 
 def locate_smollm2() -> Located:
@@ -109,7 +111,9 @@ class Backend:
     def __enter__(self) -> Backend:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self.stop()
 
 
@@ -133,23 +137,48 @@ def start_process(argv: Sequence[str], url: str, health_path: str, log: Path, ti
         if process.poll() is not None or time.monotonic() > deadline:
             backend.stop()
             tail = log.read_text(errors="replace")[-3000:]
-            state = f"exited with {process.returncode}" if process.returncode is not None else f"not ready in {timeout:.0f}s"
+            state = (
+                f"exited with {process.returncode}"
+                if process.returncode is not None
+                else f"not ready in {timeout:.0f}s"
+            )
             raise RuntimeError(f"{argv[0]} {state}; log {log}:\n{tail}")
         time.sleep(0.1)
     return backend
 
 
 def start_llama_server(
-    binary: Path, model: Path, n_ctx: int, log: Path, *, parallel: int = 1, port: int | None = None, timeout: float = 120.0
+    binary: Path,
+    model: Path,
+    n_ctx: int,
+    log: Path,
+    *,
+    parallel: int = 1,
+    port: int | None = None,
+    timeout: float = 120.0,
 ) -> Backend:
     """A real llama-server on loopback. One slot by default, as Ollama starts it, so the
     per-request window is ``n_ctx`` and requests queue instead of sharing the KV pool."""
     port = port or free_port()
-    argv = [str(binary), "-m", str(model), "-c", str(n_ctx), "-np", str(parallel), "--host", LOOPBACK, "--port", str(port)]
+    argv = [
+        str(binary),
+        "-m",
+        str(model),
+        "-c",
+        str(n_ctx),
+        "-np",
+        str(parallel),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+    ]
     return start_process(argv, f"http://{LOOPBACK}:{port}", "/health", log, timeout)
 
 
-def start_module(module: str, args: Sequence[str], health_path: str, log: Path, *, port: int | None = None, timeout: float = 30.0) -> Backend:
+def start_module(
+    module: str, args: Sequence[str], health_path: str, log: Path, *, port: int | None = None, timeout: float = 30.0
+) -> Backend:
     """``python -m module --port P args...``: a fake or the simulator in its own process, e.g.
     ``start_module("contextpaw.testing.fake_ollama", ["--n-ctx", "512"], "/", log)``."""
     port = port or free_port()
@@ -172,10 +201,21 @@ def start_proxy(
     ``--set name=value`` pairs, e.g. ``["contextpaw_backend=ollama"]``."""
     port = port or free_port()
     argv = [
-        sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()",
-        "-q", "-s", str(addon), "--mode", f"reverse:{upstream}@{LOOPBACK}:{port}",
-        "--set", "connection_strategy=lazy", "--set", f"confdir={confdir}", "--set", "tcp_timeout=3600",
-    ]  # fmt: skip
+        sys.executable,
+        "-c",
+        "from mitmproxy.tools.main import mitmdump; mitmdump()",
+        "-q",
+        "-s",
+        str(addon),
+        "--mode",
+        f"reverse:{upstream}@{LOOPBACK}:{port}",
+        "--set",
+        "connection_strategy=lazy",
+        "--set",
+        f"confdir={confdir}",
+        "--set",
+        "tcp_timeout=3600",
+    ]
     for option in options:
         argv += ["--set", option]
     return start_process(argv, f"http://{LOOPBACK}:{port}", "/contextpaw/health", log, timeout)

@@ -13,7 +13,7 @@ import json
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 LOOPBACK = "127.0.0.1"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SECRET_QUESTION = "What is the SECRET?"
 FIXED_REPLY = "Hello from the fake model."
@@ -114,7 +115,8 @@ def context_overflow_error(n_prompt_tokens: int, n_ctx: int) -> dict[str, Any]:
     return {
         "error": {
             "code": 400,
-            "message": f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it",
+            "message": f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), "
+            "try increasing it",
             "type": "exceed_context_size_error",
             "n_prompt_tokens": n_prompt_tokens,
             "n_ctx": n_ctx,
@@ -138,6 +140,18 @@ def routing_errors(
             return not_found()
 
     return middleware
+
+
+def application(
+    middlewares: list[Callable[..., Any]], gets: dict[str, Handler], posts: dict[str, Handler]
+) -> web.Application:
+    """An app with these routes (GET routes answer HEAD too)."""
+    app = web.Application(middlewares=middlewares)
+    for path, handler in gets.items():
+        app.router.add_get(path, handler)
+    for path, handler in posts.items():
+        app.router.add_post(path, handler)
+    return app
 
 
 def free_port() -> int:

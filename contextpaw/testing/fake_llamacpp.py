@@ -32,6 +32,7 @@ from contextpaw.testing.common import (
     LazyStream,
     Pacing,
     Vocabulary,
+    application,
     common_arguments,
     compact_json,
     context_overflow_error,
@@ -55,7 +56,7 @@ class LlamaSettings:
     model: str = "fake-model"
     n_ctx: int = 4096
     slots: int = 1
-    pacing: Pacing = Pacing()
+    pacing: Pacing = field(default_factory=Pacing)
 
 
 class Tokenizer:
@@ -66,11 +67,7 @@ class Tokenizer:
 
     def pieces(self, text: str, parse_special: bool = True) -> list[str]:
         parts = _SPECIAL.split(text) if parse_special else [text]
-        return [
-            piece
-            for part in parts
-            for piece in ([part] if part in SPECIAL_TOKENS else _PIECE.findall(part))
-        ]
+        return [piece for part in parts for piece in ([part] if part in SPECIAL_TOKENS else _PIECE.findall(part))]
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
         return [BOS] * add_special + self._vocab.ids(self.pieces(text, parse_special))
@@ -146,7 +143,7 @@ class Slots:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @dataclass
@@ -284,7 +281,12 @@ class TextCompletionFormat(ResponseFormat):
         return self._final(done, done.content)
 
     def _final(self, done: Completion, text: str) -> dict[str, Any]:
-        return {**self._chunk(text, done.finish_reason), "usage": done.usage(), "id": self.id, "timings": done.timings()}
+        return {
+            **self._chunk(text, done.finish_reason),
+            "usage": done.usage(),
+            "id": self.id,
+            "timings": done.timings(),
+        }
 
 
 class ChatFormat(ResponseFormat):
@@ -336,9 +338,7 @@ class ChatFormat(ResponseFormat):
 
 def _n_predict(body: dict[str, Any]) -> int:
     """The first non-null of ``n_predict``, ``max_completion_tokens``, ``max_tokens``; -1 if none."""
-    value = next(
-        (body[k] for k in ("n_predict", "max_completion_tokens", "max_tokens") if body.get(k) is not None), -1
-    )
+    value = next((body[k] for k in ("n_predict", "max_completion_tokens", "max_tokens") if body.get(k) is not None), -1)
     if value < -1:
         raise RequestError(
             400,
@@ -389,7 +389,14 @@ class FakeLlamaServer:
         return _json(
             {
                 "default_generation_settings": {
-                    "params": {"n_predict": -1, "max_tokens": -1, "n_keep": 0, "n_discard": 0, "stream": False, "temperature": 0.8},
+                    "params": {
+                        "n_predict": -1,
+                        "max_tokens": -1,
+                        "n_keep": 0,
+                        "n_discard": 0,
+                        "stream": False,
+                        "temperature": 0.8,
+                    },
                     "n_ctx": s.n_ctx,
                 },
                 "total_slots": s.slots,
@@ -407,13 +414,22 @@ class FakeLlamaServer:
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.settings.model
-        meta = {"vocab_type": 2, "n_vocab": 32000, "n_ctx": self.settings.n_ctx, "n_ctx_train": self.settings.n_ctx,
-                "n_embd": 64, "n_params": 1, "size": 1}  # fmt: skip
+        meta = {
+            "vocab_type": 2,
+            "n_vocab": 32000,
+            "n_ctx": self.settings.n_ctx,
+            "n_ctx_train": self.settings.n_ctx,
+            "n_embd": 64,
+            "n_params": 1,
+            "size": 1,
+        }
         return _json(
             {
                 "models": [{"name": name, "model": name, "type": "model", "capabilities": ["completion"]}],
                 "object": "list",
-                "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "llamacpp", "meta": meta}],
+                "data": [
+                    {"id": name, "object": "model", "created": int(time.time()), "owned_by": "llamacpp", "meta": meta}
+                ],
             }
         )
 
@@ -491,7 +507,7 @@ class FakeLlamaServer:
 
     async def _stream(self, request: web.Request, encoder: ResponseFormat, done: Completion) -> web.StreamResponse:
         out = LazyStream(request, "text/event-stream", {"X-Accel-Buffering": "no"})
-        for index, (piece, token) in enumerate(zip(done.pieces, done.tokens)):
+        for index, (piece, token) in enumerate(zip(done.pieces, done.tokens, strict=True)):
             await self.settings.pacing.before_token(index)
             for event in encoder.partial(piece, token, index + 1, done.n_prompt):
                 await out.write(sse(event))
@@ -517,13 +533,14 @@ async def _request_errors(request: web.Request, handler: Callable[..., Any]) -> 
 def fake_llamacpp_app(settings: LlamaSettings = LlamaSettings()) -> web.Application:
     """An aiohttp app imitating llama-server; serve it with :func:`contextpaw.testing.common.running`."""
     server = FakeLlamaServer(settings)
-    app = web.Application(middlewares=[routing_errors(_not_found, _not_found), _request_errors])
-    for path in ("/health", "/v1/health"):
-        app.router.add_get(path, server.health)
-    app.router.add_get("/props", server.props)
-    for path in ("/v1/models", "/models"):
-        app.router.add_get(path, server.models)
-    routes = {
+    gets = {
+        "/health": server.health,
+        "/v1/health": server.health,
+        "/props": server.props,
+        "/v1/models": server.models,
+        "/models": server.models,
+    }
+    posts = {
         "/tokenize": server.tokenize,
         "/detokenize": server.detokenize,
         "/apply-template": server.apply_template,
@@ -535,9 +552,7 @@ def fake_llamacpp_app(settings: LlamaSettings = LlamaSettings()) -> web.Applicat
         "/v1/chat/completions": server.chat_completion,
         "/chat/completions": server.chat_completion,
     }
-    for path, handler in routes.items():
-        app.router.add_post(path, handler)
-    return app
+    return application([routing_errors(_not_found, _not_found), _request_errors], gets, posts)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ resolution, the loaded runner and ``keep_alive``, message-level truncation (whol
 oldest first, system messages re-collected to the front), the token-level middle cut that keeps
 ``num_keep`` (+BOS) tokens and the tail, the 400s, and the native and ``/v1`` wire formats. An
 :class:`Engine` renders, tokenizes and generates. :class:`WhitespaceEngine` is Ollama's own test
-double: whitespace tokens, the ``<|role|> content`` template, and :func:`scripted_reply` as model.
+double: whitespace tokens, the ``<|role|> content`` template, and :func:`common.scripted_reply` as model.
 
 Not imitated: the Modelfile (SYSTEM, MESSAGEs, PARAMETERs), images, thinking, ``_debug_render_only``,
 the Host-header 403, the queue-full 503, the ``legacy`` profile, the ``context`` request field.
@@ -24,26 +24,14 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from aiohttp import web
 
-from contextpaw.testing.common import (
-    SSE_DONE,
-    LazyStream,
-    Pacing,
-    Vocabulary,
-    common_arguments,
-    compact_json,
-    context_overflow_error,
-    pacing,
-    routing_errors,
-    scripted_reply,
-    serve,
-    sse,
-)
+from contextpaw.testing import common
+from contextpaw.testing.common import LazyStream, Pacing, Vocabulary, compact_json
 
 VERSION = "0.33.0-rc2"
 PROMPT_TOO_LONG = (
@@ -66,7 +54,7 @@ class OllamaSettings:
     native: bool = False  # /api/chat rendered by llama-server: an overflow is a 400, never a cut
     context_shift: bool = True  # False as for deepseek2: an overflow that needs a cut is a 400
     unload_delay: float = 0.05  # how long an unloaded model stays listed in /api/ps
-    pacing: Pacing = Pacing()
+    pacing: Pacing = field(default_factory=Pacing)
 
 
 @dataclass(frozen=True)
@@ -131,7 +119,9 @@ class WhitespaceEngine:
         self._vocab = Vocabulary({"<s>": self.BOS})
 
     async def open(self) -> ModelCard:
-        return ModelCard("llama", self._train_ctx, 64, 1_000_000, "1M", "Q4_0", 1_000_000, "<|{{ .Role }}|> {{ .Content }}")
+        return ModelCard(
+            "llama", self._train_ctx, 64, 1_000_000, "1M", "Q4_0", 1_000_000, "<|{{ .Role }}|> {{ .Content }}"
+        )
 
     async def close(self) -> None:
         return None
@@ -152,9 +142,11 @@ class WhitespaceEngine:
     async def adds_bos(self) -> bool:
         return self._add_bos
 
-    async def generate(self, tokens: list[int], num_predict: int, options: dict[str, Any]) -> AsyncIterator[str | Finish]:
+    async def generate(
+        self, tokens: list[int], num_predict: int, options: dict[str, Any]
+    ) -> AsyncIterator[str | Finish]:
         seen = " ".join(self._vocab.pieces(t for t in tokens if t != self.BOS))
-        words = scripted_reply(seen).split()
+        words = common.scripted_reply(seen).split()
         emitted = words[:num_predict]
         for index, word in enumerate(emitted):
             yield word if index == 0 else f" {word}"
@@ -277,88 +269,73 @@ class NativeCodec:
 
 
 class OpenAICodec:
-    """The ``/v1`` layer: SSE with ``[DONE]``, a ``usage`` chunk only when asked for; a failure
+    """The ``/v1`` layer (ollama.md §3.6): SSE ending in ``[DONE]``, a ``usage`` chunk only when
+    asked for (and then, for text completions, a zero ``usage`` on every chunk); a failure
     mid-stream is swallowed into an empty chunk and the stream ends without ``[DONE]``."""
 
     content_type = "text/event-stream"
-    prefix = "chatcmpl"
     _ids = itertools.count(417)
 
-    def __init__(self, model: str, body: dict[str, Any]) -> None:
+    def __init__(self, model: str, body: dict[str, Any], chat: bool) -> None:
         self._model = model
-        self._id = f"{self.prefix}-{next(self._ids) % 999}"
+        self._chat = chat
+        self._id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids) % 999}"
         self._created = int(time.time())
         self._include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-    def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self._id, "object": kind, "created": self._created}
+    def _object(
+        self, choices: list[dict[str, Any]], chunk: bool, model: str | None = None, **rest: Any
+    ) -> dict[str, Any]:
+        kind = ("chat.completion" if self._chat else "text_completion") + (".chunk" if chunk and self._chat else "")
+        head = {"id": self._id, "object": kind, "created": self._created}
+        tail = {"model": self._model if model is None else model, "system_fingerprint": "fp_ollama"}
+        if chunk and not self._chat:  # text completion chunks put choices before model
+            return {**head, "choices": choices, **tail, **rest}
+        return {**head, **tail, "choices": choices, **rest}
+
+    def _chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> bytes:
+        if self._chat:
+            delta = {} if text is None else {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            return _sse(self._object([choice], chunk=True))
+        choice = {"text": text or "", "index": 0, "finish_reason": finish_reason}
+        zero = {"usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}} if self._include_usage else {}
+        return _sse(self._object([choice], chunk=True, **zero))
 
     @staticmethod
     def _usage(finish: Finish) -> dict[str, int]:
         prompt, completion = finish.prompt_eval_count, finish.eval_count
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, model: str | None = None) -> bytes:
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
-        return self._event(choices, model)
-
-    def _event(self, choices: list[dict[str, Any]], model: str | None = None, **rest: Any) -> bytes:
-        head = self._head("chat.completion.chunk")
-        return _sse({**head, "model": self._model if model is None else model, "system_fingerprint": "fp_ollama", "choices": choices, **rest})
-
     def partial(self, piece: str, first: bool) -> list[bytes]:
-        return [self._chunk({"role": "assistant", "content": piece} if first else {"content": piece}, None)]
+        return [self._chunk(piece, None, first)]
 
     async def final(self, text: str, finish: Finish) -> list[bytes]:
-        events = [self._chunk({}, finish.done_reason)]
+        events = [self._chunk(None, finish.done_reason)]
         if self._include_usage:
-            events.append(self._event([], usage=self._usage(finish)))
-        return [*events, SSE_DONE]
+            events.append(_sse(self._object([], chunk=True, usage=self._usage(finish))))
+        return [*events, common.SSE_DONE]
 
     async def whole(self, text: str, finish: Finish) -> web.Response:
-        message = {"role": "assistant", "content": text}
-        body = {**self._head("chat.completion"), "model": self._model, "system_fingerprint": "fp_ollama",
-                "choices": [{"index": 0, "message": message, "finish_reason": finish.done_reason}],
-                "usage": self._usage(finish)}  # fmt: skip
-        return _json_line(body)
+        if self._chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish.done_reason,
+            }
+        else:
+            choice = {"text": text, "index": 0, "finish_reason": finish.done_reason}
+        body = self._object([choice], chunk=False, usage=self._usage(finish))
+        return web.Response(text=go_json(body) + "\n", headers={"Content-Type": "application/json"})
 
     def failure(self, message: str) -> bytes:
-        return self._chunk({"role": "assistant", "content": ""}, None, model="")
-
-
-class OpenAICompletionCodec(OpenAICodec):
-    """``/v1/completions``: ``choices`` before ``model``; with ``include_usage`` every chunk
-    carries a zero ``usage`` and a ``choices:[]`` chunk carries the real one."""
-
-    prefix = "cmpl"
-
-    def _text_chunk(self, text: str, finish_reason: str | None) -> bytes:
-        choices = [{"text": text, "index": 0, "finish_reason": finish_reason}]
-        zero = {"usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}} if self._include_usage else {}
-        return _sse({**self._head("text_completion"), "choices": choices, "model": self._model, "system_fingerprint": "fp_ollama", **zero})
-
-    def partial(self, piece: str, first: bool) -> list[bytes]:
-        return [self._text_chunk(piece, None)]
-
-    async def final(self, text: str, finish: Finish) -> list[bytes]:
-        events = [self._text_chunk("", finish.done_reason)]
-        if self._include_usage:
-            usage = {"usage": self._usage(finish)}
-            events.append(_sse({**self._head("text_completion"), "choices": [], "model": self._model, "system_fingerprint": "fp_ollama", **usage}))
-        return [*events, SSE_DONE]
-
-    async def whole(self, text: str, finish: Finish) -> web.Response:
-        choices = [{"text": text, "index": 0, "finish_reason": finish.done_reason}]
-        return _json_line({**self._head("text_completion"), "model": self._model, "system_fingerprint": "fp_ollama",
-                           "choices": choices, "usage": self._usage(finish)})  # fmt: skip
+        """Go decodes the ``{"error"}`` line as an empty response: no model, no content."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return _sse(self._object([choice], chunk=True, model=""))
 
 
 def _sse(value: Any) -> bytes:
     return f"data: {go_json(value)}\n\n".encode()
-
-
-def _json_line(value: Any) -> web.Response:
-    return web.Response(text=go_json(value) + "\n", headers={"Content-Type": "application/json"})
 
 
 def openai_error(status: int, message: str) -> web.Response:
@@ -495,7 +472,7 @@ class OllamaServer:
         tokens = await self.engine.tokenize(prompt, add_special=True)
         if not request.truncate or request.native_chat:
             if len(tokens) >= num_ctx:
-                raise OllamaError(400, compact_json(context_overflow_error(len(tokens), num_ctx)))
+                raise OllamaError(400, compact_json(common.context_overflow_error(len(tokens), num_ctx)))
             return tokens
         if len(tokens) <= num_ctx - 1:
             return tokens
@@ -513,8 +490,11 @@ class OllamaServer:
         num_ctx = self.load(self.num_ctx(request.options), request.keep_alive).num_ctx
         prompt = request.prompt
         if request.messages is not None:
-            prompt = await (self.fit_messages(request.messages, request.tools, num_ctx) if request.truncate
-                            else self.engine.render(request.messages, request.tools))  # fmt: skip
+            prompt = await (
+                self.fit_messages(request.messages, request.tools, num_ctx)
+                if request.truncate
+                else self.engine.render(request.messages, request.tools)
+            )
         tokens = await self.fit_tokens(prompt, request, num_ctx)
         num_predict = request.options.get("num_predict", -1)
         num_predict = GENERATION_BOUND * num_ctx if num_predict < 0 else num_predict
@@ -523,7 +503,9 @@ class OllamaServer:
             num_predict = min(num_predict, num_ctx - len(tokens))
         return prompt, self.engine.generate(tokens, num_predict, request.options)
 
-    async def respond(self, request: web.Request, stream: bool, pieces: AsyncIterator[str | Finish], codec: Codec) -> web.StreamResponse:
+    async def respond(
+        self, request: web.Request, stream: bool, pieces: AsyncIterator[str | Finish], codec: Codec
+    ) -> web.StreamResponse:
         """Drive a generation into ``codec``: one object, or a stream flushed per piece whose
         headers go out with the first one (so an early error still gets its own status)."""
         out = LazyStream(request, codec.content_type)
@@ -578,12 +560,16 @@ class OllamaServer:
 
         async def context(text: str) -> dict[str, Any]:
             """The prompt as rendered before the token-level cut, plus the response, as token ids."""
-            return {} if body.get("raw") else {"context": await self.engine.tokenize(rendered + text, add_special=False)}
+            return (
+                {} if body.get("raw") else {"context": await self.engine.tokenize(rendered + text, add_special=False)}
+            )
 
         return await self.respond(request, body.get("stream", True), pieces, NativeCodec(model, part, context))
 
     @staticmethod
-    def _native(body: dict[str, Any], model: str, messages: list[dict[str, Any]] | None, prompt: str, native_chat: bool) -> Request:
+    def _native(
+        body: dict[str, Any], model: str, messages: list[dict[str, Any]] | None, prompt: str, native_chat: bool
+    ) -> Request:
         return Request(
             model=model,
             messages=messages,
@@ -605,7 +591,7 @@ class OllamaServer:
             raise OllamaError(400, "[] is too short - 'messages'")
         messages = [message for m in body["messages"] for message in _from_openai_message(m)]
         _, pieces = await self.run(self._openai(body, model, messages, "", native_chat=self.settings.native))
-        return await self.respond(request, bool(body.get("stream")), pieces, OpenAICodec(model, body))
+        return await self.respond(request, bool(body.get("stream")), pieces, OpenAICodec(model, body, chat=True))
 
     async def openai_completion(self, request: web.Request) -> web.StreamResponse:
         body = await self.body(request)
@@ -615,21 +601,35 @@ class OllamaServer:
             raise OllamaError(400, "invalid type for 'prompt' field")
         messages = [{"role": "user", "content": prompt}]
         _, pieces = await self.run(self._openai(body, model, messages, prompt, native_chat=False))
-        return await self.respond(request, bool(body.get("stream")), pieces, OpenAICompletionCodec(model, body))
+        return await self.respond(request, bool(body.get("stream")), pieces, OpenAICodec(model, body, chat=False))
 
     @staticmethod
-    def _openai(body: dict[str, Any], model: str, messages: list[dict[str, Any]], prompt: str, native_chat: bool) -> Request:
+    def _openai(
+        body: dict[str, Any], model: str, messages: list[dict[str, Any]], prompt: str, native_chat: bool
+    ) -> Request:
         """ollama.md §3.6: no num_ctx, truncate, shift or keep_alive can come through here, and
         temperature and top_p default to 1.0."""
         options = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0)}
-        renamed = {"max_tokens": "num_predict", "stop": "stop", "seed": "seed",
-                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}  # fmt: skip
+        renamed = {
+            "max_tokens": "num_predict",
+            "stop": "stop",
+            "seed": "seed",
+            "frequency_penalty": "frequency_penalty",
+            "presence_penalty": "presence_penalty",
+        }
         options |= {ours: body[theirs] for theirs, ours in renamed.items() if body.get(theirs) is not None}
         return Request(model, messages, prompt, body.get("tools"), options, True, None, None, native_chat)
 
     async def openai_models(self, request: web.Request) -> web.Response:
-        model = {"id": canonical(self.settings.model), "object": "model", "created": int(time.time()), "owned_by": "library"}
-        return web.Response(text=go_json({"object": "list", "data": [model]}), headers={"Content-Type": "application/json"})
+        model = {
+            "id": canonical(self.settings.model),
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "library",
+        }
+        return web.Response(
+            text=go_json({"object": "list", "data": [model]}), headers={"Content-Type": "application/json"}
+        )
 
     # --- informational routes -------------------------------------------------------------
 
@@ -642,8 +642,14 @@ class OllamaServer:
     def _details(self) -> dict[str, Any]:
         assert self.card is not None
         arch = self.card.architecture
-        return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
-                "parameter_size": self.card.parameter_size, "quantization_level": self.card.quantization_level}  # fmt: skip
+        return {
+            "parent_model": "",
+            "format": "gguf",
+            "family": arch,
+            "families": [arch],
+            "parameter_size": self.card.parameter_size,
+            "quantization_level": self.card.quantization_level,
+        }
 
     def _digest(self) -> str:
         return hashlib.sha256(canonical(self.settings.model).encode()).hexdigest()
@@ -651,9 +657,20 @@ class OllamaServer:
     async def tags(self, request: web.Request) -> web.Response:
         assert self.card is not None
         name = canonical(self.settings.model)
-        details = {**self._details(), "context_length": self.card.context_length, "embedding_length": self.card.embedding_length}
-        model = {"name": name, "model": name, "modified_at": go_time(datetime.now().astimezone()), "size": self.card.size,
-                 "digest": self._digest(), "details": details, "capabilities": ["completion"]}  # fmt: skip
+        details = {
+            **self._details(),
+            "context_length": self.card.context_length,
+            "embedding_length": self.card.embedding_length,
+        }
+        model = {
+            "name": name,
+            "model": name,
+            "modified_at": go_time(datetime.now().astimezone()),
+            "size": self.card.size,
+            "digest": self._digest(),
+            "details": details,
+            "capabilities": ["completion"],
+        }
         return _json({"models": [model]})
 
     async def ps(self, request: web.Request) -> web.Response:
@@ -663,10 +680,22 @@ class OllamaServer:
         if runner is not None and not runner.unloading and runner.expires_at < datetime.now().astimezone():
             self.runner = runner = None
         name = canonical(self.settings.model)
-        models = [] if runner is None else [
-            {"name": name, "model": name, "size": self.card.size, "digest": self._digest(), "details": self._details(),
-             "expires_at": go_time(runner.expires_at), "size_vram": 0, "context_length": runner.num_ctx}
-        ]  # fmt: skip
+        models = (
+            []
+            if runner is None
+            else [
+                {
+                    "name": name,
+                    "model": name,
+                    "size": self.card.size,
+                    "digest": self._digest(),
+                    "details": self._details(),
+                    "expires_at": go_time(runner.expires_at),
+                    "size_vram": 0,
+                    "context_length": runner.num_ctx,
+                }
+            ]
+        )
         return _json({"models": models})
 
     async def show(self, request: web.Request) -> web.Response:
@@ -674,8 +703,12 @@ class OllamaServer:
         self.model(body)
         assert self.card is not None
         arch = self.card.architecture
-        model_info = {"general.architecture": arch, "general.parameter_count": self.card.parameter_count,
-                      f"{arch}.context_length": self.card.context_length, f"{arch}.embedding_length": self.card.embedding_length}  # fmt: skip
+        model_info = {
+            "general.architecture": arch,
+            "general.parameter_count": self.card.parameter_count,
+            f"{arch}.context_length": self.card.context_length,
+            f"{arch}.embedding_length": self.card.embedding_length,
+        }
         return _json(
             {
                 "modelfile": f"FROM {canonical(self.settings.model)}\nTEMPLATE {json.dumps(self.card.template)}\n",
@@ -700,7 +733,12 @@ def _from_openai_message(message: dict[str, Any]) -> list[dict[str, Any]]:
     converted: dict[str, Any] = {"role": role, "content": content or ""}
     if message.get("tool_calls"):
         converted["tool_calls"] = [
-            {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"].get("arguments") or "{}")}}
+            {
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.loads(c["function"].get("arguments") or "{}"),
+                }
+            }
             for c in message["tool_calls"]
         ]
     return [converted]
@@ -722,12 +760,13 @@ def ollama_app(settings: OllamaSettings, engine: Engine) -> web.Application:
     server = OllamaServer(settings, engine)
     not_found = lambda: _plain("404 page not found", 404)  # noqa: E731
     not_allowed = lambda: _plain("405 method not allowed", 405)  # noqa: E731
-    app = web.Application(middlewares=[routing_errors(not_found, not_allowed), _ollama_errors])
-    app.cleanup_ctx.append(server.lifetime)
-    for path, handler in {"/": server.root, "/api/version": server.version, "/api/tags": server.tags}.items():
-        app.router.add_get(path, handler)
-    app.router.add_get("/api/ps", server.ps, allow_head=False)
-    app.router.add_get("/v1/models", server.openai_models, allow_head=False)
+    gets = {
+        "/": server.root,
+        "/api/version": server.version,
+        "/api/tags": server.tags,
+        "/api/ps": server.ps,
+        "/v1/models": server.openai_models,
+    }
     posts = {
         "/api/chat": server.chat,
         "/api/generate": server.generate,
@@ -735,8 +774,8 @@ def ollama_app(settings: OllamaSettings, engine: Engine) -> web.Application:
         "/v1/chat/completions": server.openai_chat,
         "/v1/completions": server.openai_completion,
     }
-    for path, handler in posts.items():
-        app.router.add_post(path, handler)
+    app = common.application([common.routing_errors(not_found, not_allowed), _ollama_errors], gets, posts)
+    app.cleanup_ctx.append(server.lifetime)
     return app
 
 
@@ -747,7 +786,7 @@ def fake_ollama_app(settings: OllamaSettings = OllamaSettings(), train_ctx: int 
 
 def ollama_arguments(description: str, model: str, n_ctx: int) -> argparse.ArgumentParser:
     """The command-line options of both the fake and the simulator."""
-    parser = common_arguments(description, port=11434, model=model, n_ctx=n_ctx)
+    parser = common.common_arguments(description, port=11434, model=model, n_ctx=n_ctx)
     parser.add_argument("--num-keep", type=int, default=4, help="tokens kept at the head by the middle cut (default 4)")
     parser.add_argument("--native", action="store_true", help="/api/chat in native mode: overflow is a 400")
     parser.add_argument("--no-context-shift", action="store_true", help="as for deepseek2: overflow is a 400")
@@ -761,15 +800,17 @@ def ollama_settings(args: argparse.Namespace) -> OllamaSettings:
         num_keep=args.num_keep,
         native=args.native,
         context_shift=not args.no_context_shift,
-        pacing=pacing(args),
+        pacing=common.pacing(args),
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ollama_arguments("A fast deterministic fake Ollama.", model=OllamaSettings.model, n_ctx=OllamaSettings.num_ctx)
+    parser = ollama_arguments(
+        "A fast deterministic fake Ollama.", model=OllamaSettings.model, n_ctx=OllamaSettings.num_ctx
+    )
     parser.add_argument("--train-ctx", type=int, default=32768, help="trained length; caps num_ctx (default 32768)")
     args = parser.parse_args(argv)
-    serve(fake_ollama_app(ollama_settings(args), args.train_ctx), args.port)
+    common.serve(fake_ollama_app(ollama_settings(args), args.train_ctx), args.port)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,19 @@ from contextpaw.testing.fake_ollama import (
 )
 
 # Ollama options that llama-server's /completion takes under the same name.
-SAMPLING = ("temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
-            "repeat_last_n", "presence_penalty", "frequency_penalty")  # fmt: skip
+SAMPLING = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "seed",
+    "stop",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def _to_openai(message: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +54,13 @@ def _to_openai(message: dict[str, Any]) -> dict[str, Any]:
     converted = {"role": message["role"], "content": message.get("content") or ""}
     if message.get("tool_calls"):
         converted["tool_calls"] = [
-            {"type": "function", "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments", {}))}}
+            {
+                "type": "function",
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.dumps(c["function"].get("arguments", {})),
+                },
+            }
             for c in message["tool_calls"]
         ]
     return converted
@@ -107,7 +124,9 @@ class LlamaServerEngine:
             self._bos = len(await self.tokenize("a", True)) > len(await self.tokenize("a", False))
         return self._bos
 
-    async def generate(self, tokens: list[int], num_predict: int, options: dict[str, Any]) -> AsyncIterator[str | Finish]:
+    async def generate(
+        self, tokens: list[int], num_predict: int, options: dict[str, Any]
+    ) -> AsyncIterator[str | Finish]:
         payload = {"prompt": tokens, "n_predict": num_predict, "stream": True, "cache_prompt": True}
         payload |= {key: options[key] for key in SAMPLING if key in options}
         async with self.session.post(self._upstream + "/completion", json=payload) as response:
@@ -147,7 +166,9 @@ def ollama_sim_app(upstream: str, settings: OllamaSettings = DEFAULT_SETTINGS) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ollama_arguments("Ollama simulated over a running llama-server.", DEFAULT_SETTINGS.model, DEFAULT_SETTINGS.num_ctx)
+    parser = ollama_arguments(
+        "Ollama simulated over a running llama-server.", DEFAULT_SETTINGS.model, DEFAULT_SETTINGS.num_ctx
+    )
     parser.add_argument("--upstream", required=True, help="base URL of the llama-server, e.g. http://127.0.0.1:8080")
     args = parser.parse_args(argv)
     serve(ollama_sim_app(args.upstream, ollama_settings(args)), args.port)

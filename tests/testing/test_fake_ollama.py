@@ -107,7 +107,8 @@ def test_native_mode_chat_is_a_400_and_v1_wraps_it() -> None:
             ollama.Client(host=url).chat(MODEL, messages)
         with pytest.raises(openai.BadRequestError) as raised:
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).chat.completions.create(
-                model=MODEL, messages=messages  # type: ignore[arg-type]
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
             )
     assert native.value.status_code == 400
     assert json.loads(native.value.error)["error"]["n_prompt_tokens"] == 103
@@ -178,7 +179,10 @@ def test_v1_chat_uses_the_default_window_and_reports_usage(url: str) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},  # type: ignore[arg-type]
         )
     )
     assert whole.usage is not None and whole.usage.prompt_tokens == 35  # silently cut, like /api/chat
