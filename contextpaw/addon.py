@@ -28,7 +28,7 @@ from contextpaw.report import Report
 from contextpaw.streams import StreamReport, report_bytes, with_report
 from contextpaw.tokens import Counter, EstimateCounter
 from contextpaw.views import ORIGINAL, ContextPawView
-from contextpaw.windows import Budgeter
+from contextpaw.windows import Budget, Budgeter
 
 logger = logging.getLogger("contextpaw")
 
@@ -216,7 +216,9 @@ class Compactor:
     def configure(self, updated: set[str]) -> None:
         o = ctx.options
         if o.contextpaw_policy not in POLICIES:
-            raise exceptions.OptionsError(f"contextpaw_policy must be one of {', '.join(POLICIES)}, not {o.contextpaw_policy!r}")
+            raise exceptions.OptionsError(
+                f"contextpaw_policy must be one of {', '.join(POLICIES)}, not {o.contextpaw_policy!r}"
+            )
         for name, least in MINIMUMS.items():
             if name in updated and getattr(o, name) < least:
                 raise exceptions.OptionsError(f"{name} must be at least {least}, not {getattr(o, name)}")
@@ -266,19 +268,13 @@ class Compactor:
             logger.debug("%s forwarded as is: %s", flow.request.path, e)
             return
         budget = await self.budgeter.budget(backend, parsed.params)
-        counter = await self.counter_for(backend, parsed.params.model)
-        previous = self.plans.get(parsed.key) if parsed.key else None
-        fit = functools.partial(
-            parsed.fit, budget.tokens, counter, keep_recent=ctx.options.contextpaw_keep_recent, previous=previous
-        )
         try:
-            fitted = await _off_loop(big, fit)
+            fitted = await self._compact(parsed, budget, backend, big)
         except BudgetTooSmall as e:
             if policy != "off":
                 self._refuse(flow, route, budget.impossible(e))
             return
         report = fitted.report
-        report.window = budget.window
         self.stats.add("original_tokens", report.original_tokens)
         if policy == "off":
             if report.compacted:
@@ -287,13 +283,29 @@ class Compactor:
         if policy == "strict" and report.compacted:
             self._refuse(flow, route, budget.refusal(report.original_tokens))
             return
-        if parsed.key and fitted.plan is not None:
-            self.plans.put(parsed.key, fitted.plan)
+        self._remember(parsed, fitted)
         self._keep_report(flow, report)
         if fitted.body is not None:
             self._note_compaction(flow, route, report, parsed.params.model)
             flow.metadata[ORIGINAL] = raw
             flow.request.content = fitted.body
+
+    async def _compact(
+        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool
+    ) -> wire.Fitted:
+        """Fit with the conversation's last plan, in a worker thread when the request is big."""
+        counter = await self.counter_for(backend, parsed.params.model)
+        previous = self.plans.get(parsed.key) if parsed.key else None
+        fit = functools.partial(
+            parsed.fit, budget.tokens, counter, keep_recent=ctx.options.contextpaw_keep_recent, previous=previous
+        )
+        fitted = await _off_loop(big, fit)
+        fitted.report.window = budget.window
+        return fitted
+
+    def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted) -> None:
+        if parsed.key and fitted.plan is not None:
+            self.plans.put(parsed.key, fitted.plan)
 
     def _refuse(self, flow: http.HTTPFlow, route: wire.Route, overflow: wire.Overflow) -> None:
         report = Report(False, "refused", overflow.required, overflow.required, overflow.budget, window=overflow.window)
@@ -359,14 +371,9 @@ class Compactor:
         parsed = await _off_loop(big, functools.partial(route.read, raw))
         backend = await self.backends.backend_of(flow)
         assert backend is not None, "only flows to a backend have a route"
-        counter = await self.counter_for(backend, parsed.params.model)
         budget = self.budgeter.after_upstream_overflow(overflow, flow.metadata[REPORT]["original_tokens"], parsed.params)
-        previous = self.plans.get(parsed.key) if parsed.key else None
-        fit = functools.partial(
-            parsed.fit, budget.tokens, counter, keep_recent=ctx.options.contextpaw_keep_recent, previous=previous
-        )
         try:
-            fitted = await _off_loop(big, fit)
+            fitted = await self._compact(parsed, budget, backend, big)
         except BudgetTooSmall as e:
             flow.response.headers["X-ContextPaw-Error"] = f"the upstream 400 cannot be rescued: {e}"
             return
@@ -381,11 +388,9 @@ class Compactor:
             kept = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS]
             status = answer.status
         report = fitted.report
-        report.window = overflow.n_ctx
         report.recovered_from_upstream_400 = status < 400
         self.stats.add("recovered_400", report.recovered_from_upstream_400)
-        if parsed.key and fitted.plan is not None:
-            self.plans.put(parsed.key, fitted.plan)
+        self._remember(parsed, fitted)
         self._keep_report(flow, report)
         self._note_compaction(flow, route, report, parsed.params.model)
         flow.metadata[ORIGINAL] = raw
