@@ -20,6 +20,7 @@ import itertools
 import json
 import re
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -193,7 +194,7 @@ class Completion:
         }
 
 
-class ResponseFormat:
+class ResponseFormat(ABC):
     """How one endpoint encodes partial and final results (llamacpp.md §4.1-4.3)."""
 
     done_marker = True
@@ -204,14 +205,17 @@ class ResponseFormat:
         self.created = int(time.time())
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
+    @abstractmethod
     def partial(self, piece: str, token: int, decoded: int, n_prompt: int) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """The events for the ``decoded``-th generated piece."""
 
+    @abstractmethod
     def final_events(self, done: Completion) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """The events that end a stream (before any ``[DONE]``)."""
 
+    @abstractmethod
     def whole(self, done: Completion) -> dict[str, Any]:
-        raise NotImplementedError
+        """The non-streamed body."""
 
 
 class NativeFormat(ResponseFormat):

@@ -23,7 +23,8 @@ import itertools
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -102,7 +103,7 @@ class Engine(Protocol):
 
     async def adds_bos(self) -> bool: ...
 
-    def generate(self, tokens: list[int], num_predict: int, options: dict[str, Any]) -> AsyncIterator[str | Finish]:
+    def generate(self, tokens: list[int], num_predict: int, options: dict[str, Any]) -> AsyncGenerator[str | Finish]:
         """Text pieces as they are generated, then one :class:`Finish`."""
         ...
 
@@ -144,7 +145,7 @@ class WhitespaceEngine:
 
     async def generate(
         self, tokens: list[int], num_predict: int, options: dict[str, Any]
-    ) -> AsyncIterator[str | Finish]:
+    ) -> AsyncGenerator[str | Finish]:
         seen = " ".join(self._vocab.pieces(t for t in tokens if t != self.BOS))
         words = common.scripted_reply(seen).split()
         emitted = words[:num_predict]
@@ -466,6 +467,10 @@ class OllamaServer:
                 return prompt
         raise AssertionError("unreachable: messages is not empty")
 
+    def shift(self, request: Request) -> bool:
+        """Whether the runner shifts its context: the request decides, else the model."""
+        return self.settings.context_shift if request.shift is None else request.shift
+
     async def fit_tokens(self, prompt: str, request: Request, num_ctx: int) -> list[int]:
         """The runner-level step (ollama.md §1.2): the 400s, or the middle cut that keeps the first
         ``num_keep`` (+BOS) tokens and enough of the tail to fill about half the window."""
@@ -476,7 +481,7 @@ class OllamaServer:
             return tokens
         if len(tokens) <= num_ctx - 1:
             return tokens
-        if not (self.settings.context_shift if request.shift is None else request.shift):
+        if not self.shift(request):
             raise OllamaError(400, PROMPT_TOO_LONG)
         num_keep = request.options.get("num_keep", self.settings.num_keep)
         keep = len(tokens) if num_keep < 0 else num_keep + await self.engine.adds_bos()
@@ -484,7 +489,7 @@ class OllamaServer:
         limit = num_ctx - max((num_ctx - keep) // 2, 1)
         return tokens[:keep] + tokens[len(tokens) - (limit - keep) :]
 
-    async def run(self, request: Request) -> tuple[str, AsyncIterator[str | Finish]]:
+    async def run(self, request: Request) -> tuple[str, AsyncGenerator[str | Finish]]:
         """Load, truncate, then start generating: the prompt before the token-level step, and the
         pieces. Errors raised here, before the first piece, carry their own status."""
         num_ctx = self.load(self.num_ctx(request.options), request.keep_alive).num_ctx
@@ -498,27 +503,28 @@ class OllamaServer:
         tokens = await self.fit_tokens(prompt, request, num_ctx)
         num_predict = request.options.get("num_predict", -1)
         num_predict = GENERATION_BOUND * num_ctx if num_predict < 0 else num_predict
-        shift = self.settings.context_shift if request.shift is None else request.shift
-        if not shift:
+        if not self.shift(request):
             num_predict = min(num_predict, num_ctx - len(tokens))
         return prompt, self.engine.generate(tokens, num_predict, request.options)
 
     async def respond(
-        self, request: web.Request, stream: bool, pieces: AsyncIterator[str | Finish], codec: Codec
+        self, request: web.Request, stream: bool, pieces: AsyncGenerator[str | Finish], codec: Codec
     ) -> web.StreamResponse:
         """Drive a generation into ``codec``: one object, or a stream flushed per piece whose
-        headers go out with the first one (so an early error still gets its own status)."""
+        headers go out with the first one (so an early error still gets its own status). The
+        generation is closed however this ends, so a client that goes away stops the engine."""
         out = LazyStream(request, codec.content_type)
         text: list[str] = []
         try:
-            async for item in pieces:
-                if isinstance(item, Finish):
-                    finish = item
-                    break
-                await self.settings.pacing.before_token(len(text))
-                text.append(item)
-                for chunk in codec.partial(item, first=len(text) == 1) if stream else ():
-                    await out.write(chunk)
+            async with aclosing(pieces):
+                async for item in pieces:
+                    if isinstance(item, Finish):
+                        finish = item
+                        break
+                    await self.settings.pacing.before_token(len(text))
+                    text.append(item)
+                    for chunk in codec.partial(item, first=len(text) == 1) if stream else ():
+                        await out.write(chunk)
         except OllamaError as error:
             if not (stream and text):
                 raise

@@ -16,7 +16,7 @@ Run: ``python -m contextpaw.testing.ollama_sim --upstream http://127.0.0.1:8080 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -126,7 +126,7 @@ class LlamaServerEngine:
 
     async def generate(
         self, tokens: list[int], num_predict: int, options: dict[str, Any]
-    ) -> AsyncIterator[str | Finish]:
+    ) -> AsyncGenerator[str | Finish]:
         payload = {"prompt": tokens, "n_predict": num_predict, "stream": True, "cache_prompt": True}
         payload |= {key: options[key] for key in SAMPLING if key in options}
         async with self.session.post(self._upstream + "/completion", json=payload) as response:
