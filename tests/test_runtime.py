@@ -15,7 +15,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -298,9 +298,11 @@ async def claim_for_ollama(arbiter: Arbiter) -> None:
         pass
 
 
-async def settled(arbiter: Arbiter) -> dict[str, Any]:
-    while (status := await arbiter.status())["switching_to"] is not None:
-        await asyncio.sleep(0.02)
+async def eventually(arbiter: Arbiter, holds: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The first status for which ``holds`` is true, within two seconds."""
+    async with asyncio.timeout(2):
+        while not holds(status := await arbiter.status()):
+            await asyncio.sleep(0.01)
     return status
 
 
@@ -351,6 +353,18 @@ async def test_switch_to_ollama_stops_llama_server_and_waits_for_its_memory(rig:
     assert rig.spawns[0].server.process.returncode == -signal.SIGTERM
     assert status["owner"] == "ollama"
     assert status["llamacpp_process"] is None
+
+
+async def test_a_stopped_server_whose_memory_stays_leaves_the_gpu_to_nobody(rig: Rig) -> None:
+    rig.gpu.server_lag = 30
+    arbiter = rig.arbiter(release_timeout=0.2)
+    async with arbiter.use("llamacpp"):
+        pass
+    with pytest.raises(RuntimeUnavailable, match="llama-server was evicted but VRAM did not come back within 0.2s"):
+        await claim_for_ollama(arbiter)
+    status = await arbiter.status()
+    assert (status["owner"], status["llamacpp_process"]) == (None, None)
+    assert rig.spawns[0].server.process.returncode == -signal.SIGTERM
 
 
 async def test_sigterm_ignored_gets_sigkill_after_the_grace_period(rig: Rig) -> None:
@@ -405,8 +419,7 @@ async def test_a_server_that_dies_is_started_again_by_the_next_request(rig: Rig)
     async with arbiter.use("llamacpp"):
         pass
     os.kill(rig.spawns[0].server.process.pid, signal.SIGKILL)
-    while (status := await arbiter.status())["owner"] is not None:
-        await asyncio.sleep(0.01)
+    status = await eventually(arbiter, lambda status: status["owner"] is None)
     assert "llama-server exited unexpectedly with code -9" in status["errors"][-1]
     async with arbiter.use("llamacpp"):
         pass
@@ -487,7 +500,7 @@ async def test_a_request_that_waits_too_long_gets_retry_after_and_the_switch_goe
         await arbiter.acquire("llamacpp", "late")
     assert busy.value.retry_after == 1
     arbiter.release("long")
-    assert (await settled(arbiter))["owner"] == "llamacpp"
+    await eventually(arbiter, lambda status: status["owner"] == "llamacpp")
     assert (await arbiter.status())["counters"]["wait_timeouts"] == 1
 
 
