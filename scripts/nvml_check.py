@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             reading = probe.read()
             elapsed_ms = (time.perf_counter() - started) * 1000
-            print(json.dumps({"used_bytes": reading.used_bytes, "read_ms": round(elapsed_ms, 3), "vram": reading.as_json()}))
+            sample = {"used_bytes": reading.used_bytes, "read_ms": round(elapsed_ms, 3), "vram": reading.as_json()}
+            print(json.dumps(sample))
     except GpuUnavailable as error:
         print(json.dumps({"vram": None, "vram_unavailable": str(error)}))
         return 1

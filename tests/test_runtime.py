@@ -405,7 +405,8 @@ async def test_a_start_command_that_exits_is_reported_with_its_log_and_ollama_ke
 
 async def test_health_timeout_stops_the_server_and_says_why(rig: Rig) -> None:
     arbiter = rig.arbiter(load_seconds=30, health_timeout=0.3)
-    with pytest.raises(RuntimeUnavailable, match=r"did not answer http://127\.0\.0\.1:\d+/health with 200 within 0\.3s") as failed:
+    unhealthy = r"did not answer http://127\.0\.0\.1:\d+/health with 200 within 0\.3s"
+    with pytest.raises(RuntimeUnavailable, match=unhealthy) as failed:
         await arbiter.acquire("llamacpp", "flow")
     assert "fake llama-server: loading model" in str(failed.value)
     assert rig.spawns[0].server.process.returncode == -signal.SIGTERM
