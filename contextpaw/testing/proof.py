@@ -1,9 +1,9 @@
 """The proof, as code shared by the demos and the real-backend tests: a needle in an overflowing chat.
 
-A random secret is planted in the first user message (the task), the conversation then grows past the
-window with bland tool output, and the last message asks for the secret back. Ollama drops the front
-and the model invents; llama-server refuses with a 400; through ContextPaw the task is kept, the stale
-middle is evicted with a marker, and the model can answer.
+A random secret is planted at the start of a prompt that overflows the window (a pasted log), and the
+end of it asks for the secret back. Ollama cuts the front and the model invents; llama-server refuses
+with a 400; through ContextPaw the middle is elided with a marker, head and tail are kept, and the
+model can answer.
 """
 
 from __future__ import annotations
@@ -26,27 +26,18 @@ def make_secret(rng: random.Random) -> str:
     return f"{rng.choice(WORDS).upper()}-{rng.randint(1000, 9999)}"
 
 
-def needle_chat(secret: str, filler_turns: int, rng: random.Random, lines_per_dump: int = 12) -> list[dict[str, Any]]:
-    """A chat whose first message holds the secret and whose middle is `filler_turns` tool-output turns."""
-    messages: list[dict[str, Any]] = [
-        {"role": "user", "content": f"Remember this password: {secret}. I will ask you for it later."},
-        {"role": "assistant", "content": "Understood. I will remember the password."},
+def needle_chat(secret: str, filler_lines: int, rng: random.Random) -> list[dict[str, Any]]:
+    """A chat whose one user message holds the secret first, a long pasted log, and the question last."""
+    return [
+        {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+        {"role": "user", "content": needle_prompt(secret, filler_lines, rng)},
     ]
-    for turn in range(filler_turns):
-        dump = "\n".join(rng.choice(FILLER) for _ in range(lines_per_dump))
-        messages.append({"role": "user", "content": f"Here is status report {turn + 1}:\n{dump}"})
-        messages.append({"role": "assistant", "content": "Noted."})
-    messages.append({"role": "user", "content": "What is the password I asked you to remember? Reply with the password only."})
-    return messages
 
 
 def needle_prompt(secret: str, filler_lines: int, rng: random.Random) -> str:
-    """The raw-prompt form for /api/generate and /completion: secret first, question last."""
+    """Secret first, `filler_lines` of bland log, the question last."""
     filler = "\n".join(rng.choice(FILLER) for _ in range(filler_lines))
-    return (
-        f"Remember this password: {secret}.\n{filler}\n"
-        "Question: what is the password I asked you to remember? Answer: The password is"
-    )
+    return f"Remember this password: {secret}.\n{filler}\nWhat is the password I asked you to remember?"
 
 
 def recalled(secret: str, answer: str | None) -> bool:

@@ -1,0 +1,88 @@
+"""The needle demo: a secret at the start of an overflowing chat, asked back, direct vs through ContextPaw.
+
+    .venv/bin/python scripts/demo_needle.py [--trials 6] [--num-ctx 1024] [--ollama URL]
+
+Without --ollama it starts what it needs: a real llama-server with SmolLM2-135M-Instruct, the
+Ollama simulator on top of it (Ollama's own truncation, reproduced), and mitmdump with the
+ContextPaw addon in front of the simulator. Each trial uses a fresh secret and a different overflow
+size, asks over Ollama's /api/chat both ways, and prints one row per path; recall ends as k/N.
+Exits non-zero if the through-ContextPaw path fails to recall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from contextpaw.testing.backends import locate_llama_server, locate_smollm2, running, start_llama_server, start_proxy
+from contextpaw.testing.fake_ollama import OllamaSettings
+from contextpaw.testing.ollama_sim import ollama_sim_app
+from contextpaw.testing.proof import TABLE_HEAD, Trial, make_secret, needle_chat, recalled
+
+MODEL = "smollm2:135m"
+
+
+def ask(base_url: str, path: str, secret: str, messages: list[dict], num_ctx: int) -> Trial:
+    """One /api/chat call; raw HTTP so the `contextpaw` report field is visible (the ollama client drops it)."""
+    body = {"model": MODEL, "messages": messages, "stream": False,
+            "options": {"num_ctx": num_ctx, "num_predict": 24, "temperature": 0}}
+    reply = httpx.post(f"{base_url}/api/chat", json=body, timeout=600)
+    data = reply.json()
+    if reply.status_code != 200:
+        return Trial(path, reply.status_code, f"error: {data.get('error')}"[:60], False)
+    answer = data["message"]["content"]
+    return Trial(path, 200, answer, recalled(secret, answer), data.get("prompt_eval_count"), data.get("contextpaw"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=6)
+    ap.add_argument("--num-ctx", type=int, default=1024, help="the window the Ollama side runs with")
+    ap.add_argument("--ollama", help="use this Ollama (or simulator) instead of starting one")
+    ap.add_argument("--seed", type=int, default=2026)
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="contextpaw-demo-")))
+        upstream = args.ollama
+        if upstream is None:
+            binary, model = locate_llama_server(build=True), locate_smollm2()
+            if binary.path is None or model.path is None:
+                print(f"cannot start the real backend: {binary.reason or model.reason}", file=sys.stderr)
+                return 2
+            print(f"llama-server: {binary.path}\nmodel: {model.path}", file=sys.stderr)
+            server = stack.enter_context(start_llama_server(binary.path, model.path, 2048, work / "llama.log"))
+            settings = OllamaSettings(model=MODEL, num_ctx=args.num_ctx)
+            upstream = stack.enter_context(running(ollama_sim_app(server.url, settings)))
+        proxy = stack.enter_context(
+            start_proxy(upstream, work / "mitm", work / "mitmdump.log", options=[f"contextpaw_ollama={upstream}"])
+        )
+        trials: list[Trial] = []
+        print(TABLE_HEAD)
+        for n in range(args.trials):
+            secret = make_secret(rng)
+            messages = needle_chat(secret, filler_lines=120 + 50 * n, rng=rng)
+            for trial in (
+                ask(upstream, "direct", secret, messages, args.num_ctx),
+                ask(proxy.url, "ContextPaw", secret, messages, args.num_ctx),
+            ):
+                trials.append(trial)
+                print(trial.row(), flush=True)
+
+    for path in ("direct", "ContextPaw"):
+        hits = [t for t in trials if t.path == path]
+        print(f"{path}: recalled {sum(t.recalled for t in hits)}/{len(hits)}")
+    through_hits = [t for t in trials if t.path == "ContextPaw"]
+    ok = all(t.status == 200 and t.report and t.report.get("compacted") for t in through_hits)
+    return 0 if ok and sum(t.recalled for t in through_hits) >= len(through_hits) * 0.8 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
