@@ -119,11 +119,11 @@ class Release:
         return used_bytes <= self.ceiling_bytes
 
 
-def retry_after(last_switch_seconds: float | None) -> int:
+def retry_after(mean_switch_seconds: float | None) -> int:
     """Seconds a caller turned away during a switch should wait: about one switch."""
-    if last_switch_seconds is None:
+    if mean_switch_seconds is None:
         return DEFAULT_RETRY_AFTER_S
-    return max(1, math.ceil(last_switch_seconds))
+    return max(1, math.ceil(mean_switch_seconds))
 
 
 def start_problem(command: str) -> str | None:
