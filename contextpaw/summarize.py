@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from contextpaw.conversation import Message
-from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.tokens import Counter
 
 log = logging.getLogger(__name__)
 
@@ -215,15 +215,15 @@ class Sizes:
     """Tokens of span (map) or of partial digests (reduce) one call may take."""
 
     @classmethod
-    def for_window(cls, window: int, output: int, counter: Counter) -> Sizes:
+    def for_window(cls, window: int, output: int, counter: Counter, chunk_tokens: int | None = None) -> Sizes:
         """Leave a tenth of the window for counting error and the chat template; the rest is prompt
-        text and output. Output is at most a quarter of what is left, so one reduce call takes at
-        least two partials even when the model's tokens are a little smaller than ours.
+        text and output. Output is at most a third of the room, so one reduce call takes at least
+        two partials even when the model's tokens are a little smaller than ours.
         """
         instructions = max(counter.text(map_prompt("")), counter.text(reduce_prompt([])))
         usable = window - window // 10 - instructions
-        output = min(output, usable // 4)
-        return cls(output=output, room=usable - output)
+        room = min(usable * 3 // 4, chunk_tokens or usable)
+        return cls(output=min(output, room // 3), room=room)
 
 
 # -- pure: the digest as the model will see it --------------------------------------------------
@@ -255,6 +255,22 @@ def shorten(digest: str, tokens: int, counter: Counter) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class SummaryModel:
+    """The model that writes digests, as the caller routes to it and discovered it."""
+
+    complete: Complete
+    name: str
+    """What `complete` calls (backend and model), so digests from different models do not mix."""
+    window: int
+    """Its context window as discovered (llama-server /props n_ctx, Ollama's loaded num_ctx)."""
+    counter: Counter
+    """Counts tokens as it does, or over-counts: log text can be 1.5 bytes a token, not 3-4."""
+    chunk_tokens: int | None = None
+    """The most text one call should read, when less than the window: a small model loses detail
+    past a few hundred tokens."""
+
+
+@dataclass(frozen=True, slots=True)
 class DigestResult:
     text: str | None
     """The digest, within the cap, unlabelled (the hole's marker says it is a summary); None when
@@ -282,8 +298,8 @@ class _Tally:
 class Summarizer:
     """Makes digests: map-reduce over the whole span, with a shared, bounded, persisted call cache.
 
-    One instance serves every backend and model (the model is part of each cache key); the caller
-    passes the `complete` to use and the summarizer window it discovered on each `digest`.
+    One instance serves every backend and model (the model's name is part of each cache key); the
+    caller says on each `digest` which `SummaryModel` to use.
     """
 
     def __init__(
@@ -294,7 +310,6 @@ class Summarizer:
         state_path: Path | None = None,
         max_entries: int = 2048,
         parallel: int = 1,
-        counter: Counter | None = None,
     ) -> None:
         """`parallel`: calls in flight at once (the summarizer's slots); `timeout` is per call, not
         counting the wait for a slot, since a queued call is not a slow one."""
@@ -302,7 +317,6 @@ class Summarizer:
         self.retry_after = retry_after
         self.state_path = state_path
         self.max_entries = max_entries
-        self.counter = counter or EstimateCounter()
         self._slots = asyncio.Semaphore(parallel)
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._inflight: dict[str, asyncio.Future[str]] = {}
@@ -314,18 +328,13 @@ class Summarizer:
         if state_path is not None:
             self._load(state_path)
 
-    async def digest(
-        self, evicted: Evicted, *, complete: Complete, model: str, window: int, cap_tokens: int
-    ) -> DigestResult:
-        """A digest of all of `evicted` within `cap_tokens`, or `summarized=False` and why.
-
-        `window` is the summarizer's own context window as discovered (e.g. llama-server /props
-        n_ctx); `model` names what `complete` calls, for the cache.
-        """
+    async def digest(self, evicted: Evicted, *, model: SummaryModel, cap_tokens: int) -> DigestResult:
+        """A digest of all of `evicted` within `cap_tokens` (by `model.counter`), or
+        `summarized=False` and why."""
         started = time.monotonic()
         tally = _Tally()
         try:
-            text = await self._digest(evicted, complete, model, window, cap_tokens, tally)
+            text = await self._digest(evicted, model, cap_tokens, tally)
             reason = None
         except SummaryFailed as failure:
             text, reason = None, str(failure)
@@ -340,43 +349,40 @@ class Summarizer:
         """Counters for health and metrics; `seconds` is time spent in digests, cache hits included."""
         return {**self._stats, "entries": len(self._cache), "in_flight": len(self._inflight)}
 
-    async def _digest(
-        self, evicted: Evicted, complete: Complete, model: str, window: int, cap_tokens: int, tally: _Tally
-    ) -> str:
-        if cap_tokens - self.counter.text(CUT_NOTE) < MIN_DIGEST_TOKENS:
+    async def _digest(self, evicted: Evicted, model: SummaryModel, cap_tokens: int, tally: _Tally) -> str:
+        counter = model.counter
+        if cap_tokens - counter.text(CUT_NOTE) < MIN_DIGEST_TOKENS:
             raise SummaryFailed(f"a cap of {cap_tokens} tokens is too small for a digest")
         pieces = render_span(evicted)
         if not "".join(pieces).strip():
             raise SummaryFailed("nothing to summarize")
-        sizes = Sizes.for_window(window, cap_tokens, self.counter)
+        sizes = Sizes.for_window(model.window, cap_tokens, counter, model.chunk_tokens)
         if sizes.room < MIN_CHUNK_TOKENS:
-            raise SummaryFailed(f"the summarizer's window of {window} tokens is too small")
+            raise SummaryFailed(f"the summarizer's window of {model.window} tokens is too small")
 
         async def call(prompt: str, what: str) -> str:
-            key = call_key(model, prompt, sizes.output)
             try:
-                return await self._call(key, model, prompt, sizes.output, complete, tally)
+                return await self._call(prompt, sizes.output, model, tally)
             except SummaryFailed as failure:
                 raise SummaryFailed(f"{what}: {failure}") from None
 
-        chunks = plan_chunks(pieces, sizes.room, self.counter)
+        chunks = plan_chunks(pieces, sizes.room, counter)
         partials = await _all(
             [call(map_prompt(c), f"chunk {n} of {len(chunks)}") for n, c in enumerate(chunks, 1)]
         )
         while len(partials) > 1:
-            batches = plan_batches(partials, sizes.room, self.counter)
+            batches = plan_batches(partials, sizes.room, counter)
             if len(batches) == len(partials):
                 raise SummaryFailed("the chunk summaries are too long to merge in this window")
             partials = await _all([call(reduce_prompt(b), "merging the chunk summaries") for b in batches])
-        digest = shorten(partials[0].strip(), cap_tokens, self.counter)
+        digest = shorten(partials[0].strip(), cap_tokens, counter)
         if digest is None:
             raise SummaryFailed(f"the digest does not fit a cap of {cap_tokens} tokens")
         return digest
 
-    async def _call(
-        self, key: str, model: str, prompt: str, max_tokens: int, complete: Complete, tally: _Tally
-    ) -> str:
+    async def _call(self, prompt: str, max_tokens: int, model: SummaryModel, tally: _Tally) -> str:
         """One cached call; a concurrent digest needing the same call awaits the one in flight."""
+        key = call_key(model.name, prompt, max_tokens)
         if key in self._cache:
             self._cache.move_to_end(key)
             tally.hits += 1
@@ -384,7 +390,7 @@ class Summarizer:
             return self._cache[key]
         shared = self._inflight.get(key)
         if shared is None:
-            shared = asyncio.ensure_future(self._run(key, model, prompt, max_tokens, complete))
+            shared = asyncio.ensure_future(self._run(key, prompt, max_tokens, model))
             self._inflight[key] = shared
             shared.add_done_callback(lambda _: self._inflight.pop(key, None))
             tally.calls += 1
@@ -394,16 +400,16 @@ class Summarizer:
         # Shielded: a request that goes away must not cancel a call another request is waiting on.
         return await asyncio.shield(shared)
 
-    async def _run(self, key: str, model: str, prompt: str, max_tokens: int, complete: Complete) -> str:
+    async def _run(self, key: str, prompt: str, max_tokens: int, model: SummaryModel) -> str:
         async with self._slots:
-            self._refuse_while_failing(model)
+            self._refuse_while_failing(model.name)
             self._stats["calls"] += 1
             try:
-                answer = await self._ask(complete, prompt, max_tokens)
+                answer = await self._ask(model.complete, prompt, max_tokens)
             except SummaryFailed as failure:
-                self._failed[model] = (time.monotonic(), str(failure))
+                self._failed[model.name] = (time.monotonic(), str(failure))
                 raise
-        self._failed.pop(model, None)
+        self._failed.pop(model.name, None)
         self._cache[key] = answer
         while len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)

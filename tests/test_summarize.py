@@ -15,6 +15,7 @@ from contextpaw.summarize import (
     Sizes,
     SummaryFailed,
     Summarizer,
+    SummaryModel,
     map_prompt,
     plan_batches,
     plan_chunks,
@@ -71,10 +72,8 @@ def span(count: int, tokens: int = ROOM * 3 // 5, first: int = 0) -> list[dict[s
     return [tool_output(n, tokens) for n in range(first, first + count)]
 
 
-async def digest(summarizer: Summarizer, evicted, model: FakeModel, **kw):
-    return await summarizer.digest(
-        evicted, complete=model, model="smol", window=kw.pop("window", WINDOW), cap_tokens=kw.pop("cap", CAP)
-    )
+async def digest(summarizer: Summarizer, evicted, complete, window: int = WINDOW, cap: int = CAP):
+    return await summarizer.digest(evicted, model=SummaryModel(complete, "smol", window, COUNTER), cap_tokens=cap)
 
 
 # -- pure ----------------------------------------------------------------------------------------
@@ -247,7 +246,7 @@ async def refuse(prompt: str, max_tokens: int) -> str:
 )
 async def test_a_failing_summarizer_gives_no_digest_and_says_why(complete, reason):
     summarizer = Summarizer(timeout=0.05)
-    result = await summarizer.digest(span(3), complete=complete, model="smol", window=WINDOW, cap_tokens=CAP)
+    result = await digest(summarizer, span(3), complete)
     assert (result.text, result.summarized) == (None, False)
     assert reason in result.reason and result.reason.startswith("chunk ")
     assert result.seconds < 1
