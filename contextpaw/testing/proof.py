@@ -9,8 +9,14 @@ model can answer.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    import openai
 
 WORDS = ["walrus", "mango", "copper", "violet", "falcon", "pepper", "glacier", "saffron", "otter", "cobalt"]
 FILLER = [
@@ -54,6 +60,12 @@ class Trial:
     prompt_tokens: int | None = None
     report: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+    """The response's X-ContextPaw-* headers (lower-case names)."""
+
+    @property
+    def compacted(self) -> bool:
+        return bool(self.report and self.report.get("compacted"))
 
     def row(self) -> str:
         report = self.report or {}
@@ -70,3 +82,109 @@ class Trial:
 
 
 TABLE_HEAD = "| path | HTTP | prompt tokens (server) | compaction | answer | recalled |\n|---|---:|---:|---|---|---|"
+
+
+# -- llama-server: the 400, and what the clients see -------------------------------------------------
+
+GREEDY_TOKENS = 24
+"""Answer length for every trial: enough for "The password is WORD-1234.", and cheap."""
+
+
+def overflow_lines(n_ctx: int, trial: int) -> int:
+    """Filler lines for trial ``trial`` (from 0) against an ``n_ctx`` window: about 1.4x the window
+    for the first trial (a log line is about 11 tokens), growing by 50 lines a trial."""
+    return n_ctx // 8 + 50 * trial
+
+
+def contextpaw_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items() if k.lower().startswith("x-contextpaw-")}
+
+
+def error_answer(error: Mapping[str, Any]) -> str:
+    """An error body as the answer column shows it: the type and llama-server's two counts."""
+    counts = f" ({error['n_prompt_tokens']} > n_ctx {error['n_ctx']})" if "n_ctx" in error else ""
+    return f"{error.get('type', 'error')}{counts}"
+
+
+def openai_trial(
+    client: openai.OpenAI,
+    path: str,
+    secret: str,
+    messages: list[dict[str, Any]],
+    *,
+    model: str = "smollm2",
+    stream: bool = False,
+    max_tokens: int = GREEDY_TOKENS,
+    **extra: Any,
+) -> Trial:
+    """One chat completion with the real openai client, streamed or not.
+
+    A 400 is the openai client's ``BadRequestError``: the row shows llama-server's error and its token
+    count. The ``contextpaw`` report is read from the body (``model_extra``; in a stream, the last
+    record that carries it) and the X-ContextPaw-* headers from the raw response.
+    """
+    import openai
+
+    try:
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
+            stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}), **extra,
+        )  # fmt: skip
+    except openai.APIStatusError as e:
+        error = e.body if isinstance(e.body, Mapping) else {}
+        return Trial(path, e.status_code, error_answer(error), False, error.get("n_prompt_tokens"))
+    headers = contextpaw_headers(raw.headers)
+    if not stream:
+        completion = raw.parse()
+        answer = completion.choices[0].message.content or ""
+        usage = completion.usage.prompt_tokens if completion.usage else None
+        report = (completion.model_extra or {}).get("contextpaw")
+        return Trial(path, raw.status_code, answer, recalled(secret, answer), usage, report, headers=headers)
+    pieces: list[str] = []
+    usage, report = None, None
+    for chunk in raw.parse():
+        pieces += [c.delta.content for c in chunk.choices if c.delta and c.delta.content]
+        usage = chunk.usage.prompt_tokens if chunk.usage else usage
+        report = (chunk.model_extra or {}).get("contextpaw", report)
+    answer = "".join(pieces)
+    return Trial(path, raw.status_code, answer, recalled(secret, answer), usage, report, ["stream"], headers)
+
+
+def rendered_prompt(llama_server: str, messages: list[dict[str, Any]]) -> str:
+    """``messages`` rendered by the server's own chat template (``/apply-template``): the raw prompt an
+    application on ``/completion`` sends."""
+    reply = httpx.post(f"{llama_server}/apply-template", json={"messages": messages}, timeout=60)
+    reply.raise_for_status()
+    return reply.json()["prompt"]
+
+
+def completion_trial(base_url: str, path: str, secret: str, prompt: str, *, n_predict: int = GREEDY_TOKENS) -> Trial:
+    """One call to llama-server's native ``/completion`` with a raw prompt, over raw HTTP."""
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0}
+    reply = httpx.post(f"{base_url}/completion", json=body, timeout=600)
+    data = reply.json()
+    headers = contextpaw_headers(reply.headers)
+    if reply.status_code != 200:
+        return Trial(path, reply.status_code, error_answer(data.get("error") or {}), False,
+                     (data.get("error") or {}).get("n_prompt_tokens"), data.get("contextpaw"), headers=headers)
+    answer = data.get("content", "")
+    return Trial(path, 200, answer, recalled(secret, answer), data.get("tokens_evaluated"), data.get("contextpaw"),
+                 headers=headers)  # fmt: skip
+
+
+# -- verdicts -----------------------------------------------------------------------------------------
+
+RECALL_NEEDED = 0.8
+"""The share of trials through ContextPaw that must recall the secret for a demo to pass."""
+
+
+def recall_line(label: str, trials: Iterable[Trial]) -> str:
+    trials = list(trials)
+    return f"{label}: recalled {sum(t.recalled for t in trials)}/{len(trials)}"
+
+
+def proof_holds(through: Iterable[Trial], recall_needed: float = RECALL_NEEDED) -> bool:
+    """Every trial through ContextPaw answered 200 compacted, and enough of them recalled the secret."""
+    through = list(through)
+    answered = all(t.status == 200 and t.compacted for t in through)
+    return bool(through) and answered and sum(t.recalled for t in through) >= len(through) * recall_needed
