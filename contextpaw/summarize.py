@@ -106,24 +106,36 @@ def render_span(evicted: Evicted) -> list[str]:
     return pieces
 
 
-def _split(piece: str, room: int, counter: Counter) -> list[str]:
-    """Cut a piece too big for one chunk at line ends, or inside a line too long on its own."""
+def _split(piece: str, first: int, room: int, counter: Counter) -> list[str]:
+    """Cut a piece too big for one chunk: the first part within `first` tokens (what is left of the
+    chunk it starts in, so a tool call is read with its result), the rest within `room`; at line
+    ends, else sentence or word ends."""
     parts: list[str] = []
     current = ""
     for line in piece.splitlines(keepends=True):
-        if counter.text(current + line) <= room:
+        limit = room if parts else first
+        if counter.text(current + line) <= limit:
             current += line
             continue
         if current:
             parts.append(current)
         current = line
-        while counter.text(current) > room:
-            cut = _longest_prefix(current, room, counter)
+        while counter.text(current) > (limit := room if parts else first):
+            cut = _word_end(current, _longest_prefix(current, limit, counter))
             parts.append(current[:cut])
             current = current[cut:]
     if current:
         parts.append(current)
     return parts
+
+
+def _word_end(text: str, cut: int) -> int:
+    """Move a cut back to a sentence end, else a word end, if one is in its second half."""
+    for mark in (". ", " "):
+        end = text.rfind(mark, 0, cut)
+        if end >= cut // 2:
+            return end + len(mark)
+    return cut
 
 
 def _longest_prefix(text: str, room: int, counter: Counter) -> int:
@@ -158,7 +170,9 @@ def plan_chunks(pieces: Sequence[str], room: int, counter: Counter) -> list[str]
     chunks: list[str] = []
     current = ""
     for whole in pieces:
-        for piece in _split(whole, room, counter) if counter.text(whole) > room else [whole]:
+        left = room - counter.text(current)
+        big = counter.text(whole) > room
+        for piece in _split(whole, left if left >= room // 4 else room, room, counter) if big else [whole]:
             if current and counter.text(current + piece) > room:
                 chunks.append(current)
                 current = ""
