@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 ADDON = REPO / "contextpaw_addon.py"
 FAULT = Path(__file__).with_name("fault.py")
 N_CTX = 1024
-"""Every fake backend's window, and the proxies' default window."""
+"""Every fake backend's window, and the proxies' default window (test_proxy.py says so too)."""
 LOOPBACK = "127.0.0.1"
 
 

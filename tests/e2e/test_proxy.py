@@ -6,14 +6,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 import ollama as ollama_client
 import openai
 import pytest
 
-from conftest import N_CTX, Proxy
 from contextpaw.testing.backends import Backend
+
+if TYPE_CHECKING:  # conftest is not importable by name when several test folders have one
+    from conftest import Proxy
+
+N_CTX = 1024
+"""The fakes' window and the proxies' default window (set in conftest.py)."""
 
 SECRET = "kiwi"
 SYSTEM = f"SECRET={SECRET}. Answer in one sentence."
