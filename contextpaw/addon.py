@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import os
+import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,13 +26,16 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from contextpaw import admin, wire
+from contextpaw.calibration import Calibration
 from contextpaw.compact import BudgetTooSmall
+from contextpaw.counting import LlamaCppCounting
 from contextpaw.evicted import EvictedStore, PlanMemory
 from contextpaw.report import Report
 from contextpaw.streams import StreamReport, report_bytes, with_report
-from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
+from contextpaw.truncation import detect
 from contextpaw.views import ORIGINAL, ContextPawView
-from contextpaw.windows import Budget, Budgeter
+from contextpaw.windows import Budget, Budgeter, BackendWindows, NoDiscovery
 
 logger = logging.getLogger("contextpaw")
 
@@ -55,7 +62,14 @@ HEADERS = "contextpaw.headers"
 LOCAL = "contextpaw.local"
 """The response was made here, not by the backend."""
 RETRIED = "contextpaw.retried"
-
+OBSERVED = "contextpaw.observed"
+"""Under policy off: the report that is not put on the wire but still checked against the answer."""
+CALIBRATION = "contextpaw.calibration"
+"""(calibration key, factor used) when the calibrated counter counted this request."""
+NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
+CALIBRATION_FILE = "contextpaw-calibration.json"
+SAVE_EVERY_S = 10.0
+FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 
 def _reply(flow: http.HTTPFlow, status: int, body: bytes, content_type: str = JSON_TYPE) -> None:
     flow.response = http.Response.make(status, body, {"Content-Type": content_type})
@@ -195,8 +209,15 @@ class Compactor:
         self.stats = stats
         self.store = store
         self.plans = PlanMemory(1024)
+        self.windows = BackendWindows(self._fetch)
         self.budgeter = Budgeter(default_ctx=4096, reserve=1024, margin=64)
         self.estimate = EstimateCounter()
+        self.calibration = Calibration()
+        self.state_path: str | None = None
+        self._saved_at = 0.0
+        self._counting: LlamaCppCounting | None = None
+        self.tokenizers: dict[str, Counter | None] = {}
+        """Tokenizer file path -> its counter (None: the file could not be used)."""
 
     def load(self, loader: Any) -> None:
         add = loader.add_option
@@ -212,6 +233,17 @@ class Compactor:
         add("contextpaw_evicted_items", int, 10_000, "Evicted contents kept for /contextpaw/evicted/<id>.")
         add("contextpaw_evicted_mb", int, 256, "Megabytes of evicted content kept.")
         add("contextpaw_evicted_ttl", int, 86_400, "Seconds evicted content is kept.")
+        add("contextpaw_discover_window", bool, True,
+            "Ask the backend for the model's real window (llama-server /props; Ollama /api/ps, /api/show).")
+        add("contextpaw_tokenizer", str, "",
+            "A tokenizer.json or GGUF file to count with, for every model (default: ask llama-server, "
+            "or the GGUF Ollama names, else a calibrated estimate).")
+        add("contextpaw_forbid_truncation", bool, True,
+            "Send truncate:false on Ollama's native routes when a request is near the window, so a residual "
+            "overflow comes back as a 400 that ContextPaw rescues instead of a silent cut.")
+        add("contextpaw_calibrate", bool, True,
+            "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model.")
+        add("contextpaw_state_dir", str, "", "Where the calibration is kept across restarts (default: confdir).")
 
     def configure(self, updated: set[str]) -> None:
         o = ctx.options
@@ -228,16 +260,99 @@ class Compactor:
                 f"({o.contextpaw_margin}) leave no room in contextpaw_default_ctx ({o.contextpaw_default_ctx})"
             )
         self.budgeter = Budgeter(
-            default_ctx=o.contextpaw_default_ctx, reserve=o.contextpaw_output_reserve, margin=o.contextpaw_margin
+            default_ctx=o.contextpaw_default_ctx,
+            reserve=o.contextpaw_output_reserve,
+            margin=o.contextpaw_margin,
+            source=self.windows if o.contextpaw_discover_window else NoDiscovery(),
         )
+        if o.contextpaw_tokenizer and not os.path.isfile(os.path.expanduser(o.contextpaw_tokenizer)):
+            raise exceptions.OptionsError(f"contextpaw_tokenizer: no such file {o.contextpaw_tokenizer!r}")
+        if {"contextpaw_state_dir", "confdir"} & updated:
+            self._restore_calibration(o.contextpaw_state_dir or o.confdir)
         self.store.max_items = o.contextpaw_evicted_items
         self.store.max_bytes = o.contextpaw_evicted_mb << 20
         self.store.max_age_s = o.contextpaw_evicted_ttl
         self.plans.max_conversations = o.contextpaw_conversations
 
-    async def counter_for(self, backend: wire.Backend, model: str) -> Counter:
-        """The counter for a backend's model: the estimate until exact counting exists."""
-        return self.estimate
+    # -- counting ------------------------------------------------------------------------------
+
+    async def counter_for(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt) -> tuple[Counter, int]:
+        """The best counter for this request, and the template's fixed cost when it is known.
+
+        Best source first: a tokenizer file the operator named; llama-server's own tokenizer and
+        template; the tokenizer in the GGUF file Ollama names for the model; the calibrated estimate.
+        """
+        model = parsed.params.model
+        calibrated = self.calibration.counter(f"{backend.kind}/{model}", self.estimate)
+        if ctx.options.contextpaw_tokenizer:
+            named = await self._tokenizer(os.path.expanduser(ctx.options.contextpaw_tokenizer))
+            if named is not None:
+                return named, 0
+        if backend.kind == wire.Kind.LLAMACPP:
+            counted = await self.counting().counter(
+                backend.url, parsed.texts, calibrated, chat=isinstance(parsed, wire.Chat), has_system=parsed.has_system
+            )
+            if counted is not None:
+                return counted
+        elif (gguf := await self._ollama_model_file(backend, model)) is not None:
+            local = await self._tokenizer(gguf)
+            if local is not None:
+                return local, 0
+        return calibrated, 0
+
+    def counting(self) -> LlamaCppCounting:
+        if self._counting is None:
+            self._counting = LlamaCppCounting(self.backends.client())
+        return self._counting
+
+    async def _tokenizer(self, path: str) -> Counter | None:
+        """Load a tokenizer once, in a worker thread (a GGUF vocabulary takes seconds to read)."""
+        if path not in self.tokenizers:
+            try:
+                self.tokenizers[path] = await asyncio.to_thread(TokenizerCounter.from_file, path)
+            except Exception as e:  # any unreadable or unsupported file means: count another way
+                logger.warning("cannot count with %s (%s); using another counter", path, e)
+                self.tokenizers[path] = None
+        return self.tokenizers[path]
+
+    async def _ollama_model_file(self, backend: wire.Backend, model: str) -> str | None:
+        """The model's GGUF blob, when Ollama's Modelfile names one that this machine can read."""
+        show = await self._fetch("POST", backend.url + "/api/show", {"model": model}) if model else None
+        found = FROM_LINE.search(str(show.get("modelfile", ""))) if isinstance(show, dict) else None
+        return found.group(1) if found and os.path.isfile(found.group(1)) else None
+
+    async def _fetch(self, method: str, url: str, body: dict[str, Any] | None) -> Any:
+        """A JSON answer from a backend, or None: discovery is best-effort, never a reason to fail."""
+        try:
+            async with self.backends.client().request(
+                method, url, json=body, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as resp:
+                return await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    async def _verified(
+        self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend
+    ) -> wire.Fitted | None:
+        """Check a llama-server chat against the server's exact count; refit once if it is over.
+
+        Our per-message counts are exact per text, but a text can tokenize one token differently
+        inside the template: the server's total for the whole request is the truth.
+        """
+        if backend.kind != wire.Kind.LLAMACPP or not isinstance(parsed, wire.Chat):
+            return None
+        sent = json.loads(fitted.body) if fitted.body is not None else parsed.body
+        total = await self.counting().total(
+            backend.url, {k: sent[k] for k in ("messages", "tools") if sent.get(k) is not None}
+        )
+        if total is None:
+            return None
+        if total <= budget.tokens:
+            fitted.report.final_tokens = total
+            fitted.report.exact = True
+            return fitted
+        tighter = Budget(budget.window, budget.reserve, budget.margin + total - budget.tokens)
+        return await self._compact(parsed, tighter, backend, big=False, verify=False)
 
     # -- request ------------------------------------------------------------------------------
 
@@ -276,7 +391,11 @@ class Compactor:
             return
         report = fitted.report
         self.stats.add("original_tokens", report.original_tokens)
+        if report.counter == "calibrated":
+            key = f"{backend.kind}/{parsed.params.model}"
+            flow.metadata[CALIBRATION] = [key, self.calibration.factor(key)]
         if policy == "off":
+            flow.metadata[OBSERVED] = report.to_json()
             if report.compacted:
                 flow.comment = f"contextpaw off; would have {report.summary()}"
             return
@@ -285,22 +404,46 @@ class Compactor:
             return
         self._remember(parsed, fitted)
         self._keep_report(flow, report)
+        body = fitted.body
+        if self._forbid_truncation(route, parsed, report, budget):
+            body = wire.write(json.loads(body) if body is not None else parsed.body, truncate=False)
         if fitted.body is not None:
             self._note_compaction(flow, route, report, parsed.params.model)
+        if body is not None:
             flow.metadata[ORIGINAL] = raw
-            flow.request.content = fitted.body
+            flow.request.content = body
+
+    @staticmethod
+    def _forbid_truncation(route: wire.Route, parsed: wire.Chat | wire.Prompt, report: Report, budget: Budget) -> bool:
+        """Ask Ollama to refuse instead of cutting, for requests near enough the window to be at risk.
+
+        Requests far below it are left byte for byte; `truncate` set by the client is respected.
+        """
+        return (
+            ctx.options.contextpaw_forbid_truncation
+            and route.name in NATIVE_OLLAMA
+            and "truncate" not in parsed.body
+            and report.final_tokens > budget.window // 2
+        )
 
     async def _compact(
-        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool
+        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, verify: bool = True
     ) -> wire.Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big."""
-        counter = await self.counter_for(backend, parsed.params.model)
+        counter, fixed = await self.counter_for(backend, parsed)
         previous = self.plans.get(parsed.key) if parsed.key else None
         fit = functools.partial(
-            parsed.fit, budget.tokens, counter, keep_recent=ctx.options.contextpaw_keep_recent, previous=previous
+            parsed.fit,
+            budget.tokens,
+            counter,
+            keep_recent=ctx.options.contextpaw_keep_recent,
+            previous=previous,
+            fixed_tokens=fixed,
         )
         fitted = await _off_loop(big, fit)
         fitted.report.window = budget.window
+        if verify and (checked := await self._verified(parsed, fitted, budget, backend)) is not None:
+            fitted = checked
         return fitted
 
     def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted) -> None:
@@ -338,11 +481,11 @@ class Compactor:
         if flow.metadata.get(LOCAL) or not response.headers.get("content-type", "").startswith(STREAM_TYPES):
             return
         route = wire.ROUTES.get(flow.metadata.get(ROUTE, ""))
-        report = flow.metadata.get(REPORT)
-        if route is None or report is None or response.headers.get("content-encoding", "identity") != "identity":
+        watched = REPORT in flow.metadata or OBSERVED in flow.metadata
+        if route is None or not watched or response.headers.get("content-encoding", "identity") != "identity":
             response.stream = True
             return
-        response.stream = StreamReport(route.framing, route.is_final, report_bytes(report))
+        response.stream = StreamReport(route.framing, route.is_final, functools.partial(self._final_report, flow))
         if "content-length" in response.headers:
             del response.headers["content-length"]
             response.headers["transfer-encoding"] = "chunked"
@@ -351,11 +494,12 @@ class Compactor:
         response = flow.response
         assert response is not None
         route = wire.ROUTES.get(flow.metadata.get(ROUTE, ""))
-        if route is None or REPORT not in flow.metadata or flow.metadata.get(LOCAL) or response.stream:
+        watched = REPORT in flow.metadata or OBSERVED in flow.metadata
+        if route is None or not watched or flow.metadata.get(LOCAL) or response.stream:
             return
         try:
             overflow = wire.upstream_overflow(response.status_code, response.content or b"")
-            if overflow and ctx.options.contextpaw_policy == "compact" and not flow.metadata.get(RETRIED):
+            if overflow and REPORT in flow.metadata and ctx.options.contextpaw_policy == "compact" and not flow.metadata.get(RETRIED):
                 await self._rescue(flow, route, overflow)
             self._report_in_body(flow, route)
         except Exception as e:  # fail open: the client gets the backend's answer as it was
@@ -397,17 +541,79 @@ class Compactor:
         flow.response = http.Response.make(status, body, http.Headers(kept))
         flow.response.headers.update(report.headers())
 
-    @staticmethod
-    def _report_in_body(flow: http.HTTPFlow, route: wire.Route) -> None:
+    def _report_in_body(self, flow: http.HTTPFlow, route: wire.Route) -> None:
         response = flow.response
         assert response is not None
         if not response.content:
             return
-        value = report_bytes(flow.metadata[REPORT])
+        amend = functools.partial(self._final_report, flow)
         if response.headers.get("content-type", "").startswith(STREAM_TYPES):
-            response.content = StreamReport(route.framing, route.is_final, value).transform(response.content)
-        elif (body := with_report(response.content, value)) is not None:
+            response.content = StreamReport(route.framing, route.is_final, amend).transform(response.content)
+            return
+        try:
+            answer = json.loads(response.content)
+        except ValueError:
+            return
+        value = amend(answer) if isinstance(answer, dict) else None
+        if value is not None and (body := with_report(response.content, value)) is not None:
             response.content = body
+        if truncated := flow.metadata.get(REPORT, flow.metadata.get(OBSERVED, {})).get("upstream_truncated"):
+            response.headers["X-ContextPaw-Upstream-Truncated"] = (
+                f"{truncated['evaluated_tokens']} of {truncated['sent_tokens']} tokens evaluated"
+            )
+
+    # -- what the server says it evaluated ---------------------------------------------------
+
+    def _final_report(self, flow: http.HTTPFlow, final: Any) -> bytes | None:
+        """The report for the answer's final record, after checking the count the server reports there.
+
+        Ollama evaluating clearly fewer tokens than it was sent means it cut the prompt in silence:
+        that is said in the report, the log and the metrics, under every policy. The same count
+        teaches the calibrated counter. Under policy off nothing is put on the wire (None).
+        """
+        report = flow.metadata.get(REPORT) or flow.metadata.get(OBSERVED)
+        evaluated = wire.evaluated_tokens(final) if isinstance(final, dict) else None
+        if report is None or evaluated is None:
+            return report_bytes(report) if REPORT in flow.metadata else None
+        backend_kind = wire.ROUTES[flow.metadata[ROUTE]].name.split(".")[0]
+        truncation = None
+        if backend_kind == "ollama" or flow.metadata.get(ROUTE, "").startswith("ollama"):
+            truncation = detect(report["final_tokens"], evaluated, report.get("window"), report.get("exact", False))
+        if truncation is not None and "upstream_truncated" not in report:
+            report["upstream_truncated"] = truncation.to_json()
+            self.stats.add("upstream_truncated")
+            logger.warning(
+                "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",
+                flow.request.path, evaluated, report["final_tokens"], truncation.reason,
+            )
+        if (calibration := flow.metadata.pop(CALIBRATION, None)) and ctx.options.contextpaw_calibrate:
+            key, factor = calibration
+            self.calibration.observe(key, round(report["final_tokens"] / factor), evaluated, num_ctx=report.get("window"))
+            self._save_calibration()
+        return report_bytes(report) if REPORT in flow.metadata else None
+
+    # -- calibration state ---------------------------------------------------------------------
+
+    def _restore_calibration(self, directory: str) -> None:
+        self.state_path = os.path.join(os.path.expanduser(directory), CALIBRATION_FILE)
+        try:
+            with open(self.state_path, encoding="utf-8") as f:
+                restored = self.calibration.restore(json.load(f))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            restored = False
+        if not restored:
+            logger.warning("calibration state %s is damaged; starting from scratch", self.state_path)
+
+    def _save_calibration(self, force: bool = False) -> None:
+        """Write the calibration off the event loop, at most every few seconds."""
+        now = time.monotonic()
+        if self.state_path is None or (not force and now - self._saved_at < SAVE_EVERY_S):
+            return
+        self._saved_at = now
+        state, path = self.calibration.state(), self.state_path
+        asyncio.get_running_loop().run_in_executor(None, _write_json, path, state)
 
 
 MINIMUMS = {
@@ -467,3 +673,12 @@ def make_addons() -> list[object]:
     backends = Backends(stats)
     compactor = Compactor(backends, stats, store)
     return [AdminEndpoints(backends, compactor), backends, compactor]
+
+
+def _write_json(path: str, state: Any) -> None:
+    """Atomically, so a crash mid-write leaves the previous state."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    os.replace(tmp, path)

@@ -35,6 +35,7 @@ COUNTS = {
     "unreachable": "Requests answered 502 because the backend did not answer",
     "original_tokens": "Prompt tokens as sent by clients, on compactable routes",
     "evicted_tokens": "Prompt tokens removed by compaction",
+    "upstream_truncated": "Responses whose server evaluated fewer prompt tokens than it was sent (silent truncation)",
 }
 
 

@@ -112,11 +112,14 @@ class LlamaCppCounting:
         return self.templates[base_url]
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, has_system: bool
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool
     ) -> tuple[BackendCounter, int] | None:
-        """A counter that knows every text in `texts`, and the template's fixed cost; None on failure."""
+        """A counter that knows every text in `texts`, and the template's fixed cost; None on failure.
+
+        A raw prompt (`chat` false) goes through no template, so it costs nothing fixed.
+        """
         try:
-            template = await self.template(base_url)
+            template = await self.template(base_url) if chat else TemplateCost(0, 0, 0)
             missing = list({t for t in texts if t and (base_url, _key(t)) not in self.texts})
             counts = await asyncio.gather(*(self._tokens(base_url, t, special=False) for t in missing))
             for text, n in zip(missing, counts):

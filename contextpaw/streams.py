@@ -45,11 +45,16 @@ def with_report(raw: bytes, value: bytes) -> bytes | None:
     return splice(raw, value)
 
 
+Amend = Callable[[Mapping[str, Any]], bytes]
+"""The final record -> the report to put into it (what the server says there, e.g. the count it
+evaluated, can change the report)."""
+
+
 class StreamReport:
     """A stream callable that passes records through and puts the report into the final one."""
 
     def __init__(
-        self, framing: Literal["ndjson", "sse"], is_final: Callable[[Mapping[str, Any]], bool], report: bytes
+        self, framing: Literal["ndjson", "sse"], is_final: Callable[[Mapping[str, Any]], bool], report: bytes | Amend
     ) -> None:
         self._separator = b"\n" if framing == "ndjson" else b"\n\n"
         self._sse = framing == "sse"
@@ -125,7 +130,13 @@ class StreamReport:
         span = self._span(record)
         assert span is not None, "only records with a JSON payload are merged"
         start, end = span
-        merged = splice(record[start:end], self._report)
+        report = self._report
+        if callable(report):
+            try:
+                report = report(json.loads(record[start:end]))
+            except ValueError:
+                return record
+        merged = splice(record[start:end], report)
         if merged is None:
             return record
         self._placed = True

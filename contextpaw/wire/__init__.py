@@ -76,9 +76,25 @@ class Chat:
         data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
         return hashlib.blake2b(data.encode(), digest_size=12).hexdigest()
 
-    def fit(self, budget: int, counter: Counter, *, keep_recent: int, previous: Plan | None) -> Fitted:
-        result = compact_chat(self.conversation, budget, counter, keep_recent=keep_recent, previous=previous)
-        body = None if result.messages is None else _write(self.body, messages=result.messages)
+    @property
+    def texts(self) -> list[str]:
+        """Every text a counter will be asked about, so an exact count can be fetched beforehand."""
+        texts = [t for m in self.conversation.messages for t in (m.text, m.content_text)]
+        if self.conversation.tools:
+            texts.append(json.dumps(self.conversation.tools, ensure_ascii=False, separators=(",", ":")))
+        return texts
+
+    @property
+    def has_system(self) -> bool:
+        return bool(self.conversation.messages) and self.conversation.messages[0].role == "system"
+
+    def fit(
+        self, budget: int, counter: Counter, *, keep_recent: int, previous: Plan | None, fixed_tokens: int = 0
+    ) -> Fitted:
+        result = compact_chat(
+            self.conversation, budget, counter, keep_recent=keep_recent, previous=previous, fixed_tokens=fixed_tokens
+        )
+        body = None if result.messages is None else write(self.body, messages=result.messages)
         return Fitted(body, result.report, result.plan)
 
 
@@ -93,11 +109,18 @@ class Prompt:
 
     key = None
     """Prompts have no turns to remember."""
+    has_system = False
 
-    def fit(self, budget: int, counter: Counter, *, keep_recent: int, previous: Plan | None) -> Fitted:
-        fixed = counter.text(self.fixed_text) + self.images * counter.image_tokens
+    @property
+    def texts(self) -> list[str]:
+        return [self.prompt, self.fixed_text]
+
+    def fit(
+        self, budget: int, counter: Counter, *, keep_recent: int, previous: Plan | None, fixed_tokens: int = 0
+    ) -> Fitted:
+        fixed = fixed_tokens + counter.text(self.fixed_text) + self.images * counter.image_tokens
         result = compact_prompt(self.prompt, budget, counter, fixed_tokens=fixed)
-        return Fitted(None if result.prompt is None else _write(self.body, prompt=result.prompt), result.report)
+        return Fitted(None if result.prompt is None else write(self.body, prompt=result.prompt), result.report)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +178,7 @@ class Route:
             raise NotCompactable(str(e)) from None
 
 
-def _write(body: Mapping[str, Any], **changes: Any) -> bytes:
+def write(body: Mapping[str, Any], **changes: Any) -> bytes:
     """The request body with one field replaced; everything else is kept as the client sent it."""
     return json.dumps({**body, **changes}, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -174,6 +197,13 @@ def int_field(container: Any, *names: str) -> int | None:
 def output_limit(value: int | None) -> int | None:
     """A requested answer length, with the 'unlimited' spellings (-1, -2, 0) read as no limit."""
     return value if value is not None and value > 0 else None
+
+
+def evaluated_tokens(record: Mapping[str, Any]) -> int | None:
+    """The prompt size a server reports in a final record: Ollama's `prompt_eval_count`, the OpenAI
+    `usage.prompt_tokens`, or llama.cpp's native `tokens_evaluated`."""
+    usage = record.get("usage")
+    return int_field(record, "prompt_eval_count", "tokens_evaluated") or int_field(usage, "prompt_tokens")
 
 
 def upstream_overflow(status: int, raw: bytes) -> UpstreamOverflow | None:

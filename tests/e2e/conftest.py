@@ -69,7 +69,9 @@ def mitmdump(workdir: Path, name: str, upstreams: Sequence[str], *extra: str) ->
     for upstream, port in zip(upstreams, ports, strict=True):
         argv += ["--mode", f"reverse:{upstream}@{LOOPBACK}:{port}"]
     argv += ["--set", f"confdir={workdir / 'conf'}", "--set", "connection_strategy=lazy"]
-    argv += ["--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128", *extra]
+    # no learning: each test sees the estimate as it starts, whatever ran before it
+    argv += ["--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128",
+             "--set", "contextpaw_calibrate=false", *extra]
     urls = [f"http://{LOOPBACK}:{port}" for port in ports]
     process = start_process(argv, urls[0], "/contextpaw/health", workdir / f"{name}.log", 30)
     return Proxy(process, urls[0], urls[-1])
@@ -79,6 +81,22 @@ def mitmdump(workdir: Path, name: str, upstreams: Sequence[str], *extra: str) ->
 def proxy(workdir: Path, ollama: Backend, llamacpp: Backend) -> Iterator[Proxy]:
     """The documented setup: one process, a reverse mode per backend, kinds found by probing."""
     running = mitmdump(workdir, "proxy", [ollama.url, llamacpp.url])
+    with running.process:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def cutting_ollama(workdir: Path) -> Iterator[Backend]:
+    """Fake Ollama as most models run: an overflow is cut in silence (ollama.md §1)."""
+    args = ["--n-ctx", str(N_CTX)]
+    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "cutting.log") as backend:
+        yield backend
+
+
+@pytest.fixture(scope="session")
+def watching(workdir: Path, cutting_ollama: Backend) -> Iterator[Proxy]:
+    """ContextPaw in front of the cutting Ollama."""
+    running = mitmdump(workdir, "watching", [cutting_ollama.url])
     with running.process:
         yield running
 

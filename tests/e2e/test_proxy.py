@@ -176,12 +176,11 @@ def test_strict_gives_openai_clients_context_length_exceeded(strict: Proxy, back
 # -- the upstream 400, rescued --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_upstream_overflow_400_is_compacted_and_retried_once(proxy: Proxy, backend: str, stream: bool) -> None:
+def test_an_upstream_overflow_400_is_compacted_and_retried_once(proxy: Proxy, stream: bool) -> None:
     body = {"model": "fake", "messages": undercounted(), "max_tokens": 16, "stream": stream}
-    response = httpx.post(f"{getattr(proxy, backend)}/v1/chat/completions", json=body, timeout=30)
-    assert response.status_code == 200
+    response = httpx.post(f"{proxy.ollama}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
     assert response.headers["X-ContextPaw-Recovered"] == "upstream-400"
     if stream:
         events = [e.removeprefix("data: ") for e in response.text.strip().split("\n\n")]
@@ -190,6 +189,16 @@ def test_an_upstream_overflow_400_is_compacted_and_retried_once(proxy: Proxy, ba
     else:
         report = response.json()["contextpaw"]
     assert report["recovered_from_upstream_400"] is True and report["window"] == N_CTX
+
+
+def test_llama_server_counts_exactly_so_its_400_never_happens(proxy: Proxy) -> None:
+    """What our byte estimate undercounts, llama-server's own tokenizer does not: compacted up front."""
+    body = {"model": "fake", "messages": undercounted(), "max_tokens": 16}
+    response = httpx.post(f"{proxy.llamacpp}/v1/chat/completions", json=body, timeout=30)
+    report = response.json()["contextpaw"]
+    assert response.status_code == 200 and "X-ContextPaw-Recovered" not in response.headers
+    assert report["compacted"] and report["counter"] == "backend" and report["exact"]
+    assert report["final_tokens"] <= report["budget"]
 
 
 def test_the_ollama_client_never_sees_the_rescued_400(proxy: Proxy) -> None:
@@ -257,3 +266,28 @@ def test_an_internal_error_fails_open(faulty: Proxy) -> None:
     reply = client.chat(model="fake", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
     assert SECRET in reply.message.content
     assert headers.last["X-ContextPaw-Error"].startswith("RuntimeError")
+
+
+# -- Ollama's silent truncation, caught -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_silent_ollama_cut_is_flagged_in_the_report(watching: Proxy, stream: bool) -> None:
+    """The client allows truncation, our estimate thinks it fits, and Ollama cuts: we say so."""
+    body = {"model": "fake", "messages": undercounted(), "options": OPTIONS, "stream": stream, "truncate": True}
+    response = httpx.post(f"{watching.ollama}/api/chat", json=body, timeout=30)
+    records = [json.loads(line) for line in response.text.splitlines()]
+    final = records[-1]
+    flagged = final["contextpaw"]["upstream_truncated"]
+    assert flagged["evaluated_tokens"] == final["prompt_eval_count"] < flagged["sent_tokens"]
+    if not stream:
+        assert response.headers["X-ContextPaw-Upstream-Truncated"].startswith(f"{final['prompt_eval_count']} of ")
+
+
+def test_near_the_window_ollama_is_told_not_to_truncate_and_its_400_is_rescued(watching: Proxy) -> None:
+    """The same request without the client's `truncate`: Ollama refuses instead of cutting, and we fit it."""
+    body = {"model": "fake", "messages": undercounted(), "options": OPTIONS, "stream": False}
+    response = httpx.post(f"{watching.ollama}/api/chat", json=body, timeout=30)
+    report = response.json()["contextpaw"]
+    assert response.status_code == 200 and report["recovered_from_upstream_400"]
+    assert "upstream_truncated" not in report and SECRET in response.json()["message"]["content"]

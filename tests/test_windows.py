@@ -1,0 +1,67 @@
+"""Window discovery: what each backend says its window is, parsed and cached."""
+
+from __future__ import annotations
+
+import pytest
+
+from contextpaw.wire import Backend, Kind, Params
+from contextpaw.windows import BackendWindows, Budgeter
+
+LLAMA = Backend.parse(Kind.LLAMACPP, "http://127.0.0.1:8091")
+OLLAMA = Backend.parse(Kind.OLLAMA, "http://127.0.0.1:11435")
+SHOW = {
+    "parameters": "stop                           \"<|im_end|>\"\nnum_ctx                        65536",
+    "model_info": {"general.architecture": "qwen3", "qwen3.context_length": 40960},
+    "modelfile": "FROM /blobs/sha256-abc\nPARAMETER num_ctx 65536",
+}
+
+
+class Server:
+    """Answers like a backend would, and counts the calls."""
+
+    def __init__(self, answers: dict[tuple[str, str], object]) -> None:
+        self.answers = answers
+        self.calls: list[str] = []
+
+    async def __call__(self, method: str, url: str, body: object) -> object:
+        self.calls.append(url)
+        return self.answers.get((method, url.split("/", 3)[-1]))
+
+
+async def test_llama_server_window_is_the_slot_size_from_props():
+    server = Server({("GET", "props"): {"default_generation_settings": {"n_ctx": 2048, "params": {}}}})
+    assert await BackendWindows(server).window(LLAMA, "any") == 2048
+
+
+async def test_ollama_window_is_what_it_loaded_matching_latest():
+    ps = {"models": [{"name": "qwen3:latest", "context_length": 8192}, {"name": "other:1b", "context_length": 4096}]}
+    server = Server({("GET", "api/ps"): ps})
+    assert await BackendWindows(server).window(OLLAMA, "qwen3") == 8192
+    assert server.calls == [OLLAMA.url + "/api/ps"]
+
+
+async def test_ollama_not_loaded_uses_the_modelfile_capped_by_the_trained_length():
+    server = Server({("GET", "api/ps"): {"models": []}, ("POST", "api/show"): SHOW})
+    assert await BackendWindows(server).window(OLLAMA, "qwen3") == 40960
+
+
+async def test_unknown_window_is_none_and_answers_are_cached_for_a_while():
+    now = [0.0]
+    server = Server({})
+    windows = BackendWindows(server, ttl=30, clock=lambda: now[0])
+    assert await windows.window(LLAMA, "m") is None
+    await windows.window(LLAMA, "m")
+    assert len(server.calls) == 1
+    now[0] = 31
+    await windows.window(LLAMA, "m")
+    assert len(server.calls) == 2
+
+
+@pytest.mark.parametrize(
+    ("num_ctx", "discovered", "window"), [(1024, 8192, 1024), (None, 8192, 8192), (None, None, 4096)]
+)
+async def test_the_request_wins_then_the_backend_then_the_default(num_ctx, discovered, window):
+    server = Server({("GET", "props"): {"default_generation_settings": {"n_ctx": discovered}}} if discovered else {})
+    budgeter = Budgeter(default_ctx=4096, reserve=256, margin=64, source=BackendWindows(server))
+    budget = await budgeter.budget(LLAMA, Params(model="m", stream=False, num_ctx=num_ctx))
+    assert budget.window == window and budget.tokens == window - 256 - 64
