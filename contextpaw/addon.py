@@ -659,8 +659,12 @@ class AdminEndpoints:
         return {
             "policy": ctx.options.contextpaw_policy,
             "backends": await self.backends.health(),
-            "counter": self.compactor.estimate.name,
-            "calibration": None,
+            "counter": {
+                "order": ["tokenizer option", "backend (llama-server)", "tokenizer (Ollama's GGUF)", "calibrated"],
+                "tokenizers": {path: bool(c) for path, c in self.compactor.tokenizers.items()},
+                "backend": self.compactor.counting().stats(),
+            },
+            "calibration": self.compactor.calibration.to_json(),
             "conversations": len(self.compactor.plans),
         }
 
