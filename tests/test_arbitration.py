@@ -296,7 +296,10 @@ async def test_metrics_are_the_arbiters_counters(proxy: Proxy) -> None:
 
 @pytest.fixture
 async def real(tmp_path: Path) -> AsyncIterator[Proxy]:
-    """Ollama is a closed port (it holds nothing to unload), the card cannot be read."""
+    """Ollama is a closed port (it holds nothing to unload), the card cannot be read, and tasks start
+    eagerly, as mitmproxy's master makes them."""
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)
     context, arbitration, admin = proxy_with(lambda settings: Arbiter(settings, NoGpu()))
     with context as tctx:
         proxy = Proxy(tctx, arbitration, admin)
@@ -304,11 +307,18 @@ async def real(tmp_path: Path) -> AsyncIterator[Proxy]:
             contextpaw_ollama=[f"http://127.0.0.1:{CLOSED_PORT}"],
             contextpaw_llamacpp=[f"http://127.0.0.1:{CLOSED_PORT + 1}"],
             contextpaw_llamacpp_log=str(tmp_path / "llama-server.log"),
+            contextpaw_arbitrate_wait=2,
         )
         yield proxy
         await arbitration.done()
+    loop.set_task_factory(None)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="Arbiter.acquire waits for the notice of a switch that an eager task already finished "
+    "(nothing to evict for Ollama): it must decide again right after starting a switch",
+)
 async def test_real_arbiter_holds_ollama_then_refuses_a_server_that_dies(real: Proxy) -> None:
     chat = post("/api/chat", CHAT, port=CLOSED_PORT)
     await real.arbitration.request(chat)
