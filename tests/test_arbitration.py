@@ -21,7 +21,7 @@ from mitmproxy.test import taddons
 from test_addon import get, post
 from test_runtime import NoGpu
 
-from contextpaw.addon import AdminEndpoints, make_addons
+from contextpaw.addon import AdminEndpoints, Backends, make_addons
 from contextpaw.arbitration import Arbitration
 from contextpaw.runtime import Arbiter, ArbiterCounters, ArbiterSettings, RuntimeUnavailable
 
@@ -77,10 +77,12 @@ class Proxy:
 
 
 def proxy_with(new_arbiter: Any) -> Any:
-    """Arbitration ahead of the other addons, as make_addons() orders them."""
-    addons = make_addons()
-    arbitration = Arbitration(addons[1], new_arbiter)  # type: ignore[arg-type]
-    return taddons.context(arbitration, *addons), arbitration, addons[0]
+    """A test Arbitration ahead of the other addons, as make_addons() orders them."""
+    addons = [each for each in make_addons() if not isinstance(each, Arbitration)]
+    backends = next(each for each in addons if isinstance(each, Backends))
+    admin = next(each for each in addons if isinstance(each, AdminEndpoints))
+    arbitration = Arbitration(backends, new_arbiter)
+    return taddons.context(arbitration, *addons), arbitration, admin
 
 
 @pytest.fixture
