@@ -251,7 +251,8 @@ def fault_app(server: FaultServer) -> web.Application:
             error = {"error": {"code": 500, "message": "backend exploded", "type": "server_error"}}
             return web.json_response(error, status=500)
         if fault == "overflow-400":
-            return web.json_response(context_overflow_error(5000, N_CTX), status=400)
+            n_prompt = int(request.headers.get("X-Fault-Prompt-Tokens", "5000"))
+            return web.json_response(context_overflow_error(n_prompt, N_CTX), status=400)
         if fault == "reset-mid-body":
             response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "1000"})
             await response.prepare(request)
@@ -291,6 +292,35 @@ def fault_server() -> Iterator[FaultServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def silent() -> Iterator[str]:
+    """A loopback listener that accepts connections and never sends a byte."""
+    listener = socket.socket()
+    listener.bind((LOOPBACK, 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, name="silent-backend", daemon=True)
+    thread.start()
+    try:
+        yield f"http://{LOOPBACK}:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(2)
+        for conn in accepted:
+            conn.close()
+        listener.close()
+
+
 # -- processes ------------------------------------------------------------------------------------
 
 
@@ -328,7 +358,7 @@ class Proxy:
 
 
 def mitmdump_argv(upstreams: dict[str, str], ports: dict[str, int], extra: Sequence[str]) -> list[str]:
-    argv = [sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q", "-s", str(ADDON)]
+    argv = [sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-s", str(ADDON)]
     for name, upstream in upstreams.items():
         argv += ["--mode", f"reverse:{upstream}@{LOOPBACK}:{ports[name]}"]
     return [*argv, *extra]
@@ -348,16 +378,17 @@ def start_mitmdump(workdir: Path, log_name: str, upstreams: dict[str, str], *ext
 
 
 @pytest.fixture(scope="session")
-def proxy(workdir: Path, ollama: Backend, llamacpp: Backend, fault_server: FaultServer) -> Iterator[Proxy]:
+def proxy(workdir: Path, ollama: Backend, llamacpp: Backend, fault_server: FaultServer, silent: str) -> Iterator[Proxy]:
     """One mitmdump: the fakes, the fault backend (configured as llama-server) and a dead port.
 
     tcp_timeout is short, so a hanging backend is given up on within a few seconds.
     """
     dead = f"http://{LOOPBACK}:{free_port()}"
-    upstreams = {"ollama": ollama.url, "llamacpp": llamacpp.url, "fault": fault_server.url, "dead": dead}
+    upstreams = {"ollama": ollama.url, "llamacpp": llamacpp.url, "fault": fault_server.url, "dead": dead, "silent": silent}
     running_proxy = start_mitmdump(
         workdir, "proxy", upstreams,
         "--set", f"contextpaw_llamacpp={fault_server.url}", "--set", f"tcp_timeout={PROXY_TCP_TIMEOUT}",
+        "--set", "termlog_verbosity=info", "--set", "flow_detail=0",
     )  # fmt: skip
     with running_proxy.process:
         yield running_proxy

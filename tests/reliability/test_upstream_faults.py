@@ -1,0 +1,265 @@
+"""Upstream faults through a real mitmdump: refused, reset, hanging and misbehaving backends.
+
+For each fault: the client gets a well-formed answer in its API's convention within a bounded time
+(the proxy runs with tcp_timeout=3), the proxy stays up and serves the next request normally, the
+backend received the request as the client sent it (fail open), and the event is counted in
+/contextpaw/health and logged. Where the addon lacks that, the test states the desired behaviour and
+is marked xfail(strict=True) with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+BOUND_S = 3 + 4.0
+"""The proxy's tcp_timeout plus slack: no fault may hold a client longer."""
+OK_STATS = {"requests", "original_tokens", "compacted", "evicted_tokens"}
+"""Counts every request moves; any other count moving means the event was counted."""
+
+
+def chat(stream: bool = False, words: int = 5) -> dict[str, Any]:
+    return {"model": "fault", "messages": [{"role": "user", "content": "hi " * words}], "stream": stream, "max_tokens": 8}
+
+
+def call(url: str, fault: str, body: dict[str, Any], path: str = "/v1/chat/completions", extra: dict[str, str] | None = None) -> tuple[int | None, dict[str, str], bytes, str | None, float, str, bytes]:
+    """POST through the proxy with `X-Fault`; returns status, headers, body, transport error, seconds, id, sent bytes."""
+    req_id = uuid.uuid4().hex
+    raw = json.dumps(body).encode()
+    headers = {"X-Fault": fault, "X-Req-Id": req_id, "Authorization": "Bearer sk-client", "Content-Type": "application/json", **(extra or {})}
+    started = time.monotonic()
+    status, got_headers, data, error = None, {}, b"", None
+    try:
+        with httpx.stream("POST", url + path, content=raw, headers=headers, timeout=BOUND_S + 5) as response:
+            status, got_headers = response.status_code, dict(response.headers)
+            try:
+                for chunk in response.iter_bytes():
+                    data += chunk
+            except httpx.HTTPError as e:
+                error = f"{type(e).__name__}: {e}"
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    return status, got_headers, data, error, time.monotonic() - started, req_id, raw
+
+
+def stats_of(proxy: Any, kit: Any) -> dict[str, int]:
+    return kit.health(proxy["fault"])["stats"]
+
+
+def assert_still_serving(proxy: Any, fault_server: Any) -> None:
+    """The proxy answers its own endpoint and the next normal request, right after the fault."""
+    status, _, body, error, elapsed, req_id, raw = call(proxy["fault"], "ok", chat())
+    assert (status, error) == (200, None) and elapsed < 2, (status, error, elapsed)
+    answer = json.loads(body)
+    assert answer["choices"][0]["message"]["content"] == "fine" and answer["echo"]["bytes"] == len(raw)
+    assert "contextpaw" in answer
+    [seen] = fault_server.hits(req_id)
+    assert seen.body == raw
+
+
+def assert_received_whole(fault_server: Any, req_id: str, raw: bytes) -> None:
+    """Nothing of the original request was lost: the backend got the client's bytes."""
+    hits = fault_server.hits(req_id)
+    assert hits and hits[0].body == raw and hits[0].headers.get("Authorization") == "Bearer sk-client"
+
+
+# -- connection refused -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [("/api/chat", "ollama"), ("/api/generate", "ollama"), ("/v1/chat/completions", "openai"), ("/completion", "llamacpp")],
+)
+def test_connection_refused_is_a_json_502_in_the_api_convention(proxy: Any, fault_server: Any, kit: Any, cases: Any, path: str, shape: str) -> None:
+    before = stats_of(proxy, kit)
+    started = time.monotonic()
+    response = httpx.post(proxy["dead"] + path, json=chat(), timeout=BOUND_S + 5)
+    assert time.monotonic() - started < BOUND_S
+    assert response.status_code == 502 and response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    if shape == "ollama":
+        assert isinstance(error, str) and "does not answer" in error
+    elif shape == "openai":
+        assert error["code"] == "backend_unreachable" and "does not answer" in error["message"]
+    else:
+        assert error["code"] == 502 and error["type"] == "unavailable_error"
+    assert stats_of(proxy, kit)["unreachable"] == before["unreachable"] + 1
+    assert_still_serving(proxy, fault_server)
+    cases["faults.e2e"] += 1
+
+
+# -- faults after the connection is open ------------------------------------------------------------
+
+FAULTS = {
+    # fault: (stream?, what the client should get)
+    "reset-before": (False, "json-502"),
+    "reset-mid-body": (False, "json-502"),
+    "hang-before": (False, "json-504"),
+    "reset-mid-stream": (True, "cut-stream"),
+    "hang-mid-stream": (True, "cut-stream"),
+    "non-json": (False, "as-sent"),
+    "truncated-json": (False, "as-sent"),
+    "500": (False, "backend-error"),
+}
+MITMPROXY_PAGE = (
+    "mitmproxy answers a server that fails after connecting with its own HTML error page "
+    "(502 'server closed connection' / 'HTTP/1 protocol error'), which no hook can replace; desired: a JSON "
+    "502 in the API's convention (e.g. answer the flow from an `error` hook or forward handled routes with "
+    "the addon's own client)"
+)
+XFAIL_ANSWER = {
+    "reset-before": MITMPROXY_PAGE,
+    "reset-mid-body": MITMPROXY_PAGE,
+    "hang-before": (
+        "a backend that hangs before its headers: after tcp_timeout mitmproxy closes the client connection "
+        "without any answer (httpx: 'Server disconnected without sending a response'); desired: a JSON 504 in the "
+        "API's convention at an addon-owned header timeout"
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_fault_gets_a_well_formed_answer_in_bounded_time(request: Any, proxy: Any, fault_server: Any, cases: Any, fault: str) -> None:
+    if fault in XFAIL_ANSWER:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=XFAIL_ANSWER[fault]))
+    stream, expected = FAULTS[fault]
+    status, headers, body, error, elapsed, req_id, raw = call(proxy["fault"], fault, chat(stream))
+    cases["faults.e2e"] += 1
+    assert elapsed < BOUND_S, f"{fault}: the client waited {elapsed:.1f}s"
+    assert_received_whole(fault_server, req_id, raw)
+    assert_still_serving(proxy, fault_server)
+    if expected in ("json-502", "json-504"):
+        assert error is None and status == int(expected[-3:]), (status, body[:200], error)
+        assert headers.get("content-type", "").startswith("application/json"), headers
+        assert isinstance(json.loads(body)["error"]["message"], str)
+    elif expected == "cut-stream":
+        # After the headers the only honest signal is a cut stream: the client must see it end, soon.
+        assert status == 200 and body.startswith(b"data: ") and error and "incomplete" in error
+    elif expected == "as-sent":
+        assert status == 200 and error is None and body == fault_server_body(fault)
+    else:
+        assert status == 500 and json.loads(body)["error"]["message"] == "backend exploded"
+
+
+def fault_server_body(fault: str) -> bytes:
+    return {"non-json": b"<html>Internal oops</html>", "truncated-json": b'{"choices":[{"message":{"content":"tru'}[fault]
+
+
+OVERFLOW = {"X-Fault-Prompt-Tokens": "1100"}
+"""The backend's count, a little over its 1024-token window: enough for the proxy to compact and retry."""
+
+
+def test_a_repeated_overflow_400_is_retried_exactly_once(proxy: Any, fault_server: Any, kit: Any, cases: Any) -> None:
+    """The backend says 'too long' to the request and to the compacted retry: one retry, then its 400."""
+    before = stats_of(proxy, kit)
+    body = {"model": "fault", "messages": [{"role": "system", "content": "Be brief."}]
+            + [{"role": "user" if i % 2 else "assistant", "content": f"turn {i} " + "a " * 60} for i in range(12)]
+            + [{"role": "user", "content": "and?"}], "max_tokens": 8}  # fmt: skip
+    status, headers, data, error, elapsed, req_id, raw = call(proxy["fault"], "overflow-400", body, extra=OVERFLOW)
+    cases["faults.e2e"] += 1
+    assert elapsed < BOUND_S and error is None
+    hits = fault_server.hits(req_id)
+    assert len(hits) == 2, f"{len(hits)} requests reached the backend: the retry must happen once, never twice"
+    assert hits[0].body == raw and hits[1].headers.get("Authorization") == "Bearer sk-client"
+    assert len(json.loads(hits[1].body)["messages"]) < len(body["messages"])
+    answer = json.loads(data)
+    assert status == 400 and answer["error"]["type"] == "exceed_context_size_error"
+    assert answer["contextpaw"]["recovered_from_upstream_400"] is False
+    after = stats_of(proxy, kit)
+    assert after["retried_400"] == before["retried_400"] + 1 and after["recovered_400"] == before["recovered_400"]
+    assert_still_serving(proxy, fault_server)
+
+
+# -- counted and logged -----------------------------------------------------------------------------
+
+COUNTED_FAULTS = [*FAULTS, "overflow-400"]
+UNCOUNTED = (
+    "no count moves for this upstream failure (the addon has no `error` hook and no upstream-error counter); "
+    "desired: a count in /contextpaw/health stats (e.g. `upstream_errors`) and a warning in the log naming the path"
+)
+NOT_COUNTED = {"reset-before", "reset-mid-body", "hang-before", "reset-mid-stream", "hang-mid-stream", "non-json", "truncated-json", "500"}
+NOT_LOGGED = {"overflow-400"}
+
+
+@pytest.mark.parametrize("fault", COUNTED_FAULTS)
+def test_a_fault_is_counted_and_logged(request: Any, proxy: Any, fault_server: Any, kit: Any, cases: Any, fault: str) -> None:
+    if fault in NOT_COUNTED:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=UNCOUNTED))
+    elif fault in NOT_LOGGED:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the failed retry is counted but not logged at warning level"))
+    stream = FAULTS.get(fault, (False, ""))[0]
+    before = stats_of(proxy, kit)
+    log_size = proxy.process.log.stat().st_size
+    body = chat(stream, words=400 if fault == "overflow-400" else 5)
+    call(proxy["fault"], fault, body, extra=OVERFLOW)
+    cases["faults.e2e"] += 1
+    after = stats_of(proxy, kit)
+    moved = {k: after[k] - before.get(k, 0) for k in after if k not in OK_STATS and after[k] != before.get(k, 0)}
+    assert moved, f"{fault}: no count moved in /contextpaw/health"
+    assert kit.wait_until(lambda: fault_logged(proxy, log_size), 2), f"{fault}: nothing logged"
+
+
+ADDON_LINE = re.compile(r"^\[[\d:.]+\] (?!\[)(.*)$", re.M)
+"""A log line of the addon's own (mitmproxy's per-connection lines carry a second [client] prefix)."""
+
+
+def fault_logged(proxy: Any, since: int) -> bool:
+    with proxy.process.log.open("rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    lines = [m.lower() for m in ADDON_LINE.findall(text)]
+    return any(word in line for line in lines for word in ("warn", "error", "fail", "does not answer", "502", "504", "retry", "400"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Backends.request answers the JSON 502 and counts `unreachable` but logs nothing; desired: "
+    "logger.warning naming the backend and the path",
+)
+def test_unreachable_is_logged(proxy: Any, kit: Any, cases: Any) -> None:
+    log_size = proxy.process.log.stat().st_size
+    httpx.post(proxy["dead"] + "/api/chat", json=chat(), timeout=BOUND_S + 5)
+    cases["faults.e2e"] += 1
+    assert kit.wait_until(lambda: fault_logged(proxy, log_size), 2), "the 502 for an unreachable backend is not logged"
+
+
+# -- the addon's own calls --------------------------------------------------------------------------
+
+
+def test_a_probe_of_a_silent_backend_is_bounded(proxy: Any, fault_server: Any, kit: Any, cases: Any) -> None:
+    """A reverse target that accepts and never says a byte: the kind probe gives up after
+    PROBE_TIMEOUT_S, the request is forwarded as is, and tcp_timeout ends it; meanwhile the proxy
+    keeps answering everything else."""
+    from contextpaw.addon import PROBE_TIMEOUT_S
+
+    started = time.monotonic()
+    with httpx.Client(timeout=BOUND_S + PROBE_TIMEOUT_S + 5) as client:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(lambda: client.post(proxy["silent"] + "/v1/chat/completions", json=chat()))
+            time.sleep(0.3)
+            assert_still_serving(proxy, fault_server)  # not blocked by the hanging probe
+            try:
+                pending.result().status_code
+            except httpx.HTTPError:
+                pass
+    cases["faults.e2e"] += 1
+    assert time.monotonic() - started < BOUND_S + PROBE_TIMEOUT_S
+
+
+def test_summarizer_and_token_count_timeouts_do_not_apply_yet() -> None:
+    """The addon calls no summarizer and no token-count endpoint (Compactor.counter_for returns the
+    estimate); its only own calls are the kind probe (bounded above) and the 400 retry (RETRY_TIMEOUT_S)."""
+    import inspect
+
+    from contextpaw import addon
+
+    source = inspect.getsource(addon)
+    assert "summar" not in source.lower() or "timeout" in source.lower()
