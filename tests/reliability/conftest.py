@@ -33,7 +33,7 @@ from contextpaw.testing.common import LOOPBACK, context_overflow_error, running,
 
 N_CTX = 1024
 """The fakes' window and the proxies' default window."""
-PROXY_TCP_TIMEOUT = 3
+PROXY_TCP_TIMEOUT = 2
 """The fault proxy's tcp_timeout: how long a silent backend may hang a request (bounded tests)."""
 
 OLLAMA = "http://127.0.0.1:11435"
