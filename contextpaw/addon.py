@@ -1,6 +1,7 @@
 """The mitmproxy shell: options and hooks, and nothing else.
 
-Three addons, one concern each, in the order their hooks run:
+Four addons, one concern each, in the order their hooks run:
+- `Arbitration` makes one runtime own the GPU before a request reaches it (off by default);
 - `AdminEndpoints` answers `/contextpaw/*` itself;
 - `Backends` knows which backend a flow goes to, and answers a JSON 502 when it does not answer;
 - `Compactor` fits requests into the window and puts the report into the response.
@@ -25,7 +26,7 @@ from mitmproxy import contentviews, ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from contextpaw import admin, wire
+from contextpaw import admin, arbitration, wire
 from contextpaw.calibration import Calibration
 from contextpaw.compact import BudgetTooSmall
 from contextpaw.counting import LlamaCppCounting
@@ -69,6 +70,7 @@ CALIBRATION = "contextpaw.calibration"
 NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
 CALIBRATION_FILE = "contextpaw-calibration.json"
 SAVE_EVERY_S = 10.0
+VERIFY_ROUNDS = 3
 FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 
 def _reply(flow: http.HTTPFlow, status: int, body: bytes, content_type: str = JSON_TYPE) -> None:
@@ -333,26 +335,33 @@ class Compactor:
 
     async def _verified(
         self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend
-    ) -> wire.Fitted | None:
-        """Check a llama-server chat against the server's exact count; refit once if it is over.
+    ) -> wire.Fitted:
+        """Check a llama-server chat against the server's exact count; refit if it is over.
 
-        Our per-message counts are exact per text, but a text can tokenize one token differently
-        inside the template: the server's total for the whole request is the truth.
+        Our per-text counts are exact, but a shrunk text is estimated and a text can tokenize one
+        token differently inside the template: the server's total for the whole request is the
+        truth. A few rounds at most; each one tightens the budget by what the last one missed.
         """
         if backend.kind != wire.Kind.LLAMACPP or not isinstance(parsed, wire.Chat):
-            return None
-        sent = json.loads(fitted.body) if fitted.body is not None else parsed.body
-        total = await self.counting().total(
-            backend.url, {k: sent[k] for k in ("messages", "tools") if sent.get(k) is not None}
-        )
-        if total is None:
-            return None
-        if total <= budget.tokens:
-            fitted.report.final_tokens = total
-            fitted.report.exact = True
             return fitted
-        tighter = Budget(budget.window, budget.reserve, budget.margin + total - budget.tokens)
-        return await self._compact(parsed, tighter, backend, big=False, verify=False)
+        for _ in range(VERIFY_ROUNDS):
+            sent = json.loads(fitted.body) if fitted.body is not None else parsed.body
+            total = await self.counting().total(
+                backend.url, {k: sent[k] for k in ("messages", "tools") if sent.get(k) is not None}
+            )
+            if total is None:
+                fitted.report.exact = False
+                return fitted
+            if total <= budget.tokens:
+                fitted.report.final_tokens = total
+                if fitted.body is None:
+                    fitted.report.original_tokens = total
+                return fitted
+            budget = Budget(budget.window, budget.reserve, budget.margin + total - budget.tokens)
+            fitted = await self._compact(parsed, budget, backend, big=False, verify=False)
+        fitted.report.exact = False
+        fitted.report.notes.append("the server's count could not be confirmed within the budget")
+        return fitted
 
     # -- request ------------------------------------------------------------------------------
 
@@ -442,9 +451,7 @@ class Compactor:
         )
         fitted = await _off_loop(big, fit)
         fitted.report.window = budget.window
-        if verify and (checked := await self._verified(parsed, fitted, budget, backend)) is not None:
-            fitted = checked
-        return fitted
+        return await self._verified(parsed, fitted, budget, backend) if verify else fitted
 
     def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted) -> None:
         if parsed.key and fitted.plan is not None:
@@ -676,7 +683,9 @@ def make_addons() -> list[object]:
     stats = admin.Stats(store)
     backends = Backends(stats)
     compactor = Compactor(backends, stats, store)
-    return [AdminEndpoints(backends, compactor), backends, compactor]
+    gpu = arbitration.Arbitration(backends)
+    stats.sources.append(gpu.metrics)
+    return [gpu, AdminEndpoints(backends, compactor), backends, compactor]
 
 
 def _write_json(path: str, state: Any) -> None:

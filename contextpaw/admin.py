@@ -52,6 +52,8 @@ class Stats(Collector):
     def __init__(self, store: EvictedStore) -> None:
         self.counts = dict.fromkeys(COUNTS, 0)
         self.store = store
+        self.sources: list[Callable[[], dict[str, float]]] = []
+        """More counters owned by other addons (the GPU arbiter's), read at each scrape."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -61,6 +63,9 @@ class Stats(Collector):
     def collect(self) -> Iterator[Metric]:
         for name, text in COUNTS.items():
             yield CounterMetricFamily(f"contextpaw_{name}", text, value=self.counts[name])
+        for source in self.sources:
+            for name, value in source().items():
+                yield CounterMetricFamily(f"contextpaw_{name}", name.replace("_", " "), value=value)
         yield GaugeMetricFamily("contextpaw_evicted_store_items", "Evicted contents kept", value=len(self.store))
         yield GaugeMetricFamily("contextpaw_evicted_store_bytes", "Bytes of evicted content kept", value=self.store.bytes)
 

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -25,6 +26,10 @@ import aiohttp
 from contextpaw.tokens import Counter
 
 log = logging.getLogger(__name__)
+
+MIN_RATE_CHARS = 200
+"""Texts shorter than this say more about the template than about the tokenizer's rate."""
+RATE_SAFETY = 1.05
 
 
 class LRU(OrderedDict):
@@ -51,7 +56,12 @@ class TemplateCost:
 
 
 class BackendCounter(Counter):
-    """Exact counts fetched from the server; a text it has not seen falls back (markers, shrunk text)."""
+    """Exact counts fetched from the server for every text of the request.
+
+    A text it has not seen (a marker, the kept part of a shrunk message) is estimated at the densest
+    tokens-per-byte rate among this request's own texts, which is how this tokenizer treats this
+    kind of content, or by the fallback counter when there is nothing to learn from.
+    """
 
     name = "backend"
     exact = True
@@ -61,10 +71,16 @@ class BackendCounter(Counter):
         self.fallback = fallback
         # +1: a message's text tokenized alone can merge one token fewer than inside the template
         self.message_overhead = per_message + 1
+        rates = [n / len(t.encode()) for t, n in known.items() if len(t) >= MIN_RATE_CHARS]
+        self.rate = max(rates) * RATE_SAFETY if rates else None
 
     def text(self, text: str) -> int:
         known = self.known.get(text)
-        return known if known is not None else self.fallback.text(text)
+        if known is not None:
+            return known
+        if self.rate is None:
+            return self.fallback.text(text)
+        return math.ceil(len(text.encode("utf-8", "surrogatepass")) * self.rate)
 
 
 class LlamaCppCounting:

@@ -329,6 +329,7 @@ class Arbiter:
                         raise RuntimeUnavailable(reason)
                     case Switch(target):
                         awaited = self._begin_switch(target)
+                        continue  # an eager task may have finished the switch already: decide again
                     case Wait() if self._pending is wanted:
                         awaited = self._last
                 await self._until_changed(deadline - loop.time(), wanted)

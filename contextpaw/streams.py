@@ -45,9 +45,9 @@ def with_report(raw: bytes, value: bytes) -> bytes | None:
     return splice(raw, value)
 
 
-Amend = Callable[[Mapping[str, Any]], bytes]
-"""The final record -> the report to put into it (what the server says there, e.g. the count it
-evaluated, can change the report)."""
+Amend = Callable[[Mapping[str, Any]], bytes | None]
+"""The final record -> the report to put into it, or None to add nothing (what the server says
+there, e.g. the count it evaluated, can change the report)."""
 
 
 class StreamReport:
@@ -135,6 +135,8 @@ class StreamReport:
             try:
                 report = report(json.loads(record[start:end]))
             except ValueError:
+                return record
+            if report is None:  # only watched, nothing to add (policy off)
                 return record
         merged = splice(record[start:end], report)
         if merged is None:

@@ -13,6 +13,7 @@ from mitmproxy.test import taddons, tflow, tutils
 
 from contextpaw import wire
 from contextpaw.addon import ORIGINAL, AdminEndpoints, Backends, Compactor, make_addons
+from contextpaw.arbitration import Arbitration
 from contextpaw.streams import StreamReport
 
 OLLAMA = "http://127.0.0.1:11435"
@@ -24,7 +25,7 @@ class Proxy:
 
     def __init__(self, tctx: taddons.context, addons: list[object]) -> None:
         self.tctx = tctx
-        self.admin, self.backends, self.compactor = addons
+        self.arbitration, self.admin, self.backends, self.compactor = addons
         self.addons = addons
 
     async def hook(self, name: str, flow: http.HTTPFlow) -> None:
@@ -51,7 +52,7 @@ class Proxy:
 async def proxy() -> AsyncIterator[Proxy]:
     addons = make_addons()
     with taddons.context(*addons) as tctx:
-        tctx.configure(addons[1], contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=["http://127.0.0.1:8091"])
+        tctx.configure(addons[2], contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=["http://127.0.0.1:8091"])
         yield Proxy(tctx, addons)
 
 
@@ -301,7 +302,7 @@ async def test_metrics_are_prometheus_text_from_this_instance(proxy: Proxy) -> N
     text = flow.response.text
     assert flow.response.headers["content-type"].startswith("text/plain")
     assert "contextpaw_compacted_total 1.0" in text and "contextpaw_requests_total 1.0" in text
-    assert make_addons()[2].stats.counts["compacted"] == 0  # no global registry
+    assert make_addons()[3].stats.counts["compacted"] == 0  # no global registry
 
 
 async def test_evicted_content_can_be_fetched_again(proxy: Proxy) -> None:
@@ -349,4 +350,4 @@ async def test_contentview_shows_what_was_cut(proxy: Proxy) -> None:
 
 
 def test_addon_classes_are_exported_for_embedding() -> None:
-    assert [type(a) for a in make_addons()] == [AdminEndpoints, Backends, Compactor]
+    assert [type(a) for a in make_addons()] == [Arbitration, AdminEndpoints, Backends, Compactor]

@@ -316,11 +316,6 @@ async def real(tmp_path: Path) -> AsyncIterator[Proxy]:
     loop.set_task_factory(None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Arbiter.acquire waits for the notice of a switch that an eager task already finished "
-    "(nothing to evict for Ollama): it must decide again right after starting a switch",
-)
 async def test_real_arbiter_holds_ollama_then_refuses_a_server_that_dies(real: Proxy) -> None:
     chat = post("/api/chat", CHAT, port=CLOSED_PORT)
     await real.arbitration.request(chat)

@@ -70,6 +70,8 @@ class ModelCard:
     quantization_level: str
     size: int
     template: str
+    blob: str = ""
+    """The model file, named in the Modelfile's FROM line as real Ollama names its blob."""
 
 
 @dataclass(frozen=True)
@@ -717,7 +719,8 @@ class OllamaServer:
         }
         return _json(
             {
-                "modelfile": f"FROM {canonical(self.settings.model)}\nTEMPLATE {json.dumps(self.card.template)}\n",
+                "modelfile": f"FROM {self.card.blob or canonical(self.settings.model)}\n"
+                f"TEMPLATE {json.dumps(self.card.template)}\n",
                 "template": self.card.template,
                 "details": self._details(),
                 "model_info": model_info,

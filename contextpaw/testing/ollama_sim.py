@@ -104,6 +104,7 @@ class LlamaServerEngine:
             quantization_level="unknown",
             size=meta["size"],
             template=props.get("chat_template", ""),
+            blob=props.get("model_path", ""),
         )
 
     async def close(self) -> None:
