@@ -7,9 +7,10 @@ Without --llama it starts a real llama-server with SmolLM2-135M-Instruct and a s
 (``--set contextpaw_llamacpp=URL``). Each trial plants a fresh secret at the start of a chat that
 overflows the window, asks for it back at the end, and sends the same request both ways with the real
 openai client: direct, llama-server refuses it (HTTP 400 exceed_context_size_error, the agent turn is
-dead); through ContextPaw, the proxy compacts to the window the 400 named, retries once, and the
-model answers. Odd trials stream. One last trial sends the rendered chat as a raw prompt to the native
-``/completion`` route. One row per path; recall ends as k/N.
+dead); through ContextPaw, the request is compacted to the window (asked of llama-server's /props,
+or named by its 400 and retried once) and the model answers. Odd trials stream. One last trial
+sends the rendered chat as a raw prompt to the native ``/completion`` route. One row per path;
+recall ends as k/N.
 
 Exits non-zero if the through-ContextPaw path fails: not 200, not compacted, or recall below 80%.
 """
@@ -97,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{DIRECT}: HTTP 400 exceed_context_size_error {refused}/{len(direct)}")
     if refused < len(direct):
         print("note: some direct requests fit the window; raise the filler or lower --num-ctx", file=sys.stderr)
-    recovered = sum(bool(t.report and t.report.get("recovered_from_upstream_400")) for t in through)
+    rescued = sum(bool(t.report and t.report.get("recovered_from_upstream_400")) for t in through)
     print(f"{THROUGH}: HTTP 200 {sum(t.status == 200 for t in through)}/{len(through)}, "
-          f"compacted {sum(t.compacted for t in through)}/{len(through)}, "
-          f"recovered from the upstream 400 {recovered}/{len(through)}")  # fmt: skip
+          f"compacted {sum(t.compacted for t in through)}/{len(through)} "
+          f"({len(through) - rescued} before sending, {rescued} after llama-server's 400)")  # fmt: skip
     return 0 if proof_holds(through) else 1
 
 

@@ -121,8 +121,19 @@ def sim_proxy(ollama_sim: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def llama_proxy(small_llama_server: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """ContextPaw in front of the small llama-server, configured as a llama.cpp backend; its base URL.
 
-    The window is not told to it (the default stays 4096): what it learns comes from the 400."""
+    It asks the server for its window (``/props``) and counts with its tokenizer, so an overflow is
+    compacted before it is sent."""
     work = tmp_path_factory.mktemp("llama-proxy")
     options = [f"contextpaw_llamacpp={small_llama_server.url}"]
+    with start_proxy(small_llama_server.url, work / "conf", work / "mitmdump.log", options=options) as proxy:
+        yield proxy.url
+
+
+@pytest.fixture(scope="session")
+def rescue_proxy(small_llama_server: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """ContextPaw in front of the small llama-server without window discovery: it believes the default
+    4096-token window, forwards the overflow, and learns the real window from the 400 it rescues."""
+    work = tmp_path_factory.mktemp("rescue-proxy")
+    options = [f"contextpaw_llamacpp={small_llama_server.url}", "contextpaw_discover_window=false"]
     with start_proxy(small_llama_server.url, work / "conf", work / "mitmdump.log", options=options) as proxy:
         yield proxy.url
