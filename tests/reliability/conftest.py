@@ -27,7 +27,7 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.test import taddons, tflow, tutils
 
-from contextpaw.addon import make_addons
+from contextpaw.addon import AdminEndpoints, Backends, Compactor, make_addons
 from contextpaw.testing.backends import ADDON, Backend, free_port, start_module, start_process
 from contextpaw.testing.common import LOOPBACK, context_overflow_error, running, sse
 
@@ -62,12 +62,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # -- the addons in a test master ------------------------------------------------------------------
 
 
+def _one(addons: list[Any], kind: type) -> Any:
+    return next(a for a in addons if isinstance(a, kind))
+
+
 class Harness:
     """The addons in a taddons master; pushes a flow through their hooks as mitmproxy would."""
 
     def __init__(self, tctx: taddons.context, addons: list[Any]) -> None:
         self.tctx = tctx
-        self.admin, self.backends, self.compactor = addons
+        self.admin = _one(addons, AdminEndpoints)
+        self.backends = _one(addons, Backends)
+        self.compactor = _one(addons, Compactor)
         self.addons = addons
 
     @property
@@ -97,7 +103,7 @@ class Harness:
 async def harness() -> AsyncIterator[Harness]:
     addons = make_addons()
     with taddons.context(*addons) as tctx:
-        tctx.configure(addons[1], contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
+        tctx.configure(_one(addons, Backends), contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
         yield Harness(tctx, addons)
 
 
@@ -111,7 +117,7 @@ class SyncHarness:
         async def enter() -> taddons.context:
             tctx = taddons.context(*addons)
             tctx.__enter__()
-            tctx.configure(addons[1], contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
+            tctx.configure(_one(addons, Backends), contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
             return tctx
 
         self.tctx = self.loop.run_until_complete(enter())
