@@ -385,6 +385,9 @@ class Summarizer:
             [call(map_prompt(c), f"chunk {n} of {len(chunks)}") for n, c in enumerate(chunks, 1)]
         )
         while len(partials) > 1:
+            if counter.text(_join(partials)) <= cap_tokens:
+                partials = [_join(partials)]  # they fit as they are: a merge call could only lose facts
+                break
             batches = plan_batches(partials, sizes.room, counter)
             if len(batches) == len(partials):
                 raise SummaryFailed("the chunk summaries are too long to merge in this window")

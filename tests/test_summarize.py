@@ -139,8 +139,11 @@ def test_shorten_cuts_to_the_count_and_says_so(tokens):
 # -- map-reduce ----------------------------------------------------------------------------------
 
 
+WORDY = "a partial summary that keeps every fact it was given, at length. " * 4
+
+
 async def test_every_chunk_is_summarized_and_the_partials_merged():
-    model = FakeModel()
+    model = FakeModel(answer=WORDY)
     evicted = span(2) + [{"role": "tool", "content": "the fact in the middle: ORION-7"}] + span(2, first=5)
     result = await digest(Summarizer(), evicted, model)
     chunks = plan_chunks(render_span(evicted), ROOM, COUNTER)
@@ -148,8 +151,15 @@ async def test_every_chunk_is_summarized_and_the_partials_merged():
     assert result.calls == len(chunks) + 1 == len(model.prompts)
     assert [map_prompt(c) for c in chunks] == model.maps
     assert any("ORION-7" in p for p in model.maps)
-    assert all(f"summary {n}." in model.reduces[0] for n in range(1, len(chunks) + 1))
-    assert result.text == f"summary {len(model.prompts)}."
+    assert model.reduces[0].count(WORDY.strip()) == len(chunks)
+
+
+async def test_partials_that_fit_the_cap_are_kept_whole_not_merged():
+    """A merge by a small model loses facts; partials that fit the cap together need none."""
+    model = FakeModel()
+    result = await digest(Summarizer(), span(3), model)
+    assert result.calls == 3 and model.reduces == []
+    assert all(f"summary {n}." in result.text for n in (1, 2, 3))
 
 
 async def test_partials_that_do_not_fit_one_call_are_merged_recursively():
@@ -177,7 +187,7 @@ async def test_the_digest_is_held_to_the_cap():
 
 
 async def test_a_repeated_span_costs_no_call():
-    model, summarizer = FakeModel(), Summarizer()
+    model, summarizer = FakeModel(answer=WORDY), Summarizer()
     first = await digest(summarizer, span(3), model)
     again = await digest(summarizer, span(3), model)
     assert first.calls == 4
@@ -185,7 +195,7 @@ async def test_a_repeated_span_costs_no_call():
 
 
 async def test_a_grown_span_costs_only_its_new_chunks_and_one_merge():
-    model, summarizer = FakeModel(), Summarizer()
+    model, summarizer = FakeModel(answer=WORDY), Summarizer()
     await digest(summarizer, span(4), model)
     grown = span(2) + span(1, first=10) + span(2, first=2) + span(1, first=11)
     result = await digest(summarizer, grown, model)
@@ -194,7 +204,7 @@ async def test_a_grown_span_costs_only_its_new_chunks_and_one_merge():
 
 
 async def test_concurrent_identical_digests_share_their_calls():
-    model, summarizer = FakeModel(delay=0.05), Summarizer(parallel=4)
+    model, summarizer = FakeModel(answer=WORDY, delay=0.05), Summarizer(parallel=4)
     one, two = await asyncio.gather(digest(summarizer, span(3), model), digest(summarizer, span(3), model))
     assert len(model.prompts) == 4
     assert one.text == two.text and one.calls + two.calls == 4
