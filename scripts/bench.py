@@ -1,0 +1,535 @@
+"""Benchmarks: what ContextPaw costs and what it saves, side by side in one run.
+
+    .venv/bin/python scripts/bench.py [--out bench-results] [--quick] [--skip-real] [--docs]
+
+Sections (each in the JSON, the markdown table and, where it helps, a PNG):
+1. overhead: the same requests direct to a fake llama-server, through bare mitmdump (the floor for
+   any addon) and through mitmdump with ContextPaw; small and 1 MB bodies that fit, and streams
+   (time to first byte, chunk rate). Paths take turns in rounds, so machine noise hits all three.
+2. compaction: time and peak memory to compact 1k-200k token chats and raw prompts (the sweep of
+   scripts/bench_compact.py) with each counter: estimate, calibrated, the GGUF tokenizer, and
+   llama-server's own counts (first call uncached vs cached).
+3. window_use: final tokens / budget across the same sweep.
+4. agent_loop: prefix-cache reuse per turn on a real llama-server (scripts/bench_agent_loop.py).
+5. recall: the k/N lines of demo_needle.py, demo_400.py and measure_summary.py's table.
+Real-backend parts need llama-server and the SmolLM2 model; they are skipped, saying why, when
+either is missing or with --skip-real. --docs copies the markdown and plots into docs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import mitmproxy.version
+from rich.console import Console
+from rich.progress import Progress
+
+import bench_agent_loop
+import bench_compact
+from contextpaw.calibration import CalibratedCounter
+from contextpaw.conversation import Conversation
+from contextpaw.counting import BackendCounter, LlamaCppCounting
+from contextpaw.testing.backends import (
+    ADDON,
+    Backend,
+    free_port,
+    locate_llama_server,
+    locate_smollm2,
+    start_llama_server,
+    start_module,
+    start_process,
+)
+from contextpaw.testing.common import LOOPBACK
+from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+PATHS = ("direct", "mitmdump", "ContextPaw")
+BIG_CTX = 1_000_000
+"""The fake's and the proxy's window for the overhead runs: a 1 MB body fits, nothing is compacted."""
+CALIBRATION_FACTOR = 1.1
+"""A typical learned factor; the calibrated counter costs the same whatever its value."""
+WINDOW_GOAL = 0.95
+OVERHEAD_GOAL = 0.10
+console = Console(stderr=True)
+
+
+# -- 1. proxy overhead -------------------------------------------------------------------------
+
+
+def mitmdump(upstreams: list[str], work: Path, name: str, *, addon: bool, options: list[str]) -> tuple[Backend, list[str]]:
+    """One mitmdump, reverse proxy in front of each upstream, with or without the ContextPaw script.
+
+    Ready once the first upstream's /health answers through it (bare mitmdump has no endpoint of its own).
+    """
+    ports = [free_port() for _ in upstreams]
+    argv = [sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q"]
+    argv += ["-s", str(ADDON)] if addon else []
+    for upstream, port in zip(upstreams, ports, strict=True):
+        argv += ["--mode", f"reverse:{upstream}@{LOOPBACK}:{port}"]
+    for option in ["connection_strategy=lazy", f"confdir={work / name}", "tcp_timeout=3600", *options]:
+        argv += ["--set", option]
+    urls = [f"http://{LOOPBACK}:{port}" for port in ports]
+    return start_process(argv, urls[0], "/health", work / f"{name}.log", 60), urls
+
+
+def chat_bytes(i: int, filler: str = "", stream: bool = False) -> bytes:
+    """A chat that differs from the last one in its final message, as an agent's next turn does."""
+    messages = [{"role": "system", "content": "You are terse."}]
+    if filler:
+        messages += [{"role": "user", "content": filler}, {"role": "assistant", "content": "Noted."}]
+    messages.append({"role": "user", "content": f"Request {i}: say hi."})
+    return json.dumps({"model": "fake-model", "messages": messages, "max_tokens": 8, "stream": stream}).encode()
+
+
+def filler_text(size: int) -> str:
+    words = (f"w{n % 7919}" for n in range(size))
+    return " ".join(words)[:size]
+
+
+def latency(client: httpx.Client, url: str, body: bytes) -> float:
+    started = time.perf_counter()
+    reply = client.post(url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    elapsed = time.perf_counter() - started
+    if reply.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text[:200]}")
+    return elapsed
+
+
+def stream_timing(client: httpx.Client, url: str, body: bytes) -> dict[str, float]:
+    """Time to first byte, whole stream, and SSE events per second between first and last byte."""
+    started = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    with client.stream("POST", url + "/v1/chat/completions", content=body,
+                       headers={"Content-Type": "application/json"}) as reply:
+        for chunk in reply.iter_raw():
+            arrivals.append((time.perf_counter(), chunk.count(b"data: ")))
+    events = sum(n for _, n in arrivals)
+    span = arrivals[-1][0] - arrivals[0][0]
+    return {"ttfb": arrivals[0][0] - started, "total": arrivals[-1][0] - started,
+            "rate": (events - 1) / span if span > 0 else None}
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """None when no stream arrived in more than one piece (bare mitmdump buffers whole responses)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def counting_cost(proxy: str, requests: int) -> dict[str, Any]:
+    """What ContextPaw spent asking llama-server to count (/tokenize, input_tokens), from its health."""
+    health = httpx.get(proxy + "/contextpaw/health", timeout=30, trust_env=False).json()
+    spent = health["counter"]["backend"]
+    return spent | {"requests": requests, "ms_per_request": spent["seconds"] * 1000 / max(1, requests)}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    cuts = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"n": len(values), "p50_ms": cuts[49] * 1000, "p99_ms": cuts[98] * 1000,
+            "req_per_s": len(values) / sum(values)}
+
+
+def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
+    """Rounds of (small, 1 MB, stream) batches; within a round the three paths take turns."""
+    rounds, small_n, big_n, stream_n = (2, 20, 2, 4) if quick else (4, 100, 5, 15)
+    big_size = 100_000 if quick else 1_000_000
+    filler = filler_text(big_size)
+    fake_args = ["--n-ctx", str(BIG_CTX)]
+    task = progress.add_task("proxy overhead", total=rounds * 3 * (small_n + big_n + stream_n))
+    with contextlib.ExitStack() as stack:
+        fast = stack.enter_context(start_module("contextpaw.testing.fake_llamacpp", fake_args, "/health", work / "fast.log"))
+        slow = stack.enter_context(start_module("contextpaw.testing.fake_llamacpp", [*fake_args, "--chunk-delay", "0.01"],
+                                                "/health", work / "slow.log"))
+        upstreams = [fast.url, slow.url]
+        bare, bare_urls = mitmdump(upstreams, work, "bare", addon=False, options=[])
+        stack.enter_context(bare)
+        paw, paw_urls = mitmdump(upstreams, work, "contextpaw", addon=True, options=[
+            f"contextpaw_default_ctx={BIG_CTX}", "contextpaw_calibrate=false",
+            *(f"contextpaw_llamacpp={u}" for u in upstreams)])
+        stack.enter_context(paw)
+        urls = {"direct": upstreams, "mitmdump": bare_urls, "ContextPaw": paw_urls}
+        clients = {p: stack.enter_context(httpx.Client(timeout=120, trust_env=False)) for p in PATHS}
+        samples: dict[str, dict[str, list]] = {case: {p: [] for p in PATHS} for case in ("small", "big", "stream")}
+        for p in PATHS:  # warm up: connections, window discovery, template measurement
+            for i in range(3):
+                latency(clients[p], urls[p][0], chat_bytes(-i))
+                stream_timing(clients[p], urls[p][1], chat_bytes(-i, stream=True))
+        serial = iter(range(10**9))
+        for _ in range(rounds):
+            for p in PATHS:
+                client, (fast_url, slow_url) = clients[p], urls[p]
+                for _ in range(small_n):
+                    samples["small"][p].append(latency(client, fast_url, chat_bytes(next(serial))))
+                for _ in range(big_n):
+                    samples["big"][p].append(latency(client, fast_url, chat_bytes(next(serial), filler)))
+                for _ in range(stream_n):
+                    samples["stream"][p].append(stream_timing(client, slow_url, chat_bytes(next(serial), stream=True)))
+                progress.advance(task, small_n + big_n + stream_n)
+        spent = counting_cost(paw_urls[0], sum(len(samples[c]["ContextPaw"]) for c in samples))
+    result: dict[str, Any] = {"big_body_bytes": len(chat_bytes(0, filler)), "rounds": rounds, "stream_chunk_delay_s": 0.01,
+                              "contextpaw_counting": spent}
+    for case in ("small", "big"):
+        result[case] = {p: percentiles(samples[case][p]) for p in PATHS}
+    result["stream"] = {p: {"ttfb": percentiles([s["ttfb"] for s in samples["stream"][p]]),
+                            "total": percentiles([s["total"] for s in samples["stream"][p]]),
+                            "events_per_s": median_or_none([s["rate"] for s in samples["stream"][p]])}
+                        for p in PATHS}
+    result["verdict"] = {
+        case: {"p50_vs_mitmdump": result[case]["ContextPaw"]["p50_ms"] / result[case]["mitmdump"]["p50_ms"] - 1,
+               "req_per_s_vs_mitmdump": result[case]["ContextPaw"]["req_per_s"] / result[case]["mitmdump"]["req_per_s"] - 1}
+        for case in ("small", "big")
+    } | {"stream_ttfb_p50_vs_direct_ms": result["stream"]["ContextPaw"]["ttfb"]["p50_ms"]
+         - result["stream"]["direct"]["ttfb"]["p50_ms"]}
+    return result
+
+
+# -- 2./3. compaction cost and window use -----------------------------------------------------------
+
+
+def texts_of(messages: list[dict]) -> list[str]:
+    """What the proxy asks llama-server to count for a chat (wire.Chat.texts) and its raw-prompt form."""
+    conversation = Conversation.from_wire(messages)
+    texts = [t for m in conversation.messages for t in (m.text, m.content_text)]
+    return [*texts, "\n".join(m["content"] or "" for m in messages)]
+
+
+async def backend_counts(url: str, sizes: list[int], tick: Callable[[], None]) -> tuple[BackendCounter, list[dict]]:
+    """llama-server's counts for every text of the sweep, timed per size: a fresh cache, then again."""
+    estimate, known, timings = EstimateCounter(), {}, []
+    async with aiohttp.ClientSession(trust_env=False) as session:
+        per_message = 0
+        for size in sizes:
+            texts = texts_of(bench_compact.agent_conversation(size, estimate))
+            counting = LlamaCppCounting(session, timeout=120, cache_size=len(texts) + 16)
+            seconds = []
+            for _ in range(2):
+                started = time.perf_counter()
+                counted = await counting.counter(url, texts, estimate, chat=True, has_system=True)
+                seconds.append(time.perf_counter() - started)
+                if counted is None:
+                    raise RuntimeError(f"llama-server at {url} did not count")
+            counter = counted[0]
+            known |= counter.known
+            per_message = counter.message_overhead - 1
+            timings.append({"size": size, "texts": len(set(texts)), "uncached_ms": seconds[0] * 1000,
+                            "cached_ms": seconds[1] * 1000})
+            tick()
+    return BackendCounter(known, estimate, per_message), timings
+
+
+def compaction(quick: bool, gguf: Path | None, llama_url: str | None, progress: Progress) -> dict[str, Any]:
+    """The bench_compact sweep once per counter that can be had here."""
+    sizes = [1000, 5000] if quick else [1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000, 160_000, 200_000]
+    repeat = 1 if quick else 3
+    counters: dict[str, Counter] = {"estimate": EstimateCounter(),
+                                    "calibrated": CalibratedCounter(EstimateCounter(), CALIBRATION_FACTOR)}
+    result: dict[str, Any] = {"sizes": sizes, "repeat": repeat, "counters": {}, "skipped": {}}
+    if gguf is not None:
+        started = time.perf_counter()
+        counters["tokenizer"] = TokenizerCounter.from_file(str(gguf))
+        result["tokenizer_load_s"] = time.perf_counter() - started
+    else:
+        result["skipped"]["tokenizer"] = "no SmolLM2 GGUF"
+    task = progress.add_task("compaction sweep", total=len(sizes) * (len(counters) + 2 * (llama_url is not None)))
+    if llama_url is not None:
+        counters["backend"], result["backend_counting"] = asyncio.run(
+            backend_counts(llama_url, sizes, lambda: progress.advance(task)))
+    else:
+        result["skipped"]["backend"] = "no llama-server"
+    for name, counter in counters.items():
+        rows = []
+        for size in sizes:
+            rows += bench_compact.run([size], repeat, counter)
+            progress.advance(task)
+        result["counters"][name] = rows
+    result["headline"] = bench_compact.headline(EstimateCounter(), repeat)
+    return result
+
+
+def window_use(comp: dict[str, Any]) -> dict[str, Any]:
+    """Final/budget per counter and kind, over the cases that needed compacting (the rest fit as they are)."""
+    out = {}
+    for name, rows in comp["counters"].items():
+        for kind in ("chat", "prompt"):
+            uses = [r["use"] for r in rows if r["kind"] == kind and r["tokens"] > r["budget"]] or [1.0]
+            out[f"{name}/{kind}"] = {"min": min(uses), "mean": statistics.fmean(uses), "max": max(uses)}
+    return {"goal": WINDOW_GOAL, "by_counter": out, "below_goal": sorted(k for k, v in out.items() if v["min"] < WINDOW_GOAL)}
+
+
+# -- 5. recall -----------------------------------------------------------------------------------
+
+RECALL_LINE = re.compile(r"^(.+): recalled (\d+)/(\d+)$", re.M)
+
+
+def recall(quick: bool, trials: int, progress: Progress) -> dict[str, Any]:
+    """Run the demos as their own processes (each starts its own servers) and keep their k/N."""
+    trials = "1" if quick else str(trials)
+    runs = {"demo_needle": ["demo_needle.py", "--trials", trials], "demo_400": ["demo_400.py", "--trials", trials]}
+    if (SCRIPTS / "measure_summary.py").exists():
+        runs["measure_summary"] = ["measure_summary.py", "--trials", trials]
+    task = progress.add_task("recall demos", total=len(runs))
+    out = {}
+    for name, argv in runs.items():
+        try:
+            done = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:]], capture_output=True,
+                                  text=True, timeout=900, cwd=REPO)
+            output, code = done.stdout, done.returncode
+        except subprocess.TimeoutExpired as e:
+            output = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
+            code = None
+        out[name] = {"exit": code, "recalled": {m[1]: [int(m[2]), int(m[3])] for m in RECALL_LINE.finditer(output)},
+                     "table": [line for line in output.splitlines() if line.startswith("|")] if name == "measure_summary" else []}
+        progress.advance(task)
+    return out
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def machine(llama: Path | None) -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "platform": platform.platform(),
+            "python": platform.python_version(), "mitmproxy": mitmproxy.version.VERSION,
+            "llama_server": str(llama) if llama else None, "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def plots(result: dict[str, Any], img: Path) -> list[str]:
+    """Small PNGs for the sections that have data; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    made = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(img / name, dpi=72)
+        plt.close(fig)
+        made.append(name)
+
+    if "small" in (over := result["overhead"]):
+        fig, ax = plt.subplots(figsize=(6, 3))
+        cases = [("small", over["small"]), ("1 MB", over["big"]), ("stream TTFB", {p: over["stream"][p]["ttfb"] for p in PATHS})]
+        for j, p in enumerate(PATHS):
+            ax.bar([i + (j - 1) * 0.27 for i in range(len(cases))], [c[p]["p50_ms"] for _, c in cases], 0.27, label=p)
+        ax.set_xticks(range(len(cases)), [c for c, _ in cases])
+        ax.set_yscale("log")
+        ax.set_ylabel("p50 latency, ms")
+        ax.legend(fontsize=8)
+        save(fig, "bench-overhead.png")
+    if comp := result["compaction"].get("counters"):
+        for name, key, label, scale in (("bench-compaction.png", "ms", "time, ms", "log"),
+                                        ("bench-window-use.png", "use", "final / budget", "linear")):
+            fig, ax = plt.subplots(figsize=(6, 3.2))
+            for counter, rows in comp.items():
+                for kind, style in (("chat", "-"), ("prompt", "--")):
+                    pts = [(r["tokens"], r[key]) for r in rows if r["kind"] == kind]
+                    ax.plot(*zip(*pts), style, marker=".", label=f"{counter} {kind}")
+            ax.set_xscale("log")
+            ax.set_yscale(scale)
+            ax.set_xlabel("conversation tokens")
+            ax.set_ylabel(label)
+            if key == "use":
+                ax.axhline(WINDOW_GOAL, color="grey", lw=0.8)
+            ax.legend(fontsize=7, ncol=2)
+            save(fig, name)
+    if turns := result["agent_loop"].get("turns"):
+        fig, ax = plt.subplots(figsize=(6, 3))
+        for path in ("contextpaw", "baseline"):
+            ax.plot([r["turn"] for r in turns], [r[path]["cached"] for r in turns], marker=".",
+                    label="ContextPaw (sticky plan)" if path == "contextpaw" else "from scratch each turn")
+        ax.axhline(bench_agent_loop.CACHE_GOAL, color="grey", lw=0.8)
+        ax.set_xlabel("turn")
+        ax.set_ylabel("prompt served from cache")
+        ax.legend(fontsize=8)
+        save(fig, "bench-agent-loop.png")
+    return made
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def markdown(result: dict[str, Any], images: list[str]) -> str:
+    """The README fragment: one table per section, with the goals and the plots."""
+    m = result["machine"]
+    lines = ["# Benchmarks", "", f"Generated by `scripts/bench.py{' --quick' if result['quick'] else ''}` on {m['date']}: "
+             f"{m['cpus']} CPUs (load {m['load_average'][0]:.1f} at start, shared machine), Python {m['python']}, "
+             f"mitmproxy {m['mitmproxy']}. Absolute numbers are this machine's; compare within a table.", ""]
+
+    def image(name: str) -> None:
+        if name in images:
+            lines.extend([f"![{name}](img/{name})", ""])
+
+    def skipped(section: dict[str, Any]) -> bool:
+        if "skipped" in section and isinstance(section["skipped"], str):
+            lines.extend([f"Skipped: {section['skipped']}.", ""])
+            return True
+        return False
+
+    over = result["overhead"]
+    lines += ["## 1. Proxy overhead", ""]
+    if not skipped(over):
+        lines += [f"Fake llama-server on loopback, one keep-alive client, sequential; {over['rounds']} rounds in which the "
+                  f"paths take turns. Big body: {over['big_body_bytes'] / 1e6:.2f} MB that fits (nothing compacted). "
+                  f"Streams: {over['stream_chunk_delay_s'] * 1000:.0f} ms between tokens.", "",
+                  "| case | path | n | req/s | p50 ms | p99 ms |", "|---|---|---:|---:|---:|---:|"]
+        for case, label in (("small", "small body"), ("big", "1 MB body")):
+            for p in PATHS:
+                s = over[case][p]
+                lines.append(f"| {label} | {p} | {s['n']} | {s['req_per_s']:.0f} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} |")
+        lines += ["", "| stream | n | TTFB p50 ms | TTFB p99 ms | whole p50 ms | events/s |", "|---|---:|---:|---:|---:|---:|"]
+        for p in PATHS:
+            s = over["stream"][p]
+            lines.append(f"| {p} | {s['ttfb']['n']} | {s['ttfb']['p50_ms']:.2f} | {s['ttfb']['p99_ms']:.2f} | "
+                         f"{s['total']['p50_ms']:.1f} | {'buffered' if s['events_per_s'] is None else f'{s["events_per_s"]:.0f}'} |")
+        v = over["verdict"]
+        lines += ["", f"ContextPaw vs bare mitmdump (goal: within {OVERHEAD_GOAL:.0%}): small p50 {v['small']['p50_vs_mitmdump']:+.0%}, "
+                  f"req/s {v['small']['req_per_s_vs_mitmdump']:+.0%}; 1 MB p50 {v['big']['p50_vs_mitmdump']:+.0%}, "
+                  f"req/s {v['big']['req_per_s_vs_mitmdump']:+.0%}. Stream TTFB p50 vs direct: "
+                  f"{v['stream_ttfb_p50_vs_direct_ms']:+.2f} ms. Bare mitmdump buffers a response unless a hook streams "
+                  "it, so its TTFB is the whole stream.", "",
+                  f"Of ContextPaw's time, asking llama-server to count (`/tokenize` for new texts, "
+                  f"`/v1/chat/completions/input_tokens` to check every chat): {over['contextpaw_counting']['calls']} calls, "
+                  f"{over['contextpaw_counting']['ms_per_request']:.2f} ms per request on average.", ""]
+        image("bench-overhead.png")
+
+    comp = result["compaction"]
+    lines += ["## 2. Compaction cost", ""]
+    if not skipped(comp):
+        h = comp["headline"]
+        lines += [f"Each conversation compacted into a quarter of its size (at least 1k); median of {comp['repeat']} runs, "
+                  f"peak traced memory of one. Headline: {h['tokens']:,} tokens in {h['messages']} messages into 32k: "
+                  f"{h['ms']:.0f} ms, {h['peak_mib']:.1f} MiB.", "",
+                  "| counter | kind | tokens | budget | final | use | ms | peak MiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for name, rows in comp["counters"].items():
+            for r in rows:
+                lines.append(f"| {name} | {r['kind']} | {r['tokens']:,} | {r['budget']:,} | {r['final']:,} | {r['use']:.1%} | "
+                             f"{r['ms']:.1f} | {r['peak_mib']:.1f} |")
+        if "tokenizer_load_s" in comp:
+            lines += ["", f"Loading the SmolLM2 tokenizer from its GGUF: {comp['tokenizer_load_s']:.2f} s (once per process)."]
+        if counts := comp.get("backend_counting"):
+            lines += ["", "Fetching llama-server's counts (`/tokenize` per text, template measured once):", "",
+                      "| tokens | distinct texts | first call ms | cached ms |", "|---:|---:|---:|---:|"]
+            lines += [f"| {c['size']:,} | {c['texts']} | {c['uncached_ms']:.0f} | {c['cached_ms']:.1f} |" for c in counts]
+        for name, why in comp["skipped"].items():
+            lines.append(f"\nCounter {name} skipped: {why}.")
+        lines.append("")
+        image("bench-compaction.png")
+
+    use = result["window_use"]
+    lines += ["## 3. Window use", ""]
+    if not skipped(use):
+        lines += [f"Final tokens / budget over the sweep's cases that overflowed, goal at least {use['goal']:.0%}.", "",
+                  "| counter/kind | min | mean | max |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {v['min']:.1%} | {v['mean']:.1%} | {v['max']:.1%} |" for k, v in use["by_counter"].items()]
+        lines += ["", f"Below the goal: {', '.join(use['below_goal']) or 'none'}.", ""]
+        image("bench-window-use.png")
+
+    loop = result["agent_loop"]
+    lines += ["## 4. Prefix-cache reuse in an agent loop", ""]
+    if not skipped(loop):
+        lines += [f"{len(loop['turns'])} turns, SmolLM2-135M on llama-server -c {loop['n_ctx']} -np 1, max_tokens "
+                  f"{bench_agent_loop.MAX_TOKENS}; per turn `timings.cache_n / (cache_n + prompt_n)`. Baseline: `compact_chat` "
+                  "without the previous plan, same counter and budget, sent straight to an identical server.", "",
+                  "| path | first compacted turn | turns after | mean cached | min cached | turns ≥ 80% | tokens evaluated | tokens from cache |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for path, s in loop["summary"].items():
+            lines.append(f"| {path} | {s['first_compacted_turn'] or '-'} | {s['turns_after']} | {pct(s['mean_cached'])} | "
+                         f"{pct(s['min_cached'])} | {s['turns_at_goal']}/{s['turns_after']} | {s['evaluated_tokens']:,} | "
+                         f"{s['cached_tokens']:,} |")
+        lines += ["", "| turn | budget | ContextPaw cache_n / prompt_n | baseline cache_n / prompt_n |", "|---:|---:|---:|---:|"]
+        for r in loop["turns"]:
+            c, b = r["contextpaw"], r["baseline"]
+            lines.append(f"| {r['turn']}{'*' if c['compacted'] else ''} | {r['budget']} | {c['cache_n']} / {c['prompt_n']} "
+                         f"({c['cached']:.0%}) | {b['cache_n']} / {b['prompt_n']} ({b['cached']:.0%}) |")
+        lines += ["", "\\* compacted by ContextPaw.", ""]
+        image("bench-agent-loop.png")
+
+    rec = result["recall"]
+    lines += ["## 5. Recall", ""]
+    if not skipped(rec):
+        lines += ["| script | path | recalled | exit |", "|---|---|---:|---:|"]
+        for name, r in rec.items():
+            for path, (k, n) in r["recalled"].items():
+                lines.append(f"| {name} | {path} | {k}/{n} | {r['exit']} |")
+        for name, r in rec.items():
+            if r["table"]:
+                lines += ["", f"{name}:", "", *r["table"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def counting_server(binary: Path | None, model: Path | None, work: Path) -> Iterator[str | None]:
+    """A real llama-server to count with, when there is one to start."""
+    if binary is None or model is None:
+        yield None
+        return
+    with start_llama_server(binary, model, 2048, work / "llama-count.log") as server:
+        yield server.url
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md and img/*.png")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes and counts, for a smoke run")
+    ap.add_argument("--skip-real", action="store_true", help="skip what needs llama-server (backend counter, loop, recall)")
+    ap.add_argument("--agent-loop", type=Path, help="reuse this scripts/bench_agent_loop.py --out JSON instead of running it")
+    ap.add_argument("--recall-trials", type=int, default=3, help="--trials for each recall demo (1 with --quick)")
+    ap.add_argument("--docs", action="store_true", help="copy the markdown to docs/benchmarks.md and the plots to docs/img/")
+    args = ap.parse_args(argv)
+    binary, model = locate_llama_server(), locate_smollm2()
+    skip_real = "--skip-real" if args.skip_real else (binary.reason or model.reason or None)
+    result: dict[str, Any] = {"machine": machine(binary.path), "quick": args.quick}
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory(prefix="contextpaw-bench-") as tmp, Progress(console=console) as progress:
+        work = Path(tmp)
+        result["overhead"] = overhead(work, args.quick, progress)
+        with counting_server(None if skip_real else binary.path, model.path, work) as llama_url:
+            result["compaction"] = compaction(args.quick, model.path, llama_url, progress)
+        result["window_use"] = window_use(result["compaction"])
+        if args.agent_loop:
+            result["agent_loop"] = json.loads(args.agent_loop.read_text()) | {"reused_from": str(args.agent_loop)}
+        elif skip_real:
+            result["agent_loop"] = {"skipped": skip_real}
+        else:
+            turns, n_ctx = (4, 512) if args.quick else (30, 2048)
+            task = progress.add_task("agent loop", total=turns)
+            result["agent_loop"] = bench_agent_loop.run(binary.path, model.path, work, turns, n_ctx,
+                                                        lambda: progress.advance(task))
+        result["recall"] = {"skipped": skip_real} if skip_real else recall(args.quick, args.recall_trials, progress)
+    out.mkdir(parents=True, exist_ok=True)
+    images = plots(result, out / "img")
+    text = markdown(result, images)
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    (out / "bench.md").write_text(text)
+    if args.docs:
+        (REPO / "docs" / "img").mkdir(parents=True, exist_ok=True)
+        (REPO / "docs" / "benchmarks.md").write_text(text)
+        for name in images:
+            shutil.copy(out / "img" / name, REPO / "docs" / "img" / name)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
