@@ -18,7 +18,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -28,11 +29,12 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from contextpaw import admin, arbitration, wire
 from contextpaw.calibration import Calibration
-from contextpaw.compact import BudgetTooSmall
+from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.counting import LlamaCppCounting
 from contextpaw.evicted import EvictedStore, PlanMemory
 from contextpaw.report import Report
 from contextpaw.streams import StreamReport, report_bytes, with_report
+from contextpaw.summarize import ChatCompletions, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
 from contextpaw.truncation import detect
 from contextpaw.views import ORIGINAL, ContextPawView
@@ -41,7 +43,9 @@ from contextpaw.windows import Budget, Budgeter, BackendWindows, NoDiscovery
 logger = logging.getLogger("contextpaw")
 
 OFFLOAD_BYTES = 256 * 1024
-"""Bodies above this are parsed and compacted in a worker thread, so other flows keep moving."""
+OFFLOAD_MESSAGES = 500
+"""Bodies above this size, or with more messages than this, are parsed and compacted in a worker
+thread, so other flows keep moving."""
 PROBE_TIMEOUT_S = 2.0
 RETRY_TIMEOUT_S = 3600.0
 """A retried prompt may take as long as the original; the client's own timeout is the real bound."""
@@ -69,6 +73,7 @@ CALIBRATION = "contextpaw.calibration"
 """(calibration key, factor used) when the calibrated counter counted this request."""
 NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
 CALIBRATION_FILE = "contextpaw-calibration.json"
+SUMMARY_FILE = "contextpaw-summaries.json"
 SAVE_EVERY_S = 10.0
 VERIFY_ROUNDS = 3
 FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
@@ -76,6 +81,10 @@ FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 def _reply(flow: http.HTTPFlow, status: int, body: bytes, content_type: str = JSON_TYPE) -> None:
     flow.response = http.Response.make(status, body, {"Content-Type": content_type})
     flow.metadata[LOCAL] = True
+
+
+def _big(raw: bytes) -> bool:
+    return len(raw) > OFFLOAD_BYTES or raw.count(b'"role"') > OFFLOAD_MESSAGES
 
 
 async def _off_loop[T](big: bool, fn: Callable[[], T]) -> T:
@@ -140,6 +149,7 @@ class Backends:
         reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"
         _reply(flow, 502, report_bytes(wire.gateway_error(backend and backend.kind, flow.request.path, reason)))
         self.stats.add("unreachable")
+        logger.warning("%s %s: answered 502, the backend does not answer", flow.request.method, flow.request.url)
 
     def serves(self, flow: http.HTTPFlow) -> bool:
         """Whether this flow goes to a backend rather than anywhere else a regular proxy reaches."""
@@ -218,6 +228,8 @@ class Compactor:
         self.state_path: str | None = None
         self._saved_at = 0.0
         self._counting: LlamaCppCounting | None = None
+        self.summarizer: Summarizer | None = None
+        self.summary_calls: dict[tuple[str, str, str | None], ChatCompletions] = {}
         self.tokenizers: dict[str, Counter | None] = {}
         """Tokenizer file path -> its counter (None: the file could not be used)."""
 
@@ -243,6 +255,12 @@ class Compactor:
         add("contextpaw_forbid_truncation", bool, True,
             "Send truncate:false on Ollama's native routes when a request is near the window, so a residual "
             "overflow comes back as a 400 that ContextPaw rescues instead of a silent cut.")
+        add("contextpaw_summarize", bool, False,
+            "Put a digest of what was evicted where its marker goes (map-reduce over the whole span).")
+        add("contextpaw_summarizer_url", str, "", "The server that writes digests (default: the request's).")
+        add("contextpaw_summarizer_model", str, "", "The model that writes digests (default: the request's).")
+        add("contextpaw_summarizer_timeout", int, 30, "Seconds one summarizer call may take.")
+        add("contextpaw_summary_tokens", int, 256, "The most tokens all digests of one request may take.")
         add("contextpaw_calibrate", bool, True,
             "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model.")
         add("contextpaw_state_dir", str, "", "Where the calibration is kept across restarts (default: confdir).")
@@ -271,10 +289,36 @@ class Compactor:
             raise exceptions.OptionsError(f"contextpaw_tokenizer: no such file {o.contextpaw_tokenizer!r}")
         if {"contextpaw_state_dir", "confdir"} & updated:
             self._restore_calibration(o.contextpaw_state_dir or o.confdir)
+        if o.contextpaw_summarizer_url:
+            try:
+                wire.Backend.parse(wire.Kind.OLLAMA, o.contextpaw_summarizer_url)
+            except ValueError as e:
+                raise exceptions.OptionsError(f"contextpaw_summarizer_url: {e}") from None
+        if {"contextpaw_summarize", "contextpaw_summarizer_timeout", "contextpaw_state_dir", "confdir"} & updated:
+            self.summarizer = (
+                Summarizer(
+                    timeout=o.contextpaw_summarizer_timeout,
+                    state_path=Path(os.path.expanduser(o.contextpaw_state_dir or o.confdir)) / SUMMARY_FILE,
+                )
+                if o.contextpaw_summarize
+                else None
+            )
         self.store.max_items = o.contextpaw_evicted_items
         self.store.max_bytes = o.contextpaw_evicted_mb << 20
         self.store.max_age_s = o.contextpaw_evicted_ttl
         self.plans.max_conversations = o.contextpaw_conversations
+
+    def done(self) -> None:
+        """Close the summarizer's sessions and keep what calibration learned (sync: hot reload)."""
+        for calls in self.summary_calls.values():
+            asyncio.get_running_loop().create_task(calls.close())
+        self.summary_calls.clear()
+        self._save_calibration(force=True)
+
+    def summary_metrics(self) -> dict[str, float]:
+        """Summarizer counters for /contextpaw/metrics (zeros while summarizing is off)."""
+        stats = self.summarizer.stats() if self.summarizer else {}
+        return {f"summarizer_{k}": float(stats.get(k, 0)) for k in ("digests", "calls", "cache_hits", "failures", "seconds")}
 
     # -- counting ------------------------------------------------------------------------------
 
@@ -385,7 +429,7 @@ class Compactor:
     async def _fit(self, flow: http.HTTPFlow, backend: wire.Backend, route: wire.Route, raw: bytes) -> None:
         """Decide and apply; the request body is the last thing changed, so a failure leaves it whole."""
         policy = ctx.options.contextpaw_policy
-        big = len(raw) > OFFLOAD_BYTES
+        big = _big(raw)
         try:
             parsed = await _off_loop(big, functools.partial(route.read, raw))
         except wire.NotCompactable as e:
@@ -411,6 +455,9 @@ class Compactor:
         if policy == "strict" and report.compacted:
             self._refuse(flow, route, budget.refusal(report.original_tokens))
             return
+        if self.summarizer is not None and isinstance(parsed, wire.Chat) and report.evicted_tokens:
+            fitted = await self._summarized(flow, parsed, fitted, budget, backend, big)
+            report = fitted.report
         self._remember(parsed, fitted)
         self._keep_report(flow, report)
         body = fitted.body
@@ -436,11 +483,19 @@ class Compactor:
         )
 
     async def _compact(
-        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, verify: bool = True
+        self,
+        parsed: wire.Chat | wire.Prompt,
+        budget: Budget,
+        backend: wire.Backend,
+        big: bool,
+        verify: bool = True,
+        digests: Mapping[str, str] | None = None,
+        previous: Plan | None = None,
     ) -> wire.Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big."""
         counter, fixed = await self.counter_for(backend, parsed)
-        previous = self.plans.get(parsed.key) if parsed.key else None
+        if previous is None and parsed.key:
+            previous = self.plans.get(parsed.key)
         fit = functools.partial(
             parsed.fit,
             budget.tokens,
@@ -448,10 +503,64 @@ class Compactor:
             keep_recent=ctx.options.contextpaw_keep_recent,
             previous=previous,
             fixed_tokens=fixed,
+            digests=digests,
         )
         fitted = await _off_loop(big, fit)
         fitted.report.window = budget.window
         return await self._verified(parsed, fitted, budget, backend) if verify else fitted
+
+    # -- digests of what was evicted -----------------------------------------------------------
+
+    async def _summarized(
+        self,
+        flow: http.HTTPFlow,
+        parsed: wire.Chat,
+        fitted: wire.Fitted,
+        budget: Budget,
+        backend: wire.Backend,
+        big: bool,
+    ) -> wire.Fitted:
+        """Put a digest of each evicted span where its marker goes, inside the budget.
+
+        The chat is compacted again with room left for the digests; its holes are summarized; then
+        it is compacted a last time with the digests, keeping that plan's evictions so the holes
+        come out the same. Best-effort: without a digest the plain marker stays, and the report
+        says why.
+        """
+        assert self.summarizer is not None
+        cap = ctx.options.contextpaw_summary_tokens
+        roomy = await self._compact(parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big)
+        holes = {mid: content for mid, content in roomy.report.evicted.items() if not isinstance(content, str)}
+        if not holes:
+            return fitted
+        model = await self._summary_model(flow, backend, parsed, budget)
+        results = await asyncio.gather(
+            *(self.summarizer.digest(content, model=model, cap_tokens=cap // len(holes)) for content in holes.values())
+        )
+        digests = {mid: r.text for mid, r in zip(holes, results, strict=True) if r.text}
+        reasons = "; ".join(r.reason for r in results if r.reason) or None
+        if not digests:
+            fitted.report.summary_reason = reasons
+            return fitted
+        final = await self._compact(parsed, budget, backend, big, digests=digests, previous=roomy.plan)
+        final.report.summary_reason = reasons
+        return final
+
+    async def _summary_model(
+        self, flow: http.HTTPFlow, backend: wire.Backend, parsed: wire.Chat, budget: Budget
+    ) -> SummaryModel:
+        """Where digests are made: the configured summarizer, else the request's own backend and model."""
+        o = ctx.options
+        target = wire.Backend.parse(backend.kind, o.contextpaw_summarizer_url) if o.contextpaw_summarizer_url else backend
+        name = o.contextpaw_summarizer_model or parsed.params.model
+        window = budget.window if target == backend else await self.windows.window(target, name) or budget.window
+        auth = flow.request.headers.get("Authorization")
+        key = (target.url, name, auth)
+        if key not in self.summary_calls:
+            headers = {"Authorization": auth} if auth else None
+            self.summary_calls[key] = ChatCompletions(target.url, name, timeout=o.contextpaw_summarizer_timeout, headers=headers)
+        counter, _ = await self.counter_for(target, parsed)
+        return SummaryModel(self.summary_calls[key], f"{target.url}/{name}", window, counter)
 
     def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted) -> None:
         if parsed.key and fitted.plan is not None:
@@ -506,19 +615,31 @@ class Compactor:
             return
         try:
             overflow = wire.upstream_overflow(response.status_code, response.content or b"")
-            if overflow and REPORT in flow.metadata and ctx.options.contextpaw_policy == "compact" and not flow.metadata.get(RETRIED):
+            rescue = REPORT in flow.metadata and ctx.options.contextpaw_policy == "compact"
+            if overflow and rescue and not flow.metadata.get(RETRIED):
                 await self._rescue(flow, route, overflow)
+            elif flow.response.status_code >= 500:
+                self._upstream_failed(flow, f"the backend answered {flow.response.status_code}")
             self._report_in_body(flow, route)
         except Exception as e:  # fail open: the client gets the backend's answer as it was
             logger.exception("ContextPaw failed on the response to %s; passing it through", flow.request.path)
             response.headers["X-ContextPaw-Error"] = f"{type(e).__name__} on the response; passed through"
             self.stats.add("errors")
 
+    def error(self, flow: http.HTTPFlow) -> None:
+        """A handled flow that ended without a (whole) answer: count it, and say which."""
+        if ROUTE in flow.metadata and flow.error and "client disconnected" not in flow.error.msg.lower():
+            self._upstream_failed(flow, flow.error.msg)
+
+    def _upstream_failed(self, flow: http.HTTPFlow, what: str) -> None:
+        self.stats.add("upstream_errors")
+        logger.warning("%s %s: upstream failure: %s", flow.request.method, flow.request.path, what)
+
     async def _rescue(self, flow: http.HTTPFlow, route: wire.Route, overflow: wire.UpstreamOverflow) -> None:
         """Compact to the window the backend just named, and ask it once more (never twice)."""
         flow.metadata[RETRIED] = True
         raw = flow.metadata.get(ORIGINAL) or flow.request.get_content(strict=False) or b""
-        big = len(raw) > OFFLOAD_BYTES
+        big = _big(raw)
         parsed = await _off_loop(big, functools.partial(route.read, raw))
         backend = await self.backends.backend_of(flow)
         assert backend is not None, "only flows to a backend have a route"
@@ -560,6 +681,7 @@ class Compactor:
         try:
             answer = json.loads(response.content)
         except ValueError:
+            self._upstream_failed(flow, "the backend's answer is not JSON; passed through as it was")
             return
         value = amend(answer) if isinstance(answer, dict) else None
         if value is not None and (body := with_report(response.content, value)) is not None:
@@ -632,6 +754,8 @@ MINIMUMS = {
     "contextpaw_keep_recent": 0,
     "contextpaw_output_reserve": 0,
     "contextpaw_margin": 0,
+    "contextpaw_summarizer_timeout": 1,
+    "contextpaw_summary_tokens": 32,
 }
 
 
@@ -672,6 +796,7 @@ class AdminEndpoints:
                 "backend": self.compactor.counting().stats(),
             },
             "calibration": self.compactor.calibration.to_json(),
+            "summarizer": self.compactor.summarizer.stats() if self.compactor.summarizer else None,
             "conversations": len(self.compactor.plans),
         }
 
@@ -684,7 +809,7 @@ def make_addons() -> list[object]:
     backends = Backends(stats)
     compactor = Compactor(backends, stats, store)
     gpu = arbitration.Arbitration(backends)
-    stats.sources.append(gpu.metrics)
+    stats.sources += [gpu.metrics, compactor.summary_metrics]
     return [gpu, AdminEndpoints(backends, compactor), backends, compactor]
 
 

@@ -33,6 +33,7 @@ COUNTS = {
     "recovered_400": "Retries after an upstream 400 that succeeded",
     "errors": "Internal errors that failed open",
     "unreachable": "Requests answered 502 because the backend did not answer",
+    "upstream_errors": "Handled requests whose backend failed: 5xx, an answer that is not JSON, a reset or a timeout",
     "original_tokens": "Prompt tokens as sent by clients, on compactable routes",
     "evicted_tokens": "Prompt tokens removed by compaction",
     "upstream_truncated": "Responses whose server evaluated fewer prompt tokens than it was sent (silent truncation)",
@@ -78,7 +79,7 @@ class Reply:
 
 
 def json_reply(status: int, obj: Any) -> Reply:
-    return Reply(status, json.dumps(obj, ensure_ascii=False).encode())
+    return Reply(status, json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace"))
 
 
 def is_admin(path: str) -> bool:

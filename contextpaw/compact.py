@@ -18,12 +18,14 @@ Rules, in order of precedence:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import bisect
+import itertools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from contextpaw.conversation import Conversation, Message, Unit, content_id
-from contextpaw.markers import elision_text, fold, hole_text, marker_role
+from contextpaw.markers import elision_text, fold, hole_text, kind_of, marker_role
 from contextpaw.report import Removal, Report
 from contextpaw.tokens import Counter
 
@@ -52,7 +54,7 @@ class Plan:
     evicted: frozenset[str] = frozenset()
     """Keys of evicted units."""
     shrunk: Mapping[str, int] = field(default_factory=dict)
-    """Unit key -> the token size its message was shrunk to."""
+    """Unit key -> the tokens its message's text was cut to (the target, so the same cut repeats)."""
 
 
 @dataclass(slots=True)
@@ -107,15 +109,30 @@ class _ChatCompaction:
         n = len(self.msgs)
         users = [i for i, m in enumerate(self.msgs) if m.role == "user"]
         protected = set(range(max(0, n - keep_recent), n)) | ({users[0], users[-1]} if users else set())
-        self.pinned = [u for u in self.units if any(self.msgs[i].pinned for i in u.indices)]
-        self.protected = [u for u in self.units if u not in self.pinned and protected.intersection(u.indices)]
-        self.evictable = [u for u in self.units if u not in self.pinned and u not in self.protected]
+        pinned = {u for u in self.units if any(self.msgs[i].pinned for i in u.indices)}
+        self.pinned = [u for u in self.units if u in pinned]
+        self.protected = [u for u in self.units if u not in pinned and protected.intersection(u.indices)]
+        guarded = pinned | set(self.protected)
+        self.evictable = [u for u in self.units if u not in guarded]
         self.evicted: set[Unit] = set()
-        self.gone: set[int] = set()
         self.kept = sum(self.cost)
-        self.shrunk: dict[int, tuple[Message, int, int]] = {}  # index -> (message, its tokens, elided)
+        self.shrunk: dict[int, tuple[Message, int, int, int]] = {}
+        """index -> (the shrunk message, its tokens, tokens elided, the target its text was cut to)"""
+        # Holes (maximal runs of evicted messages) by both ends, and their markers' cost, kept up to
+        # date on every eviction so that the total is known in constant time.
+        self.hole_end: dict[int, int] = {}
+        self.hole_start: dict[int, int] = {}
+        self.starts: list[int] = []
+        """Hole starts in order, to find the hole that holds a message."""
+        self.marker_total = 0
         self._marker_cost: dict[tuple[int, int], int] = {}
         self.digests: dict[str, str] = {}
+        # Prefix sums, so a hole's note (its size and what kinds of message it held) costs O(1).
+        self._cost_before = [0, *itertools.accumulate(self.cost)]
+        kinds = {kind_of(m.role) for m in self.msgs}
+        self._kinds_before = {
+            k: [0, *itertools.accumulate(1 if kind_of(m.role) == k else 0 for m in self.msgs)] for k in kinds
+        }
 
     def run(self) -> ChatResult:
         original = self.fixed + self.kept
@@ -160,7 +177,7 @@ class _ChatCompaction:
         report.summarized = "summarized" in actions
         plan = Plan(
             evicted=frozenset(u.key for u in self.evicted),
-            shrunk={self.unit_of[i].key: size for i, (_, size, _) in self.shrunk.items()},
+            shrunk={self.unit_of[i].key: target for i, (_, _, _, target) in self.shrunk.items()},
         )
         return ChatResult([m.raw for m in messages], report, plan)
 
@@ -168,30 +185,48 @@ class _ChatCompaction:
 
     def evict(self, unit: Unit) -> None:
         self.evicted.add(unit)
-        self.gone.update(unit.indices)
         self.kept -= sum(self.size(i) for i in unit.indices)
+        for lo, hi in _runs(unit.indices):
+            start, end = lo, hi
+            if lo - 1 in self.hole_start:  # joins the hole that ends just before it
+                start = self.hole_start[lo - 1]
+                self._forget_hole(start, lo - 1)
+            if hi + 1 in self.hole_end:  # and the one that starts just after it
+                end = self.hole_end[hi + 1]
+                self._forget_hole(hi + 1, end)
+            self._add_hole(start, end)
 
     def readmit(self, unit: Unit) -> None:
         self.evicted.discard(unit)
-        self.gone.difference_update(unit.indices)
         self.kept += sum(self.size(i) for i in unit.indices)
+        for lo, hi in _runs(unit.indices):
+            start = self.starts[bisect.bisect_right(self.starts, lo) - 1]  # the hole holding it
+            end = self.hole_end[start]
+            self._forget_hole(start, end)
+            for a, b in ((start, lo - 1), (hi + 1, end)):
+                if a <= b:
+                    self._add_hole(a, b)
+
+    def _add_hole(self, start: int, end: int) -> None:
+        self.hole_end[start], self.hole_start[end] = end, start
+        bisect.insort(self.starts, start)
+        self.marker_total += self.marker_cost((start, end))
+
+    def _forget_hole(self, start: int, end: int) -> None:
+        del self.hole_end[start], self.hole_start[end]
+        del self.starts[bisect.bisect_left(self.starts, start)]
+        self.marker_total -= self.marker_cost((start, end))
 
     def size(self, i: int) -> int:
         return self.shrunk[i][1] if i in self.shrunk else self.cost[i]
 
     def total(self) -> int:
         """Tokens of what would be sent now: kept messages, shrunk sizes and hole markers."""
-        return self.fixed + self.kept + sum(self.marker_cost(h) for h in self.holes())
+        return self.fixed + self.kept + self.marker_total
 
     def holes(self) -> list[tuple[int, int]]:
         """Maximal runs of evicted message indices, as (first, last) pairs in order."""
-        runs: list[list[int]] = []
-        for i in sorted(self.gone):
-            if runs and runs[-1][1] == i - 1:
-                runs[-1][1] = i
-            else:
-                runs.append([i, i])
-        return [(a, b) for a, b in runs]
+        return [(start, self.hole_end[start]) for start in self.starts]
 
     def marker_cost(self, hole: tuple[int, int]) -> int:
         """Tokens of a hole's marker, with a placeholder id of the real id's length (ids are hashes)."""
@@ -205,8 +240,10 @@ class _ChatCompaction:
         return content_id([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
 
     def hole_note(self, hole: tuple[int, int], marker_id: str, digest: str | None = None) -> str:
-        span = range(hole[0], hole[1] + 1)
-        return hole_text([self.msgs[i].role for i in span], sum(self.cost[i] for i in span), marker_id, digest)
+        start, stop = hole[0], hole[1] + 1
+        kinds = {k: before[stop] - before[start] for k, before in self._kinds_before.items()}
+        tokens = self._cost_before[stop] - self._cost_before[start]
+        return hole_text({k: n for k, n in kinds.items() if n}, tokens, marker_id, digest)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -231,15 +268,15 @@ class _ChatCompaction:
             floor = SHRINK_FLOOR + note
             target = max(floor, own - over)
             remembered = self.previous.shrunk.get(self.unit_of[i].key)
-            if remembered is not None and floor <= remembered - overhead <= target:
-                target = remembered - overhead
+            if remembered is not None and floor <= remembered <= target:
+                target = remembered  # the same cut as last turn: the same text, the same cache
             if target >= own:
                 continue
             kept_text, elided = shrink_text(message.content_text, target, self.counter, content_id(message.content_text))
             smaller = message.with_content(kept_text)
             size = self.counter.message(smaller)
             self.kept += size - self.cost[i]
-            self.shrunk[i] = (smaller, size, elided)
+            self.shrunk[i] = (smaller, size, elided, target)
         if self.total() > self.budget:
             raise BudgetTooSmall(self.total(), self.budget, "the task, the recent messages and the markers")
 
@@ -285,7 +322,7 @@ class _ChatCompaction:
                 i = after
                 continue
             if i in self.shrunk:
-                message, size, elided = self.shrunk[i]
+                message, size, elided, _ = self.shrunk[i]
                 marker_id = content_id(self.msgs[i].content_text)
                 evicted[marker_id] = self.msgs[i].content_text
                 removals.append(Removal(i, message.role, elided, "shrunk", marker_id))
@@ -298,6 +335,17 @@ class _ChatCompaction:
             final += size
             i += 1
         return out, removals, evicted, final
+
+
+def _runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted indices as maximal (first, last) runs; a unit is one run unless a result strayed."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [(a, b) for a, b in runs]
 
 
 def shrink_text(text: str, target: int, counter: Counter, marker_id: str) -> tuple[str, int]:

@@ -202,7 +202,7 @@ class Conversation:
 def _digest(raws: Iterable[Mapping[str, Any]]) -> str:
     h = hashlib.blake2b(digest_size=8)
     for raw in raws:
-        h.update(json.dumps(raw, sort_keys=True, ensure_ascii=False, default=str).encode())
+        h.update(json.dumps(raw, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
     return h.hexdigest()
 
@@ -210,4 +210,4 @@ def _digest(raws: Iterable[Mapping[str, Any]]) -> str:
 def content_id(payload: Sequence[Any] | str) -> str:
     """A short stable id for evicted content: the same hole gets the same id turn after turn."""
     data = payload if isinstance(payload, str) else json.dumps(payload, sort_keys=True, default=str)
-    return "cp-" + hashlib.blake2b(data.encode(), digest_size=6).hexdigest()
+    return "cp-" + hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()

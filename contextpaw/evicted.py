@@ -39,7 +39,7 @@ class EvictedStore:
 
     def put(self, marker_id: str, content: Any) -> None:
         """Keep `content` (JSON-like) under `marker_id`; the same id again refreshes its age."""
-        data = json.dumps(content, ensure_ascii=False).encode()
+        data = json.dumps(content, ensure_ascii=False).encode("utf-8", "surrogatepass")
         self._drop(marker_id)
         if len(data) > self.max_bytes:
             return

@@ -9,24 +9,28 @@ message instead.
 
 from __future__ import annotations
 
-from collections import Counter as Tally
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 from contextpaw.conversation import Message
 
 MARKER_PREFIX = "[ContextPaw:"
 
 
-def hole_text(roles: Sequence[str], tokens: int, marker_id: str, digest: str | None = None) -> str:
+def kind_of(role: str) -> str:
+    """How a marker names a message of this role."""
+    return "tool result" if role == "tool" else f"{role} message"
+
+
+def hole_text(kinds: Mapping[str, int], tokens: int, marker_id: str, digest: str | None = None) -> str:
     """The note standing in for evicted messages: what, how much, that it is gone, and how to get it back.
 
-    With a digest, the note carries it, labelled as a summary so the model does not take it for the
-    original text.
+    `kinds` counts the removed messages by `kind_of` their role. With a digest, the note carries it,
+    labelled as a summary so the model does not take it for the original text.
     """
-    kinds = Tally("tool result" if r == "tool" else f"{r} message" for r in roles)
+    count = sum(kinds.values())
     what = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in sorted(kinds.items()))
     return (
-        f"{MARKER_PREFIX} {len(roles)} earlier message{'s' if len(roles) > 1 else ''} ({what}, "
+        f"{MARKER_PREFIX} {count} earlier message{'s' if count > 1 else ''} ({what}, "
         f"{tokens:,} tokens) were removed here to fit the context window. That content is no "
         f"longer visible to you: do not guess or invent what it said. If you need it, run the tool "
         f"again or ask for it (retrieval id {marker_id}).]"

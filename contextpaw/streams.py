@@ -22,7 +22,7 @@ DONE = b"data: [DONE]"
 
 
 def report_bytes(report: Mapping[str, Any]) -> bytes:
-    return json.dumps(report, ensure_ascii=False, separators=(",", ":")).encode()
+    return json.dumps(report, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 def splice(obj: bytes, value: bytes) -> bytes | None:

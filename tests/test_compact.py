@@ -384,3 +384,15 @@ def test_any_raw_prompt_fits_its_budget(prompt, budget):
         return
     if result.prompt is not None:
         assert COUNTER.text(result.prompt) == result.report.final_tokens <= budget
+
+
+def test_a_repeated_request_is_cut_exactly_as_before():
+    """The shrink target is remembered, not the result: no drift from one identical turn to the next."""
+    task = "".join(f"requirement {n}: must hold\n" for n in range(3000))
+    msgs = [{"role": "user", "content": task}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    first = compact_chat(Conversation.from_wire(msgs), 2000, COUNTER)
+    plan = first.plan
+    for _ in range(3):
+        again = compact_chat(Conversation.from_wire(msgs), 2000, COUNTER, previous=plan)
+        assert again.messages == first.messages
+        plan = again.plan

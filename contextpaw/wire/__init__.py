@@ -74,7 +74,7 @@ class Chat:
         messages = self.conversation.messages
         anchor = [m.raw for m in messages if m.pinned] + [m.raw for m in messages if m.role == "user"][:1]
         data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
-        return hashlib.blake2b(data.encode(), digest_size=12).hexdigest()
+        return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
     @property
     def texts(self) -> list[str]:
@@ -89,10 +89,23 @@ class Chat:
         return bool(self.conversation.messages) and self.conversation.messages[0].role == "system"
 
     def fit(
-        self, budget: int, counter: Counter, *, keep_recent: int, previous: Plan | None, fixed_tokens: int = 0
+        self,
+        budget: int,
+        counter: Counter,
+        *,
+        keep_recent: int,
+        previous: Plan | None,
+        fixed_tokens: int = 0,
+        digests: Mapping[str, str] | None = None,
     ) -> Fitted:
         result = compact_chat(
-            self.conversation, budget, counter, keep_recent=keep_recent, previous=previous, fixed_tokens=fixed_tokens
+            self.conversation,
+            budget,
+            counter,
+            keep_recent=keep_recent,
+            previous=previous,
+            fixed_tokens=fixed_tokens,
+            digests=digests,
         )
         body = None if result.messages is None else write(self.body, messages=result.messages)
         return Fitted(body, result.report, result.plan)
@@ -116,8 +129,16 @@ class Prompt:
         return [self.prompt, self.fixed_text]
 
     def fit(
-        self, budget: int, counter: Counter, *, keep_recent: int, previous: Plan | None, fixed_tokens: int = 0
+        self,
+        budget: int,
+        counter: Counter,
+        *,
+        keep_recent: int,
+        previous: Plan | None,
+        fixed_tokens: int = 0,
+        digests: Mapping[str, str] | None = None,
     ) -> Fitted:
+        """`digests` is accepted for symmetry with chats; a prompt's one hole is never summarized."""
         fixed = fixed_tokens + counter.text(self.fixed_text) + self.images * counter.image_tokens
         result = compact_prompt(self.prompt, budget, counter, fixed_tokens=fixed)
         return Fitted(None if result.prompt is None else write(self.body, prompt=result.prompt), result.report)
@@ -168,6 +189,8 @@ class Route:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise NotCompactable(f"body is not JSON: {e}") from None
+        except RecursionError:
+            raise NotCompactable("body is nested too deeply to read") from None
         if not isinstance(body, dict):
             raise NotCompactable("body is not a JSON object")
         try:
@@ -179,8 +202,12 @@ class Route:
 
 
 def write(body: Mapping[str, Any], **changes: Any) -> bytes:
-    """The request body with one field replaced; everything else is kept as the client sent it."""
-    return json.dumps({**body, **changes}, ensure_ascii=False, separators=(",", ":")).encode()
+    """The request body with one field replaced; everything else is kept as the client sent it.
+
+    A lone surrogate (a JavaScript string cut inside an emoji) is written back as the JSON escape it
+    came in as, not as bytes no UTF-8 decoder accepts.
+    """
+    return json.dumps({**body, **changes}, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 def int_field(container: Any, *names: str) -> int | None:
