@@ -378,7 +378,12 @@ class Compactor:
             return None
 
     async def _verified(
-        self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend
+        self,
+        parsed: wire.Chat | wire.Prompt,
+        fitted: wire.Fitted,
+        budget: Budget,
+        backend: wire.Backend,
+        **fit: Any,
     ) -> wire.Fitted:
         """Check a llama-server chat against the server's exact count; refit if it is over.
 
@@ -402,7 +407,7 @@ class Compactor:
                     fitted.report.original_tokens = total
                 return fitted
             budget = Budget(budget.window, budget.reserve, budget.margin + total - budget.tokens)
-            fitted = await self._compact(parsed, budget, backend, big=False, verify=False)
+            fitted = await self._compact(parsed, budget, backend, big=False, verify=False, **fit)
         fitted.report.exact = False
         fitted.report.notes.append("the server's count could not be confirmed within the budget")
         return fitted
@@ -507,7 +512,9 @@ class Compactor:
         )
         fitted = await _off_loop(big, fit)
         fitted.report.window = budget.window
-        return await self._verified(parsed, fitted, budget, backend) if verify else fitted
+        if not verify:
+            return fitted
+        return await self._verified(parsed, fitted, budget, backend, digests=digests, previous=previous)
 
     # -- digests of what was evicted -----------------------------------------------------------
 

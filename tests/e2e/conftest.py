@@ -102,6 +102,26 @@ def watching(workdir: Path, cutting_ollama: Backend) -> Iterator[Proxy]:
 
 
 @pytest.fixture(scope="session")
+def summarizing(workdir: Path, llamacpp: Backend) -> Iterator[Proxy]:
+    """ContextPaw that puts a digest of each evicted span where its marker goes."""
+    running = mitmdump(workdir, "summarizing", [llamacpp.url], "--set", "contextpaw_summarize=true")
+    with running.process:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def summarizer_down(workdir: Path, llamacpp: Backend) -> Iterator[Proxy]:
+    """The same, with its summarizer pointed at a port where nothing answers."""
+    dead = f"http://{LOOPBACK}:{free_port()}"
+    running = mitmdump(
+        workdir, "summarizer-down", [llamacpp.url], "--set", "contextpaw_summarize=true",
+        "--set", f"contextpaw_summarizer_url={dead}", "--set", "contextpaw_summarizer_timeout=2",
+    )  # fmt: skip
+    with running.process:
+        yield running
+
+
+@pytest.fixture(scope="session")
 def strict(workdir: Path, ollama: Backend, llamacpp: Backend) -> Iterator[Proxy]:
     running = mitmdump(workdir, "strict", [ollama.url, llamacpp.url], "--set", "contextpaw_policy=strict")
     with running.process:

@@ -291,3 +291,24 @@ def test_near_the_window_ollama_is_told_not_to_truncate_and_its_400_is_rescued(w
     report = response.json()["contextpaw"]
     assert response.status_code == 200 and report["recovered_from_upstream_400"]
     assert "upstream_truncated" not in report and SECRET in response.json()["message"]["content"]
+
+
+# -- digests of what was evicted ------------------------------------------------------------------
+
+
+def test_evicted_spans_are_summarized_inside_the_budget(summarizing: Proxy, get: Callable) -> None:
+    completion = openai_at(summarizing.ollama).chat.completions.create(model="fake", messages=overflowing(), max_tokens=16)
+    report = completion.model_extra["contextpaw"]
+    assert report["summarized"] and report["summary_reason"] is None
+    assert report["final_tokens"] <= report["budget"]
+    summarized = [r for r in report["removals"] if r["action"] == "summarized"]
+    assert summarized and all(r["marker_id"] in report["markers"] for r in summarized)
+    health = json.loads(get(f"{summarizing.ollama}/contextpaw/health")[2])
+    assert health["summarizer"]["digests"] >= 1 and health["summarizer"]["failures"] == 0
+
+
+def test_a_summarizer_that_is_down_leaves_the_plain_marker_and_says_why(summarizer_down: Proxy) -> None:
+    completion = openai_at(summarizer_down.ollama).chat.completions.create(model="fake", messages=overflowing(), max_tokens=16)
+    report = completion.model_extra["contextpaw"]
+    assert report["compacted"] and not report["summarized"] and report["summary_reason"]
+    assert {r["action"] for r in report["removals"]} <= {"dropped", "shrunk"}
