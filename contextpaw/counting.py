@@ -99,11 +99,18 @@ class LlamaCppCounting:
         started = time.perf_counter()
         self.calls += 1
         try:
-            async with self.session.post(base_url.rstrip("/") + path, json=body, timeout=self.timeout) as resp:
-                resp.raise_for_status()
-                return await resp.json(content_type=None)
+            try:
+                return await self._post_once(base_url.rstrip("/") + path, body)
+            except aiohttp.ServerDisconnectedError:
+                # llama-server closes idle keep-alive connections; a pooled one can die as it is reused
+                return await self._post_once(base_url.rstrip("/") + path, body)
         finally:
             self.seconds += time.perf_counter() - started
+
+    async def _post_once(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.session.post(url, json=body, timeout=self.timeout) as resp:
+            resp.raise_for_status()
+            return await resp.json(content_type=None)
 
     async def _tokens(self, base_url: str, text: str, special: bool) -> int:
         body = {"content": text, "add_special": special, "parse_special": special}
