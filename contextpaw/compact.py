@@ -263,7 +263,6 @@ class _ChatCompaction:
                 return
             message = self.msgs[i]
             own = self.counter.text(message.content_text)
-            overhead = self.cost[i] - own
             note = self.counter.text(elision_text(own, message.content_text.count("\n"), "cp-" + "0" * 12))
             floor = SHRINK_FLOOR + note
             target = max(floor, own - over)

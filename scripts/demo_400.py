@@ -26,7 +26,7 @@ from pathlib import Path
 
 import openai
 
-from contextpaw.testing.backends import locate_llama_server, locate_smollm2, start_llama_server, start_proxy
+from contextpaw.testing.backends import start_proxy
 from contextpaw.testing.proof import (
     TABLE_HEAD,
     Trial,
@@ -38,6 +38,7 @@ from contextpaw.testing.proof import (
     proof_holds,
     recall_line,
     rendered_prompt,
+    start_demo_llama,
 )
 
 DIRECT, THROUGH = "direct", "ContextPaw"
@@ -56,15 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="contextpaw-demo-400-")))
-        upstream = args.llama
+        upstream = args.llama or start_demo_llama(stack, work, args.num_ctx)
         if upstream is None:
-            binary, model = locate_llama_server(build=True), locate_smollm2()
-            if binary.path is None or model.path is None:
-                print(f"cannot start the real backend: {binary.reason or model.reason}", file=sys.stderr)
-                return 2
-            print(f"llama-server: {binary.path} -c {args.num_ctx}\nmodel: {model.path}", file=sys.stderr)
-            server = stack.enter_context(start_llama_server(binary.path, model.path, args.num_ctx, work / "llama.log"))
-            upstream = server.url
+            return 2
         proxy = stack.enter_context(
             start_proxy(upstream, work / "mitm", work / "mitmdump.log", options=[f"contextpaw_llamacpp={upstream}"])
         )

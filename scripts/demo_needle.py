@@ -20,10 +20,19 @@ from pathlib import Path
 
 import httpx
 
-from contextpaw.testing.backends import locate_llama_server, locate_smollm2, running, start_llama_server, start_proxy
+from contextpaw.testing.backends import running, start_proxy
 from contextpaw.testing.fake_ollama import OllamaSettings
 from contextpaw.testing.ollama_sim import ollama_sim_app
-from contextpaw.testing.proof import TABLE_HEAD, Trial, make_secret, needle_chat, recalled
+from contextpaw.testing.proof import (
+    TABLE_HEAD,
+    Trial,
+    make_secret,
+    needle_chat,
+    proof_holds,
+    recall_line,
+    recalled,
+    start_demo_llama,
+)
 
 MODEL = "smollm2:135m"
 
@@ -53,14 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="contextpaw-demo-")))
         upstream = args.ollama
         if upstream is None:
-            binary, model = locate_llama_server(build=True), locate_smollm2()
-            if binary.path is None or model.path is None:
-                print(f"cannot start the real backend: {binary.reason or model.reason}", file=sys.stderr)
+            server = start_demo_llama(stack, work, 2048)
+            if server is None:
                 return 2
-            print(f"llama-server: {binary.path}\nmodel: {model.path}", file=sys.stderr)
-            server = stack.enter_context(start_llama_server(binary.path, model.path, 2048, work / "llama.log"))
             settings = OllamaSettings(model=MODEL, num_ctx=args.num_ctx)
-            upstream = stack.enter_context(running(ollama_sim_app(server.url, settings)))
+            upstream = stack.enter_context(running(ollama_sim_app(server, settings)))
         proxy = stack.enter_context(
             start_proxy(upstream, work / "mitm", work / "mitmdump.log", options=[f"contextpaw_ollama={upstream}"])
         )
@@ -77,11 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(trial.row(), flush=True)
 
     for path in ("direct", "ContextPaw"):
-        hits = [t for t in trials if t.path == path]
-        print(f"{path}: recalled {sum(t.recalled for t in hits)}/{len(hits)}")
-    through_hits = [t for t in trials if t.path == "ContextPaw"]
-    ok = all(t.status == 200 and t.report and t.report.get("compacted") for t in through_hits)
-    return 0 if ok and sum(t.recalled for t in through_hits) >= len(through_hits) * 0.8 else 1
+        print(recall_line(path, (t for t in trials if t.path == path)))
+    return 0 if proof_holds(t for t in trials if t.path == "ContextPaw") else 1
 
 
 if __name__ == "__main__":

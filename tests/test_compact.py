@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from contextpaw.compact import SHRINK_FLOOR, BudgetTooSmall, Plan, compact_chat, compact_prompt
+from contextpaw.compact import SHRINK_FLOOR, BudgetTooSmall, compact_chat, compact_prompt
 from contextpaw.conversation import Conversation, Message
 from contextpaw.markers import MARKER_PREFIX
 from contextpaw.tokens import EstimateCounter

@@ -8,8 +8,11 @@ model can answer.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -188,3 +191,15 @@ def proof_holds(through: Iterable[Trial], recall_needed: float = RECALL_NEEDED) 
     through = list(through)
     answered = all(t.status == 200 and t.compacted for t in through)
     return bool(through) and answered and sum(t.recalled for t in through) >= len(through) * recall_needed
+
+
+def start_demo_llama(stack: contextlib.ExitStack, work: Path, n_ctx: int) -> str | None:
+    """The bundled llama-server with SmolLM2, for a demo: its URL, or None (said on stderr) when missing."""
+    from contextpaw.testing.backends import locate_llama_server, locate_smollm2, start_llama_server
+
+    binary, model = locate_llama_server(build=True), locate_smollm2()
+    if binary.path is None or model.path is None:
+        print(f"cannot start the real backend: {binary.reason or model.reason}", file=sys.stderr)
+        return None
+    print(f"llama-server: {binary.path} -c {n_ctx}\nmodel: {model.path}", file=sys.stderr)
+    return stack.enter_context(start_llama_server(binary.path, model.path, n_ctx, work / "llama.log")).url
