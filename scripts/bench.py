@@ -469,7 +469,7 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
     if not skipped(rec):
         lines += ["| script | path | recalled | exit |", "|---|---|---:|---:|"]
         for name, r in rec.items():
-            for path, (k, n) in r["recalled"].items():
+            for path, (k, n) in r["recalled"].items() or [("-", ("-", "-"))]:
                 lines.append(f"| {name} | {path} | {k}/{n} | {r['exit']} |")
         for name, r in rec.items():
             if r["table"]:
