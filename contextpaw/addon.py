@@ -83,6 +83,14 @@ def _reply(flow: http.HTTPFlow, status: int, body: bytes, content_type: str = JS
     flow.metadata[LOCAL] = True
 
 
+def _rough(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
+    """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it."""
+    if isinstance(parsed, wire.Chat):
+        conversation = parsed.conversation
+        return counter.tools(conversation.tools) + sum(counter.message(m) for m in conversation.messages)
+    return counter.text(parsed.prompt) + counter.text(parsed.fixed_text)
+
+
 def _big(raw: bytes) -> bool:
     return len(raw) > OFFLOAD_BYTES or raw.count(b'"role"') > OFFLOAD_MESSAGES
 
@@ -322,14 +330,20 @@ class Compactor:
 
     # -- counting ------------------------------------------------------------------------------
 
-    async def counter_for(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt) -> tuple[Counter, int]:
+    async def counter_for(
+        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int | None = None
+    ) -> tuple[Counter, int]:
         """The best counter for this request, and the template's fixed cost when it is known.
 
         Best source first: a tokenizer file the operator named; llama-server's own tokenizer and
         template; the tokenizer in the GGUF file Ollama names for the model; the calibrated estimate.
+        A request the estimate puts at under half the `budget` cannot overflow even if the estimate
+        is off by two, so it is not worth a call to the backend: the estimate counts it.
         """
         model = parsed.params.model
         calibrated = self.calibration.counter(f"{backend.kind}/{model}", self.estimate)
+        if budget is not None and _rough(parsed, calibrated) <= budget // 2:
+            return calibrated, 0
         if ctx.options.contextpaw_tokenizer:
             named = await self._tokenizer(os.path.expanduser(ctx.options.contextpaw_tokenizer))
             if named is not None:
@@ -391,7 +405,7 @@ class Compactor:
         token differently inside the template: the server's total for the whole request is the
         truth. A few rounds at most; each one tightens the budget by what the last one missed.
         """
-        if backend.kind != wire.Kind.LLAMACPP or not isinstance(parsed, wire.Chat):
+        if fitted.report.counter != "backend" or not isinstance(parsed, wire.Chat):
             return fitted
         for _ in range(VERIFY_ROUNDS):
             sent = json.loads(fitted.body) if fitted.body is not None else parsed.body
@@ -498,7 +512,7 @@ class Compactor:
         previous: Plan | None = None,
     ) -> wire.Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big."""
-        counter, fixed = await self.counter_for(backend, parsed)
+        counter, fixed = await self.counter_for(backend, parsed, budget.tokens)
         if previous is None and parsed.key:
             previous = self.plans.get(parsed.key)
         fit = functools.partial(

@@ -11,7 +11,8 @@ Rules, in order of precedence:
    `keep_recent` messages are never deleted. Tool units
    (a call and all of its results) are kept or evicted whole.
 3. Everything else is evictable, biggest unit first. Units evicted last turn stay evicted (sticky), so
-   the prompt's prefix, and the server's prefix cache, survive from one turn to the next.
+   the prompt's prefix, and the server's prefix cache, survive from one turn to the next; when that
+   is not enough, the units after the last hole go first, with some headroom for the next turns.
 4. If evicting all of that is not enough, protected messages are shrunk middle-out, biggest first.
 5. Evicted units that fit back into the room left over are re-admitted, so the window is used.
 """
@@ -31,6 +32,10 @@ from contextpaw.tokens import Counter
 
 SHRINK_FLOOR = 64
 """A shrunk message keeps at least this many tokens of its own text (head and tail), note aside."""
+
+HEADROOM = 0.25
+"""When a conversation overflows again, evict this share of the budget more than needed: the next
+turns then append to the cached prefix instead of each cutting it anew."""
 
 MARKER_SLACK = 4
 """Tokens allowed for a marker's real id tokenizing differently from the placeholder it was sized with."""
@@ -154,15 +159,20 @@ class _ChatCompaction:
         sticky = {u for u in self.evictable if u.key in self.previous.evicted}
         for unit in sticky:
             self.evict(unit)
-        for unit in sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices)):
+        target = self.budget
+        if sticky and self.total() > self.budget:
+            # An agent loop that overflows again: make room for the next few turns as well, so they
+            # append to a prefix the server has cached instead of each forcing a new cut.
+            target = self.budget - int(self.budget * HEADROOM)
+        for unit in self.eviction_order(sticky):
             # Markers only add tokens, so the kept sum is a cheap lower bound for the full total.
-            if self.fixed + self.kept <= self.budget and self.total() <= self.budget:
+            if self.fixed + self.kept <= target and self.total() <= target:
                 break
             if unit not in self.evicted:
                 self.evict(unit)
         if self.total() > self.budget:
             self.shrink_protected()
-        self.refill(exclude=sticky)
+        self.refill(exclude=sticky, limit=target)
 
         messages, removals, evicted, final = self.render()
         report.compacted = True
@@ -279,13 +289,25 @@ class _ChatCompaction:
         if self.total() > self.budget:
             raise BudgetTooSmall(self.total(), self.budget, "the task, the recent messages and the markers")
 
-    def refill(self, exclude: set[Unit]) -> None:
-        """Re-admit units evicted this turn that fit in the room left, biggest first."""
+    def eviction_order(self, sticky: set[Unit]) -> list[Unit]:
+        """Biggest first. After earlier turns' evictions, units that came after their last hole go
+        first (but not the one right after it, which would grow that hole and change its marker):
+        the prefix up to there is what the server has cached."""
+        by_size = sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices))
+        if not sticky:
+            return by_size
+        last_hole_end = max(i for u in sticky for i in u.indices)
+        late = [u for u in by_size if min(u.indices) > last_hole_end + 1]
+        early = set(by_size) - set(late)
+        return late + [u for u in by_size if u in early]
+
+    def refill(self, exclude: set[Unit], limit: int) -> None:
+        """Re-admit units evicted this turn that fit in the room left (up to `limit`), biggest first."""
         for unit in sorted(self.evicted - exclude, key=lambda u: (-self.unit_cost[u], u.indices)):
-            if self.fixed + self.kept + self.unit_cost[unit] > self.budget:
+            if self.fixed + self.kept + self.unit_cost[unit] > limit:
                 continue
             self.readmit(unit)
-            if self.total() > self.budget:
+            if self.total() > limit:
                 self.evict(unit)
 
     def render(self) -> tuple[list[Message], list[Removal], dict[str, Any], int]:

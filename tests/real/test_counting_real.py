@@ -30,10 +30,21 @@ TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read 
                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
 
 
+FILLER = "lorem ipsum dolor sit amet " * 75
+"""Enough that a chat is over half the small server's budget, where ContextPaw asks the server to count
+(far below it, the estimate decides: the request could not overflow even if it were off by two)."""
+
+
+def near_the_budget(messages: list[dict]) -> list[dict]:
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    padded = {**messages[first_user], "content": FILLER + messages[first_user]["content"]}
+    return [*messages[:first_user], padded, *messages[first_user + 1 :]]
+
+
 @pytest.mark.parametrize("chat", range(len(VARIED_CHATS)))
 @pytest.mark.parametrize("with_tools", [False, True])
 def test_reported_prompt_size_equals_llama_servers_own_count(llama_proxy: str, chat: int, with_tools: bool) -> None:
-    body = {"model": "m", "messages": VARIED_CHATS[chat], "max_tokens": 1, "temperature": 0}
+    body = {"model": "m", "messages": near_the_budget(VARIED_CHATS[chat]), "max_tokens": 1, "temperature": 0}
     if with_tools:
         body["tools"] = TOOLS
     answer = httpx.post(f"{llama_proxy}/v1/chat/completions", json=body, timeout=120).json()

@@ -384,6 +384,15 @@ def start_mitmdump(workdir: Path, log_name: str, upstreams: dict[str, str], *ext
 
 
 @pytest.fixture(scope="session")
+def roomy_proxy(workdir: Path, ollama: Backend) -> Iterator[Proxy]:
+    """mitmdump in front of the fake Ollama with mitmproxy's own tcp_timeout: a huge body takes a while
+    to upload and parse on a loaded machine, and must not meet the fault proxy's short one."""
+    running_proxy = start_mitmdump(workdir, "roomy", {"ollama": ollama.url}, "--set", "flow_detail=0")
+    with running_proxy.process:
+        yield running_proxy
+
+
+@pytest.fixture(scope="session")
 def proxy(workdir: Path, ollama: Backend, llamacpp: Backend, fault_server: FaultServer, silent: str) -> Iterator[Proxy]:
     """One mitmdump: the fakes, the fault backend (configured as llama-server) and a dead port.
 

@@ -378,7 +378,8 @@ def test_through_mitmdump_a_gzip_overflowing_chat_is_compacted(proxy: Any, kit: 
     cases["bad_input.e2e"] += 1
 
 
-def test_through_mitmdump_a_100_mb_body_stays_sane(proxy: Any, kit: Any, cases: Any) -> None:
+def test_through_mitmdump_a_100_mb_body_stays_sane(roomy_proxy: Any, kit: Any, cases: Any) -> None:
+    proxy = roomy_proxy
     """~100 MB of chat through mitmdump in front of the fake: answered, in bounded time and memory."""
     chunk = {"role": "user", "content": "x" * (1 << 20)}
     body = {"model": "fake", "messages": [{"role": "system", "content": "Be brief."}] + [chunk] * 100 + [{"role": "user", "content": "hi"}],
