@@ -14,7 +14,8 @@ Rules, in order of precedence:
    the prompt's prefix, and the server's prefix cache, survive from one turn to the next; when that
    is not enough, the units after the last hole go first, with some headroom for the next turns.
 4. If evicting all of that is not enough, protected messages are shrunk middle-out, biggest first.
-5. Evicted units that fit back into the room left over are re-admitted, so the window is used.
+5. Evicted units that fit back into the room left over are re-admitted, so the window is used; room
+   still left is filled with the head and tail of the smallest evicted unit, shrunk to fit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from contextpaw.tokens import Counter
 
 SHRINK_FLOOR = 64
 """A shrunk message keeps at least this many tokens of its own text (head and tail), note aside."""
+
+FILL = 0.95
+"""Below this share of the budget, leftover room is filled with the head and tail of an evicted unit."""
 
 HEADROOM = 0.25
 """When a conversation overflows again, evict this share of the budget more than needed: the next
@@ -159,6 +163,9 @@ class _ChatCompaction:
         sticky = {u for u in self.evictable if u.key in self.previous.evicted}
         for unit in sticky:
             self.evict(unit)
+        for unit in self.evictable:
+            if unit.key in self.previous.shrunk and unit not in sticky:
+                self.shrink(self.biggest(unit), over=0)  # last turn's fill, cut the same way again
         target = self.budget
         if sticky and self.total() > self.budget:
             # An agent loop that overflows again: make room for the next few turns as well, so they
@@ -173,6 +180,8 @@ class _ChatCompaction:
         if self.total() > self.budget:
             self.shrink_protected()
         self.refill(exclude=sticky, limit=target)
+        if not sticky:
+            self.fill()
 
         messages, removals, evicted, final = self.render()
         report.compacted = True
@@ -271,23 +280,53 @@ class _ChatCompaction:
             over = self.total() - self.budget
             if over <= 0:
                 return
-            message = self.msgs[i]
-            own = self.counter.text(message.content_text)
-            note = self.counter.text(elision_text(own, message.content_text.count("\n"), "cp-" + "0" * 12))
-            floor = SHRINK_FLOOR + note
-            target = max(floor, own - over)
-            remembered = self.previous.shrunk.get(self.unit_of[i].key)
-            if remembered is not None and floor <= remembered <= target:
-                target = remembered  # the same cut as last turn: the same text, the same cache
-            if target >= own:
-                continue
-            kept_text, elided = shrink_text(message.content_text, target, self.counter, content_id(message.content_text))
-            smaller = message.with_content(kept_text)
-            size = self.counter.message(smaller)
-            self.kept += size - self.cost[i]
-            self.shrunk[i] = (smaller, size, elided, target)
+            self.shrink(i, over)
         if self.total() > self.budget:
             raise BudgetTooSmall(self.total(), self.budget, "the task, the recent messages and the markers")
+
+    def shrink(self, i: int, over: int) -> bool:
+        """Cut message `i`'s text middle-out by `over` tokens (to no less than the floor); False if it
+        cannot give that much."""
+        message = self.msgs[i]
+        own = self.counter.text(message.content_text)
+        note = self.counter.text(elision_text(own, message.content_text.count("\n"), "cp-" + "0" * 12))
+        floor = SHRINK_FLOOR + note
+        target = max(floor, own - over)
+        remembered = self.previous.shrunk.get(self.unit_of[i].key)
+        if remembered is not None and floor <= remembered <= target:
+            target = remembered  # the same cut as last turn: the same text, the same cache
+        if target >= own:
+            return False
+        kept_text, elided = shrink_text(message.content_text, target, self.counter, content_id(message.content_text))
+        smaller = message.with_content(kept_text)
+        size = self.counter.message(smaller)
+        self.kept += size - self.cost[i]
+        self.shrunk[i] = (smaller, size, elided, target)
+        return True
+
+    def biggest(self, unit: Unit) -> int:
+        return max(unit.indices, key=lambda i: (self.cost[i], -i))
+
+    def unshrink(self, i: int) -> None:
+        smaller, size, _, _ = self.shrunk.pop(i)
+        self.kept -= size - self.cost[i]
+
+    def fill(self) -> None:
+        """Use room that whole units could not: re-admit the smallest evicted unit that fits once its
+        biggest message is shrunk middle-out (its call and results stay together)."""
+        for unit in sorted(self.evicted, key=lambda u: (self.unit_cost[u], u.indices)):
+            if self.total() >= self.budget * FILL:
+                return
+            biggest = self.biggest(unit)
+            if not self.msgs[biggest].content_text:
+                continue
+            self.readmit(unit)
+            over = self.total() - self.budget
+            if self.shrink(biggest, over) and self.total() <= self.budget:
+                return
+            if biggest in self.shrunk:
+                self.unshrink(biggest)
+            self.evict(unit)
 
     def eviction_order(self, sticky: set[Unit]) -> list[Unit]:
         """Biggest first. After earlier turns' evictions, units that came after their last hole go
