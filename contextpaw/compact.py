@@ -163,24 +163,24 @@ class _ChatCompaction:
         sticky = {u for u in self.evictable if u.key in self.previous.evicted}
         for unit in sticky:
             self.evict(unit)
-        for unit in self.evictable:
-            if unit.key in self.previous.shrunk and unit not in sticky:
-                self.shrink(self.biggest(unit), over=0)  # last turn's fill, cut the same way again
+        refilled = {u for u in self.evictable if u.key in self.previous.shrunk and u not in sticky}
+        for unit in refilled:
+            self.shrink(self.biggest(unit), over=0)  # last turn's fill, cut the same way again
+        cut_before = sticky | refilled
         target = self.budget
-        if sticky and self.total() > self.budget:
+        if cut_before and self.total() > self.budget:
             # An agent loop that overflows again: make room for the next few turns as well, so they
-            # append to a prefix the server has cached instead of each forcing a new cut.
+            # append to a prefix the server has cached instead of each forcing a new cut. Only units
+            # after the last hole go for that headroom; earlier ones only if the budget needs them.
             target = self.budget - int(self.budget * HEADROOM)
-        for unit in self.eviction_order(sticky):
-            # Markers only add tokens, so the kept sum is a cheap lower bound for the full total.
-            if self.fixed + self.kept <= target and self.total() <= target:
-                break
-            if unit not in self.evicted:
-                self.evict(unit)
+            self.evict_until(target, self.after(cut_before))
+            # if that is not enough, the latest units go first: the cut lands as late as it can
+            self.evict_until(self.budget, sorted(self.evictable, key=lambda u: u.indices, reverse=True))
+        self.evict_until(self.budget, sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices)))
         if self.total() > self.budget:
             self.shrink_protected()
         self.refill(exclude=sticky, limit=target)
-        if not sticky:
+        if not cut_before:
             self.fill()
 
         messages, removals, evicted, final = self.render()
@@ -328,17 +328,20 @@ class _ChatCompaction:
                 self.unshrink(biggest)
             self.evict(unit)
 
-    def eviction_order(self, sticky: set[Unit]) -> list[Unit]:
-        """Biggest first. After earlier turns' evictions, units that came after their last hole go
-        first (but not the one right after it, which would grow that hole and change its marker):
-        the prefix up to there is what the server has cached."""
-        by_size = sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices))
-        if not sticky:
-            return by_size
-        last_hole_end = max(i for u in sticky for i in u.indices)
-        late = [u for u in by_size if min(u.indices) > last_hole_end + 1]
-        early = set(by_size) - set(late)
-        return late + [u for u in by_size if u in early]
+    def evict_until(self, limit: int, order: list[Unit]) -> None:
+        for unit in order:
+            # Markers only add tokens, so the kept sum is a cheap lower bound for the full total.
+            if self.fixed + self.kept <= limit and self.total() <= limit:
+                return
+            if unit not in self.evicted:
+                self.evict(unit)
+
+    def after(self, cut_before: set[Unit]) -> list[Unit]:
+        """Units after earlier turns' last cut, biggest first, but not the one right after it (that
+        would grow a hole and change its marker): the prefix up to there is what the server cached."""
+        last_cut = max(i for u in cut_before for i in u.indices)
+        late = [u for u in self.evictable if min(u.indices) > last_cut + 1]
+        return sorted(late, key=lambda u: (-self.unit_cost[u], u.indices))
 
     def refill(self, exclude: set[Unit], limit: int) -> None:
         """Re-admit units evicted this turn that fit in the room left (up to `limit`), biggest first."""
