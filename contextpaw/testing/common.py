@@ -154,6 +154,10 @@ def application(
     return app
 
 
+FAKE_N_CTX = 1024
+"""The window the test suites start the fakes with (their proxies' default window is the same)."""
+
+
 def free_port() -> int:
     """A loopback port that was free a moment ago (for servers in other processes)."""
     with socket.socket() as probe:

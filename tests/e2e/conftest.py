@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from contextpaw.testing.backends import Backend, free_port, start_module, start_process
+from contextpaw.testing.common import FAKE_N_CTX
 
 REPO = Path(__file__).resolve().parents[2]
 ADDON = REPO / "contextpaw_addon.py"
 FAULT = Path(__file__).with_name("fault.py")
-N_CTX = 1024
+N_CTX = FAKE_N_CTX
 """Every fake backend's window, and the proxies' default window (test_proxy.py says so too)."""
 LOOPBACK = "127.0.0.1"
 
@@ -32,26 +33,6 @@ class Proxy:
     process: Backend
     ollama: str
     llamacpp: str
-
-
-@pytest.fixture(scope="session")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("e2e")
-
-
-@pytest.fixture(scope="session")
-def ollama(workdir: Path) -> Iterator[Backend]:
-    """Fake Ollama in native mode: an overflow is llama-server's 400, wrapped in a string."""
-    args = ["--n-ctx", str(N_CTX), "--native"]
-    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "ollama.log") as backend:
-        yield backend
-
-
-@pytest.fixture(scope="session")
-def llamacpp(workdir: Path) -> Iterator[Backend]:
-    args = ["--n-ctx", str(N_CTX)]
-    with start_module("contextpaw.testing.fake_llamacpp", args, "/health", workdir / "llamacpp.log") as backend:
-        yield backend
 
 
 @pytest.fixture(scope="session")

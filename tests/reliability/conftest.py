@@ -28,10 +28,10 @@ from mitmproxy.connection import ConnectionState
 from mitmproxy.test import taddons, tflow, tutils
 
 from contextpaw.addon import AdminEndpoints, Backends, Compactor, make_addons
-from contextpaw.testing.backends import ADDON, Backend, free_port, start_module, start_process
-from contextpaw.testing.common import LOOPBACK, context_overflow_error, running, sse
+from contextpaw.testing.backends import ADDON, Backend, free_port, start_process
+from contextpaw.testing.common import FAKE_N_CTX, LOOPBACK, context_overflow_error, running, sse
 
-N_CTX = 1024
+N_CTX = FAKE_N_CTX
 """The fakes' window and the proxies' default window."""
 PROXY_TCP_TIMEOUT = 2
 """The fault proxy's tcp_timeout: how long a silent backend may hang a request (bounded tests)."""
@@ -328,25 +328,6 @@ def silent() -> Iterator[str]:
 
 
 # -- processes ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("reliability")
-
-
-@pytest.fixture(scope="session")
-def ollama(workdir: Path) -> Iterator[Backend]:
-    args = ["--n-ctx", str(N_CTX), "--native"]
-    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "ollama.log") as backend:
-        yield backend
-
-
-@pytest.fixture(scope="session")
-def llamacpp(workdir: Path) -> Iterator[Backend]:
-    args = ["--n-ctx", str(N_CTX)]
-    with start_module("contextpaw.testing.fake_llamacpp", args, "/health", workdir / "llamacpp.log") as backend:
-        yield backend
 
 
 @dataclass

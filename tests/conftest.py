@@ -1,0 +1,31 @@
+"""Fixtures shared by the end-to-end and reliability suites: the fast fake servers, one of each per run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from contextpaw.testing.backends import Backend, start_module
+from contextpaw.testing.common import FAKE_N_CTX
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Logs and config of the processes a test session starts."""
+    return tmp_path_factory.mktemp("processes")
+
+
+@pytest.fixture(scope="session")
+def ollama(workdir: Path) -> Iterator[Backend]:
+    """Fake Ollama in native mode: an overflow is llama-server's 400, wrapped in a string."""
+    args = ["--n-ctx", str(FAKE_N_CTX), "--native"]
+    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "ollama.log") as backend:
+        yield backend
+
+
+@pytest.fixture(scope="session")
+def llamacpp(workdir: Path) -> Iterator[Backend]:
+    args = ["--n-ctx", str(FAKE_N_CTX)]
+    with start_module("contextpaw.testing.fake_llamacpp", args, "/health", workdir / "llamacpp.log") as backend:
+        yield backend
