@@ -95,23 +95,47 @@ def compact_chat(
     `digests` maps a hole's marker id (from an earlier run's report) to a summary of what it held;
     a hole that comes out the same carries its digest inside the marker, within the budget.
     """
-    run = _ChatCompaction(conversation, budget, counter, keep_recent, previous or Plan(), fixed_tokens)
+    fixed = fixed_tokens + counter.tools(conversation.tools)
+    cost = [counter.message(m) for m in conversation.messages]
+    if fixed + sum(cost) <= budget:  # the common case, decided before any of the bookkeeping
+        return ChatResult(None, _as_sent(fixed + sum(cost), budget, counter), Plan())
+    run = _ChatCompaction(conversation, budget, counter, keep_recent, previous or Plan(), fixed, cost)
     run.digests = dict(digests or {})
     return run.run()
+
+
+def _as_sent(tokens: int, budget: int, counter: Counter) -> Report:
+    """The report of a request that goes out as it came in (so far)."""
+    return Report(
+        compacted=False,
+        strategy="none",
+        original_tokens=tokens,
+        final_tokens=tokens,
+        budget=budget,
+        counter=counter.name,
+        exact=counter.exact,
+    )
 
 
 class _ChatCompaction:
     """The state of one compaction run; a class only to keep the steps readable."""
 
     def __init__(
-        self, conv: Conversation, budget: int, counter: Counter, keep_recent: int, previous: Plan, fixed: int
+        self,
+        conv: Conversation,
+        budget: int,
+        counter: Counter,
+        keep_recent: int,
+        previous: Plan,
+        fixed: int,
+        cost: list[int],
     ) -> None:
         self.msgs = list(conv.messages)
         self.budget = budget
         self.counter = counter
         self.previous = previous
-        self.fixed = fixed + counter.tools(conv.tools)
-        self.cost = [counter.message(m) for m in self.msgs]
+        self.fixed = fixed
+        self.cost = cost
         self.units = conv.units()
         self.unit_of = {i: u for u in self.units for i in u.indices}
         self.unit_cost = {u: sum(self.cost[i] for i in u.indices) for u in self.units}
@@ -144,18 +168,7 @@ class _ChatCompaction:
         }
 
     def run(self) -> ChatResult:
-        original = self.fixed + self.kept
-        report = Report(
-            compacted=False,
-            strategy="none",
-            original_tokens=original,
-            final_tokens=original,
-            budget=self.budget,
-            counter=self.counter.name,
-            exact=self.counter.exact,
-        )
-        if original <= self.budget:
-            return ChatResult(None, report, Plan())
+        report = _as_sent(self.fixed + self.kept, self.budget, self.counter)
         pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
         if pinned > self.budget:
             raise BudgetTooSmall(pinned, self.budget, "the system prompt and tool definitions")
@@ -254,6 +267,11 @@ class _ChatCompaction:
             note = self.hole_note(hole, "cp-" + "0" * 12, self.digests.get(real_id or ""))
             self._marker_cost[hole] = self.counter.text(note) + self.counter.message_overhead + MARKER_SLACK
         return self._marker_cost[hole]
+
+    def folded_cost(self, note: str) -> int:
+        """What a marker adds to the message it is folded into, counted on its own, as `total` did: a
+        counter that knows the message exactly should not have to guess the joined text."""
+        return self.counter.text(note) + MARKER_SLACK
 
     def hole_id(self, hole: tuple[int, int]) -> str:
         return content_id([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
@@ -379,9 +397,8 @@ class _ChatCompaction:
                 elif after < len(self.msgs):
                     pending_fold = note
                 else:
-                    final -= self.counter.message(out[-1])
                     out[-1] = fold(out[-1], note)
-                    final += self.counter.message(out[-1])
+                    final += self.folded_cost(note)
                 i = after
                 continue
             if i in self.shrunk:
@@ -392,8 +409,8 @@ class _ChatCompaction:
             else:
                 message, size = self.msgs[i], self.cost[i]
             if pending_fold is not None:
-                message, pending_fold = fold(message, pending_fold), None
-                size = self.counter.message(message)
+                message, size = fold(message, pending_fold), size + self.folded_cost(pending_fold)
+                pending_fold = None
             out.append(message)
             final += size
             i += 1
@@ -457,15 +474,7 @@ def compact_prompt(
 ) -> PromptResult:
     """Fit a raw prompt: keep its head and tail, elide the middle with a marker."""
     original = fixed_tokens + counter.text(prompt)
-    report = Report(
-        compacted=False,
-        strategy="none",
-        original_tokens=original,
-        final_tokens=original,
-        budget=budget,
-        counter=counter.name,
-        exact=counter.exact,
-    )
+    report = _as_sent(original, budget, counter)
     if original <= budget:
         return PromptResult(None, report)
     room = budget - fixed_tokens

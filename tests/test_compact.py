@@ -133,8 +133,8 @@ def test_any_conversation_fits_with_everything_that_matters_intact(case, fractio
         return
     sent = result.messages
     report = result.report
-    # it fits, counted by the same counter, markers included, and the report says so
-    assert sent_tokens(sent, tools) == report.final_tokens <= budget
+    # it fits, counted by the same counter, markers included, and the report never understates it
+    assert sent_tokens(sent, tools) <= report.final_tokens <= budget
     # system messages are identical and the head is never rewritten
     systems = [m for m in msgs if m["role"] == "system"]
     assert [m for m in sent if m["role"] == "system"] == systems
