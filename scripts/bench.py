@@ -495,8 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-real", action="store_true", help="skip what needs llama-server (backend counter, loop, recall)")
     ap.add_argument("--agent-loop", type=Path, help="reuse this scripts/bench_agent_loop.py --out JSON instead of running it")
     ap.add_argument("--recall-trials", type=int, default=3, help="--trials for each recall demo (1 with --quick)")
-    ap.add_argument("--docs", action="store_true", help="copy the markdown to docs/benchmarks.md and the plots to docs/img/")
+    ap.add_argument("--docs", action="store_true",
+                    help="copy the markdown to docs/benchmarks.md and the README, and the plots to docs/img/")
+    ap.add_argument("--from-json", type=Path, help="write the report of an earlier run's bench.json, measuring nothing")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return report(json.loads(args.from_json.read_text()), args.from_json.parent, args.docs)
     binary, model = locate_llama_server(), locate_smollm2()
     skip_real = "--skip-real" if args.skip_real else (binary.reason or model.reason or None)
     result: dict[str, Any] = {"machine": machine(binary.path), "quick": args.quick}
@@ -518,15 +522,26 @@ def main(argv: list[str] | None = None) -> int:
                                                         lambda: progress.advance(task))
         result["recall"] = {"skipped": skip_real} if skip_real else recall(args.quick, args.recall_trials, progress)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    return report(result, out, args.docs)
+
+
+README_BLOCK = re.compile(r"(<!-- bench:start -->\n).*?(<!-- bench:end -->)", re.S)
+
+
+def report(result: dict[str, Any], out: Path, docs: bool) -> int:
+    """Plots and markdown for a result; with `docs`, into docs/ and the README's benchmark section."""
     images = plots(result, out / "img")
     text = markdown(result, images)
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
     (out / "bench.md").write_text(text)
-    if args.docs:
+    if docs:
         (REPO / "docs" / "img").mkdir(parents=True, exist_ok=True)
         (REPO / "docs" / "benchmarks.md").write_text(text)
         for name in images:
             shutil.copy(out / "img" / name, REPO / "docs" / "img" / name)
+        readme = REPO / "README.md"
+        body = text.split("\n", 1)[1].replace("](img/", "](docs/img/").replace("\n## ", "\n### ")
+        readme.write_text(README_BLOCK.sub(lambda m: m.group(1) + body.strip() + "\n\n" + m.group(2), readme.read_text()))
     print(text)
     return 0
 
