@@ -331,7 +331,7 @@ class Compactor:
     # -- counting ------------------------------------------------------------------------------
 
     async def counter_for(
-        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int | None = None
+        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int | None = None, big: bool = False
     ) -> tuple[Counter, int]:
         """The best counter for this request, and the template's fixed cost when it is known.
 
@@ -342,7 +342,7 @@ class Compactor:
         """
         model = parsed.params.model
         calibrated = self.calibration.counter(f"{backend.kind}/{model}", self.estimate)
-        if budget is not None and _rough(parsed, calibrated) <= budget // 2:
+        if budget is not None and await _off_loop(big, functools.partial(_rough, parsed, calibrated)) <= budget // 2:
             return calibrated, 0
         if ctx.options.contextpaw_tokenizer:
             named = await self._tokenizer(os.path.expanduser(ctx.options.contextpaw_tokenizer))
@@ -512,7 +512,7 @@ class Compactor:
         previous: Plan | None = None,
     ) -> wire.Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big."""
-        counter, fixed = await self.counter_for(backend, parsed, budget.tokens)
+        counter, fixed = await self.counter_for(backend, parsed, budget.tokens, big)
         if previous is None and parsed.key:
             previous = self.plans.get(parsed.key)
         fit = functools.partial(
