@@ -499,6 +499,7 @@ class Compactor:
             and route.name in NATIVE_OLLAMA
             and "truncate" not in parsed.body
             and report.final_tokens > budget.window // 2
+            and (isinstance(parsed, wire.Chat) or bool(parsed.prompt))  # a load request has nothing to cut
         )
 
     async def _compact(

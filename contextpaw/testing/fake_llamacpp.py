@@ -357,6 +357,8 @@ class FakeLlamaServer:
 
     def __init__(self, settings: LlamaSettings) -> None:
         self.settings = settings
+        self.loaded_at = int(time.time())
+        """What /v1/models says was created: fixed, so two listings are byte for byte the same."""
         self.tokenizer = Tokenizer()
         self.slots = Slots(settings.slots)
         self._ids = itertools.count(1)
@@ -432,7 +434,7 @@ class FakeLlamaServer:
                 "models": [{"name": name, "model": name, "type": "model", "capabilities": ["completion"]}],
                 "object": "list",
                 "data": [
-                    {"id": name, "object": "model", "created": int(time.time()), "owned_by": "llamacpp", "meta": meta}
+                    {"id": name, "object": "model", "created": self.loaded_at, "owned_by": "llamacpp", "meta": meta}
                 ],
             }
         )

@@ -385,6 +385,8 @@ class OllamaServer:
     """Ollama's side of every request; the engine does the model's side."""
 
     def __init__(self, settings: OllamaSettings, engine: Engine) -> None:
+        self.started_at = int(time.time())
+        """What /v1/models says was created: fixed, so two listings are byte for byte the same."""
         self.settings = settings
         self.engine = engine
         self.card: ModelCard | None = None
@@ -632,7 +634,7 @@ class OllamaServer:
         model = {
             "id": canonical(self.settings.model),
             "object": "model",
-            "created": int(time.time()),
+            "created": self.started_at,
             "owned_by": "library",
         }
         return web.Response(

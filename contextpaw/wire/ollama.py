@@ -32,7 +32,8 @@ def _chat(body: dict[str, Any]) -> Chat:
 
 
 def _generate(body: dict[str, Any]) -> Prompt:
-    prompt = body.get("prompt") or ""
+    prompt = body.get("prompt")
+    prompt = "" if prompt is None else prompt
     if not isinstance(prompt, str):
         raise NotCompactable("prompt is not a string")
     fixed = "\n".join(t for t in (body.get("system"), body.get("suffix")) if isinstance(t, str) and t)
