@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from contextpaw.testing.backends import Backend, start_module
 from contextpaw.testing.common import FAKE_N_CTX
+
+# CI replays the same examples every run, so a red build means a change broke something; runs
+# elsewhere explore new examples (and keep what they find in .hypothesis/).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
