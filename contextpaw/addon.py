@@ -31,9 +31,10 @@ from contextpaw import admin, arbitration, wire
 from contextpaw.calibration import Calibration
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.counting import LlamaCppCounting
-from contextpaw.evicted import EvictedStore, PlanMemory
+from contextpaw.evicted import EvictedStore
 from contextpaw.report import Report
 from contextpaw.streams import StreamReport, report_bytes, with_report
+from contextpaw.state import LRU, write_atomically
 from contextpaw.summarize import ChatCompletions, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
 from contextpaw.truncation import detect
@@ -81,6 +82,11 @@ FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 def _reply(flow: http.HTTPFlow, status: int, body: bytes, content_type: str = JSON_TYPE) -> None:
     flow.response = http.Response.make(status, body, {"Content-Type": content_type})
     flow.metadata[LOCAL] = True
+
+
+def _calibration_key(backend: wire.Backend, model: str) -> str:
+    """Calibration is learned per kind of server and model: each tokenizes and templates its own way."""
+    return f"{backend.kind}/{model}"
 
 
 def _rough(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
@@ -228,12 +234,15 @@ class Compactor:
         self.backends = backends
         self.stats = stats
         self.store = store
-        self.plans = PlanMemory(1024)
+        self.plans = LRU(1024)
+        """Each conversation's last `Plan` (by `wire.Chat.key`): the next turn evicts the same units."""
+        self.model_files = LRU(256)
+        """(Ollama URL, model) -> the file its Modelfile's FROM names, or None."""
         self.windows = BackendWindows(self._fetch)
         self.budgeter = Budgeter(default_ctx=4096, reserve=1024, margin=64)
         self.estimate = EstimateCounter()
         self.calibration = Calibration()
-        self.state_path: str | None = None
+        self.state_path: Path | None = None
         self._saved_at = 0.0
         self._counting: LlamaCppCounting | None = None
         self.summarizer: Summarizer | None = None
@@ -295,8 +304,9 @@ class Compactor:
         )
         if o.contextpaw_tokenizer and not os.path.isfile(os.path.expanduser(o.contextpaw_tokenizer)):
             raise exceptions.OptionsError(f"contextpaw_tokenizer: no such file {o.contextpaw_tokenizer!r}")
+        state_dir = Path(o.contextpaw_state_dir or o.confdir).expanduser()
         if {"contextpaw_state_dir", "confdir"} & updated:
-            self._restore_calibration(o.contextpaw_state_dir or o.confdir)
+            self._restore_calibration(state_dir)
         if o.contextpaw_summarizer_url:
             try:
                 wire.Backend.parse(wire.Kind.OLLAMA, o.contextpaw_summarizer_url)
@@ -306,7 +316,7 @@ class Compactor:
             self.summarizer = (
                 Summarizer(
                     timeout=o.contextpaw_summarizer_timeout,
-                    state_path=Path(os.path.expanduser(o.contextpaw_state_dir or o.confdir)) / SUMMARY_FILE,
+                    state_path=state_dir / SUMMARY_FILE,
                 )
                 if o.contextpaw_summarize
                 else None
@@ -314,7 +324,7 @@ class Compactor:
         self.store.max_items = o.contextpaw_evicted_items
         self.store.max_bytes = o.contextpaw_evicted_mb << 20
         self.store.max_age_s = o.contextpaw_evicted_ttl
-        self.plans.max_conversations = o.contextpaw_conversations
+        self.plans.limit = o.contextpaw_conversations
 
     def done(self) -> None:
         """Close the summarizer's sessions and keep what calibration learned (sync: hot reload)."""
@@ -341,7 +351,7 @@ class Compactor:
         is off by two, so it is not worth a call to the backend: the estimate counts it.
         """
         model = parsed.params.model
-        calibrated = self.calibration.counter(f"{backend.kind}/{model}", self.estimate)
+        calibrated = self.calibration.counter(_calibration_key(backend, model), self.estimate)
         if budget is not None and await _off_loop(big, functools.partial(_rough, parsed, calibrated)) <= budget // 2:
             return calibrated, 0
         if ctx.options.contextpaw_tokenizer:
@@ -376,10 +386,16 @@ class Compactor:
         return self.tokenizers[path]
 
     async def _ollama_model_file(self, backend: wire.Backend, model: str) -> str | None:
-        """The model's GGUF blob, when Ollama's Modelfile names one that this machine can read."""
-        show = await self._fetch("POST", backend.url + "/api/show", {"model": model}) if model else None
-        found = FROM_LINE.search(str(show.get("modelfile", ""))) if isinstance(show, dict) else None
-        return found.group(1) if found and os.path.isfile(found.group(1)) else None
+        """The model's GGUF blob, when Ollama's Modelfile names one that this machine can read.
+
+        Asked once per model (a request near the window would otherwise ask every time)."""
+        key = (backend.url, model)
+        if key not in self.model_files:
+            show = await self._fetch("POST", backend.url + "/api/show", {"model": model}) if model else None
+            found = FROM_LINE.search(str(show.get("modelfile", ""))) if isinstance(show, dict) else None
+            self.model_files.put(key, found.group(1) if found else None)
+        path = self.model_files.get(key)
+        return path if path and os.path.isfile(path) else None
 
     async def _fetch(self, method: str, url: str, body: dict[str, Any] | None) -> Any:
         """A JSON answer from a backend, or None: discovery is best-effort, never a reason to fail."""
@@ -464,7 +480,7 @@ class Compactor:
         report = fitted.report
         self.stats.add("original_tokens", report.original_tokens)
         if report.counter == "calibrated":
-            key = f"{backend.kind}/{parsed.params.model}"
+            key = _calibration_key(backend, parsed.params.model)
             flow.metadata[CALIBRATION] = [key, self.calibration.factor(key)]
         if policy == "off":
             flow.metadata[OBSERVED] = report.to_json()
@@ -745,8 +761,8 @@ class Compactor:
 
     # -- calibration state ---------------------------------------------------------------------
 
-    def _restore_calibration(self, directory: str) -> None:
-        self.state_path = os.path.join(os.path.expanduser(directory), CALIBRATION_FILE)
+    def _restore_calibration(self, directory: Path) -> None:
+        self.state_path = directory / CALIBRATION_FILE
         try:
             with open(self.state_path, encoding="utf-8") as f:
                 restored = self.calibration.restore(json.load(f))
@@ -763,8 +779,8 @@ class Compactor:
         if self.state_path is None or (not force and now - self._saved_at < SAVE_EVERY_S):
             return
         self._saved_at = now
-        state, path = self.calibration.state(), self.state_path
-        asyncio.get_running_loop().run_in_executor(None, _write_json, path, state)
+        text = json.dumps(self.calibration.state())
+        asyncio.get_running_loop().run_in_executor(None, write_atomically, self.state_path, text)
 
 
 MINIMUMS = {
@@ -833,12 +849,3 @@ def make_addons() -> list[object]:
     gpu = arbitration.Arbitration(backends)
     stats.sources += [gpu.metrics, compactor.summary_metrics]
     return [gpu, AdminEndpoints(backends, compactor), backends, compactor]
-
-
-def _write_json(path: str, state: Any) -> None:
-    """Atomically, so a crash mid-write leaves the previous state."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    os.replace(tmp, path)

@@ -16,13 +16,13 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from contextpaw.state import LRU
 from contextpaw.tokens import Counter
 
 log = logging.getLogger(__name__)
@@ -30,20 +30,6 @@ log = logging.getLogger(__name__)
 MIN_RATE_CHARS = 200
 """Texts shorter than this say more about the template than about the tokenizer's rate."""
 RATE_SAFETY = 1.05
-
-
-class LRU(OrderedDict):
-    """A bounded mapping: every cache in the proxy must be."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.limit:
-            self.popitem(last=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,7 @@
-"""What compaction remembers between turns, each in a bounded store.
+"""Evicted content, kept for `GET /contextpaw/evicted/<id>`.
 
-`EvictedStore` keeps evicted content for `GET /contextpaw/evicted/<id>`, so an agent told that
-something was removed can fetch it again; it is bounded by count, bytes and age because prompts can
-be large and the proxy runs for weeks. `PlanMemory` keeps each conversation's last `Plan` (by `wire.Chat.key`), so the
-next turn evicts the same units and the backend's prefix cache survives.
+An agent told that something was removed can fetch it again. The store is bounded by count, bytes
+and age, because prompts can be large and the proxy runs for weeks.
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
-
-from contextpaw.compact import Plan
 
 
 class EvictedStore:
@@ -64,27 +60,3 @@ class EvictedStore:
         item = self._items.pop(marker_id, None)
         if item:
             self._bytes -= len(item[1])
-
-
-class PlanMemory:
-    """The last plan per conversation, least recently used dropped first."""
-
-    def __init__(self, max_conversations: int) -> None:
-        self.max_conversations = max_conversations
-        self._plans: OrderedDict[str, Plan] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def get(self, key: str) -> Plan | None:
-        plan = self._plans.get(key)
-        if plan is not None:
-            self._plans.move_to_end(key)
-        return plan
-
-    def put(self, key: str, plan: Plan) -> None:
-        self._plans[key] = plan
-        self._plans.move_to_end(key)
-        while len(self._plans) > self.max_conversations:
-            self._plans.popitem(last=False)
-

@@ -25,10 +25,7 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from contextpaw.conversation import Message
+from contextpaw.state import LRU, write_atomically
 from contextpaw.tokens import Counter
 
 log = logging.getLogger(__name__)
@@ -330,9 +328,9 @@ class Summarizer:
         self.timeout = timeout
         self.retry_after = retry_after
         self.state_path = state_path
-        self.max_entries = max_entries
         self._slots = asyncio.Semaphore(parallel)
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache = LRU(max_entries)
+        """call key -> answer"""
         self._inflight: dict[str, asyncio.Future[str]] = {}
         self._save_lock = asyncio.Lock()
         self._dirty = False
@@ -400,11 +398,11 @@ class Summarizer:
     async def _call(self, prompt: str, max_tokens: int, model: SummaryModel, tally: _Tally) -> str:
         """One cached call; a concurrent digest needing the same call awaits the one in flight."""
         key = call_key(model.name, prompt, max_tokens)
-        if key in self._cache:
-            self._cache.move_to_end(key)
+        cached = self._cache.get(key)
+        if cached is not None:
             tally.hits += 1
             self._stats["cache_hits"] += 1
-            return self._cache[key]
+            return cached
         shared = self._inflight.get(key)
         if shared is None:
             shared = asyncio.ensure_future(self._run(key, prompt, max_tokens, model))
@@ -427,9 +425,7 @@ class Summarizer:
                 self._failed[model.name] = (time.monotonic(), str(failure))
                 raise
         self._failed.pop(model.name, None)
-        self._cache[key] = answer
-        while len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
+        self._cache.put(key, answer)
         self._dirty = True
         return answer
 
@@ -467,13 +463,13 @@ class Summarizer:
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
             entries = state["entries"] if state.get("version") == PROMPT_VERSION else {}
-            self._cache.update((k, v) for k, v in entries.items() if isinstance(v, str))
+            for key, answer in entries.items():
+                if isinstance(answer, str):
+                    self._cache.put(key, answer)
         except FileNotFoundError:
             return
         except (OSError, ValueError, AttributeError, KeyError, TypeError) as error:
             log.warning("summary cache %s unreadable, starting empty: %s", path, error)
-        while len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
 
     async def _save(self) -> None:
         """Write the cache if it changed, atomically (a crash leaves the old file or the new one)."""
@@ -485,24 +481,10 @@ class Summarizer:
             self._dirty = False
             text = json.dumps({"version": PROMPT_VERSION, "entries": dict(self._cache)}, ensure_ascii=False)
             try:
-                await asyncio.to_thread(_write_atomically, self.state_path, text)
+                await asyncio.to_thread(write_atomically, self.state_path, text)
             except OSError as error:
                 self._dirty = True
                 log.warning("summary cache %s not saved: %s", self.state_path, error)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 async def _all(calls: Sequence[Awaitable[str]]) -> list[str]:

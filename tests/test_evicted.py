@@ -1,11 +1,12 @@
-"""The bounded memories: evicted content and per-conversation plans."""
+"""The bounded memories: evicted content and per-conversation plans (an `LRU`)."""
 
 from __future__ import annotations
 
 import json
 
 from contextpaw.compact import Plan
-from contextpaw.evicted import EvictedStore, PlanMemory
+from contextpaw.evicted import EvictedStore
+from contextpaw.state import LRU
 
 
 class Clock:
@@ -58,7 +59,7 @@ def test_age_bound_expires_and_a_repeat_refreshes() -> None:
 
 
 def test_plan_memory_is_least_recently_used() -> None:
-    plans = PlanMemory(2)
+    plans = LRU(2)
     plans.put("a", Plan(frozenset({"1"})))
     plans.put("b", Plan())
     assert plans.get("a") is not None
