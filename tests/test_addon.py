@@ -14,46 +14,20 @@ from mitmproxy.test import taddons, tflow, tutils
 from contextpaw import wire
 from contextpaw.addon import ORIGINAL, AdminEndpoints, Backends, Compactor, make_addons
 from contextpaw.arbitration import Arbitration
+from contextpaw.testing.chain import AddonChain as Proxy
 from contextpaw.streams import StreamReport
 
 OLLAMA = "http://127.0.0.1:11435"
 CLOSED_PORT = 9  # discard: nothing listens on loopback there
 
 
-class Proxy:
-    """The addons in a test master, and a way to push a flow through them as mitmproxy would."""
-
-    def __init__(self, tctx: taddons.context, addons: list[object]) -> None:
-        self.tctx = tctx
-        self.arbitration, self.admin, self.backends, self.compactor = addons
-        self.addons = addons
-
-    async def hook(self, name: str, flow: http.HTTPFlow) -> None:
-        for addon in self.addons:
-            if hasattr(addon, name):
-                result = getattr(addon, name)(flow)
-                if hasattr(result, "__await__"):
-                    await result
-
-    async def send(self, flow: http.HTTPFlow) -> None:
-        await self.hook("requestheaders", flow)
-        await self.hook("request", flow)
-
-    async def answer(self, flow: http.HTTPFlow, response: http.Response | None = None) -> http.Response:
-        if response is not None:
-            flow.response = response
-        await self.hook("responseheaders", flow)
-        await self.hook("response", flow)
-        assert flow.response is not None
-        return flow.response
-
-
 @pytest.fixture
 async def proxy() -> AsyncIterator[Proxy]:
     addons = make_addons()
     with taddons.context(*addons) as tctx:
-        tctx.configure(addons[2], contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=["http://127.0.0.1:8091"])
-        yield Proxy(tctx, addons)
+        proxy = Proxy(tctx, addons)
+        tctx.configure(proxy.backends, contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=["http://127.0.0.1:8091"])
+        yield proxy
 
 
 def post(path: str, body: object, port: int = 11435, raw: bytes | None = None) -> http.HTTPFlow:

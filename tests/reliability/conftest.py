@@ -27,8 +27,9 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.test import taddons, tflow, tutils
 
-from contextpaw.addon import AdminEndpoints, Backends, Compactor, make_addons
+from contextpaw.addon import make_addons
 from contextpaw.testing.backends import ADDON, Backend, free_port, start_process
+from contextpaw.testing.chain import AddonChain
 from contextpaw.testing.common import FAKE_N_CTX, LOOPBACK, context_overflow_error, running, sse
 
 N_CTX = FAKE_N_CTX
@@ -62,49 +63,24 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # -- the addons in a test master ------------------------------------------------------------------
 
 
-def _one(addons: list[Any], kind: type) -> Any:
-    return next(a for a in addons if isinstance(a, kind))
-
-
-class Harness:
-    """The addons in a taddons master; pushes a flow through their hooks as mitmproxy would."""
-
-    def __init__(self, tctx: taddons.context, addons: list[Any]) -> None:
-        self.tctx = tctx
-        self.admin = _one(addons, AdminEndpoints)
-        self.backends = _one(addons, Backends)
-        self.compactor = _one(addons, Compactor)
-        self.addons = addons
+class Harness(AddonChain):
+    """The addons in a taddons master, with the counts the reliability checks read."""
 
     @property
     def stats(self) -> dict[str, int]:
         return self.compactor.stats.counts
 
-    async def hook(self, name: str, flow: http.HTTPFlow) -> None:
-        for addon in self.addons:
-            if hasattr(addon, name):
-                result = getattr(addon, name)(flow)
-                if hasattr(result, "__await__"):
-                    await result
 
-    async def send(self, flow: http.HTTPFlow) -> None:
-        await self.hook("requestheaders", flow)
-        await self.hook("request", flow)
-
-    async def answer(self, flow: http.HTTPFlow, response: http.Response) -> http.Response:
-        flow.response = response
-        await self.hook("responseheaders", flow)
-        await self.hook("response", flow)
-        assert flow.response is not None
-        return flow.response
+def configured(harness: Harness) -> Harness:
+    harness.tctx.configure(harness.backends, contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
+    return harness
 
 
 @pytest.fixture
 async def harness() -> AsyncIterator[Harness]:
     addons = make_addons()
     with taddons.context(*addons) as tctx:
-        tctx.configure(_one(addons, Backends), contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
-        yield Harness(tctx, addons)
+        yield configured(Harness(tctx, addons))
 
 
 class SyncHarness:
@@ -117,11 +93,10 @@ class SyncHarness:
         async def enter() -> taddons.context:
             tctx = taddons.context(*addons)
             tctx.__enter__()
-            tctx.configure(_one(addons, Backends), contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
             return tctx
 
         self.tctx = self.loop.run_until_complete(enter())
-        self.harness = Harness(self.tctx, addons)
+        self.harness = configured(Harness(self.tctx, addons))
 
     def send(self, flow: http.HTTPFlow) -> None:
         self.loop.run_until_complete(self.harness.send(flow))
