@@ -530,17 +530,11 @@ class Compactor:
     ) -> wire.Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big."""
         counter, fixed = await self.counter_for(backend, parsed, budget.tokens, big)
-        if previous is None and parsed.key:
-            previous = self.plans.get(parsed.key)
-        fit = functools.partial(
-            parsed.fit,
-            budget.tokens,
-            counter,
-            keep_recent=ctx.options.contextpaw_keep_recent,
-            previous=previous,
-            fixed_tokens=fixed,
-            digests=digests,
-        )
+        turns: dict[str, Any] = {}  # what only a chat has: turns, a last plan, holes to put digests in
+        if isinstance(parsed, wire.Chat):
+            previous = previous or self.plans.get(parsed.key)
+            turns = {"keep_recent": ctx.options.contextpaw_keep_recent, "previous": previous, "digests": digests}
+        fit = functools.partial(parsed.fit, budget.tokens, counter, fixed_tokens=fixed, **turns)
         fitted = await _off_loop(big, fit)
         fitted.report.window = budget.window
         if not verify:

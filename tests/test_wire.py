@@ -80,7 +80,7 @@ def test_a_chat_that_fits_is_sent_as_it_came() -> None:
 def test_generate_keeps_system_and_suffix_whole_and_counts_them() -> None:
     body = {"model": "m", "prompt": "word " * 3000, "system": "sys " * 100, "suffix": "end"}
     parsed = ollama.GENERATE.read(json.dumps(body).encode())
-    fitted = parsed.fit(1000, COUNTER, keep_recent=4, previous=None)
+    fitted = parsed.fit(1000, COUNTER)
     sent = json.loads(fitted.body)
     assert sent["system"] == body["system"] and sent["suffix"] == "end"
     assert fitted.report.final_tokens <= 1000

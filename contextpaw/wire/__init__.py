@@ -128,17 +128,7 @@ class Prompt:
     def texts(self) -> list[str]:
         return [self.prompt, self.fixed_text]
 
-    def fit(
-        self,
-        budget: int,
-        counter: Counter,
-        *,
-        keep_recent: int,
-        previous: Plan | None,
-        fixed_tokens: int = 0,
-        digests: Mapping[str, str] | None = None,
-    ) -> Fitted:
-        """`digests` is accepted for symmetry with chats; a prompt's one hole is never summarized."""
+    def fit(self, budget: int, counter: Counter, *, fixed_tokens: int = 0) -> Fitted:
         fixed = fixed_tokens + counter.text(self.fixed_text) + self.images * counter.image_tokens
         result = compact_prompt(self.prompt, budget, counter, fixed_tokens=fixed)
         return Fitted(None if result.prompt is None else write(self.body, prompt=result.prompt), result.report)
