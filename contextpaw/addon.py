@@ -1,10 +1,12 @@
 """The mitmproxy shell: options and hooks, and nothing else.
 
-Four addons, one concern each, in the order their hooks run:
+Five addons, one concern each, in the order their hooks run:
 - `Arbitration` makes one runtime own the GPU before a request reaches it (off by default);
 - `AdminEndpoints` answers `/contextpaw/*` itself;
 - `Backends` knows which backend a flow goes to, and answers a JSON 502 when it does not answer;
-- `Compactor` fits requests into the window and puts the report into the response.
+- `Compactor` fits requests into the window and puts the report into the response;
+- `Upstream` sends handled requests through the relay, which answers a failing backend in the API's
+  convention (502, 504, or an error record in a stream).
 The decisions live in `wire`, `windows`, `compact`, `streams` and `evicted`; the hooks move bytes
 between mitmproxy and them, off the event loop when the bytes are big, and fail open.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from mitmproxy import contentviews, ctx, exceptions, http
+from mitmproxy import connection, contentviews, ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
@@ -32,8 +34,9 @@ from contextpaw.calibration import Calibration
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.counting import LlamaCppCounting
 from contextpaw.evicted import EvictedStore
+from contextpaw.relay import ERROR_HEADER, Failure, Relay, Timeouts
 from contextpaw.report import Report
-from contextpaw.streams import StreamReport, report_bytes, with_report
+from contextpaw.streams import STREAM_TYPES, StreamReport, report_bytes, with_report
 from contextpaw.state import LRU, write_atomically
 from contextpaw.summarize import ChatCompletions, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
@@ -48,9 +51,9 @@ OFFLOAD_MESSAGES = 500
 """Bodies above this size, or with more messages than this, are parsed and compacted in a worker
 thread, so other flows keep moving."""
 PROBE_TIMEOUT_S = 2.0
-RETRY_TIMEOUT_S = 3600.0
-"""A retried prompt may take as long as the original; the client's own timeout is the real bound."""
-STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
+RELAY_TIMEOUT_S = 540
+"""The relay's default header and idle timeouts: under mitmproxy's default `tcp_timeout` (600 s),
+which would otherwise close the client's connection first, without an answer."""
 HOP_HEADERS = frozenset(
     {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "accept-encoding"}
 )
@@ -110,13 +113,15 @@ def _is_reverse(flow: http.HTTPFlow) -> bool:
 
 
 class Backends:
-    """Which backend (Ollama or llama-server) a flow goes to, and whether it answers.
+    """Which backend (Ollama or llama-server) a flow goes to, whether it answers, and what it is sent.
 
     A destination is a backend when it is configured (`contextpaw_ollama`, `contextpaw_llamacpp`),
     when the client names the kind (`X-ContextPaw-Backend`), or when it is a reverse-mode target
     that identifies itself on a probe (once). mitmproxy answers a refused upstream with an HTML page
     that no hook can replace, so a flow without an open upstream connection is checked first and
-    answered with a 502 in the caller's own JSON convention.
+    answered with a 502 in the caller's own JSON convention. A body over `contextpaw_max_body_mb`
+    gets a 413 in that convention (mitmproxy's `body_size_limit`, checked before any hook, is the
+    hard cap on memory; the `contextpaw` command sets it to twice this).
     """
 
     def __init__(self, stats: admin.Stats) -> None:
@@ -129,8 +134,12 @@ class Backends:
     def load(self, loader: Any) -> None:
         loader.add_option("contextpaw_ollama", Sequence[str], [], "Ollama backend URL (repeatable).")
         loader.add_option("contextpaw_llamacpp", Sequence[str], [], "llama-server backend URL (repeatable).")
+        loader.add_option("contextpaw_max_body_mb", int, 256,
+                          "Request bodies to a backend above this many megabytes are refused with a 413.")  # fmt: skip
 
     def configure(self, updated: set[str]) -> None:
+        if "contextpaw_max_body_mb" in updated and ctx.options.contextpaw_max_body_mb < 1:
+            raise exceptions.OptionsError(f"contextpaw_max_body_mb must be at least 1, not {ctx.options.contextpaw_max_body_mb}")
         if not {"contextpaw_ollama", "contextpaw_llamacpp"} & updated:
             return
         configured = {}
@@ -155,15 +164,21 @@ class Backends:
         self.last_error.pop(_address(data), None)
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response or flow.error or not flow.live or flow.server_conn.connected or not self.serves(flow):
+        if flow.response or flow.error or not flow.live or not self.serves(flow):
             return
-        if await self.answers(flow.request.host, flow.request.port):
-            return
+        size, limit = len(flow.request.raw_content or b""), ctx.options.contextpaw_max_body_mb << 20
+        if size > limit:
+            reason = f"ContextPaw: the request body ({size:,} bytes) is over the limit of {limit:,} bytes (contextpaw_max_body_mb)"
+            await self._refuse(flow, 413, reason, "too_large")
+        elif not flow.server_conn.connected and not await self.answers(flow.request.host, flow.request.port):
+            reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"
+            await self._refuse(flow, 502, reason, "unreachable")
+
+    async def _refuse(self, flow: http.HTTPFlow, status: int, reason: str, count: str) -> None:
         backend = await self.backend_of(flow)
-        reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"
-        _reply(flow, 502, report_bytes(wire.gateway_error(backend and backend.kind, flow.request.path, reason)))
-        self.stats.add("unreachable")
-        logger.warning("%s %s: answered 502, the backend does not answer", flow.request.method, flow.request.url)
+        _reply(flow, status, report_bytes(wire.proxy_error(backend and backend.kind, flow.request.path, reason, status)))
+        self.stats.add(count)
+        logger.warning("%s %s: answered %d: %s", flow.request.method, flow.request.url, status, reason.removeprefix("ContextPaw: "))
 
     def serves(self, flow: http.HTTPFlow) -> bool:
         """Whether this flow goes to a backend rather than anywhere else a regular proxy reaches."""
@@ -571,6 +586,8 @@ class Compactor:
         )
         digests = {mid: r.text for mid, r in zip(holes, results, strict=True) if r.text}
         reasons = "; ".join(r.reason for r in results if r.reason) or None
+        if reasons:
+            logger.warning("%s: %d of %d evicted spans not summarized: %s", flow.request.path, len(holes) - len(digests), len(holes), reasons)
         if not digests:
             fitted.report.summary_reason = reasons
             return fitted
@@ -650,7 +667,7 @@ class Compactor:
             rescue = REPORT in flow.metadata and ctx.options.contextpaw_policy == "compact"
             if overflow and rescue and not flow.metadata.get(RETRIED):
                 await self._rescue(flow, route, overflow)
-            elif flow.response.status_code >= 500:
+            elif flow.response.status_code >= 500 and ERROR_HEADER.decode() not in flow.response.headers:
                 self._upstream_failed(flow, f"the backend answered {flow.response.status_code}")
             self._report_in_body(flow, route)
         except Exception as e:  # fail open: the client gets the backend's answer as it was
@@ -685,9 +702,8 @@ class Compactor:
             return
         self.stats.add("retried_400")
         headers = {k: v for k, v in flow.request.headers.items() if k.lower() not in HOP_HEADERS}
-        async with self.backends.client().post(
-            flow.request.url, data=fitted.body, headers=headers, timeout=aiohttp.ClientTimeout(total=RETRY_TIMEOUT_S)
-        ) as answer:
+        timeout = aiohttp.ClientTimeout(sock_connect=PROBE_TIMEOUT_S, sock_read=ctx.options.contextpaw_header_timeout)
+        async with self.backends.client().post(flow.request.url, data=fitted.body, headers=headers, timeout=timeout) as answer:
             body = await answer.read()
             kept = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS]
             status = answer.status
@@ -777,6 +793,63 @@ class Compactor:
         asyncio.get_running_loop().run_in_executor(None, write_atomically, self.state_path, text)
 
 
+class Upstream:
+    """Sends handled requests to their backend through the relay (`contextpaw.relay`), so that a
+    backend that resets, hangs or breaks off gets an answer in the caller's API within the timeouts,
+    counted as `upstream_errors` (and `upstream_timeouts`) and logged. Other flows, HTTPS backends
+    and flows that already go via an upstream proxy are left to mitmproxy.
+    """
+
+    def __init__(self, stats: admin.Stats) -> None:
+        self.stats = stats
+        self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S))
+
+    def load(self, loader: Any) -> None:
+        loader.add_option("contextpaw_relay", bool, True,
+                          "Send handled requests through ContextPaw's relay, which answers a failing backend "
+                          "in the caller's API (JSON 502/504, or an error record in a stream).")  # fmt: skip
+        loader.add_option("contextpaw_header_timeout", int, RELAY_TIMEOUT_S,
+                          "Seconds a backend may take to start its answer (a long prompt or a long buffered "
+                          "answer needs this long on a slow machine); then the client gets a 504.")  # fmt: skip
+        loader.add_option("contextpaw_idle_timeout", int, RELAY_TIMEOUT_S,
+                          "Seconds a backend may fall silent in the middle of its answer.")  # fmt: skip
+
+    def configure(self, updated: set[str]) -> None:
+        o = ctx.options
+        for name in ("contextpaw_header_timeout", "contextpaw_idle_timeout"):
+            if name in updated and getattr(o, name) < 1:
+                raise exceptions.OptionsError(f"{name} must be at least 1, not {getattr(o, name)}")
+        self.relay.timeouts = Timeouts(
+            connect=PROBE_TIMEOUT_S, headers=o.contextpaw_header_timeout, idle=o.contextpaw_idle_timeout
+        )
+
+    async def running(self) -> None:
+        await self.relay.start()
+
+    async def done(self) -> None:
+        await self.relay.close()
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if (
+            flow.response or flow.error or not flow.live or ROUTE not in flow.metadata
+            or not ctx.options.contextpaw_relay or self.relay.address is None
+            or flow.request.scheme != "http" or flow.server_conn.via is not None
+        ):  # fmt: skip
+            return
+        # A fresh server connection: an eagerly opened one cannot take a `via` any more.
+        flow.server_conn = connection.Server(address=(flow.request.host, flow.request.port), via=("http", self.relay.address))
+
+    def http_connect_upstream(self, flow: http.HTTPFlow) -> None:
+        if self.relay.address is not None and flow.server_conn.address == self.relay.address:
+            flow.request.headers["Proxy-Authorization"] = self.relay.authorization
+
+    def _failed(self, failure: Failure) -> None:
+        self.stats.add("upstream_errors")
+        self.stats.add("upstream_timeouts", failure.timed_out)
+        answered = "an error record ended the stream" if failure.streamed else ("504" if failure.timed_out else "502")
+        logger.warning("%s %s: upstream failure: %s (%s)", failure.method, failure.path, failure.reason, answered)
+
+
 MINIMUMS = {
     "contextpaw_default_ctx": 1,
     "contextpaw_conversations": 1,
@@ -842,4 +915,4 @@ def make_addons() -> list[object]:
     compactor = Compactor(backends, stats, store)
     gpu = arbitration.Arbitration(backends)
     stats.sources += [gpu.metrics, compactor.summary_metrics]
-    return [gpu, AdminEndpoints(backends, compactor), backends, compactor]
+    return [gpu, AdminEndpoints(backends, compactor), backends, compactor, Upstream(stats)]

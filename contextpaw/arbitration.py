@@ -218,7 +218,7 @@ def _runs_model(request: http.Request) -> bool:
 
 def _refuse(flow: http.HTTPFlow, kind: wire.Kind, refusal: RuntimeUnavailable) -> None:
     """503 in the convention of the route called, with ``Retry-After`` when asking again may help."""
-    body = wire.gateway_error(kind, flow.request.path, f"ContextPaw: {kind} is not available: {refusal}")
+    body = wire.proxy_error(kind, flow.request.path, f"ContextPaw: {kind} is not available: {refusal}", 503)
     if isinstance(body["error"], dict):  # the OpenAI and llama-server envelopes
         body["error"].update(code=503, type="runtime_unavailable")
     addon._reply(flow, 503, report_bytes(body))

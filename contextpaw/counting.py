@@ -5,7 +5,9 @@ The engine counts synchronously, so the shell asks the server first and hands th
 loop pays only for its new messages). Two more numbers come from the server once per base URL: the
 template's fixed cost (system default, generation prompt) and its cost per message. The whole
 request's exact total comes from `/v1/chat/completions/input_tokens`, used to check the result.
-Any failure returns None: the caller falls back to its tokenizer or calibrated counter.
+Any failure returns None: the caller falls back to its tokenizer or calibrated counter. A server
+whose counting failed is not asked again for `retry_after` seconds, so a hanging `/tokenize` costs one
+timeout, not one per request.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 MIN_RATE_CHARS = 200
 """Texts shorter than this say more about the template than about the tokenizer's rate."""
 RATE_SAFETY = 1.05
+CALL_TIMEOUT_S = 3.0
+"""llama-server counts on its HTTP threads, not its slots: even a busy one answers in milliseconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,17 +73,41 @@ class BackendCounter(Counter):
         return math.ceil(len(text.encode("utf-8", "surrogatepass")) * self.rate)
 
 
-class LlamaCppCounting:
-    """Asks a llama-server to count, with bounded caches and a per-call timeout."""
+FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError)
+"""Every way a counting call can go wrong: down, slow, or an answer of another shape."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeout: float = 5.0, cache_size: int = 8192) -> None:
+
+class LlamaCppCounting:
+    """Asks a llama-server to count, with bounded caches, a per-call timeout and a back-off."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeout: float = CALL_TIMEOUT_S,
+        cache_size: int = 8192,
+        retry_after: float = 30.0,
+    ) -> None:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.retry_after = retry_after
         self.texts: LRU = LRU(cache_size)
         self.totals: LRU = LRU(256)
         self.templates: dict[str, TemplateCost] = {}
         self.calls = 0
+        self.failures = 0
         self.seconds = 0.0
+        self._failed_at: dict[tuple[str, str], float] = {}
+        """(base URL, what) -> when it last failed: per-text counting and whole totals rest apart
+        (a server without input_tokens can still tokenize)."""
+
+    def _resting(self, base_url: str, what: str) -> bool:
+        """Whether this kind of count failed at this server less than `retry_after` seconds ago."""
+        return time.monotonic() - self._failed_at.get((base_url, what), -math.inf) < self.retry_after
+
+    def _failed(self, base_url: str, what: str, error: Exception) -> None:
+        self.failures += 1
+        self._failed_at[(base_url, what)] = time.monotonic()
+        log.warning("%s at %s failed (%s); not asked again for %gs", what, base_url, type(error).__name__, self.retry_after)
 
     async def _post(self, base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
@@ -127,6 +155,8 @@ class LlamaCppCounting:
 
         A raw prompt (`chat` false) goes through no template, so it costs nothing fixed.
         """
+        if self._resting(base_url, "counting"):
+            return None
         try:
             template = await self.template(base_url) if chat else TemplateCost(0, 0, 0)
             missing = list({t for t in texts if t and (base_url, _key(t)) not in self.texts})
@@ -134,8 +164,8 @@ class LlamaCppCounting:
             for text, n in zip(missing, counts):
                 self.texts.put((base_url, _key(text)), n)
             known = {t: self.texts[(base_url, _key(t))] for t in texts if t and (base_url, _key(t)) in self.texts}
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
-            log.warning("backend counting at %s failed (%s); falling back", base_url, e)
+        except FAILURES as e:
+            self._failed(base_url, "counting", e)
             return None
         fixed = template.fixed_with_system if has_system else template.fixed
         return BackendCounter(known, fallback, template.per_message), fixed
@@ -144,16 +174,23 @@ class LlamaCppCounting:
         """The server's exact prompt size for a chat body (template and tools included); None on failure."""
         key = (base_url, _key(json.dumps(body, sort_keys=True, default=str)))
         if key not in self.totals:
+            if self._resting(base_url, "input_tokens"):
+                return None
             try:
                 answer = await self._post(base_url, "/v1/chat/completions/input_tokens", dict(body))
                 self.totals.put(key, int(answer["input_tokens"]))
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
-                log.info("input_tokens at %s unavailable (%s)", base_url, e)
+            except FAILURES as e:
+                self._failed(base_url, "input_tokens", e)
                 return None
         return self.totals[key]
 
     def stats(self) -> dict[str, Any]:
-        return {"calls": self.calls, "seconds": round(self.seconds, 3), "cached_texts": len(self.texts)}
+        return {
+            "calls": self.calls,
+            "failures": self.failures,
+            "seconds": round(self.seconds, 3),
+            "cached_texts": len(self.texts),
+        }
 
 
 def _key(text: str) -> str:

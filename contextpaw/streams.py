@@ -19,10 +19,17 @@ from typing import Any, Literal
 
 REPORT_KEY = b"contextpaw"
 DONE = b"data: [DONE]"
+STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 
 
 def report_bytes(report: Mapping[str, Any]) -> bytes:
     return json.dumps(report, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
+def record_bytes(framing: Literal["ndjson", "sse"], value: Mapping[str, Any]) -> bytes:
+    """One record of a stream in its framing: an NDJSON line or an SSE `data:` event."""
+    line = report_bytes(value)
+    return line + b"\n" if framing == "ndjson" else b"data: " + line + b"\n\n"
 
 
 def splice(obj: bytes, value: bytes) -> bytes | None:

@@ -12,7 +12,7 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow, tutils
 
 from contextpaw import wire
-from contextpaw.addon import ORIGINAL, AdminEndpoints, Backends, Compactor, make_addons
+from contextpaw.addon import ORIGINAL, AdminEndpoints, Backends, Compactor, Upstream, make_addons
 from contextpaw.arbitration import Arbitration
 from contextpaw.testing.chain import AddonChain as Proxy
 from contextpaw.streams import StreamReport
@@ -324,4 +324,4 @@ async def test_contentview_shows_what_was_cut(proxy: Proxy) -> None:
 
 
 def test_addon_classes_are_exported_for_embedding() -> None:
-    assert [type(a) for a in make_addons()] == [Arbitration, AdminEndpoints, Backends, Compactor]
+    assert [type(a) for a in make_addons()] == [Arbitration, AdminEndpoints, Backends, Compactor, Upstream]

@@ -112,3 +112,47 @@ def test_tokenizer_rebuilt_from_gguf_counts_like_the_model():
     ]
     assert counter.text("<|im_start|>user\nhi<|im_end|>") == 5
     assert counter.exact and counter.name == "tokenizer"
+
+
+# -- backend counting that fails -------------------------------------------------------------------
+
+
+async def test_a_hanging_tokenize_costs_one_timeout_then_rests_and_is_retried_later():
+    """A llama-server whose /tokenize hangs: the first request waits out the call timeout and falls back;
+    the next ones fall back at once without asking; after `retry_after` it is asked again."""
+    import asyncio
+    import time
+
+    import aiohttp
+    from aiohttp import web
+
+    from contextpaw.counting import LlamaCppCounting
+
+    hits: list[str] = []
+
+    async def hang(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        await asyncio.sleep(30)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", hang)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with aiohttp.ClientSession() as session:
+        counting = LlamaCppCounting(session, timeout=0.3, retry_after=1.0)
+        fallback = EstimateCounter()
+        started = time.monotonic()
+        assert await counting.counter(url, ["some text"], fallback, chat=False, has_system=False) is None
+        assert 0.3 <= time.monotonic() - started < 2 and len(hits) == 1
+        started = time.monotonic()
+        assert await counting.counter(url, ["other text"], fallback, chat=False, has_system=False) is None
+        assert time.monotonic() - started < 0.1 and len(hits) == 1, "a resting server is not asked"
+        assert await counting.total(url, {"messages": []}) is None and len(hits) == 2, "totals rest apart"
+        await asyncio.sleep(1.0)
+        assert await counting.counter(url, ["again"], fallback, chat=False, has_system=False) is None
+        assert len(hits) == 3 and counting.stats()["failures"] == 3
+    await runner.cleanup()

@@ -142,8 +142,8 @@ def test_llamacpp_refusal_speaks_llama_server() -> None:
         (None, "/api/chat", str),
     ],
 )
-def test_gateway_errors_follow_the_callers_convention(kind: Kind | None, path: str, shape: type) -> None:
-    assert isinstance(wire.gateway_error(kind, path, "down")["error"], shape)
+def test_proxy_errors_follow_the_callers_convention(kind: Kind | None, path: str, shape: type) -> None:
+    assert isinstance(wire.proxy_error(kind, path, "down")["error"], shape)
 
 
 LLAMA_400 = {

@@ -168,8 +168,9 @@ class Route:
     parse: Callable[[dict[str, Any]], Chat | Prompt]
     refusal: Callable[[Overflow, dict[str, Any]], dict[str, Any]]
     """(numbers, report JSON) -> the 413 body."""
-    gateway_error: Callable[[str], dict[str, Any]]
-    """reason -> the 502 body when the backend does not answer."""
+    proxy_error: Callable[[str, int], dict[str, Any]]
+    """(reason, status) -> the body of an answer of the proxy's own: 413 (too big), 502 (the backend
+    does not answer), 503 (not available now), 504 (the backend fell silent)."""
     framing: Literal["ndjson", "sse"]
     is_final: Callable[[Mapping[str, Any]], bool]
     """Whether a stream record is the last one that carries data (the report goes into it)."""
@@ -278,18 +279,18 @@ def route_for(kind: Kind, method: str, path: str) -> Route | None:
     return _ROUTES[kind].get(_plain(path))
 
 
-def gateway_error(kind: Kind | None, path: str, reason: str) -> dict[str, Any]:
-    """A 502 body in the convention of whatever the client called, handled route or not.
+def proxy_error(kind: Kind | None, path: str, reason: str, status: int = 502) -> dict[str, Any]:
+    """The body of an answer of the proxy's own, in the convention of whatever the client called.
 
     The kind may be unknown (a reverse target that is down was never identified); Ollama's native
     routes all start with `/api/`.
     """
     path = _plain(path)
     if path.startswith("/v1/"):
-        return openai.CHAT.gateway_error(reason)
+        return openai.CHAT.proxy_error(reason, status)
     if kind is Kind.OLLAMA or (kind is None and path.startswith("/api/")):
-        return ollama.CHAT.gateway_error(reason)
-    return llamacpp.COMPLETION.gateway_error(reason)
+        return ollama.CHAT.proxy_error(reason, status)
+    return llamacpp.COMPLETION.proxy_error(reason, status)
 
 
 def _plain(path: str) -> str:

@@ -39,12 +39,12 @@ def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _gateway_error(reason: str) -> dict[str, Any]:
-    return {"error": {"code": 502, "message": reason, "type": "unavailable_error"}}
+def _proxy_error(reason: str, status: int) -> dict[str, Any]:
+    return {"error": {"code": status, "message": reason, "type": "invalid_request_error" if status < 500 else "unavailable_error"}}
 
 
 def _is_final(record: Mapping[str, Any]) -> bool:
     return record.get("stop") is True
 
 
-COMPLETION = Route("llamacpp.completion", _completion, _refusal, _gateway_error, "sse", _is_final)
+COMPLETION = Route("llamacpp.completion", _completion, _refusal, _proxy_error, "sse", _is_final)

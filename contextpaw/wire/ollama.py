@@ -45,7 +45,7 @@ def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
     return {"error": overflow.message, "contextpaw": report}
 
 
-def _gateway_error(reason: str) -> dict[str, Any]:
+def _proxy_error(reason: str, status: int) -> dict[str, Any]:
     return {"error": reason}
 
 
@@ -53,5 +53,5 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return record.get("done") is True
 
 
-CHAT = Route("ollama.chat", _chat, _refusal, _gateway_error, "ndjson", _is_final)
-GENERATE = Route("ollama.generate", _generate, _refusal, _gateway_error, "ndjson", _is_final)
+CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final)
+GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final)

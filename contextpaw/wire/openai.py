@@ -54,8 +54,12 @@ def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _gateway_error(reason: str) -> dict[str, Any]:
-    return {"error": {"message": reason, "type": "api_error", "param": None, "code": "backend_unreachable"}}
+PROXY_CODES = {413: "request_too_large", 503: "backend_unavailable", 504: "backend_timeout"}
+
+
+def _proxy_error(reason: str, status: int) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "api_error"
+    return {"error": {"message": reason, "type": kind, "param": None, "code": PROXY_CODES.get(status, "backend_unreachable")}}
 
 
 def _is_final(record: Mapping[str, Any]) -> bool:
@@ -66,5 +70,5 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return not choices or any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
 
 
-CHAT = Route("openai.chat", _chat, _refusal, _gateway_error, "sse", _is_final)
-COMPLETIONS = Route("openai.completions", _completion, _refusal, _gateway_error, "sse", _is_final)
+CHAT = Route("openai.chat", _chat, _refusal, _proxy_error, "sse", _is_final)
+COMPLETIONS = Route("openai.completions", _completion, _refusal, _proxy_error, "sse", _is_final)

@@ -34,8 +34,10 @@ from contextpaw.testing.common import FAKE_N_CTX, LOOPBACK, context_overflow_err
 
 N_CTX = FAKE_N_CTX
 """The fakes' window and the proxies' default window."""
-PROXY_TCP_TIMEOUT = 2
-"""The fault proxy's tcp_timeout: how long a silent backend may hang a request (bounded tests)."""
+RELAY_TIMEOUT = 2
+"""The fault proxy's header and idle timeouts: how long a silent backend may hang a request."""
+PROXY_TCP_TIMEOUT = 4
+"""The fault proxy's tcp_timeout, above the relay's: what ends a hanging flow the relay does not carry."""
 
 OLLAMA = "http://127.0.0.1:11435"
 LLAMACPP = "http://127.0.0.1:8091"
@@ -177,6 +179,8 @@ class FaultServer:
     url: str = ""
     seen: list[Seen] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    counting_hangs: bool = False
+    """Whether /tokenize, /apply-template and input_tokens hang (otherwise they count words)."""
 
     def hits(self, req_id: str) -> list[Seen]:
         with self.lock:
@@ -210,6 +214,18 @@ def fault_app(server: FaultServer) -> web.Application:
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def counting(request: web.Request) -> web.Response:
+        """llama-server's counting endpoints, a token a word; or hanging, as the test says."""
+        if server.counting_hangs:
+            await asyncio.sleep(3600)
+        body = await request.json()
+        if request.path == "/apply-template":
+            return web.json_response({"prompt": "\n".join(f"{m['role']}: {m['content']}" for m in body["messages"])})
+        if request.path == "/tokenize":
+            return web.json_response({"tokens": list(range(len(body["content"].split())))})
+        words = sum(len(str(m.get("content", "")).split()) + 2 for m in body["messages"])
+        return web.json_response({"input_tokens": words})
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -261,6 +277,8 @@ def fault_app(server: FaultServer) -> web.Application:
     app = web.Application()
     app.router.add_get("/props", props)
     app.router.add_get("/health", health)
+    for path in ("/tokenize", "/apply-template", "/v1/chat/completions/input_tokens"):
+        app.router.add_post(path, counting)
     app.router.add_route("POST", "/{tail:.*}", handle)
     return app
 
@@ -352,14 +370,27 @@ def roomy_proxy(workdir: Path, ollama: Backend) -> Iterator[Proxy]:
 def proxy(workdir: Path, ollama: Backend, llamacpp: Backend, fault_server: FaultServer, silent: str) -> Iterator[Proxy]:
     """One mitmdump: the fakes, the fault backend (configured as llama-server) and a dead port.
 
-    tcp_timeout is short, so a hanging backend is given up on within a few seconds.
+    Its timeouts are short, so a hanging backend is given up on within a few seconds.
     """
     dead = f"http://{LOOPBACK}:{free_port()}"
     upstreams = {"ollama": ollama.url, "llamacpp": llamacpp.url, "fault": fault_server.url, "dead": dead, "silent": silent}
     running_proxy = start_mitmdump(
         workdir, "proxy", upstreams,
         "--set", f"contextpaw_llamacpp={fault_server.url}", "--set", f"tcp_timeout={PROXY_TCP_TIMEOUT}",
+        "--set", f"contextpaw_header_timeout={RELAY_TIMEOUT}", "--set", f"contextpaw_idle_timeout={RELAY_TIMEOUT}",
         "--set", "termlog_verbosity=info", "--set", "flow_detail=0",
+    )  # fmt: skip
+    with running_proxy.process:
+        yield running_proxy
+
+
+@pytest.fixture(scope="session")
+def summarizer_silent(workdir: Path, llamacpp: Backend, silent: str) -> Iterator[Proxy]:
+    """mitmdump that summarizes evictions with a summarizer that accepts and never answers."""
+    running_proxy = start_mitmdump(
+        workdir, "summarizer-silent", {"llamacpp": llamacpp.url},
+        "--set", "contextpaw_summarize=true", "--set", f"contextpaw_summarizer_url={silent}",
+        "--set", "contextpaw_summarizer_timeout=1", "--set", "termlog_verbosity=info", "--set", "flow_detail=0",
     )  # fmt: skip
     with running_proxy.process:
         yield running_proxy

@@ -1,0 +1,327 @@
+"""The upstream leg of handled requests, owned by ContextPaw: a loopback relay.
+
+mitmproxy answers a backend that resets before its headers with an HTML page of its own and waits
+on one that hangs until `tcp_timeout`; no hook can change either. So handled flows are sent through
+this relay as through an upstream proxy (`server_conn.via`): mitmproxy opens a CONNECT tunnel to it
+and speaks plain HTTP/1.1 inside; the relay speaks HTTP/1.1 to the backend (h11 on both legs, so
+headers and bodies pass as they are) and answers every failure of the backend in the caller's API:
+
+- no connection, or closed or reset before the answer's headers: a JSON 502;
+- no headers within the header timeout: a JSON 504;
+- a buffered answer that breaks off or stalls: a JSON 502 or 504 (its headers were not sent yet);
+- a stream that breaks off or stalls past the idle timeout: an error record in the stream's own
+  framing (what Ollama and OpenAI clients raise from), then a clean end.
+
+Each failure is reported to `on_failure` (the addon counts and logs it) and its answer carries
+`X-ContextPaw-Upstream-Error`. The relay listens on 127.0.0.1 only and opens tunnels only for a
+CONNECT that carries its secret (mitmproxy adds it in the `http_connect_upstream` hook), so it is
+not an open proxy for other local users. One backend connection per request: no stale keep-alive
+connection can fail a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import h11
+
+from contextpaw import wire
+from contextpaw.streams import STREAM_TYPES, record_bytes
+
+LOOPBACK = "127.0.0.1"
+READ_SIZE = 64 * 1024
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_HEAD_BYTES = 64 * 1024
+ERROR_HEADER = b"X-ContextPaw-Upstream-Error"
+JSON_TYPE = b"application/json; charset=utf-8"
+FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float
+    headers: float
+    """From the request's last byte to the answer's headers: a long prompt or a long buffered
+    answer takes this long on a slow machine."""
+    idle: float
+    """Between two reads of the answer's body."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A backend that failed one request, and how."""
+
+    method: str
+    path: str
+    target: str
+    reason: str
+    timed_out: bool
+    streamed: bool
+    """The answer's headers had reached the client: it got an error record, not an error status."""
+
+
+class BackendFailed(Exception):
+    def __init__(self, reason: str, timed_out: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.timed_out = timed_out
+
+
+class ClientGone(Exception):
+    """mitmproxy closed the tunnel: the client went away, so the backend's answer is not wanted."""
+
+
+class Relay:
+    """The loopback relay server; `address` and `authorization` are what mitmproxy needs."""
+
+    def __init__(self, on_failure: Callable[[Failure], None], timeouts: Timeouts) -> None:
+        self.on_failure = on_failure
+        self.timeouts = timeouts
+        self.authorization = f"ContextPaw {secrets.token_urlsafe(24)}"
+        self.address: tuple[str, int] | None = None
+        self._server: asyncio.Server | None = None
+        self._tunnels: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._tunnel, LOOPBACK, 0, limit=MAX_HEAD_BYTES)
+        self.address = self._server.sockets[0].getsockname()[:2]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._tunnels):
+                task.cancel()
+            self._server = None
+            self.address = None
+
+    # -- the tunnel -----------------------------------------------------------------------------
+
+    async def _tunnel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tunnels.add(task)
+        try:
+            target = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            if target is not None:
+                await self._serve(target, reader, writer)
+        except (OSError, TimeoutError, ValueError, ClientGone, h11.ProtocolError, asyncio.IncompleteReadError):
+            pass  # the tunnel ends; a request in it was answered or its client is gone
+        finally:
+            self._tunnels.discard(task)
+            writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[str, int] | None:
+        """Read `CONNECT host:port`; open the tunnel only for the holder of the secret."""
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        request_line, *lines = head.split("\r\n")
+        method, authority, _ = request_line.split(" ", 2)
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
+        given = headers.get("proxy-authorization", "")
+        if method != "CONNECT" or not hmac.compare_digest(given.encode(), self.authorization.encode()):
+            writer.write(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            return None
+        host, _, port = authority.rpartition(":")
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await writer.drain()
+        return host.strip("[]"), int(port)
+
+    async def _serve(self, target: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        down = h11.Connection(h11.SERVER)
+        while True:
+            received = await _read_request(down, reader)
+            if received is None:
+                return
+            request, body = received
+            await Exchange(self, target, down, reader, writer, request, body).run()
+            if down.our_state is not h11.DONE or down.their_state is not h11.DONE:
+                return
+            down.start_next_cycle()
+
+
+async def _read_request(down: h11.Connection, reader: asyncio.StreamReader) -> tuple[h11.Request, bytes] | None:
+    """The next whole request mitmproxy sends in the tunnel (it has the body in memory already)."""
+    request: h11.Request | None = None
+    body = bytearray()
+    while True:
+        event = down.next_event()
+        if event is h11.NEED_DATA:
+            down.receive_data(await reader.read(READ_SIZE))
+        elif isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            assert request is not None
+            return request, bytes(body)
+        elif isinstance(event, h11.ConnectionClosed):
+            return None
+
+
+class Exchange:
+    """One request through the relay: forward it, and relay the answer or answer the failure."""
+
+    def __init__(
+        self,
+        relay: Relay,
+        target: tuple[str, int],
+        down: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request: h11.Request,
+        body: bytes,
+    ) -> None:
+        self.relay = relay
+        self.target = target
+        self.down = down
+        self.reader = reader
+        self.writer = writer
+        self.request = request
+        self.body = body
+        self.path = request.target.decode("latin-1")
+        self.up = h11.Connection(h11.CLIENT)
+        self.up_reader: asyncio.StreamReader | None = None
+        self.up_writer: asyncio.StreamWriter | None = None
+        self.watch: asyncio.Task[bytes] | None = None
+        self.headers_sent = False
+        self.framing: str | None = None
+
+    async def run(self) -> None:
+        self.watch = asyncio.ensure_future(self.reader.read(READ_SIZE))
+        try:
+            await self._forward()
+        except BackendFailed as e:
+            await self._answer_failure(e)
+        finally:
+            if self.up_writer is not None:
+                self.up_writer.close()
+            self._stop_watching()
+
+    async def _forward(self) -> None:
+        timeouts = self.relay.timeouts
+        try:
+            self.up_reader, self.up_writer = await self._race(asyncio.open_connection(*self.target), timeouts.connect)
+        except (OSError, TimeoutError) as e:
+            raise BackendFailed(f"the backend at {self._target()} does not answer ({type(e).__name__})") from None
+        r = self.request
+        self.up_writer.write(self.up.send(h11.Request(method=r.method, target=r.target, headers=r.headers)))
+        self.up_writer.write(self.up.send(h11.Data(data=self.body)) + self.up.send(h11.EndOfMessage()))
+        try:
+            await self._race(self.up_writer.drain(), timeouts.headers)
+        except OSError:
+            raise BackendFailed(f"the backend at {self._target()} closed the connection while receiving the request") from None
+        response = await self._next_event(timeouts.headers, "before its answer's headers", "sent no answer")
+        while isinstance(response, h11.InformationalResponse):
+            response = await self._next_event(timeouts.headers, "before its answer's headers", "sent no answer")
+        assert isinstance(response, h11.Response)
+        content_type = dict(response.headers).get(b"content-type", b"").decode("latin-1")
+        if content_type.startswith(STREAM_TYPES):
+            self.framing = "ndjson" if "ndjson" in content_type else "sse"
+            await self._relay_stream(response)
+        else:
+            await self._relay_buffered(response)
+
+    async def _relay_buffered(self, response: h11.Response) -> None:
+        """A whole answer is read before its headers go on: if it breaks off, the client gets an error status."""
+        body = bytearray()
+        while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its answer", "stalled in its answer"), h11.EndOfMessage):
+            if isinstance(event, h11.Data):
+                body += event.data
+        headers = [(k, v) for k, v in response.headers if k.lower() != b"transfer-encoding" and k.lower() != b"content-length"]
+        headers.append((b"Content-Length", str(len(body)).encode()))
+        await self._send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
+        await self._send(h11.Data(data=bytes(body)), h11.EndOfMessage())
+
+    async def _relay_stream(self, response: h11.Response) -> None:
+        """Records pass on as they come; the framing is chunked, so an error record can still be added."""
+        headers = [(k, v) for k, v in response.headers if k.lower() not in FRAMING_HEADERS]
+        await self._send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
+        self.headers_sent = True
+        while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its stream", "stalled in its stream"), h11.EndOfMessage):
+            if isinstance(event, h11.Data) and event.data:
+                await self._send(h11.Data(data=event.data))
+        await self._send(h11.EndOfMessage())
+
+    # -- reading the backend, while watching the client ---------------------------------------------
+
+    async def _next_event(self, timeout: float, broke: str, silent: str) -> h11.Event:
+        assert self.up_reader is not None
+        while True:
+            try:
+                event = self.up.next_event()
+            except h11.RemoteProtocolError as e:
+                raise BackendFailed(f"the backend at {self._target()} answered with broken HTTP ({e})") from None
+            if event is not h11.NEED_DATA:
+                if isinstance(event, h11.ConnectionClosed):
+                    raise BackendFailed(f"the backend at {self._target()} closed the connection {broke}")
+                return event
+            try:
+                data = await self._race(self.up_reader.read(READ_SIZE), timeout)
+            except TimeoutError:
+                raise BackendFailed(f"the backend at {self._target()} {silent} for {timeout:g} s", timed_out=True) from None
+            except OSError as e:
+                raise BackendFailed(f"the backend at {self._target()} reset the connection {broke} ({type(e).__name__})") from None
+            self.up.receive_data(data)
+
+    async def _race[T](self, work: Awaitable[T], timeout: float) -> T:
+        """Await backend work within `timeout`, giving up at once if the client goes away."""
+        task = asyncio.ensure_future(work)
+        waiting = {task} if self.watch is None else {task, self.watch}
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        if self.watch is not None and self.watch in done:
+            leftover = self.watch.result() if not self.watch.exception() else b""
+            self.watch = None
+            if not leftover:
+                task.cancel()
+                raise ClientGone()
+            self.down.receive_data(leftover)  # a pipelined request: h11 keeps it for the next cycle
+            return await self._race(task, timeout)
+        task.cancel()
+        raise TimeoutError()
+
+    def _stop_watching(self) -> None:
+        if self.watch is None:
+            return
+        if self.watch.done():
+            if not self.watch.exception() and (leftover := self.watch.result()):
+                self.down.receive_data(leftover)
+            elif not self.watch.exception():
+                self.down.receive_data(b"")
+        else:
+            self.watch.cancel()
+        self.watch = None
+
+    # -- answering --------------------------------------------------------------------------------
+
+    async def _send(self, *events: h11.Event) -> None:
+        for event in events:
+            self.writer.write(self.down.send(event) or b"")
+        await self.writer.drain()
+
+    async def _answer_failure(self, failure: BackendFailed) -> None:
+        reason = f"ContextPaw: {failure.reason}"
+        method = self.request.method.decode("latin-1")
+        self.relay.on_failure(Failure(method, self.path, self._target(), failure.reason, failure.timed_out, self.headers_sent))
+        body = wire.proxy_error(None, self.path, reason, 504 if failure.timed_out else 502)
+        if self.headers_sent:
+            assert self.framing is not None
+            await self._send(h11.Data(data=record_bytes(self.framing, body)), h11.EndOfMessage())
+            return
+        data = json.dumps(body).encode()
+        headers = [
+            (b"Content-Type", JSON_TYPE),
+            (b"Content-Length", str(len(data)).encode()),
+            (ERROR_HEADER, reason.encode("ascii", "replace")),
+        ]
+        await self._send(h11.Response(status_code=504 if failure.timed_out else 502, headers=headers))
+        await self._send(h11.Data(data=data), h11.EndOfMessage())
+
+    def _target(self) -> str:
+        return f"{self.target[0]}:{self.target[1]}"
