@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ import h11
 
 from contextpaw import wire
 from contextpaw.streams import STREAM_TYPES, record_bytes
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 READ_SIZE = 64 * 1024
@@ -111,6 +114,8 @@ class Relay:
                 await self._serve(target, reader, writer)
         except (OSError, TimeoutError, ValueError, ClientGone, h11.ProtocolError, asyncio.IncompleteReadError):
             pass  # the tunnel ends; a request in it was answered or its client is gone
+        except Exception:  # a bug of ours must end one tunnel, not the relay
+            logger.exception("the relay's tunnel failed")
         finally:
             self._tunnels.discard(task)
             writer.close()
@@ -200,7 +205,7 @@ class Exchange:
         finally:
             if self.up_writer is not None:
                 self.up_writer.close()
-            self._stop_watching()
+            await self._stop_watching()
 
     async def _forward(self) -> None:
         timeouts = self.relay.timeouts
@@ -286,17 +291,16 @@ class Exchange:
         task.cancel()
         raise TimeoutError()
 
-    def _stop_watching(self) -> None:
-        if self.watch is None:
+    async def _stop_watching(self) -> None:
+        """End the watch on the client; what it read (a next request, or the end) goes to h11."""
+        watch, self.watch = self.watch, None
+        if watch is None:
             return
-        if self.watch.done():
-            if not self.watch.exception() and (leftover := self.watch.result()):
-                self.down.receive_data(leftover)
-            elif not self.watch.exception():
-                self.down.receive_data(b"")
-        else:
-            self.watch.cancel()
-        self.watch = None
+        watch.cancel()
+        try:
+            self.down.receive_data(await watch)
+        except (asyncio.CancelledError, OSError):
+            pass
 
     # -- answering --------------------------------------------------------------------------------
 
