@@ -710,6 +710,8 @@ class Compactor:
         report = fitted.report
         report.recovered_from_upstream_400 = status < 400
         self.stats.add("recovered_400", report.recovered_from_upstream_400)
+        if status >= 400:
+            logger.warning("%s: the backend refused the compacted retry too (%d); its answer is passed on", flow.request.path, status)
         self._remember(parsed, fitted)
         self._keep_report(flow, report)
         self._note_compaction(flow, route, report, parsed.params.model)
