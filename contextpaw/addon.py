@@ -119,9 +119,10 @@ class Backends:
     when the client names the kind (`X-ContextPaw-Backend`), or when it is a reverse-mode target
     that identifies itself on a probe (once). mitmproxy answers a refused upstream with an HTML page
     that no hook can replace, so a flow without an open upstream connection is checked first and
-    answered with a 502 in the caller's own JSON convention. A body over `contextpaw_max_body_mb`
-    gets a 413 in that convention (mitmproxy's `body_size_limit`, checked before any hook, is the
-    hard cap on memory; the `contextpaw` command sets it to twice this).
+    answered with a 502 in the caller's own JSON convention. A model request with a body over
+    `contextpaw_max_body_mb` gets a 413 in that convention (other routes, such as Ollama's blob
+    uploads, are not limited here; mitmproxy's `body_size_limit` and `stream_large_bodies` bound
+    what it holds in memory, before any hook).
     """
 
     def __init__(self, stats: admin.Stats) -> None:
@@ -135,7 +136,7 @@ class Backends:
         loader.add_option("contextpaw_ollama", Sequence[str], [], "Ollama backend URL (repeatable).")
         loader.add_option("contextpaw_llamacpp", Sequence[str], [], "llama-server backend URL (repeatable).")
         loader.add_option("contextpaw_max_body_mb", int, 256,
-                          "Request bodies to a backend above this many megabytes are refused with a 413.")  # fmt: skip
+                          "Model requests (chat, generate, completions) above this many megabytes are refused with a 413.")  # fmt: skip
 
     def configure(self, updated: set[str]) -> None:
         if "contextpaw_max_body_mb" in updated and ctx.options.contextpaw_max_body_mb < 1:
@@ -167,7 +168,7 @@ class Backends:
         if flow.response or flow.error or not flow.live or not self.serves(flow):
             return
         size, limit = len(flow.request.raw_content or b""), ctx.options.contextpaw_max_body_mb << 20
-        if size > limit:
+        if size > limit and any(wire.route_for(kind, flow.request.method, flow.request.path) for kind in wire.Kind):
             reason = f"ContextPaw: the request body ({size:,} bytes) is over the limit of {limit:,} bytes (contextpaw_max_body_mb)"
             await self._refuse(flow, 413, reason, "too_large")
         elif not flow.server_conn.connected and not await self.answers(flow.request.host, flow.request.port):

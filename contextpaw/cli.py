@@ -6,9 +6,8 @@
 Arguments it does not know go to mitmproxy as they are (`--set contextpaw_keep_recent=8`, `-w flows`).
 The safe options: listen on loopback only, connect upstream only when a request needs it (so the
 proxy's own endpoints work while a backend is down), wait an hour for a slow prompt instead of nine
-minutes (the relay's timeouts, under mitmproxy's idle timeout so the client gets the 504), a hard
-cap on bodies held in memory, no onboarding app (it would serve mitmproxy's CA), and a config dir of
-its own.
+minutes (the relay's timeouts, under mitmproxy's idle timeout so the client gets the 504), no
+onboarding app (it would serve mitmproxy's CA), and a config dir of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ SAFE_OPTIONS = (
     "contextpaw_header_timeout=3600",
     "contextpaw_idle_timeout=3600",
     "tcp_timeout=7200",
-    "body_size_limit=512m",
     "onboarding=false",
 )
 WEB_COLUMNS = ("icon", "path", "method", "status", "size", "time", "comment")
