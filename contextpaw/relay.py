@@ -193,6 +193,7 @@ class Exchange:
         self.up_reader: asyncio.StreamReader | None = None
         self.up_writer: asyncio.StreamWriter | None = None
         self.watch: asyncio.Task[bytes] | None = None
+        self.up_closed = False
         self.headers_sent = False
         self.framing: str | None = None
 
@@ -218,6 +219,8 @@ class Exchange:
         self.up_writer.write(self.up.send(h11.Data(data=self.body)) + self.up.send(h11.EndOfMessage()))
         try:
             await self._race(self.up_writer.drain(), timeouts.headers)
+        except TimeoutError:
+            raise BackendFailed(f"the backend at {self._target()} stopped reading the request for {timeouts.headers:g} s", timed_out=True) from None
         except OSError:
             raise BackendFailed(f"the backend at {self._target()} closed the connection while receiving the request") from None
         response = await self._next_event(timeouts.headers, "before its answer's headers", "sent no answer")
@@ -237,14 +240,14 @@ class Exchange:
         while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its answer", "stalled in its answer"), h11.EndOfMessage):
             if isinstance(event, h11.Data):
                 body += event.data
-        headers = [(k, v) for k, v in response.headers if k.lower() != b"transfer-encoding" and k.lower() != b"content-length"]
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in FRAMING_HEADERS]
         headers.append((b"Content-Length", str(len(body)).encode()))
         await self._send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         await self._send(h11.Data(data=bytes(body)), h11.EndOfMessage())
 
     async def _relay_stream(self, response: h11.Response) -> None:
         """Records pass on as they come; the framing is chunked, so an error record can still be added."""
-        headers = [(k, v) for k, v in response.headers if k.lower() not in FRAMING_HEADERS]
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in FRAMING_HEADERS]
         await self._send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         self.headers_sent = True
         while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its stream", "stalled in its stream"), h11.EndOfMessage):
@@ -260,6 +263,8 @@ class Exchange:
             try:
                 event = self.up.next_event()
             except h11.RemoteProtocolError as e:
+                if self.up_closed:  # h11 calls an end in the middle of a message a protocol error
+                    raise BackendFailed(f"the backend at {self._target()} closed the connection {broke}") from None
                 raise BackendFailed(f"the backend at {self._target()} answered with broken HTTP ({e})") from None
             if event is not h11.NEED_DATA:
                 if isinstance(event, h11.ConnectionClosed):
@@ -271,6 +276,7 @@ class Exchange:
                 raise BackendFailed(f"the backend at {self._target()} {silent} for {timeout:g} s", timed_out=True) from None
             except OSError as e:
                 raise BackendFailed(f"the backend at {self._target()} reset the connection {broke} ({type(e).__name__})") from None
+            self.up_closed = not data
             self.up.receive_data(data)
 
     async def _race[T](self, work: Awaitable[T], timeout: float) -> T:
@@ -299,7 +305,11 @@ class Exchange:
         watch.cancel()
         try:
             self.down.receive_data(await watch)
-        except (asyncio.CancelledError, OSError):
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the tunnel itself is being cancelled
+                raise
+        except OSError:
             pass
 
     # -- answering --------------------------------------------------------------------------------
