@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from contextpaw.calibration import Calibration
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.counting import LlamaCppCounting
 from contextpaw.evicted import EvictedStore
-from contextpaw.relay import ERROR_HEADER, Failure, Relay, Timeouts
+from contextpaw.relay import ERROR_HEADER, FLOW_HEADER, Failure, Relay, Timeouts
 from contextpaw.report import Report
 from contextpaw.streams import STREAM_TYPES, StreamReport, report_bytes, with_report
 from contextpaw.state import LRU, write_atomically
@@ -71,6 +72,9 @@ HEADERS = "contextpaw.headers"
 LOCAL = "contextpaw.local"
 """The response was made here, not by the backend."""
 RETRIED = "contextpaw.retried"
+"""A rescue was tried after an upstream 400 (there is never a second)."""
+RESENT = "contextpaw.resent"
+"""The compacted retry was sent: its answer says whether it recovered."""
 OBSERVED = "contextpaw.observed"
 """Under policy off: the report that is not put on the wire but still checked against the answer."""
 CALIBRATION = "contextpaw.calibration"
@@ -644,6 +648,8 @@ class Compactor:
         response = flow.response
         assert response is not None
         response.headers.update(flow.metadata.get(HEADERS, {}))
+        if flow.metadata.get(RESENT):  # the relay retried it after a 400
+            self._settle_rescue(flow)
         if flow.metadata.get(LOCAL) or not response.headers.get("content-type", "").startswith(STREAM_TYPES):
             return
         route = wire.ROUTES.get(flow.metadata.get(ROUTE, ""))
@@ -665,10 +671,9 @@ class Compactor:
             return
         try:
             overflow = wire.upstream_overflow(response.status_code, response.content or b"")
-            rescue = REPORT in flow.metadata and ctx.options.contextpaw_policy == "compact"
-            if overflow and rescue and not flow.metadata.get(RETRIED):
+            if overflow and self._may_rescue(flow):
                 await self._rescue(flow, route, overflow)
-            elif flow.response.status_code >= 500 and ERROR_HEADER.decode() not in flow.response.headers:
+            elif flow.response.status_code >= 500 and ERROR_HEADER not in flow.response.headers:
                 self._upstream_failed(flow, f"the backend answered {flow.response.status_code}")
             self._report_in_body(flow, route)
         except Exception as e:  # fail open: the client gets the backend's answer as it was
@@ -685,8 +690,25 @@ class Compactor:
         self.stats.add("upstream_errors")
         logger.warning("%s %s: upstream failure: %s", flow.request.method, flow.request.path, what)
 
-    async def _rescue(self, flow: http.HTTPFlow, route: wire.Route, overflow: wire.UpstreamOverflow) -> None:
-        """Compact to the window the backend just named, and ask it once more (never twice)."""
+    async def rescue_in_relay(self, flow: http.HTTPFlow, answer: bytes) -> bytes | None:
+        """The relay's question when a request it carries comes back 400: the body to send once
+        instead (compacted to the window the backend named), or None to pass the 400 on.
+
+        The retried answer then reaches mitmproxy as the flow's answer, streamed if it streams, and
+        the flow is still in flight for the GPU arbiter meanwhile."""
+        route = wire.ROUTES.get(flow.metadata.get(ROUTE, ""))
+        overflow = wire.upstream_overflow(400, answer)
+        if route is None or overflow is None or not self._may_rescue(flow):
+            return None
+        fitted = await self._refit(flow, route, overflow)
+        return fitted.body if fitted is not None else None
+
+    def _may_rescue(self, flow: http.HTTPFlow) -> bool:
+        return REPORT in flow.metadata and ctx.options.contextpaw_policy == "compact" and not flow.metadata.get(RETRIED)
+
+    async def _refit(self, flow: http.HTTPFlow, route: wire.Route, overflow: wire.UpstreamOverflow) -> wire.Fitted | None:
+        """Compact to the window the backend just named, once per flow (never twice); None if that
+        cannot help. The report, plan and evicted content become the retry's."""
         flow.metadata[RETRIED] = True
         raw = flow.metadata.get(ORIGINAL) or flow.request.get_content(strict=False) or b""
         big = _big(raw)
@@ -697,28 +719,47 @@ class Compactor:
         try:
             fitted = await self._compact(parsed, budget, backend, big)
         except BudgetTooSmall as e:
-            flow.response.headers["X-ContextPaw-Error"] = f"the upstream 400 cannot be rescued: {e}"
-            return
+            flow.metadata[HEADERS]["X-ContextPaw-Error"] = f"the upstream 400 cannot be rescued: {e}"
+            return None
         if fitted.body is None:
-            return
+            return None
         self.stats.add("retried_400")
+        self._remember(parsed, fitted)
+        self._keep_report(flow, fitted.report)
+        self._note_compaction(flow, route, fitted.report, parsed.params.model)
+        flow.metadata[ORIGINAL] = raw
+        flow.metadata[RESENT] = True
+        flow.request.content = fitted.body  # what was sent last, for mitmweb's view of the flow
+        return fitted
+
+    async def _rescue(self, flow: http.HTTPFlow, route: wire.Route, overflow: wire.UpstreamOverflow) -> None:
+        """The rescue for a flow the relay does not carry: retried here, answered in one piece."""
+        fitted = await self._refit(flow, route, overflow)
+        assert flow.response is not None
+        if fitted is None:
+            flow.response.headers.update(flow.metadata[HEADERS])
+            return
         headers = {k: v for k, v in flow.request.headers.items() if k.lower() not in HOP_HEADERS}
         timeout = aiohttp.ClientTimeout(sock_connect=PROBE_TIMEOUT_S, sock_read=ctx.options.contextpaw_header_timeout)
         async with self.backends.client().post(flow.request.url, data=fitted.body, headers=headers, timeout=timeout) as answer:
             body = await answer.read()
             kept = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS]
             status = answer.status
-        report = fitted.report
-        report.recovered_from_upstream_400 = status < 400
-        self.stats.add("recovered_400", report.recovered_from_upstream_400)
-        if status >= 400:
-            logger.warning("%s: the backend refused the compacted retry too (%d); its answer is passed on", flow.request.path, status)
-        self._remember(parsed, fitted)
-        self._keep_report(flow, report)
-        self._note_compaction(flow, route, report, parsed.params.model)
-        flow.metadata[ORIGINAL] = raw
         flow.response = http.Response.make(status, body, http.Headers(kept))
-        flow.response.headers.update(report.headers())
+        flow.response.headers.update(flow.metadata[HEADERS])
+        self._settle_rescue(flow)
+
+    def _settle_rescue(self, flow: http.HTTPFlow) -> None:
+        """Once the retry's status is known: say whether it recovered, in the report, headers and counts."""
+        assert flow.response is not None
+        recovered = flow.response.status_code < 400
+        flow.metadata[REPORT]["recovered_from_upstream_400"] = recovered
+        self.stats.add("recovered_400", recovered)
+        if recovered:
+            flow.response.headers["X-ContextPaw-Recovered"] = "upstream-400"
+        else:
+            logger.warning("%s: the backend refused the compacted retry too (%d); its answer is passed on",
+                           flow.request.path, flow.response.status_code)  # fmt: skip
 
     def _report_in_body(self, flow: http.HTTPFlow, route: wire.Route) -> None:
         response = flow.response
@@ -803,9 +844,12 @@ class Upstream:
     and flows that already go via an upstream proxy are left to mitmproxy.
     """
 
-    def __init__(self, stats: admin.Stats) -> None:
+    def __init__(self, stats: admin.Stats, compactor: Compactor) -> None:
         self.stats = stats
-        self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S))
+        self.compactor = compactor
+        self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S), self._rescue)
+        self.carried: weakref.WeakValueDictionary[str, http.HTTPFlow] = weakref.WeakValueDictionary()
+        """flow id -> the flow the relay carries (the relay knows it by `relay.FLOW_HEADER`)."""
 
     def load(self, loader: Any) -> None:
         loader.add_option("contextpaw_relay", bool, True,
@@ -841,6 +885,12 @@ class Upstream:
             return
         # A fresh server connection: an eagerly opened one cannot take a `via` any more.
         flow.server_conn = connection.Server(address=(flow.request.host, flow.request.port), via=("http", self.relay.address))
+        flow.request.headers[FLOW_HEADER] = flow.id  # the relay takes it off before the backend sees it
+        self.carried[flow.id] = flow
+
+    async def _rescue(self, flow_id: str, answer: bytes) -> bytes | None:
+        flow = self.carried.get(flow_id)
+        return await self.compactor.rescue_in_relay(flow, answer) if flow is not None else None
 
     def http_connect_upstream(self, flow: http.HTTPFlow) -> None:
         if self.relay.address is not None and flow.server_conn.address == self.relay.address:
@@ -918,4 +968,4 @@ def make_addons() -> list[object]:
     compactor = Compactor(backends, stats, store)
     gpu = arbitration.Arbitration(backends)
     stats.sources += [gpu.metrics, compactor.summary_metrics]
-    return [gpu, AdminEndpoints(backends, compactor), backends, compactor, Upstream(stats)]
+    return [gpu, AdminEndpoints(backends, compactor), backends, compactor, Upstream(stats, compactor)]

@@ -13,7 +13,9 @@ headers and bodies pass as they are) and answers every failure of the backend in
   framing (what Ollama and OpenAI clients raise from), then a clean end.
 
 Each failure is reported to `on_failure` (the addon counts and logs it) and its answer carries
-`X-ContextPaw-Upstream-Error`. The relay listens on 127.0.0.1 only and opens tunnels only for a
+`X-ContextPaw-Upstream-Error`. A 400 to a request that names its flow (`X-ContextPaw-Flow`) is shown
+to `rescue` first: if the addon compacts the request to the window the 400 names, that body is sent
+once more and its answer, streamed if it streams, goes back instead of the 400. The relay listens on 127.0.0.1 only and opens tunnels only for a
 CONNECT that carries its secret (mitmproxy adds it in the `http_connect_upstream` hook), so it is
 not an open proxy for other local users. One backend connection per request: no stale keep-alive
 connection can fail a request.
@@ -40,7 +42,10 @@ LOOPBACK = "127.0.0.1"
 READ_SIZE = 64 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
-ERROR_HEADER = b"X-ContextPaw-Upstream-Error"
+ERROR_HEADER = "X-ContextPaw-Upstream-Error"
+FLOW_HEADER = "X-ContextPaw-Flow"
+"""The id of the mitmproxy flow a request belongs to, for the rescue; never sent to the backend."""
+FLOW_HEADER_KEY = FLOW_HEADER.lower().encode()
 JSON_TYPE = b"application/json; charset=utf-8"
 FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
 
@@ -68,6 +73,10 @@ class Failure:
     """The answer's headers had reached the client: it got an error record, not an error status."""
 
 
+Rescue = Callable[[str, bytes], Awaitable[bytes | None]]
+"""(flow id, the body of a 400 answer) -> a request body to send once instead, or None to pass the 400 on."""
+
+
 class BackendFailed(Exception):
     def __init__(self, reason: str, timed_out: bool = False) -> None:
         super().__init__(reason)
@@ -82,9 +91,10 @@ class ClientGone(Exception):
 class Relay:
     """The loopback relay server; `address` and `authorization` are what mitmproxy needs."""
 
-    def __init__(self, on_failure: Callable[[Failure], None], timeouts: Timeouts) -> None:
+    def __init__(self, on_failure: Callable[[Failure], None], timeouts: Timeouts, rescue: Rescue | None = None) -> None:
         self.on_failure = on_failure
         self.timeouts = timeouts
+        self.rescue = rescue
         self.authorization = f"ContextPaw {secrets.token_urlsafe(24)}"
         self.address: tuple[str, int] | None = None
         self._server: asyncio.Server | None = None
@@ -189,6 +199,7 @@ class Exchange:
         self.request = request
         self.body = body
         self.path = request.target.decode("latin-1")
+        self.flow_id = next((v.decode("latin-1") for k, v in request.headers if k == FLOW_HEADER_KEY), None)
         self.up = h11.Connection(h11.CLIENT)
         self.up_reader: asyncio.StreamReader | None = None
         self.up_writer: asyncio.StreamWriter | None = None
@@ -209,14 +220,38 @@ class Exchange:
             await self._stop_watching()
 
     async def _forward(self) -> None:
+        response = await self._ask(self.body)
+        if self._streams(response):
+            return await self._relay_stream(response)
+        body = await self._read_body()
+        if response.status_code == 400 and (retry := await self._rescued(body)) is not None:
+            response = await self._ask(retry)
+            if self._streams(response):
+                return await self._relay_stream(response)
+            body = await self._read_body()
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in FRAMING_HEADERS]
+        headers.append((b"Content-Length", str(len(body)).encode()))
+        await self._send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
+        await self._send(h11.Data(data=body), h11.EndOfMessage())
+
+    async def _ask(self, body: bytes) -> h11.Response:
+        """Send the request with `body` on a fresh backend connection; the head of its answer."""
         timeouts = self.relay.timeouts
+        if self.up_writer is not None:
+            self.up_writer.close()
+        self.up, self.up_closed = h11.Connection(h11.CLIENT), False
         try:
             self.up_reader, self.up_writer = await self._race(asyncio.open_connection(*self.target), timeouts.connect)
         except (OSError, TimeoutError) as e:
             raise BackendFailed(f"the backend at {self._target()} does not answer ({type(e).__name__})") from None
-        r = self.request
-        self.up_writer.write(self.up.send(h11.Request(method=r.method, target=r.target, headers=r.headers)))
-        self.up_writer.write(self.up.send(h11.Data(data=self.body)) + self.up.send(h11.EndOfMessage()))
+        resized = body is not self.body
+        headers = [
+            (k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v)
+            for k, v in self.request.headers.raw_items()
+            if k.lower() != FLOW_HEADER_KEY
+        ]
+        head = h11.Request(method=self.request.method, target=self.request.target, headers=headers)
+        self.up_writer.write(self.up.send(head) + self.up.send(h11.Data(data=body)) + self.up.send(h11.EndOfMessage()))
         try:
             await self._race(self.up_writer.drain(), timeouts.headers)
         except TimeoutError:
@@ -227,23 +262,33 @@ class Exchange:
         while isinstance(response, h11.InformationalResponse):
             response = await self._next_event(timeouts.headers, "before its answer's headers", "sent no answer")
         assert isinstance(response, h11.Response)
-        content_type = dict(response.headers).get(b"content-type", b"").decode("latin-1")
-        if content_type.startswith(STREAM_TYPES):
-            self.framing = "ndjson" if "ndjson" in content_type else "sse"
-            await self._relay_stream(response)
-        else:
-            await self._relay_buffered(response)
+        return response
 
-    async def _relay_buffered(self, response: h11.Response) -> None:
+    def _streams(self, response: h11.Response) -> bool:
+        content_type = dict(response.headers).get(b"content-type", b"").decode("latin-1")
+        if not content_type.startswith(STREAM_TYPES):
+            return False
+        self.framing = "ndjson" if "ndjson" in content_type else "sse"
+        return True
+
+    async def _read_body(self) -> bytes:
         """A whole answer is read before its headers go on: if it breaks off, the client gets an error status."""
         body = bytearray()
         while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its answer", "stalled in its answer"), h11.EndOfMessage):
             if isinstance(event, h11.Data):
                 body += event.data
-        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in FRAMING_HEADERS]
-        headers.append((b"Content-Length", str(len(body)).encode()))
-        await self._send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
-        await self._send(h11.Data(data=bytes(body)), h11.EndOfMessage())
+        return bytes(body)
+
+    async def _rescued(self, answer: bytes) -> bytes | None:
+        """Ask the addon whether this 400 is an overflow it can fit once more; a failure of ours passes it on."""
+        flow_id = self.flow_id
+        if flow_id is None or self.relay.rescue is None:
+            return None
+        try:
+            return await self.relay.rescue(flow_id, answer)
+        except Exception:
+            logger.exception("the rescue of %s failed; the backend's 400 is passed on", self.path)
+            return None
 
     async def _relay_stream(self, response: h11.Response) -> None:
         """Records pass on as they come; the framing is chunked, so an error record can still be added."""
@@ -332,7 +377,7 @@ class Exchange:
         headers = [
             (b"Content-Type", JSON_TYPE),
             (b"Content-Length", str(len(data)).encode()),
-            (ERROR_HEADER, reason.encode("ascii", "replace")),
+            (ERROR_HEADER.encode(), reason.encode("ascii", "replace")),
         ]
         await self._send(h11.Response(status_code=504 if failure.timed_out else 502, headers=headers))
         await self._send(h11.Data(data=data), h11.EndOfMessage())

@@ -18,7 +18,10 @@ from typing import Any
 import h11
 import pytest
 
-from contextpaw.relay import ERROR_HEADER, Failure, Relay, Timeouts
+from contextpaw.relay import ERROR_HEADER as ERROR_NAME
+from contextpaw.relay import Failure, Relay, Timeouts
+
+ERROR_HEADER = ERROR_NAME.encode()
 
 LOOPBACK = "127.0.0.1"
 WAIT = 3.0  # the bound on any single wait in these tests; a healthy run never comes near it

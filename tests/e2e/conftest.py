@@ -43,6 +43,14 @@ def slow_llamacpp(workdir: Path) -> Iterator[Backend]:
         yield backend
 
 
+@pytest.fixture(scope="session")
+def slow_ollama(workdir: Path) -> Iterator[Backend]:
+    """A native-mode Ollama (an overflow is a 400) that takes 0.1 s per generated token."""
+    args = ["--n-ctx", str(N_CTX), "--native", "--chunk-delay", "0.1"]
+    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "slow-ollama.log") as backend:
+        yield backend
+
+
 def mitmdump(workdir: Path, name: str, upstreams: Sequence[str], *extra: str) -> Proxy:
     """`mitmdump -s contextpaw_addon.py` in reverse mode in front of each upstream, as documented."""
     ports = [free_port() for _ in upstreams]
@@ -118,8 +126,8 @@ def faulty(workdir: Path, ollama: Backend) -> Iterator[Proxy]:
 
 
 @pytest.fixture(scope="session")
-def slow_proxy(workdir: Path, slow_llamacpp: Backend) -> Iterator[Proxy]:
-    running = mitmdump(workdir, "slow-proxy", [slow_llamacpp.url])
+def slow_proxy(workdir: Path, slow_ollama: Backend, slow_llamacpp: Backend) -> Iterator[Proxy]:
+    running = mitmdump(workdir, "slow-proxy", [slow_ollama.url, slow_llamacpp.url])
     with running.process:
         yield running
 

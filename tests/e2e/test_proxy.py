@@ -191,6 +191,21 @@ def test_an_upstream_overflow_400_is_compacted_and_retried_once(proxy: Proxy, st
     assert report["recovered_from_upstream_400"] is True and report["window"] == N_CTX
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/api/chat"])
+def test_a_rescued_stream_is_streamed(slow_proxy: Proxy, route: str) -> None:
+    """The retry after the 400 answers as it generates: its tokens arrive over time, the report last."""
+    body = {"model": "fake", "messages": undercounted(), "max_tokens": 8, "options": {"num_predict": 8}, "stream": True}
+    started, arrivals = time.monotonic(), []
+    with httpx.stream("POST", slow_proxy.ollama + route, json=body, timeout=30) as response:
+        assert response.status_code == 200 and response.headers["X-ContextPaw-Recovered"] == "upstream-400"
+        for line in response.iter_lines():
+            if line.strip() and line != "data: [DONE]":
+                arrivals.append((time.monotonic() - started, json.loads(line.removeprefix("data: "))))
+    assert arrivals[-1][0] - arrivals[0][0] > 0.3, "the retried answer arrived in one piece"
+    report = arrivals[-1][1]["contextpaw"]
+    assert report["recovered_from_upstream_400"] is True and report["compacted"] and report["window"] == N_CTX
+
+
 def test_llama_server_counts_exactly_so_its_400_never_happens(proxy: Proxy) -> None:
     """What our byte estimate undercounts, llama-server's own tokenizer does not: compacted up front."""
     body = {"model": "fake", "messages": undercounted(), "max_tokens": 16}
