@@ -116,6 +116,11 @@ def _is_reverse(flow: http.HTTPFlow) -> bool:
     return isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode)
 
 
+def _model_request(flow: http.HTTPFlow) -> bool:
+    """A request to a route either API handles (chat, generate, completions)."""
+    return any(wire.route_for(kind, flow.request.method, flow.request.path) for kind in wire.Kind)
+
+
 class Backends:
     """Which backend (Ollama or llama-server) a flow goes to, whether it answers, and what it is sent.
 
@@ -134,6 +139,8 @@ class Backends:
         self.configured: dict[tuple[str, int], wire.Backend] = {}
         self.probed: dict[tuple[str, int], wire.Backend] = {}
         self.last_error: dict[str, str] = {}
+        self.relay: Relay | None = None
+        """The relay that carries model requests (`Upstream`'s); it answers while it listens."""
         self._client: aiohttp.ClientSession | None = None
 
     def load(self, loader: Any) -> None:
@@ -172,9 +179,11 @@ class Backends:
         if flow.response or flow.error or not flow.live or not self.serves(flow):
             return
         size, limit = len(flow.request.raw_content or b""), ctx.options.contextpaw_max_body_mb << 20
-        if size > limit and any(wire.route_for(kind, flow.request.method, flow.request.path) for kind in wire.Kind):
+        if size > limit and _model_request(flow):
             reason = f"ContextPaw: the request body ({size:,} bytes) is over the limit of {limit:,} bytes (contextpaw_max_body_mb)"
             await self._refuse(flow, 413, reason, "too_large")
+        elif self.relayed(flow):
+            return  # the relay answers for a backend that does not answer
         elif not flow.server_conn.connected and not await self.answers(flow.request.host, flow.request.port):
             reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"
             await self._refuse(flow, 502, reason, "unreachable")
@@ -184,6 +193,16 @@ class Backends:
         _reply(flow, status, report_bytes(wire.proxy_error(backend and backend.kind, flow.request.path, reason, status)))
         self.stats.add(count)
         logger.warning("%s %s: answered %d: %s", flow.request.method, flow.request.url, status, reason.removeprefix("ContextPaw: "))
+
+    def relayed(self, flow: http.HTTPFlow) -> bool:
+        """Whether the relay carries this flow: a model request over plain HTTP to a backend of known
+        kind, not already sent via an upstream proxy (`contextpaw_relay` on)."""
+        known = (flow.request.host, flow.request.port) in self.configured.keys() | self.probed.keys()
+        return (
+            self.relay is not None and self.relay.address is not None
+            and ctx.options.contextpaw_relay and flow.request.scheme == "http" and flow.server_conn.via is None
+            and (known or BACKEND_HEADER in flow.request.headers) and _model_request(flow)
+        )  # fmt: skip
 
     def serves(self, flow: http.HTTPFlow) -> bool:
         """Whether this flow goes to a backend rather than anywhere else a regular proxy reaches."""
@@ -844,8 +863,9 @@ class Upstream:
     and flows that already go via an upstream proxy are left to mitmproxy.
     """
 
-    def __init__(self, stats: admin.Stats, compactor: Compactor) -> None:
+    def __init__(self, stats: admin.Stats, backends: Backends, compactor: Compactor) -> None:
         self.stats = stats
+        self.backends = backends
         self.compactor = compactor
         self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S), self._rescue)
         self.carried: weakref.WeakValueDictionary[str, http.HTTPFlow] = weakref.WeakValueDictionary()
@@ -877,11 +897,7 @@ class Upstream:
         await self.relay.close()
 
     def request(self, flow: http.HTTPFlow) -> None:
-        if (
-            flow.response or flow.error or not flow.live or ROUTE not in flow.metadata
-            or not ctx.options.contextpaw_relay or self.relay.address is None
-            or flow.request.scheme != "http" or flow.server_conn.via is not None
-        ):  # fmt: skip
+        if flow.response or flow.error or not flow.live or not self.backends.relayed(flow):
             return
         # A fresh server connection: an eagerly opened one cannot take a `via` any more.
         flow.server_conn = connection.Server(address=(flow.request.host, flow.request.port), via=("http", self.relay.address))
@@ -897,6 +913,10 @@ class Upstream:
             flow.request.headers["Proxy-Authorization"] = self.relay.authorization
 
     def _failed(self, failure: Failure) -> None:
+        if not failure.connected:
+            self.stats.add("unreachable")
+            logger.warning("%s %s: answered 502: %s", failure.method, failure.path, failure.reason)
+            return
         self.stats.add("upstream_errors")
         self.stats.add("upstream_timeouts", failure.timed_out)
         answered = "an error record ended the stream" if failure.streamed else ("504" if failure.timed_out else "502")
@@ -968,4 +988,6 @@ def make_addons() -> list[object]:
     compactor = Compactor(backends, stats, store)
     gpu = arbitration.Arbitration(backends)
     stats.sources += [gpu.metrics, compactor.summary_metrics]
-    return [gpu, AdminEndpoints(backends, compactor), backends, compactor, Upstream(stats, compactor)]
+    upstream = Upstream(stats, backends, compactor)
+    backends.relay = upstream.relay
+    return [gpu, AdminEndpoints(backends, compactor), backends, compactor, upstream]

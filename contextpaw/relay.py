@@ -71,6 +71,8 @@ class Failure:
     timed_out: bool
     streamed: bool
     """The answer's headers had reached the client: it got an error record, not an error status."""
+    connected: bool = True
+    """False when no connection to the backend could be opened."""
 
 
 Rescue = Callable[[str, bytes], Awaitable[bytes | None]]
@@ -78,10 +80,11 @@ Rescue = Callable[[str, bytes], Awaitable[bytes | None]]
 
 
 class BackendFailed(Exception):
-    def __init__(self, reason: str, timed_out: bool = False) -> None:
+    def __init__(self, reason: str, timed_out: bool = False, connected: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
         self.timed_out = timed_out
+        self.connected = connected
 
 
 class ClientGone(Exception):
@@ -243,7 +246,7 @@ class Exchange:
         try:
             self.up_reader, self.up_writer = await self._race(asyncio.open_connection(*self.target), timeouts.connect)
         except (OSError, TimeoutError) as e:
-            raise BackendFailed(f"the backend at {self._target()} does not answer ({type(e).__name__})") from None
+            raise BackendFailed(f"the backend at {self._target()} does not answer ({type(e).__name__})", connected=False) from None
         resized = body is not self.body
         headers = [
             (k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v)
@@ -367,7 +370,9 @@ class Exchange:
     async def _answer_failure(self, failure: BackendFailed) -> None:
         reason = f"ContextPaw: {failure.reason}"
         method = self.request.method.decode("latin-1")
-        self.relay.on_failure(Failure(method, self.path, self._target(), failure.reason, failure.timed_out, self.headers_sent))
+        self.relay.on_failure(
+            Failure(method, self.path, self._target(), failure.reason, failure.timed_out, self.headers_sent, failure.connected)
+        )
         body = wire.proxy_error(None, self.path, reason, 504 if failure.timed_out else 502)
         if self.headers_sent:
             assert self.framing is not None

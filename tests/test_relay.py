@@ -506,7 +506,7 @@ async def test_a_backend_that_refuses_the_connection_gets_a_json_502_in_the_call
     message = assert_error_answer(response, body, path, 502)
     assert f"{LOOPBACK}:{port}" in message and "does not answer" in message
     assert relay.failures == [
-        Failure("POST", path, f"{LOOPBACK}:{port}", relay.failures[0].reason, timed_out=False, streamed=False)
+        Failure("POST", path, f"{LOOPBACK}:{port}", relay.failures[0].reason, timed_out=False, streamed=False, connected=False)
     ]
     assert message == "ContextPaw: " + relay.failures[0].reason
 

@@ -368,7 +368,8 @@ def roomy_proxy(workdir: Path, ollama: Backend) -> Iterator[Proxy]:
 
 @pytest.fixture(scope="session")
 def proxy(workdir: Path, ollama: Backend, llamacpp: Backend, fault_server: FaultServer, silent: str) -> Iterator[Proxy]:
-    """One mitmdump: the fakes, the fault backend (configured as llama-server) and a dead port.
+    """One mitmdump: the fakes, the fault backend (configured as llama-server) and a dead port
+    (configured as Ollama, so the relay answers for it; mitmproxy's probe answers for other routes).
 
     Its timeouts are short, so a hanging backend is given up on within a few seconds.
     """
@@ -376,7 +377,8 @@ def proxy(workdir: Path, ollama: Backend, llamacpp: Backend, fault_server: Fault
     upstreams = {"ollama": ollama.url, "llamacpp": llamacpp.url, "fault": fault_server.url, "dead": dead, "silent": silent}
     running_proxy = start_mitmdump(
         workdir, "proxy", upstreams,
-        "--set", f"contextpaw_llamacpp={fault_server.url}", "--set", f"tcp_timeout={PROXY_TCP_TIMEOUT}",
+        "--set", f"contextpaw_llamacpp={fault_server.url}", "--set", f"contextpaw_ollama={dead}",
+        "--set", f"tcp_timeout={PROXY_TCP_TIMEOUT}",
         "--set", f"contextpaw_header_timeout={RELAY_TIMEOUT}", "--set", f"contextpaw_idle_timeout={RELAY_TIMEOUT}",
         "--set", "termlog_verbosity=info", "--set", "flow_detail=0",
     )  # fmt: skip

@@ -93,6 +93,15 @@ def test_connection_refused_is_a_json_502_in_the_api_convention(proxy: Any, faul
     cases["faults.e2e"] += 1
 
 
+def test_a_dead_backend_gets_a_json_502_on_routes_the_relay_does_not_carry(proxy: Any, fault_server: Any, kit: Any, cases: Any) -> None:
+    before = stats_of(proxy, kit)
+    response = httpx.get(proxy["dead"] + "/api/tags", timeout=BOUND_S + 5)
+    assert response.status_code == 502 and "does not answer" in response.json()["error"]
+    assert stats_of(proxy, kit)["unreachable"] == before["unreachable"] + 1
+    assert_still_serving(proxy, fault_server)
+    cases["faults.e2e"] += 1
+
+
 # -- faults after the connection is open ------------------------------------------------------------
 
 FAULTS = {
