@@ -17,8 +17,8 @@ Each failure is reported to `on_failure` (the addon counts and logs it) and its 
 to `rescue` first: if the addon compacts the request to the window the 400 names, that body is sent
 once more and its answer, streamed if it streams, goes back instead of the 400. The relay listens on 127.0.0.1 only and opens tunnels only for a
 CONNECT that carries its secret (mitmproxy adds it in the `http_connect_upstream` hook), so it is
-not an open proxy for other local users. One backend connection per request: no stale keep-alive
-connection can fail a request.
+not an open proxy for other local users. A tunnel keeps its backend connection between requests for
+a moment; one the backend closed meanwhile costs a second try, never a failed request.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import hmac
 import json
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ FLOW_HEADER = "X-ContextPaw-Flow"
 FLOW_HEADER_KEY = FLOW_HEADER.lower().encode()
 JSON_TYPE = b"application/json; charset=utf-8"
 FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
+KEEP_ALIVE_S = 2.0
+"""A backend connection idle for longer is not reused: servers close idle ones after 5 s or more."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,15 @@ class Failure:
 
 Rescue = Callable[[str, bytes], Awaitable[bytes | None]]
 """(flow id, the body of a 400 answer) -> a request body to send once instead, or None to pass the 400 on."""
+
+
+@dataclass
+class Link:
+    """A backend connection kept between two exchanges of one tunnel."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    idle_since: float
 
 
 class BackendFailed(Exception):
@@ -151,15 +163,22 @@ class Relay:
 
     async def _serve(self, target: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         down = h11.Connection(h11.SERVER)
-        while True:
-            received = await _read_request(down, reader)
-            if received is None:
-                return
-            request, body = received
-            await Exchange(self, target, down, reader, writer, request, body).run()
-            if down.our_state is not h11.DONE or down.their_state is not h11.DONE:
-                return
-            down.start_next_cycle()
+        spare: Link | None = None
+        try:
+            while True:
+                received = await _read_request(down, reader)
+                if received is None:
+                    return
+                request, body = received
+                exchange = Exchange(self, target, down, reader, writer, request, body, spare)
+                await exchange.run()
+                spare = exchange.spare
+                if down.our_state is not h11.DONE or down.their_state is not h11.DONE:
+                    return
+                down.start_next_cycle()
+        finally:
+            if spare is not None:
+                spare.writer.close()
 
 
 async def _read_request(down: h11.Connection, reader: asyncio.StreamReader) -> tuple[h11.Request, bytes] | None:
@@ -193,6 +212,7 @@ class Exchange:
         writer: asyncio.StreamWriter,
         request: h11.Request,
         body: bytes,
+        spare: Link | None,
     ) -> None:
         self.relay = relay
         self.target = target
@@ -207,7 +227,10 @@ class Exchange:
         self.up_reader: asyncio.StreamReader | None = None
         self.up_writer: asyncio.StreamWriter | None = None
         self.watch: asyncio.Task[bytes] | None = None
+        self.spare = spare
+        """A backend connection kept from the tunnel's last exchange; this one's, when it ends whole."""
         self.up_closed = False
+        self.up_answered = False
         self.headers_sent = False
         self.framing: str | None = None
 
@@ -218,9 +241,18 @@ class Exchange:
         except BackendFailed as e:
             await self._answer_failure(e)
         finally:
-            if self.up_writer is not None:
-                self.up_writer.close()
+            self._release()
             await self._stop_watching()
+
+    def _release(self) -> None:
+        """Keep the backend connection for the tunnel's next exchange if it is whole, else close it."""
+        if self.up_writer is None or self.up_reader is None:
+            return
+        if self.up.our_state is h11.DONE and self.up.their_state is h11.DONE and not self.up_closed:
+            self.spare = Link(self.up_reader, self.up_writer, time.monotonic())
+        else:
+            self.up_writer.close()
+        self.up_reader = self.up_writer = None
 
     async def _forward(self) -> None:
         response = await self._ask(self.body)
@@ -234,19 +266,37 @@ class Exchange:
             body = await self._read_body()
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in FRAMING_HEADERS]
         headers.append((b"Content-Length", str(len(body)).encode()))
-        await self._send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
-        await self._send(h11.Data(data=body), h11.EndOfMessage())
+        await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
+        await self._answer(h11.Data(data=body), h11.EndOfMessage())
 
     async def _ask(self, body: bytes) -> h11.Response:
-        """Send the request with `body` on a fresh backend connection; the head of its answer."""
-        timeouts = self.relay.timeouts
-        if self.up_writer is not None:
-            self.up_writer.close()
-        self.up, self.up_closed = h11.Connection(h11.CLIENT), False
+        """Send the request with `body` to the backend; the head of its answer.
+
+        A connection kept from the tunnel's last exchange is used if it is fresh; if the backend had
+        closed it meanwhile (nothing at all came back), the request goes once more on a new one."""
+        self._release()
+        kept, self.spare = self.spare, None
+        if kept is not None and (time.monotonic() - kept.idle_since > KEEP_ALIVE_S or kept.reader.at_eof()):
+            kept.writer.close()
+            kept = None
         try:
-            self.up_reader, self.up_writer = await self._race(asyncio.open_connection(*self.target), timeouts.connect)
-        except (OSError, TimeoutError) as e:
-            raise BackendFailed(f"the backend at {self._target()} does not answer ({type(e).__name__})", connected=False) from None
+            return await self._send(kept, body)
+        except BackendFailed as e:
+            if kept is None or e.timed_out or self.up_answered:
+                raise
+            self._release()
+            return await self._send(None, body)
+
+    async def _send(self, kept: Link | None, body: bytes) -> h11.Response:
+        timeouts = self.relay.timeouts
+        self.up, self.up_closed, self.up_answered = h11.Connection(h11.CLIENT), False, False
+        if kept is not None:
+            self.up_reader, self.up_writer = kept.reader, kept.writer
+        else:
+            try:
+                self.up_reader, self.up_writer = await self._race(asyncio.open_connection(*self.target), timeouts.connect)
+            except (OSError, TimeoutError) as e:
+                raise BackendFailed(f"the backend at {self._target()} does not answer ({type(e).__name__})", connected=False) from None
         resized = body is not self.body
         headers = [
             (k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v)
@@ -296,12 +346,12 @@ class Exchange:
     async def _relay_stream(self, response: h11.Response) -> None:
         """Records pass on as they come; the framing is chunked, so an error record can still be added."""
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in FRAMING_HEADERS]
-        await self._send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
+        await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         self.headers_sent = True
         while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its stream", "stalled in its stream"), h11.EndOfMessage):
             if isinstance(event, h11.Data) and event.data:
-                await self._send(h11.Data(data=event.data))
-        await self._send(h11.EndOfMessage())
+                await self._answer(h11.Data(data=event.data))
+        await self._answer(h11.EndOfMessage())
 
     # -- reading the backend, while watching the client ---------------------------------------------
 
@@ -325,6 +375,7 @@ class Exchange:
             except OSError as e:
                 raise BackendFailed(f"the backend at {self._target()} reset the connection {broke} ({type(e).__name__})") from None
             self.up_closed = not data
+            self.up_answered = self.up_answered or bool(data)
             self.up.receive_data(data)
 
     async def _race[T](self, work: Awaitable[T], timeout: float) -> T:
@@ -362,7 +413,7 @@ class Exchange:
 
     # -- answering --------------------------------------------------------------------------------
 
-    async def _send(self, *events: h11.Event) -> None:
+    async def _answer(self, *events: h11.Event) -> None:
         for event in events:
             self.writer.write(self.down.send(event) or b"")
         await self.writer.drain()
@@ -376,7 +427,7 @@ class Exchange:
         body = wire.proxy_error(None, self.path, reason, 504 if failure.timed_out else 502)
         if self.headers_sent:
             assert self.framing is not None
-            await self._send(h11.Data(data=record_bytes(self.framing, body)), h11.EndOfMessage())
+            await self._answer(h11.Data(data=record_bytes(self.framing, body)), h11.EndOfMessage())
             return
         data = json.dumps(body).encode()
         headers = [
@@ -384,8 +435,8 @@ class Exchange:
             (b"Content-Length", str(len(data)).encode()),
             (ERROR_HEADER.encode(), reason.encode("ascii", "replace")),
         ]
-        await self._send(h11.Response(status_code=504 if failure.timed_out else 502, headers=headers))
-        await self._send(h11.Data(data=data), h11.EndOfMessage())
+        await self._answer(h11.Response(status_code=504 if failure.timed_out else 502, headers=headers))
+        await self._answer(h11.Data(data=data), h11.EndOfMessage())
 
     def _target(self) -> str:
         return f"{self.target[0]}:{self.target[1]}"

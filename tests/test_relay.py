@@ -440,13 +440,14 @@ async def test_the_answer_header_names_keep_their_case(relay: Running, backends,
     assert (b"X-Backend-Thing", b"Yes") in response.headers.raw_items()
 
 
-async def test_two_requests_in_one_tunnel_are_both_forwarded_each_on_a_fresh_backend_connection(
+async def test_two_requests_in_one_tunnel_share_one_kept_alive_backend_connection(
     relay: Running, backends, tunnels
 ) -> None:
     async def handler(conn: BackendConn) -> None:
-        request = await conn.read_request()
-        await conn.send(buffered(b'{"n":"' + request.split(b" ")[1] + b'"}'))
-        await conn.wait_for_eof()  # the relay does not reuse it: it closes its side after the answer
+        for _ in range(2):
+            request = await conn.read_request()
+            await conn.send(buffered(b'{"n":"' + request.split(b" ")[1] + b'"}'))
+        await conn.wait_for_eof()
 
     backend = await backends(handler)
     tunnel = await tunnels(relay, backend.port)
@@ -456,9 +457,51 @@ async def test_two_requests_in_one_tunnel_are_both_forwarded_each_on_a_fresh_bac
 
     assert (first.status_code, first_body) == (200, b'{"n":"/one"}')
     assert (second.status_code, second_body) == (200, b'{"n":"/two"}')
-    assert len(backend.conns) == 2
-    assert [bytes(c.received).split(b" ")[1] for c in backend.conns] == [b"/one", b"/two"]
+    assert len(backend.conns) == 1
     assert relay.failures == []
+
+
+@pytest.mark.parametrize("after", ["at once", "while the next request is on its way"])
+async def test_a_kept_connection_the_backend_closed_is_replaced_and_the_request_does_not_fail(
+    relay: Running, backends, tunnels, after: str
+) -> None:
+    """A backend may close an idle keep-alive connection at any time: the request goes on a new one."""
+    async def handler(conn: BackendConn) -> None:
+        request = await conn.read_request()
+        await conn.send(buffered(b'{"n":"' + request.split(b" ")[1] + b'"}'))
+        if after != "at once":
+            await conn.read_request()  # it reads the next request, then drops the connection unanswered
+        conn.writer.close()
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    first, _ = await tunnel.exchange("GET", "/one")
+    await asyncio.sleep(0.05)
+    tunnel.h11.start_next_cycle()
+    second, second_body = await tunnel.exchange("GET", "/two")
+
+    assert first.status_code == 200 and (second.status_code, second_body) == (200, b'{"n":"/two"}')
+    assert len(backend.conns) == 2 and relay.failures == []
+
+
+async def test_a_kept_connection_idle_too_long_is_not_reused(relay: Running, backends, tunnels, monkeypatch) -> None:
+    import contextpaw.relay
+
+    monkeypatch.setattr(contextpaw.relay, "KEEP_ALIVE_S", 0.05)
+
+    async def handler(conn: BackendConn) -> None:
+        request = await conn.read_request()
+        await conn.send(buffered(b'{"n":"' + request.split(b" ")[1] + b'"}'))
+        await conn.wait_for_eof()
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    await tunnel.exchange("GET", "/one")
+    await asyncio.sleep(0.2)
+    tunnel.h11.start_next_cycle()
+    second, _ = await tunnel.exchange("GET", "/two")
+    assert second.status_code == 200 and len(backend.conns) == 2
+    await asyncio.wait_for(backend.conns[0].eof.wait(), WAIT)  # the stale one was closed, not leaked
 
 
 async def test_a_second_request_written_before_the_first_answer_is_forwarded_after_it(
