@@ -171,8 +171,10 @@ class Relay:
                     return
                 request, body = received
                 exchange = Exchange(self, target, down, reader, writer, request, body, spare)
-                await exchange.run()
-                spare = exchange.spare
+                try:
+                    await exchange.run()
+                finally:
+                    spare = exchange.spare
                 if down.our_state is not h11.DONE or down.their_state is not h11.DONE:
                     return
                 down.start_next_cycle()
