@@ -61,7 +61,8 @@ from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-PATHS = ("direct", "mitmdump", "ContextPaw")
+PATHS = ("direct", "mitmdump", "ContextPaw", "ContextPaw, no relay")
+"""The last one runs with contextpaw_relay=false: what the relay (answers for failing backends) costs."""
 BIG_CTX = 1_000_000
 """The fake's and the proxy's window for the overhead runs: a 1 MB body fits, nothing is compacted."""
 CALIBRATION_FACTOR = 1.1
@@ -152,7 +153,7 @@ def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
     big_size = 100_000 if quick else 1_000_000
     filler = filler_text(big_size)
     fake_args = ["--n-ctx", str(BIG_CTX)]
-    task = progress.add_task("proxy overhead", total=rounds * 3 * (small_n + big_n + stream_n))
+    task = progress.add_task("proxy overhead", total=rounds * len(PATHS) * (small_n + big_n + stream_n))
     with contextlib.ExitStack() as stack:
         fast = stack.enter_context(start_module("contextpaw.testing.fake_llamacpp", fake_args, "/health", work / "fast.log"))
         slow = stack.enter_context(start_module("contextpaw.testing.fake_llamacpp", [*fake_args, "--chunk-delay", "0.01"],
@@ -160,11 +161,14 @@ def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
         upstreams = [fast.url, slow.url]
         bare, bare_urls = mitmdump(upstreams, work, "bare", addon=False, options=[])
         stack.enter_context(bare)
-        paw, paw_urls = mitmdump(upstreams, work, "contextpaw", addon=True, options=[
-            f"contextpaw_default_ctx={BIG_CTX}", "contextpaw_calibrate=false",
-            *(f"contextpaw_llamacpp={u}" for u in upstreams)])
+        paw_options = [f"contextpaw_default_ctx={BIG_CTX}", "contextpaw_calibrate=false",
+                       *(f"contextpaw_llamacpp={u}" for u in upstreams)]
+        paw, paw_urls = mitmdump(upstreams, work, "contextpaw", addon=True, options=paw_options)
         stack.enter_context(paw)
-        urls = {"direct": upstreams, "mitmdump": bare_urls, "ContextPaw": paw_urls}
+        unrelayed, unrelayed_urls = mitmdump(upstreams, work, "contextpaw-no-relay", addon=True,
+                                             options=[*paw_options, "contextpaw_relay=false"])
+        stack.enter_context(unrelayed)
+        urls = {"direct": upstreams, "mitmdump": bare_urls, "ContextPaw": paw_urls, "ContextPaw, no relay": unrelayed_urls}
         clients = {p: stack.enter_context(httpx.Client(timeout=120, trust_env=False)) for p in PATHS}
         samples: dict[str, dict[str, list]] = {case: {p: [] for p in PATHS} for case in ("small", "big", "stream")}
         for p in PATHS:  # warm up: connections, window discovery, template measurement
@@ -193,7 +197,8 @@ def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
                         for p in PATHS}
     result["verdict"] = {
         case: {"p50_vs_mitmdump": result[case]["ContextPaw"]["p50_ms"] / result[case]["mitmdump"]["p50_ms"] - 1,
-               "req_per_s_vs_mitmdump": result[case]["ContextPaw"]["req_per_s"] / result[case]["mitmdump"]["req_per_s"] - 1}
+               "req_per_s_vs_mitmdump": result[case]["ContextPaw"]["req_per_s"] / result[case]["mitmdump"]["req_per_s"] - 1,
+               "relay_p50_ms": result[case]["ContextPaw"]["p50_ms"] - result[case]["ContextPaw, no relay"]["p50_ms"]}
         for case in ("small", "big")
     } | {"stream_ttfb_p50_vs_direct_ms": result["stream"]["ContextPaw"]["ttfb"]["p50_ms"]
          - result["stream"]["direct"]["ttfb"]["p50_ms"]}
@@ -329,7 +334,9 @@ def plots(result: dict[str, Any], img: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(6, 3))
         cases = [("small", over["small"]), ("1 MB", over["big"]), ("stream TTFB", {p: over["stream"][p]["ttfb"] for p in PATHS})]
         for j, p in enumerate(PATHS):
-            ax.bar([i + (j - 1) * 0.27 for i in range(len(cases))], [c[p]["p50_ms"] for _, c in cases], 0.27, label=p)
+            width = 0.8 / len(PATHS)
+            ax.bar([i + (j - (len(PATHS) - 1) / 2) * width for i in range(len(cases))], [c[p]["p50_ms"] for _, c in cases],
+                   width, label=p)
         ax.set_xticks(range(len(cases)), [c for c, _ in cases])
         ax.set_yscale("log")
         ax.set_ylabel("p50 latency, ms")
@@ -407,6 +414,9 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
                   f"req/s {v['big']['req_per_s_vs_mitmdump']:+.0%}. Stream TTFB p50 vs direct: "
                   f"{v['stream_ttfb_p50_vs_direct_ms']:+.2f} ms. Bare mitmdump buffers a response unless a hook streams "
                   "it, so its TTFB is the whole stream.", "",
+                  f"The relay (on by default; it answers a backend that resets or hangs in the caller's API) costs "
+                  f"{v['small']['relay_p50_ms']:+.2f} ms p50 on a small body and {v['big']['relay_p50_ms']:+.2f} ms on "
+                  "1 MB (ContextPaw vs ContextPaw, no relay).", "",
                   f"Of ContextPaw's time, asking llama-server to count (`/tokenize` for new texts, "
                   f"`/v1/chat/completions/input_tokens` to check every chat): {over['contextpaw_counting']['calls']} calls, "
                   f"{over['contextpaw_counting']['ms_per_request']:.2f} ms per request on average.", ""]
