@@ -188,7 +188,7 @@ class _ChatCompaction:
             target = self.budget - int(self.budget * HEADROOM)
             self.evict_until(target, self.after(cut_before))
             # if that is not enough, the latest units go first: the cut lands as late as it can
-            self.evict_until(self.budget, sorted(self.evictable, key=lambda u: u.indices, reverse=True))
+            self.evict_until(target, sorted(self.evictable, key=lambda u: u.indices, reverse=True))
         self.evict_until(self.budget, sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices)))
         if self.total() > self.budget:
             self.shrink_protected()
