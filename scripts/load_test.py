@@ -287,7 +287,9 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def start_backends_and_proxy(workdir: Path, slots: int) -> tuple[list[Backend], dict[str, dict[str, str]], Backend]:
+def start_backends_and_proxy(
+    workdir: Path, slots: int, options: list[str]
+) -> tuple[list[Backend], dict[str, dict[str, str]], Backend]:
     ollama = start_module("contextpaw.testing.fake_ollama", ["--n-ctx", str(N_CTX), "--native"], "/", workdir / "ollama.log")
     llamacpp = start_module(
         "contextpaw.testing.fake_llamacpp", ["--n-ctx", str(N_CTX), "--slots", str(slots)], "/health", workdir / "llamacpp.log"
@@ -299,6 +301,7 @@ def start_backends_and_proxy(workdir: Path, slots: int) -> tuple[list[Backend], 
         "--mode", f"reverse:{llamacpp.url}@{LOOPBACK}:{ports['llamacpp']}",
         "--set", f"confdir={workdir / 'conf'}", "--set", "connection_strategy=lazy", "--set", "tcp_timeout=600",
         "--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128",
+        *(arg for option in options for arg in ("--set", option)),
     ]  # fmt: skip
     proxy_urls = {k: f"http://{LOOPBACK}:{p}" for k, p in ports.items()}
     proxy = start_process(argv, proxy_urls["ollama"], "/contextpaw/health", workdir / "mitmdump.log", 30)
@@ -317,9 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=600.0, help="seconds for the whole run; later turns count as lost")
     p.add_argument("--json", type=Path, default=REPO / "bench-results" / "load.json")
     p.add_argument("--workdir", type=Path, default=None, help="logs and mitmproxy confdir (default: a temp dir)")
+    p.add_argument("--set", dest="options", action="append", default=[], metavar="NAME=VALUE",
+                   help="a mitmproxy option for the proxy, e.g. contextpaw_evicted_mb=16 (repeatable)")
     args = p.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="contextpaw-load-"))
-    backends, urls, proxy = start_backends_and_proxy(workdir, args.slots)
+    backends, urls, proxy = start_backends_and_proxy(workdir, args.slots, args.options)
     try:
         result = asyncio.run(run(args, urls, proxy.process.pid))
     finally:
