@@ -554,7 +554,7 @@ class Compactor:
             and route.name in NATIVE_OLLAMA
             and "truncate" not in parsed.body
             and report.final_tokens > budget.window // 2
-            and (isinstance(parsed, wire.Chat) or bool(parsed.prompt))  # a load request has nothing to cut
+            and bool(parsed.conversation.messages if isinstance(parsed, wire.Chat) else parsed.prompt)  # a load request has nothing to cut
         )
 
     async def _compact(

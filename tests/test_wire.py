@@ -227,3 +227,9 @@ def test_refusals_carry_the_budget_numbers() -> None:
     assert "policy strict" in strict.message
     impossible = budget.impossible(BudgetTooSmall(5000, budget.tokens, "the system prompt"))
     assert impossible.required == 5000 and "the system prompt need 5000" in impossible.message
+
+
+@pytest.mark.parametrize("num_ctx", [0, -1, -4096])
+def test_a_window_of_zero_or_less_is_no_window(num_ctx: int) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "options": {"num_ctx": num_ctx}}
+    assert wire.ROUTES["ollama.chat"].read(json.dumps(body).encode()).params.num_ctx is None

@@ -212,6 +212,11 @@ def int_field(container: Any, *names: str) -> int | None:
     return None
 
 
+def window_size(value: int | None) -> int | None:
+    """A requested window; zero or negative says nothing (the backend's own window applies)."""
+    return value if value is not None and value > 0 else None
+
+
 def output_limit(value: int | None) -> int | None:
     """A requested answer length, with the 'unlimited' spellings (-1, -2, 0) read as no limit."""
     return value if value is not None and value > 0 else None
