@@ -868,6 +868,7 @@ class Upstream:
         self.backends = backends
         self.compactor = compactor
         self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S), self._rescue)
+        self._starting: asyncio.Task[None] | None = None
         self.carried: weakref.WeakValueDictionary[str, http.HTTPFlow] = weakref.WeakValueDictionary()
         """flow id -> the flow the relay carries (the relay knows it by `relay.FLOW_HEADER`)."""
 
@@ -890,11 +891,13 @@ class Upstream:
             connect=PROBE_TIMEOUT_S, headers=o.contextpaw_header_timeout, idle=o.contextpaw_idle_timeout
         )
 
-    async def running(self) -> None:
-        await self.relay.start()
+    def running(self) -> None:
+        """Start the relay (sync, as a reloaded script's hooks are called; flows before it listens
+        go to their backend directly)."""
+        self._starting = asyncio.get_running_loop().create_task(self.relay.start())
 
-    async def done(self) -> None:
-        await self.relay.close()
+    def done(self) -> None:
+        self.relay.close()
 
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or not self.backends.relayed(flow):

@@ -119,7 +119,8 @@ class Relay:
         self._server = await asyncio.start_server(self._tunnel, LOOPBACK, 0, limit=MAX_HEAD_BYTES)
         self.address = self._server.sockets[0].getsockname()[:2]
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Stop listening and end every tunnel (their backend connections close with them)."""
         if self._server is not None:
             self._server.close()
             for task in list(self._tunnels):

@@ -325,3 +325,22 @@ async def test_contentview_shows_what_was_cut(proxy: Proxy) -> None:
 
 def test_addon_classes_are_exported_for_embedding() -> None:
     assert [type(a) for a in make_addons()] == [Arbitration, AdminEndpoints, Backends, Compactor, Upstream]
+
+
+async def test_the_relay_starts_and_stops_with_sync_hooks_as_a_reloaded_script_calls_them() -> None:
+    """mitmproxy calls a reloaded script's `running` and `done` synchronously: they must not be async."""
+    import asyncio
+
+    from mitmproxy import hooks
+
+    addons = make_addons()
+    upstream = addons[-1]
+    with taddons.context(*addons) as tctx:
+        tctx.master.addons.invoke_addon_sync(upstream, hooks.RunningHook())
+        for _ in range(100):
+            if upstream.relay.address is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert upstream.relay.address is not None and upstream.relay.address[0] == "127.0.0.1"
+        tctx.master.addons.invoke_addon_sync(upstream, hooks.DoneHook())
+        assert upstream.relay.address is None

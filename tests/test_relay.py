@@ -61,7 +61,7 @@ async def start_relay() -> AsyncIterator[Callable[[Timeouts], Awaitable[Running]
 
     yield start
     for running in started:
-        await running.relay.close()
+        running.relay.close()
 
 
 @pytest.fixture
@@ -919,6 +919,6 @@ async def test_an_answer_with_connection_close_ends_the_tunnel_after_the_answer(
 
 async def test_closing_the_relay_ends_its_open_tunnels(relay: Running, tunnels) -> None:
     tunnel = await tunnels(relay, closed_port())
-    await relay.relay.close()
+    relay.relay.close()
     assert relay.relay.address is None
     assert await tunnel.closed()
