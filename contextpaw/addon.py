@@ -56,7 +56,8 @@ RELAY_TIMEOUT_S = 540
 """The relay's default header and idle timeouts: under mitmproxy's default `tcp_timeout` (600 s),
 which would otherwise close the client's connection first, without an answer."""
 HOP_HEADERS = frozenset(
-    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "accept-encoding"}
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "accept-encoding",
+     FLOW_HEADER.lower()}
 )
 """Not copied onto the retry or its answer: they describe one connection or one encoding."""
 JSON_TYPE = "application/json; charset=utf-8"
@@ -709,18 +710,25 @@ class Compactor:
         self.stats.add("upstream_errors")
         logger.warning("%s %s: upstream failure: %s", flow.request.method, flow.request.path, what)
 
-    async def rescue_in_relay(self, flow: http.HTTPFlow, answer: bytes) -> bytes | None:
-        """The relay's question when a request it carries comes back 400: the body to send once
-        instead (compacted to the window the backend named), or None to pass the 400 on.
+    async def rescue_in_relay(self, flow: http.HTTPFlow, status: int, answer: bytes) -> bytes | None:
+        """The relay's question when a request it carries comes back with an error: the body to send
+        once instead (compacted to the window the backend named), or None to pass the answer on.
 
         The retried answer then reaches mitmproxy as the flow's answer, streamed if it streams, and
-        the flow is still in flight for the GPU arbiter meanwhile."""
+        the flow is still in flight for the GPU arbiter meanwhile. The body is returned encoded as
+        the request says (mitmproxy re-encodes what `_refit` sets)."""
         route = wire.ROUTES.get(flow.metadata.get(ROUTE, ""))
-        overflow = wire.upstream_overflow(400, answer)
+        overflow = wire.upstream_overflow(status, answer)
         if route is None or overflow is None or not self._may_rescue(flow):
             return None
-        fitted = await self._refit(flow, route, overflow)
-        return fitted.body if fitted is not None else None
+        try:
+            fitted = await self._refit(flow, route, overflow)
+        except Exception as e:  # fail open: the backend's answer goes to the client as it was
+            logger.exception("ContextPaw failed to rescue %s; passing the backend's answer on", flow.request.path)
+            flow.metadata.setdefault(HEADERS, {})["X-ContextPaw-Error"] = f"{type(e).__name__} in the rescue; passed through"
+            self.stats.add("errors")
+            return None
+        return flow.request.raw_content if fitted is not None else None
 
     def _may_rescue(self, flow: http.HTTPFlow) -> bool:
         return REPORT in flow.metadata and ctx.options.contextpaw_policy == "compact" and not flow.metadata.get(RETRIED)
@@ -776,7 +784,7 @@ class Compactor:
         self.stats.add("recovered_400", recovered)
         if recovered:
             flow.response.headers["X-ContextPaw-Recovered"] = "upstream-400"
-        else:
+        elif ERROR_HEADER not in flow.response.headers:  # the relay says so itself when the backend failed
             logger.warning("%s: the backend refused the compacted retry too (%d); its answer is passed on",
                            flow.request.path, flow.response.status_code)  # fmt: skip
 
@@ -907,9 +915,9 @@ class Upstream:
         flow.request.headers[FLOW_HEADER] = flow.id  # the relay takes it off before the backend sees it
         self.carried[flow.id] = flow
 
-    async def _rescue(self, flow_id: str, answer: bytes) -> bytes | None:
+    async def _rescue(self, flow_id: str, status: int, answer: bytes) -> bytes | None:
         flow = self.carried.get(flow_id)
-        return await self.compactor.rescue_in_relay(flow, answer) if flow is not None else None
+        return await self.compactor.rescue_in_relay(flow, status, answer) if flow is not None else None
 
     def http_connect_upstream(self, flow: http.HTTPFlow) -> None:
         if self.relay.address is not None and flow.server_conn.address == self.relay.address:

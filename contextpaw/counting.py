@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 MIN_RATE_CHARS = 200
 """Texts shorter than this say more about the template than about the tokenizer's rate."""
 RATE_SAFETY = 1.05
+MISSING_REST_S = 3600.0
+"""How long a server that lacks an endpoint (an older llama-server without input_tokens) is not asked."""
 CALL_TIMEOUT_S = 3.0
 """llama-server counts on its HTTP threads, not its slots: even a busy one answers in milliseconds."""
 
@@ -96,18 +98,21 @@ class LlamaCppCounting:
         self.calls = 0
         self.failures = 0
         self.seconds = 0.0
-        self._failed_at: dict[tuple[str, str], float] = {}
-        """(base URL, what) -> when it last failed: per-text counting and whole totals rest apart
-        (a server without input_tokens can still tokenize)."""
+        self._resting_until: dict[tuple[str, str], float] = {}
+        """(base URL, what) -> when it may be asked again: per-text counting and whole totals rest
+        apart (a server without input_tokens can still tokenize)."""
 
     def _resting(self, base_url: str, what: str) -> bool:
-        """Whether this kind of count failed at this server less than `retry_after` seconds ago."""
-        return time.monotonic() - self._failed_at.get((base_url, what), -math.inf) < self.retry_after
+        return time.monotonic() < self._resting_until.get((base_url, what), -math.inf)
 
     def _failed(self, base_url: str, what: str, error: Exception) -> None:
+        """Rest after a failure: `retry_after` seconds, or an hour for an endpoint the server lacks."""
         self.failures += 1
-        self._failed_at[(base_url, what)] = time.monotonic()
-        log.warning("%s at %s failed (%s); not asked again for %gs", what, base_url, type(error).__name__, self.retry_after)
+        missing = isinstance(error, aiohttp.ClientResponseError) and error.status in (404, 405, 501)
+        rest = MISSING_REST_S if missing else self.retry_after
+        self._resting_until[(base_url, what)] = time.monotonic() + rest
+        level = logging.INFO if missing else logging.WARNING
+        log.log(level, "%s at %s failed (%s); not asked again for %gs", what, base_url, type(error).__name__, rest)
 
     async def _post(self, base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()

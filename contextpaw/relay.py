@@ -18,7 +18,7 @@ to `rescue` first: if the addon compacts the request to the window the 400 names
 once more and its answer, streamed if it streams, goes back instead of the 400. The relay listens on 127.0.0.1 only and opens tunnels only for a
 CONNECT that carries its secret (mitmproxy adds it in the `http_connect_upstream` hook), so it is
 not an open proxy for other local users. A tunnel keeps its backend connection between requests for
-a moment; one the backend closed meanwhile costs a second try, never a failed request.
+a moment, and never sends a request twice.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ FLOW_HEADER = "X-ContextPaw-Flow"
 """The id of the mitmproxy flow a request belongs to, for the rescue; never sent to the backend."""
 FLOW_HEADER_KEY = FLOW_HEADER.lower().encode()
 JSON_TYPE = b"application/json; charset=utf-8"
-FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
+CONNECTION_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
+"""Headers of the backend connection, not of the answer: the tunnel frames and keeps its own."""
+MAX_HEAD_EVENT = 1 << 20
+"""The largest request or answer head h11 accepts (its own default, 16 KiB, is below mitmproxy's)."""
 KEEP_ALIVE_S = 2.0
 """A backend connection idle for longer is not reused: servers close idle ones after 5 s or more."""
 
@@ -78,8 +81,11 @@ class Failure:
     """False when no connection to the backend could be opened."""
 
 
-Rescue = Callable[[str, bytes], Awaitable[bytes | None]]
-"""(flow id, the body of a 400 answer) -> a request body to send once instead, or None to pass the 400 on."""
+Rescue = Callable[[str, int, bytes], Awaitable[bytes | None]]
+"""(flow id, status, body of an error answer) -> a request body to send once instead, or None to pass
+the answer on."""
+RESCUABLE = (400, 500)
+"""The statuses a context overflow comes back with (llama-server 400; some Ollama builds 500)."""
 
 
 @dataclass
@@ -138,8 +144,11 @@ class Relay:
             target = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
             if target is not None:
                 await self._serve(target, reader, writer)
-        except (OSError, TimeoutError, ValueError, ClientGone, h11.ProtocolError, asyncio.IncompleteReadError):
+        except (OSError, TimeoutError, ValueError, ClientGone, h11.ProtocolError, asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError):  # fmt: skip
             pass  # the tunnel ends; a request in it was answered or its client is gone
+        except asyncio.CancelledError:
+            pass  # the relay closes: the tunnel ends with it
         except Exception:  # a bug of ours must end one tunnel, not the relay
             logger.exception("the relay's tunnel failed")
         finally:
@@ -163,11 +172,15 @@ class Relay:
         return host.strip("[]"), int(port)
 
     async def _serve(self, target: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        down = h11.Connection(h11.SERVER)
+        down = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_EVENT)
         spare: Link | None = None
         try:
             while True:
-                received = await _read_request(down, reader)
+                try:
+                    received = await _read_request(down, reader)
+                except h11.RemoteProtocolError as e:
+                    await _refuse_unreadable(down, writer, e)
+                    return
                 if received is None:
                     return
                 request, body = received
@@ -203,6 +216,19 @@ async def _read_request(down: h11.Connection, reader: asyncio.StreamReader) -> t
             return None
 
 
+async def _refuse_unreadable(down: h11.Connection, writer: asyncio.StreamWriter, error: h11.RemoteProtocolError) -> None:
+    """A request h11 cannot read (mitmproxy passes on what it could): a JSON error, not a dropped tunnel."""
+    logger.warning("the relay cannot read a request: %s", error)
+    if down.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # h11 lets a server answer a request it refused
+        return
+    status = error.error_status_hint
+    data = json.dumps(wire.proxy_error(None, "/", f"ContextPaw: the request cannot be relayed ({error})", status)).encode()
+    headers = [(b"Content-Type", JSON_TYPE), (b"Content-Length", str(len(data)).encode()), (b"Connection", b"close")]
+    writer.write(down.send(h11.Response(status_code=status, headers=headers)) + down.send(h11.Data(data=data)))
+    writer.write(down.send(h11.EndOfMessage()) or b"")
+    await writer.drain()
+
+
 class Exchange:
     """One request through the relay: forward it, and relay the answer or answer the failure."""
 
@@ -226,14 +252,13 @@ class Exchange:
         self.body = body
         self.path = request.target.decode("latin-1")
         self.flow_id = next((v.decode("latin-1") for k, v in request.headers if k == FLOW_HEADER_KEY), None)
-        self.up = h11.Connection(h11.CLIENT)
+        self.up = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_EVENT)
         self.up_reader: asyncio.StreamReader | None = None
         self.up_writer: asyncio.StreamWriter | None = None
         self.watch: asyncio.Task[bytes] | None = None
         self.spare = spare
         """A backend connection kept from the tunnel's last exchange; this one's, when it ends whole."""
         self.up_closed = False
-        self.up_answered = False
         self.headers_sent = False
         self.framing: str | None = None
 
@@ -243,6 +268,11 @@ class Exchange:
             await self._forward()
         except BackendFailed as e:
             await self._answer_failure(e)
+        except (ClientGone, OSError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # a bug of ours, or a request h11 cannot send: answered, never dropped
+            logger.exception("the relay could not forward %s", self.path)
+            await self._answer_failure(BackendFailed(f"the relay could not forward the request ({type(e).__name__}: {e})"))
         finally:
             self._release()
             await self._stop_watching()
@@ -262,12 +292,12 @@ class Exchange:
         if self._streams(response):
             return await self._relay_stream(response)
         body = await self._read_body()
-        if response.status_code == 400 and (retry := await self._rescued(body)) is not None:
+        if response.status_code in RESCUABLE and (retry := await self._rescued(response.status_code, body)) is not None:
             response = await self._ask(retry)
             if self._streams(response):
                 return await self._relay_stream(response)
             body = await self._read_body()
-        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in FRAMING_HEADERS]
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
         headers.append((b"Content-Length", str(len(body)).encode()))
         await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         await self._answer(h11.Data(data=body), h11.EndOfMessage())
@@ -275,24 +305,21 @@ class Exchange:
     async def _ask(self, body: bytes) -> h11.Response:
         """Send the request with `body` to the backend; the head of its answer.
 
-        A connection kept from the tunnel's last exchange is used if it is fresh; if the backend had
-        closed it meanwhile (nothing at all came back), the request goes once more on a new one."""
+        A connection kept from the tunnel's last exchange is used while it is fresh (well inside the
+        servers' idle timeouts) and not closed by the backend. A request is never sent twice: the
+        backend may have started on it."""
         self._release()
         kept, self.spare = self.spare, None
-        if kept is not None and (time.monotonic() - kept.idle_since > KEEP_ALIVE_S or kept.reader.at_eof()):
-            kept.writer.close()
-            kept = None
-        try:
-            return await self._send(kept, body)
-        except BackendFailed as e:
-            if kept is None or e.timed_out or self.up_answered:
-                raise
-            self._release()
-            return await self._send(None, body)
+        if kept is not None:
+            await asyncio.sleep(0)  # let a close that has arrived be seen
+            if time.monotonic() - kept.idle_since > KEEP_ALIVE_S or kept.reader.at_eof() or kept.writer.is_closing():
+                kept.writer.close()
+                kept = None
+        return await self._send(kept, body)
 
     async def _send(self, kept: Link | None, body: bytes) -> h11.Response:
         timeouts = self.relay.timeouts
-        self.up, self.up_closed, self.up_answered = h11.Connection(h11.CLIENT), False, False
+        self.up, self.up_closed = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_EVENT), False
         if kept is not None:
             self.up_reader, self.up_writer = kept.reader, kept.writer
         else:
@@ -306,6 +333,8 @@ class Exchange:
             for k, v in self.request.headers.raw_items()
             if k.lower() != FLOW_HEADER_KEY
         ]
+        if not any(k.lower() == b"host" for k, _ in headers):  # an HTTP/1.0 request may have none
+            headers.insert(0, (b"Host", self._target().encode()))
         head = h11.Request(method=self.request.method, target=self.request.target, headers=headers)
         self.up_writer.write(self.up.send(head) + self.up.send(h11.Data(data=body)) + self.up.send(h11.EndOfMessage()))
         try:
@@ -335,20 +364,20 @@ class Exchange:
                 body += event.data
         return bytes(body)
 
-    async def _rescued(self, answer: bytes) -> bytes | None:
+    async def _rescued(self, status: int, answer: bytes) -> bytes | None:
         """Ask the addon whether this 400 is an overflow it can fit once more; a failure of ours passes it on."""
         flow_id = self.flow_id
         if flow_id is None or self.relay.rescue is None:
             return None
         try:
-            return await self.relay.rescue(flow_id, answer)
+            return await self.relay.rescue(flow_id, status, answer)
         except Exception:
             logger.exception("the rescue of %s failed; the backend's 400 is passed on", self.path)
             return None
 
     async def _relay_stream(self, response: h11.Response) -> None:
         """Records pass on as they come; the framing is chunked, so an error record can still be added."""
-        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in FRAMING_HEADERS]
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
         await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         self.headers_sent = True
         while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its stream", "stalled in its stream"), h11.EndOfMessage):
@@ -378,14 +407,17 @@ class Exchange:
             except OSError as e:
                 raise BackendFailed(f"the backend at {self._target()} reset the connection {broke} ({type(e).__name__})") from None
             self.up_closed = not data
-            self.up_answered = self.up_answered or bool(data)
             self.up.receive_data(data)
 
     async def _race[T](self, work: Awaitable[T], timeout: float) -> T:
         """Await backend work within `timeout`, giving up at once if the client goes away."""
         task = asyncio.ensure_future(work)
         waiting = {task} if self.watch is None else {task, self.watch}
-        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # an open_connection must not outlive its tunnel
+            raise
         if task in done:
             return task.result()
         if self.watch is not None and self.watch in done:

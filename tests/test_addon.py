@@ -344,3 +344,22 @@ async def test_the_relay_starts_and_stops_with_sync_hooks_as_a_reloaded_script_c
         assert upstream.relay.address is not None and upstream.relay.address[0] == "127.0.0.1"
         tctx.master.addons.invoke_addon_sync(upstream, hooks.DoneHook())
         assert upstream.relay.address is None
+
+
+async def test_the_relays_rescue_returns_the_compacted_body_encoded_as_the_request_says(proxy: Proxy) -> None:
+    """A gzip request that comes back 400: the retry the relay sends is gzip too, and smaller."""
+    import gzip
+
+    from contextpaw.testing.common import context_overflow_error
+
+    flow = post("/api/chat", long_chat(turns=6, num_ctx=8192))
+    flow.request.headers["content-encoding"] = "gzip"
+    flow.request.content = json.dumps(long_chat(turns=6, num_ctx=8192)).encode()  # mitmproxy encodes it
+    flow.live = True
+    await proxy.send(flow)
+    sent = len(json.loads(gzip.decompress(flow.request.raw_content))["messages"])
+    answer = json.dumps({"error": json.dumps(context_overflow_error(3000, 2048))}).encode()
+    retry = await proxy.compactor.rescue_in_relay(flow, 400, answer)
+    assert retry is not None and retry == flow.request.raw_content
+    assert len(json.loads(gzip.decompress(retry))["messages"]) < sent
+    assert await proxy.compactor.rescue_in_relay(flow, 400, answer) is None, "never a second retry"

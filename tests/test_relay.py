@@ -461,16 +461,11 @@ async def test_two_requests_in_one_tunnel_share_one_kept_alive_backend_connectio
     assert relay.failures == []
 
 
-@pytest.mark.parametrize("after", ["at once", "while the next request is on its way"])
-async def test_a_kept_connection_the_backend_closed_is_replaced_and_the_request_does_not_fail(
-    relay: Running, backends, tunnels, after: str
-) -> None:
-    """A backend may close an idle keep-alive connection at any time: the request goes on a new one."""
+async def test_a_kept_connection_the_backend_closed_is_not_reused(relay: Running, backends, tunnels) -> None:
+    """A backend may close an idle keep-alive connection: the next request goes on a new one."""
     async def handler(conn: BackendConn) -> None:
         request = await conn.read_request()
         await conn.send(buffered(b'{"n":"' + request.split(b" ")[1] + b'"}'))
-        if after != "at once":
-            await conn.read_request()  # it reads the next request, then drops the connection unanswered
         conn.writer.close()
 
     backend = await backends(handler)
@@ -482,6 +477,27 @@ async def test_a_kept_connection_the_backend_closed_is_replaced_and_the_request_
 
     assert first.status_code == 200 and (second.status_code, second_body) == (200, b'{"n":"/two"}')
     assert len(backend.conns) == 2 and relay.failures == []
+
+
+async def test_a_request_the_backend_took_and_dropped_is_answered_502_never_sent_twice(
+    relay: Running, backends, tunnels
+) -> None:
+    """The backend reads the request on a kept connection, then the connection dies (a crash while it
+    worked on it): resending could run a crashing prompt twice, so the client gets a 502."""
+    async def handler(conn: BackendConn) -> None:
+        request = await conn.read_request()
+        await conn.send(buffered(b'{"n":"' + request.split(b" ")[1] + b'"}'))
+        await conn.read_request()
+        conn.writer.close()
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    await tunnel.exchange("POST", OPENAI_PATH, [("Content-Type", "application/json")], b"{}")
+    tunnel.h11.start_next_cycle()
+    second, body = await tunnel.exchange("POST", OPENAI_PATH, [("Content-Type", "application/json")], b'{"n":2}')
+
+    assert_error_answer(second, body, OPENAI_PATH, 502)
+    assert len(backend.conns) == 1 and bytes(backend.conns[0].received).count(b'{"n":2}') == 1
 
 
 async def test_a_kept_connection_idle_too_long_is_not_reused(relay: Running, backends, tunnels, monkeypatch) -> None:
@@ -515,7 +531,7 @@ async def test_a_second_request_written_before_the_first_answer_is_forwarded_aft
         if b"/one" in request.split(b"\r\n")[0]:
             first_arrived.set()
             await asyncio.sleep(0.1)  # the second request reaches the relay while this one is in flight
-        await conn.send(buffered(b'{"n":"' + request.split(b" ")[1] + b'"}'))
+        await conn.send(buffered(b'{"n":"' + request.split(b" ")[1] + b'"}', extra=b"Connection: close\r\n"))  # a new one next
 
     backend = await backends(handler)
     tunnel = await tunnels(relay, backend.port)
@@ -893,9 +909,11 @@ async def _until(condition: Callable[[], bool]) -> None:
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "stream"])
-async def test_an_answer_with_connection_close_ends_the_tunnel_after_the_answer(
+async def test_a_backend_that_closes_after_its_answer_ends_its_connection_not_the_tunnel(
     relay: Running, backends, tunnels, streamed: bool
 ) -> None:
+    """`Connection: close` is about the backend's connection (hop by hop): the answer reaches the
+    client without it, the tunnel stays open, and the next request goes on a new backend connection."""
     async def handler(conn: BackendConn) -> None:
         await conn.read_request()
         if streamed:
@@ -909,8 +927,10 @@ async def test_an_answer_with_connection_close_ends_the_tunnel_after_the_answer(
     response, body = await tunnel.exchange("GET", OPENAI_PATH)
 
     assert response.status_code == 200 and body == (EVENT_1 if streamed else b'{"ok":true}')
-    assert header(response, b"connection") == b"close"
-    assert await tunnel.closed()
+    assert header(response, b"connection") is None
+    tunnel.h11.start_next_cycle()
+    again, _ = await tunnel.exchange("GET", OPENAI_PATH)
+    assert again.status_code == 200 and len(backend.conns) == 2
     assert relay.failures == []
 
 
@@ -922,3 +942,40 @@ async def test_closing_the_relay_ends_its_open_tunnels(relay: Running, tunnels) 
     relay.relay.close()
     assert relay.relay.address is None
     assert await tunnel.closed()
+
+
+# -- requests h11 is strict about ------------------------------------------------------------------
+
+
+def _echo_path(conn_request: bytes) -> bytes:
+    return buffered(b'{"n":"' + conn_request.split(b" ")[1] + b'"}')
+
+
+async def test_an_http_1_0_request_without_host_is_forwarded_with_the_targets_host(relay: Running, backends, tunnels) -> None:
+    async def handler(conn: BackendConn) -> None:
+        await conn.send(_echo_path(await conn.read_request()))
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    tunnel.writer.write(b"POST /completion HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}")
+    answer = await asyncio.wait_for(tunnel.reader.read(65536), WAIT)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"n":"/completion"}')
+    assert f"Host: {LOOPBACK}:{backend.port}".encode() in bytes(backend.conns[0].received)
+
+
+async def test_a_request_the_relay_cannot_read_gets_a_json_400_not_a_dropped_tunnel(relay: Running, tunnels) -> None:
+    tunnel = await tunnels(relay, closed_port())
+    tunnel.writer.write("POST /v1/chat/completions?q=é HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+    answer = await asyncio.wait_for(tunnel.reader.read(65536), WAIT)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and "cannot be relayed" in json.loads(body)["error"]["message"]
+
+
+async def test_a_request_head_bigger_than_h11s_default_limit_is_forwarded(relay: Running, backends, tunnels) -> None:
+    async def handler(conn: BackendConn) -> None:
+        await conn.send(_echo_path(await conn.read_request()))
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    response, body = await tunnel.exchange("GET", "/props", [("Cookie", "c=" + "x" * 100_000)])
+    assert response.status_code == 200 and body == b'{"n":"/props"}'

@@ -54,7 +54,13 @@ def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-PROXY_CODES = {413: "request_too_large", 503: "backend_unavailable", 504: "backend_timeout"}
+PROXY_CODES = {
+    400: "invalid_request",
+    413: "request_too_large",
+    431: "request_header_too_large",
+    503: "backend_unavailable",
+    504: "backend_timeout",
+}
 
 
 def _proxy_error(reason: str, status: int) -> dict[str, Any]:
