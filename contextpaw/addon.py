@@ -924,6 +924,7 @@ class Upstream:
             flow.request.headers["Proxy-Authorization"] = self.relay.authorization
 
     def _failed(self, failure: Failure) -> None:
+        self.backends.last_error[failure.target] = failure.reason  # for /contextpaw/health
         if not failure.connected:
             self.stats.add("unreachable")
             logger.warning("%s %s: answered 502: %s", failure.method, failure.path, failure.reason)

@@ -136,6 +136,8 @@ def test_a_fault_gets_a_well_formed_answer_in_bounded_time(proxy: Any, fault_ser
         answer = json.loads(body)
         assert answer["error"]["code"] == ("backend_timeout" if expected == "json-504" else "backend_unreachable")
         assert answer["error"]["message"] == headers["x-contextpaw-upstream-error"]
+        known = {b["url"]: b["last_error"] for b in kit.health(proxy["fault"])["backends"]}
+        assert known[fault_server.url] and known[fault_server.url] in answer["error"]["message"]
     elif expected == "error-record":
         # After the headers the stream itself says what happened, in the record OpenAI clients raise from.
         assert status == 200 and error is None, (status, error)
