@@ -120,16 +120,19 @@ class Relay:
         self.address: tuple[str, int] | None = None
         self._server: asyncio.Server | None = None
         self._tunnels: set[asyncio.Task[None]] = set()
+        self._busy: set[asyncio.Task[None]] = set()
+        """Tunnels in the middle of an exchange."""
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._tunnel, LOOPBACK, 0, limit=MAX_HEAD_BYTES)
         self.address = self._server.sockets[0].getsockname()[:2]
 
     def close(self) -> None:
-        """Stop listening and end every tunnel (their backend connections close with them)."""
+        """Stop listening; idle tunnels end now, busy ones after the answer they are relaying (a
+        reloaded script does not cut its clients off)."""
         if self._server is not None:
             self._server.close()
-            for task in list(self._tunnels):
+            for task in self._tunnels - self._busy:
                 task.cancel()
             self._server = None
             self.address = None
@@ -185,12 +188,16 @@ class Relay:
                     return
                 request, body = received
                 exchange = Exchange(self, target, down, reader, writer, request, body, spare)
+                task = asyncio.current_task()
+                assert task is not None
+                self._busy.add(task)
                 try:
                     await exchange.run()
                 finally:
                     spare = exchange.spare
-                if down.our_state is not h11.DONE or down.their_state is not h11.DONE:
-                    return
+                    self._busy.discard(task)
+                if self.address is None or down.our_state is not h11.DONE or down.their_state is not h11.DONE:
+                    return  # closed meanwhile, or the tunnel cannot go on
                 down.start_next_cycle()
         finally:
             if spare is not None:

@@ -937,11 +937,34 @@ async def test_a_backend_that_closes_after_its_answer_ends_its_connection_not_th
 # -- closing the relay ----------------------------------------------------------------------------
 
 
-async def test_closing_the_relay_ends_its_open_tunnels(relay: Running, tunnels) -> None:
+async def test_closing_the_relay_ends_its_idle_tunnels(relay: Running, tunnels) -> None:
     tunnel = await tunnels(relay, closed_port())
     relay.relay.close()
     assert relay.relay.address is None
     assert await tunnel.closed()
+
+
+async def test_closing_the_relay_lets_an_answer_in_flight_finish_then_ends_its_tunnel(
+    relay: Running, backends, tunnels
+) -> None:
+    """A reloaded script closes its relay: a stream being relayed still reaches its end."""
+    started = asyncio.Event()
+
+    async def handler(conn: BackendConn) -> None:
+        await conn.read_request()
+        await conn.send(stream_head(SSE) + chunk(EVENT_1))
+        started.set()
+        await asyncio.sleep(0.2)
+        await conn.send(chunk(EVENT_2) + b"0\r\n\r\n")
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    await tunnel.send("POST", OPENAI_PATH, [("Content-Type", "application/json")], b"{}")
+    await asyncio.wait_for(started.wait(), WAIT)
+    relay.relay.close()
+    response, body, _ = await tunnel.response()
+    assert response.status_code == 200 and body == EVENT_1 + EVENT_2
+    assert await tunnel.closed() and relay.failures == []
 
 
 # -- requests h11 is strict about ------------------------------------------------------------------
