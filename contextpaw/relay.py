@@ -322,9 +322,10 @@ class Exchange:
             if time.monotonic() - kept.idle_since > KEEP_ALIVE_S or kept.reader.at_eof() or kept.writer.is_closing():
                 kept.writer.close()
                 kept = None
-        return await self._send(kept, body)
+        return await self._request(kept, body)
 
-    async def _send(self, kept: Link | None, body: bytes) -> h11.Response:
+    async def _request(self, kept: Link | None, body: bytes) -> h11.Response:
+        """Send the request on `kept` or a new connection; the head of the answer (1xx skipped)."""
         timeouts = self.relay.timeouts
         self.up, self.up_closed = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_EVENT), False
         if kept is not None:
