@@ -198,7 +198,8 @@ class Backends:
     def relayed(self, flow: http.HTTPFlow) -> bool:
         """Whether the relay carries this flow: a model request over plain HTTP to a backend of known
         kind, not already sent via an upstream proxy (`contextpaw_relay` on)."""
-        known = (flow.request.host, flow.request.port) in self.configured.keys() | self.probed.keys()
+        address = (flow.request.host, flow.request.port)
+        known = address in self.configured or address in self.probed
         return (
             self.relay is not None and self.relay.address is not None
             and ctx.options.contextpaw_relay and flow.request.scheme == "http" and flow.server_conn.via is None

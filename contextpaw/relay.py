@@ -31,6 +31,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import h11
 
@@ -229,11 +230,17 @@ async def _refuse_unreadable(down: h11.Connection, writer: asyncio.StreamWriter,
     if down.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # h11 lets a server answer a request it refused
         return
     status = error.error_status_hint
-    data = json.dumps(wire.proxy_error(None, "/", f"ContextPaw: the request cannot be relayed ({error})", status)).encode()
-    headers = [(b"Content-Type", JSON_TYPE), (b"Content-Length", str(len(data)).encode()), (b"Connection", b"close")]
-    writer.write(down.send(h11.Response(status_code=status, headers=headers)) + down.send(h11.Data(data=data)))
-    writer.write(down.send(h11.EndOfMessage()) or b"")
+    reason = f"ContextPaw: the request cannot be relayed ({error})"
+    for event in _json_answer(status, wire.proxy_error(None, "/", reason, status), (b"Connection", b"close")):
+        writer.write(down.send(event) or b"")
     await writer.drain()
+
+
+def _json_answer(status: int, body: dict[str, Any], *headers: tuple[bytes, bytes]) -> list[h11.Event]:
+    """A whole JSON answer of the relay's own, as h11 events."""
+    data = json.dumps(body).encode()
+    head = [(b"Content-Type", JSON_TYPE), (b"Content-Length", str(len(data)).encode()), *headers]
+    return [h11.Response(status_code=status, headers=head), h11.Data(data=data), h11.EndOfMessage()]
 
 
 class Exchange:
@@ -275,7 +282,7 @@ class Exchange:
             await self._forward()
         except BackendFailed as e:
             await self._answer_failure(e)
-        except (ClientGone, OSError, asyncio.CancelledError):
+        except (ClientGone, OSError):
             raise
         except Exception as e:  # a bug of ours, or a request h11 cannot send: answered, never dropped
             logger.exception("the relay could not forward %s", self.path)
@@ -467,19 +474,13 @@ class Exchange:
         self.relay.on_failure(
             Failure(method, self.path, self._target(), failure.reason, failure.timed_out, self.headers_sent, failure.connected)
         )
-        body = wire.proxy_error(None, self.path, reason, 504 if failure.timed_out else 502)
+        status = 504 if failure.timed_out else 502
+        body = wire.proxy_error(None, self.path, reason, status)
         if self.headers_sent:
             assert self.framing is not None
             await self._answer(h11.Data(data=record_bytes(self.framing, body)), h11.EndOfMessage())
             return
-        data = json.dumps(body).encode()
-        headers = [
-            (b"Content-Type", JSON_TYPE),
-            (b"Content-Length", str(len(data)).encode()),
-            (ERROR_HEADER.encode(), reason.encode("ascii", "replace")),
-        ]
-        await self._answer(h11.Response(status_code=504 if failure.timed_out else 502, headers=headers))
-        await self._answer(h11.Data(data=data), h11.EndOfMessage())
+        await self._answer(*_json_answer(status, body, (ERROR_HEADER.encode(), reason.encode("ascii", "replace"))))
 
     def _target(self) -> str:
         return f"{self.target[0]}:{self.target[1]}"

@@ -212,13 +212,9 @@ def int_field(container: Any, *names: str) -> int | None:
     return None
 
 
-def window_size(value: int | None) -> int | None:
-    """A requested window; zero or negative says nothing (the backend's own window applies)."""
-    return value if value is not None and value > 0 else None
-
-
-def output_limit(value: int | None) -> int | None:
-    """A requested answer length, with the 'unlimited' spellings (-1, -2, 0) read as no limit."""
+def positive(value: int | None) -> int | None:
+    """A window or answer length the request set, or None: zero and negative values (the 'unlimited'
+    spellings -1, -2, 0 of an answer length; a window of none) say nothing, the backend decides."""
     return value if value is not None and value > 0 else None
 
 

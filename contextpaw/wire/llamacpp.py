@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from contextpaw.wire import NotCompactable, Overflow, Params, Prompt, Route, int_field, output_limit
+from contextpaw.wire import NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
 
 
 def _completion(body: dict[str, Any]) -> Prompt:
@@ -20,7 +20,7 @@ def _completion(body: dict[str, Any]) -> Prompt:
     params = Params(
         model=str(body.get("model", "")),
         stream=body.get("stream") is True,
-        max_output=output_limit(int_field(body, "n_predict", "max_tokens")),
+        max_output=positive(int_field(body, "n_predict", "max_tokens")),
     )
     return Prompt(body, prompt, params)
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, output_limit, window_size
+from contextpaw.wire import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
 
 
 def _params(body: Mapping[str, Any]) -> Params:
@@ -19,8 +19,8 @@ def _params(body: Mapping[str, Any]) -> Params:
     return Params(
         model=str(body.get("model", "")),
         stream=body.get("stream", True) is not False,
-        num_ctx=window_size(int_field(options, "num_ctx")),
-        max_output=output_limit(int_field(options, "num_predict")),
+        num_ctx=positive(int_field(options, "num_ctx")),
+        max_output=positive(int_field(options, "num_predict")),
     )
 
 

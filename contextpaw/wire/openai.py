@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, output_limit
+from contextpaw.wire import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
 
 MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
 """llama-server reads `n_predict` too; all three mean the same limit."""
@@ -21,7 +21,7 @@ def _params(body: Mapping[str, Any]) -> Params:
     return Params(
         model=str(body.get("model", "")),
         stream=body.get("stream") is True,
-        max_output=output_limit(int_field(body, *MAX_OUTPUT_FIELDS)),
+        max_output=positive(int_field(body, *MAX_OUTPUT_FIELDS)),
     )
 
 
