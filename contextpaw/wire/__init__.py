@@ -261,7 +261,8 @@ class Backend:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{kind} backend {url!r} is not an http(s) URL")
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        return cls(kind, f"{parts.scheme}://{parts.hostname}:{port}", parts.hostname, port)
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        return cls(kind, f"{parts.scheme}://{host}:{port}", parts.hostname, port)
 
 
 def identify(root_text: str | None, props_status: int | None) -> Kind | None:

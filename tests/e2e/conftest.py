@@ -5,6 +5,7 @@ Each process is started once per session (about a second each) and stopped group
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import urllib.error
@@ -64,6 +65,12 @@ def mitmdump(workdir: Path, name: str, upstreams: Sequence[str], *extra: str) ->
     urls = [f"http://{LOOPBACK}:{port}" for port in ports]
     process = start_process(argv, urls[0], "/contextpaw/health", workdir / f"{name}.log", 30)
     return Proxy(process, urls[0], urls[-1])
+
+
+@pytest.fixture
+def new_mitmdump(workdir: Path) -> Callable[..., Proxy]:
+    """Start a mitmdump of the test's own (name, upstreams, *extra arguments); the test stops it."""
+    return functools.partial(mitmdump, workdir)
 
 
 @pytest.fixture(scope="session")

@@ -327,3 +327,17 @@ def test_a_summarizer_that_is_down_leaves_the_plain_marker_and_says_why(summariz
     report = completion.model_extra["contextpaw"]
     assert report["compacted"] and not report["summarized"] and report["summary_reason"]
     assert {r["action"] for r in report["removals"]} <= {"dropped", "shrunk"}
+
+
+def test_health_lists_every_backend_before_any_traffic_and_flags_the_dead_one(
+    new_mitmdump: Callable[..., Proxy], ollama: Backend
+) -> None:
+    """A reverse-mode target nobody has used yet is identified at once, and a configured backend that
+    does not answer is listed as down, before a single model request."""
+    dead = "http://127.0.0.1:9"
+    fresh = new_mitmdump("fresh-health", [ollama.url], "--set", f"contextpaw_llamacpp={dead}")
+    with fresh.process:
+        health = httpx.get(f"{fresh.ollama}/contextpaw/health", timeout=10).json()
+    rows = {row["url"]: row for row in health["backends"]}
+    assert rows[ollama.url] | {"last_error": None} == {"kind": "ollama", "url": ollama.url, "answers": True, "last_error": None}
+    assert rows[dead]["kind"] == "llamacpp" and rows[dead]["answers"] is False
