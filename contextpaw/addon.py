@@ -43,7 +43,7 @@ from contextpaw.state import LRU, write_atomically
 from contextpaw.summarize import ChatCompletions, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
 from contextpaw.truncation import detect
-from contextpaw.views import ORIGINAL, ContextPawView
+from contextpaw.views import ORIGINAL, REPORT, ContextPawView
 from contextpaw.windows import Budget, Budgeter, BackendWindows, NoDiscovery
 
 logger = logging.getLogger("contextpaw")
@@ -64,11 +64,13 @@ HOP_HEADERS = frozenset(
 JSON_TYPE = "application/json; charset=utf-8"
 POLICIES = ("compact", "strict", "off")
 BACKEND_HEADER = "X-ContextPaw-Backend"
+COMPACTED_MARK = ":scissors:"
+REFUSED_MARK = ":no_entry:"
+TRUNCATED_MARK = ":warning:"
+"""mitmweb marks: compacted, refused by ContextPaw (413, 502), cut by the server anyway."""
 
 # flow.metadata keys; values stay JSON-like so saved flows keep them.
 ROUTE = "contextpaw.route"
-REPORT = "contextpaw.report"
-"""The client form of the report."""
 HEADERS = "contextpaw.headers"
 """The X-ContextPaw-* headers for the response."""
 LOCAL = "contextpaw.local"
@@ -91,6 +93,13 @@ FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 def _reply(flow: http.HTTPFlow, status: int, body: bytes, content_type: str = JSON_TYPE) -> None:
     flow.response = http.Response.make(status, body, {"Content-Type": content_type})
     flow.metadata[LOCAL] = True
+
+
+def _flag(flow: http.HTTPFlow, mark: str, comment: str, replace: bool = False) -> None:
+    """Say it in mitmweb: a mark on the flow, and a line in its comment (after any earlier one,
+    unless ``replace``: a rescue's report replaces the first compaction's)."""
+    flow.marked = mark
+    flow.comment = comment if replace or not flow.comment else f"{flow.comment}; {comment}"
 
 
 def _calibration_key(backend: wire.Backend, model: str) -> str:
@@ -220,6 +229,7 @@ class Backends:
     async def _refuse(self, flow: http.HTTPFlow, status: int, reason: str, count: str) -> None:
         backend = await self.backend_of(flow)
         _reply(flow, status, report_bytes(wire.proxy_error(backend and backend.kind, flow.request.path, reason, status)))
+        _flag(flow, REFUSED_MARK, f"answered {status}: {reason.removeprefix('ContextPaw: ')}")
         self.stats.add(count)
         logger.warning("%s %s: answered %d: %s", flow.request.method, flow.request.url, status, reason.removeprefix("ContextPaw: "))
 
@@ -685,6 +695,7 @@ class Compactor:
         report = Report(False, "refused", overflow.required, overflow.required, overflow.budget, window=overflow.window)
         self._keep_report(flow, report)
         _reply(flow, 413, report_bytes(route.refusal(overflow, report.to_json())))
+        _flag(flow, REFUSED_MARK, f"refused 413: {overflow.message}")
         logger.info("%s refused: %s", route.name, overflow.message)
         self.stats.add("refused")
 
@@ -698,8 +709,7 @@ class Compactor:
             self.store.put(marker_id, content)
         self.stats.add("compacted")
         self.stats.add("evicted_tokens", report.evicted_tokens)
-        flow.marked = ":scissors:"
-        flow.comment = report.summary()
+        _flag(flow, COMPACTED_MARK, report.summary(), replace=True)
         logger.info("%s %s: %s", route.name, model, report.summary())
         logger.debug("evicted under %s: %r", report.markers, report.evicted)
 
@@ -870,6 +880,7 @@ class Compactor:
             truncation = detect(report["final_tokens"], evaluated, report.get("window"), report.get("exact", False))
         if truncation is not None and "upstream_truncated" not in report:
             report["upstream_truncated"] = truncation.to_json()
+            _flag(flow, TRUNCATED_MARK, f"the server cut the prompt: {evaluated} of {report['final_tokens']} tokens evaluated")
             self.stats.add("upstream_truncated")
             logger.warning(
                 "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",

@@ -348,6 +348,46 @@ async def test_contentview_shows_what_was_cut(proxy: Proxy) -> None:
     assert contentviews.prettify_message(untouched.request, untouched).view_name != "contextpaw"
 
 
+async def test_contentview_on_the_response_shows_the_report(proxy: Proxy) -> None:
+    flow = post("/api/chat", long_chat())
+    await proxy.send(flow)
+    await proxy.answer(flow, ok_json({"model": "m", "message": {"role": "assistant", "content": "ok"}, "done": True}))
+    view = contentviews.prettify_message(flow.response, flow)
+    assert view.view_name == "contextpaw"
+    shown = json.loads(view.text)
+    assert shown["compacted"] is True and shown["final_tokens"] < shown["original_tokens"]
+
+
+async def test_a_refused_flow_is_marked_and_commented(proxy: Proxy) -> None:
+    proxy.tctx.configure(proxy.compactor, contextpaw_policy="strict")
+    flow = post("/api/chat", long_chat())
+    await proxy.send(flow)
+    assert flow.response.status_code == 413
+    assert flow.marked == ":no_entry:" and flow.comment.startswith("refused 413: ")
+    assert json.loads(contentviews.prettify_message(flow.response, flow).text)["strategy"] == "refused"
+
+
+async def test_a_body_over_the_limit_is_marked_and_commented(proxy: Proxy) -> None:
+    proxy.tctx.configure(proxy.backends, contextpaw_max_body_mb=1)
+    flow = post("/api/chat", None, raw=b'{"messages": [], "x": "' + b"a" * (2 << 20) + b'"}')
+    await proxy.send(flow)
+    assert flow.response.status_code == 413
+    assert flow.marked == ":no_entry:" and "over the limit" in flow.comment
+
+
+async def test_an_upstream_cut_goes_into_the_flows_comment(proxy: Proxy) -> None:
+    proxy.tctx.configure(proxy.compactor, contextpaw_output_reserve=0)
+    flow = post("/api/chat", long_chat(num_ctx=2048))
+    await proxy.send(flow)
+    sent = flow.metadata["contextpaw.report"]["final_tokens"]
+    answer = ok_json({"model": "m", "message": {"role": "assistant", "content": "?"}, "done": True,
+                      "prompt_eval_count": 1024, "eval_count": 1})  # Ollama's cut of a 2048 window
+    await proxy.answer(flow, answer)
+    assert flow.marked == ":warning:"
+    assert flow.comment.startswith("compacted ")  # the compaction's line stays, the cut's follows
+    assert f"the server cut the prompt: 1024 of {sent} tokens evaluated" in flow.comment
+
+
 def test_addon_classes_are_exported_for_embedding() -> None:
     assert [type(a) for a in make_addons()] == [Arbitration, AdminEndpoints, Backends, Compactor, Upstream]
 
