@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent-loop", type=Path, help="reuse this scripts/bench_agent_loop.py --out JSON instead of running it")
     ap.add_argument("--recall-trials", type=int, default=3, help="--trials for each recall demo (1 with --quick)")
     ap.add_argument("--docs", action="store_true",
-                    help="copy the markdown to docs/benchmarks.md and the README, and the plots to docs/img/")
+                    help="copy the markdown to docs/benchmarks.md and the plots to docs/img/")
     ap.add_argument("--from-json", type=Path, help="write the report of an earlier run's bench.json, measuring nothing")
     args = ap.parse_args(argv)
     if args.from_json:
@@ -536,11 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     return report(result, out, args.docs)
 
 
-README_BLOCK = re.compile(r"(<!-- bench:start -->\n).*?(<!-- bench:end -->)", re.S)
-
-
 def report(result: dict[str, Any], out: Path, docs: bool) -> int:
-    """Plots and markdown for a result; with `docs`, into docs/ and the README's benchmark section."""
+    """Plots and markdown for a result; with `docs`, into docs/benchmarks.md and docs/img/ (the
+    README's short table links there)."""
     images = plots(result, out / "img")
     text = markdown(result, images)
     (out / "bench.md").write_text(text)
@@ -549,9 +547,6 @@ def report(result: dict[str, Any], out: Path, docs: bool) -> int:
         (REPO / "docs" / "benchmarks.md").write_text(text)
         for name in images:
             shutil.copy(out / "img" / name, REPO / "docs" / "img" / name)
-        readme = REPO / "README.md"
-        body = text.split("\n", 1)[1].replace("](img/", "](docs/img/").replace("\n## ", "\n### ")
-        readme.write_text(README_BLOCK.sub(lambda m: m.group(1) + body.strip() + "\n\n" + m.group(2), readme.read_text()))
     print(text)
     return 0
 
