@@ -2,6 +2,7 @@
 
 - `GET /contextpaw/health`: version, policy, backends and whether they answer, and the counts.
 - `GET /contextpaw/metrics`: the same counts in Prometheus text format.
+- `GET /contextpaw/runtime`: which runtime owns the GPU (`contextpaw_arbitrate`).
 - `GET /contextpaw/evicted/<id>`: content removed under a marker, verbatim, for an agent to re-read.
 
 They reveal prompt content, so only loopback clients may call them unless an access token is set.
@@ -101,10 +102,17 @@ def authorized(client_host: str, presented: str | None, token: str | None) -> bo
 
 
 class Admin:
-    def __init__(self, stats: Stats, store: EvictedStore, health: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    def __init__(
+        self,
+        stats: Stats,
+        store: EvictedStore,
+        health: Callable[[], Awaitable[dict[str, Any]]],
+        runtime: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> None:
         self.stats = stats
         self.store = store
         self.health = health
+        self.runtime = runtime
 
     async def answer(self, method: str, path: str) -> Reply:
         if method not in ("GET", "HEAD"):
@@ -112,6 +120,8 @@ class Admin:
         name = path.split("?", 1)[0].removeprefix(PREFIX)
         if name == "health":
             return json_reply(200, {"version": package_version(), **await self.health(), "stats": self.stats.counts})
+        if name == "runtime":
+            return json_reply(200, await self.runtime())
         if name == "metrics":
             return Reply(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
         if name.startswith("evicted/"):

@@ -19,7 +19,9 @@ from typing import Any, NamedTuple
 
 from mitmproxy import ctx, exceptions, http
 
-from contextpaw import addon, admin, wire
+from contextpaw import admin, wire
+from contextpaw.backends import Backends
+from contextpaw.replies import reply
 from contextpaw.runtime import (
     Arbiter,
     ArbiterCounters,
@@ -32,7 +34,6 @@ from contextpaw.streams import report_bytes
 
 logger = logging.getLogger(__name__)
 
-RUNTIME_PATH = "/contextpaw/runtime"
 MODEL_MANAGEMENT = ("/api/show", "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/blobs/")
 """Ollama's POSTs that load no model: they must not take the GPU from llama-server."""
 
@@ -84,7 +85,7 @@ class Arbitration:
     """
 
     def __init__(
-        self, backends: addon.Backends, new_arbiter: Callable[[ArbiterSettings], Arbiter] = Arbiter
+        self, backends: Backends, new_arbiter: Callable[[ArbiterSettings], Arbiter] = Arbiter
     ) -> None:
         self.backends = backends
         self.new_arbiter = new_arbiter
@@ -165,8 +166,6 @@ class Arbitration:
         if flow.response or flow.error or not flow.live:
             return
         if admin.is_admin(flow.request.path):
-            if _is_runtime_status(flow.request) and self.backends.serves(flow):
-                await self._answer_status(flow)
             return
         arbiter = self.arbiter
         if arbiter is None or not _runs_model(flow.request):
@@ -189,26 +188,17 @@ class Arbitration:
         if self.arbiter is not None:
             self.arbiter.release(flow.id)
 
-    async def _answer_status(self, flow: http.HTTPFlow) -> None:
-        client_host = flow.client_conn.peername[0] if flow.client_conn.peername else ""
-        token = flow.request.headers.get("X-ContextPaw-Token")
-        if not admin.authorized(client_host, token, ctx.options.contextpaw_admin_token):
-            reply = admin.json_reply(403, {"error": "ContextPaw endpoints are for loopback clients or token holders"})
-        elif self.arbiter is None:
-            reply = admin.json_reply(200, {"enabled": False})
-        else:
-            reply = admin.json_reply(200, {"enabled": True, **await self.arbiter.status()})
-        addon._reply(flow, reply.status, reply.body, reply.content_type)
+    async def status(self) -> dict[str, Any]:
+        """What `/contextpaw/runtime` shows (the admin endpoints serve it)."""
+        if self.arbiter is None:
+            return {"enabled": False}
+        return {"enabled": True, **await self.arbiter.status()}
 
     def metrics(self) -> dict[str, float]:
         """The arbiter's totals for ``/contextpaw/metrics``; zeros while arbitration is off, so the
         series exist from the start."""
         counters = self.arbiter.counters if self.arbiter else ArbiterCounters()
         return {f"runtime_{name}": float(value) for name, value in asdict(counters).items()}
-
-
-def _is_runtime_status(request: http.Request) -> bool:
-    return request.method in ("GET", "HEAD") and request.path.split("?", 1)[0] == RUNTIME_PATH
 
 
 def _runs_model(request: http.Request) -> bool:
@@ -221,7 +211,7 @@ def _refuse(flow: http.HTTPFlow, kind: wire.Kind, refusal: RuntimeUnavailable) -
     body = wire.proxy_error(kind, flow.request.path, f"ContextPaw: {kind} is not available: {refusal}", 503)
     if isinstance(body["error"], dict):  # the OpenAI and llama-server envelopes
         body["error"].update(code=503, type="runtime_unavailable")
-    addon._reply(flow, 503, report_bytes(body))
+    reply(flow, 503, report_bytes(body))
     assert flow.response is not None
     if refusal.retry_after is not None:
         flow.response.headers["Retry-After"] = str(refusal.retry_after)

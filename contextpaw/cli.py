@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from mitmproxy.tools import cmdline
     from mitmproxy.tools.main import run
 
-    from contextpaw.addon import make_addons
+    from contextpaw.compose import make_addons
 
     if ns.web:
         from mitmproxy.tools.web.master import WebMaster as Base

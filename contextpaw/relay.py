@@ -13,9 +13,10 @@ headers and bodies pass as they are) and answers every failure of the backend in
   framing (what Ollama and OpenAI clients raise from), then a clean end.
 
 Each failure is reported to `on_failure` (the addon counts and logs it) and its answer carries
-`X-ContextPaw-Upstream-Error`. A 400 to a request that names its flow (`X-ContextPaw-Flow`) is shown
-to `rescue` first: if the addon compacts the request to the window the 400 names, that body is sent
-once more and its answer, streamed if it streams, goes back instead of the 400. The relay listens on 127.0.0.1 only and opens tunnels only for a
+`X-ContextPaw-Upstream-Error`. A 400 (or 500) is shown to `rescue` first, with the body that was
+sent: if the addon compacts that request to the window the error names, the new body is sent once
+more and its answer, streamed if it streams and marked `X-ContextPaw-Rescued`, goes back instead of
+the error. The relay knows no flows and changes none. The relay listens on 127.0.0.1 only and opens tunnels only for a
 CONNECT that carries its secret (mitmproxy adds it in the `http_connect_upstream` hook), so it is
 not an open proxy for other local users. A tunnel keeps its backend connection between requests for
 a moment, and never sends a request twice.
@@ -35,7 +36,7 @@ from typing import Any
 
 import h11
 
-from contextpaw import wire
+from contextpaw import headers as shared, wire
 from contextpaw.streams import STREAM_TYPES, record_bytes
 
 logger = logging.getLogger(__name__)
@@ -45,11 +46,10 @@ READ_SIZE = 64 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
 ERROR_HEADER = "X-ContextPaw-Upstream-Error"
-FLOW_HEADER = "X-ContextPaw-Flow"
-"""The id of the mitmproxy flow a request belongs to, for the rescue; never sent to the backend."""
-FLOW_HEADER_KEY = FLOW_HEADER.lower().encode()
-JSON_TYPE = b"application/json; charset=utf-8"
-CONNECTION_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
+RESCUED_HEADER = "X-ContextPaw-Rescued"
+"""On the answer to a rescue's retry, so the addon knows whose answer it is."""
+JSON_TYPE = shared.JSON_TYPE.encode()
+CONNECTION_HEADERS = frozenset(name.encode() for name in shared.CONNECTION_HEADERS)
 """Headers of the backend connection, not of the answer: the tunnel frames and keeps its own."""
 MAX_HEAD_EVENT = 1 << 20
 """The largest request or answer head h11 accepts (its own default, 16 KiB, is below mitmproxy's)."""
@@ -82,9 +82,9 @@ class Failure:
     """False when no connection to the backend could be opened."""
 
 
-Rescue = Callable[[str, int, bytes], Awaitable[bytes | None]]
-"""(flow id, status, body of an error answer) -> a request body to send once instead, or None to pass
-the answer on."""
+Rescue = Callable[[bytes, int, bytes], Awaitable[bytes | None]]
+"""(the body sent, the error's status, the error's body) -> a body to send once instead, or None to
+pass the answer on."""
 RESCUABLE = (400, 500)
 """The statuses a context overflow comes back with (llama-server 400; some Ollama builds 500)."""
 
@@ -265,7 +265,6 @@ class Exchange:
         self.request = request
         self.body = body
         self.path = request.target.decode("latin-1")
-        self.flow_id = next((v.decode("latin-1") for k, v in request.headers if k == FLOW_HEADER_KEY), None)
         self.up = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_EVENT)
         self.up_reader: asyncio.StreamReader | None = None
         self.up_writer: asyncio.StreamWriter | None = None
@@ -306,12 +305,15 @@ class Exchange:
         if self._streams(response):
             return await self._relay_stream(response)
         body = await self._read_body()
-        if response.status_code in RESCUABLE and (retry := await self._rescued(response.status_code, body)) is not None:
+        rescued = response.status_code in RESCUABLE and (retry := await self._rescued(response.status_code, body)) is not None
+        if rescued:
             response = await self._ask(retry)
             if self._streams(response):
-                return await self._relay_stream(response)
+                return await self._relay_stream(response, rescued)
             body = await self._read_body()
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
+        if rescued:
+            headers.append((RESCUED_HEADER.encode(), b"1"))
         headers.append((b"Content-Length", str(len(body)).encode()))
         await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         await self._answer(h11.Data(data=body), h11.EndOfMessage())
@@ -346,7 +348,6 @@ class Exchange:
         headers = [
             (k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v)
             for k, v in self.request.headers.raw_items()
-            if k.lower() != FLOW_HEADER_KEY
         ]
         if not any(k.lower() == b"host" for k, _ in headers):  # an HTTP/1.0 request may have none
             headers.insert(0, (b"Host", self._target().encode()))
@@ -381,18 +382,19 @@ class Exchange:
 
     async def _rescued(self, status: int, answer: bytes) -> bytes | None:
         """Ask the addon whether this 400 is an overflow it can fit once more; a failure of ours passes it on."""
-        flow_id = self.flow_id
-        if flow_id is None or self.relay.rescue is None:
+        if self.relay.rescue is None:
             return None
         try:
-            return await self.relay.rescue(flow_id, status, answer)
+            return await self.relay.rescue(self.body, status, answer)
         except Exception:
             logger.exception("the rescue of %s failed; the backend's 400 is passed on", self.path)
             return None
 
-    async def _relay_stream(self, response: h11.Response) -> None:
+    async def _relay_stream(self, response: h11.Response, rescued: bool = False) -> None:
         """Records pass on as they come; the framing is chunked, so an error record can still be added."""
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
+        if rescued:
+            headers.append((RESCUED_HEADER.encode(), b"1"))
         await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         self.headers_sent = True
         while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its stream", "stalled in its stream"), h11.EndOfMessage):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from contextpaw.truncation import Truncation
+
 Action = Literal["dropped", "shrunk", "summarized"]
 
 
@@ -43,6 +45,8 @@ class Report:
     summarized: bool = False
     summary_reason: str | None = None
     notes: list[str] = field(default_factory=list)
+    upstream_truncated: Truncation | None = None
+    """Set when the server evaluated less than it was sent: it cut the prompt anyway."""
     evicted: dict[str, Any] = field(default_factory=dict, repr=False)
     """marker id -> the content removed under it (messages or text), verbatim."""
 
@@ -54,6 +58,8 @@ class Report:
         """The client-facing form: numbers and ids, never the evicted content itself."""
         out = asdict(self)
         out.pop("evicted")
+        if self.upstream_truncated is None:
+            out.pop("upstream_truncated")
         out["evicted_tokens"] = self.evicted_tokens
         return out
 

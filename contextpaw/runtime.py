@@ -278,8 +278,15 @@ class Arbiter:
     by ``switch_timeout``; a failed switch leaves the previous owner in place where it can still serve.
     """
 
-    def __init__(self, settings: ArbiterSettings, gpu: GpuProbe | None = None) -> None:
+    def __init__(
+        self,
+        settings: ArbiterSettings,
+        gpu: GpuProbe | None = None,
+        session: Callable[[], aiohttp.ClientSession] | None = None,
+    ) -> None:
+        """``session`` gives the proxy's one HTTP session; without it the arbiter keeps its own."""
         self.settings = settings
+        self._shared = session
         self.gpu = gpu if gpu is not None else NvmlProbe()
         self.counters = ArbiterCounters()
         self._owner: Kind | None = None
@@ -504,6 +511,8 @@ class Arbiter:
     # --- Ollama ---------------------------------------------------------------------------------
 
     def _session(self) -> aiohttp.ClientSession:
+        if self._shared is not None:
+            return self._shared()
         if self._http is None:
             self._http = aiohttp.ClientSession(trust_env=False)
         return self._http

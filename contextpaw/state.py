@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import tempfile
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -43,3 +46,31 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+class KeptCalibration:
+    """The calibration's JSON file: read when the state dir is set, written off the event loop at
+    most every `every_s` seconds (and once more at exit)."""
+
+    def __init__(self, path: Path, every_s: float = 10.0) -> None:
+        self.path = path
+        self.every_s = every_s
+        self._saved_at = 0.0
+
+    def restore(self, calibration: Any) -> bool | None:
+        """Load into `calibration`; None when there is no file, False when it is damaged."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return bool(calibration.restore(json.load(f)))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return False
+
+    def save(self, calibration: Any, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._saved_at < self.every_s:
+            return
+        self._saved_at = now
+        text = json.dumps(calibration.state())
+        asyncio.get_running_loop().run_in_executor(None, write_atomically, self.path, text)

@@ -501,22 +501,35 @@ class ChatCompletions:
     llama-server both serve at `/v1/chat/completions`, at temperature 0 so digests are repeatable.
 
     `headers` carries what the backend needs (the client's Authorization, say): a summarizer that
-    gets 401 on every call would silently never summarize.
+    gets 401 on every call would silently never summarize. `session` gives the proxy's one HTTP
+    session; without it (scripts) the call makes one of its own.
     """
 
     def __init__(
-        self, base_url: str, model: str, *, timeout: float = 30.0, headers: Mapping[str, str] | None = None
+        self,
+        base_url: str,
+        model: str,
+        *,
+        timeout: float = 30.0,
+        headers: Mapping[str, str] | None = None,
+        session: Callable[[], aiohttp.ClientSession] | None = None,
     ) -> None:
         self.url = base_url.rstrip("/") + "/v1/chat/completions"
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.headers = dict(headers or {})
-        self._session: aiohttp.ClientSession | None = None
+        self._shared = session
+        self._own: aiohttp.ClientSession | None = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._shared is not None:
+            return self._shared()
+        if self._own is None or self._own.closed:
+            # trust_env=False: a loopback backend must not be sent through the user's HTTP proxy.
+            self._own = aiohttp.ClientSession(trust_env=False)
+        return self._own
 
     async def __call__(self, prompt: str, max_tokens: int) -> str:
-        if self._session is None or self._session.closed:
-            # trust_env=False: a loopback backend must not be sent through the user's HTTP proxy.
-            self._session = aiohttp.ClientSession(timeout=self.timeout, trust_env=False)
         body = {
             "model": self.model,
             "messages": [{"role": "user", "content": prompt}],
@@ -524,7 +537,7 @@ class ChatCompletions:
             "temperature": 0,
             "stream": False,
         }
-        async with self._session.post(self.url, json=body, headers=self.headers) as response:
+        async with self._session().post(self.url, json=body, headers=self.headers, timeout=self.timeout) as response:
             if response.status != 200:
                 raise SummaryFailed(f"HTTP {response.status} from {self.url}: {(await response.text())[:200]}")
             reply = await response.json(content_type=None)
@@ -535,5 +548,6 @@ class ChatCompletions:
         return content if isinstance(content, str) else ""
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        """Close the session this call made for itself (a shared one is its owner's to close)."""
+        if self._own is not None:
+            await self._own.close()

@@ -46,7 +46,10 @@ import bench_compact
 from contextpaw.calibration import CalibratedCounter
 from contextpaw.conversation import Conversation
 from contextpaw.counting import BackendCounter, LlamaCppCounting
-from contextpaw.testing.backends import (
+from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+from support.backends import (
     ADDON,
     Backend,
     free_port,
@@ -56,8 +59,7 @@ from contextpaw.testing.backends import (
     start_module,
     start_process,
 )
-from contextpaw.testing.common import LOOPBACK
-from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
+from support.common import LOOPBACK
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -155,8 +157,8 @@ def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
     fake_args = ["--n-ctx", str(BIG_CTX)]
     task = progress.add_task("proxy overhead", total=rounds * len(PATHS) * (small_n + big_n + stream_n))
     with contextlib.ExitStack() as stack:
-        fast = stack.enter_context(start_module("contextpaw.testing.fake_llamacpp", fake_args, "/health", work / "fast.log"))
-        slow = stack.enter_context(start_module("contextpaw.testing.fake_llamacpp", [*fake_args, "--chunk-delay", "0.01"],
+        fast = stack.enter_context(start_module("support.fake_llamacpp", fake_args, "/health", work / "fast.log"))
+        slow = stack.enter_context(start_module("support.fake_llamacpp", [*fake_args, "--chunk-delay", "0.01"],
                                                 "/health", work / "slow.log"))
         upstreams = [fast.url, slow.url]
         bare, bare_urls = mitmdump(upstreams, work, "bare", addon=False, options=[])

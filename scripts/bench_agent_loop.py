@@ -29,9 +29,11 @@ import aiohttp
 from contextpaw.compact import compact_chat
 from contextpaw.conversation import Conversation
 from contextpaw.counting import LlamaCppCounting
-from contextpaw.testing.backends import start_llama_server, start_proxy
 from contextpaw.tokens import EstimateCounter
 from contextpaw.wire import Chat, Params
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+from support.backends import start_llama_server, start_proxy
 
 KEEP_RECENT = 4
 """The proxy's default `contextpaw_keep_recent`; the baseline keeps as many."""
@@ -147,7 +149,7 @@ def run(binary: Path, model: Path, work: Path, turns: int, n_ctx: int, tick: Cal
 
 
 def main(argv: list[str] | None = None) -> int:
-    from contextpaw.testing.backends import locate_llama_server, locate_smollm2
+    from support.backends import locate_llama_server, locate_smollm2
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=30)

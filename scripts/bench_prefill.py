@@ -18,7 +18,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from contextpaw.testing.backends import locate_smollm2, start_llama_server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+from support.backends import locate_smollm2, start_llama_server
 
 
 def prefill_rate(url: str, prompt: str) -> tuple[int, float]:

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import openai
 
-from contextpaw.testing.backends import start_proxy
-from contextpaw.testing.proof import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+from support.backends import start_proxy
+from support.proof import (
     TABLE_HEAD,
     Trial,
     completion_trial,

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import httpx
 
-from contextpaw.testing.backends import running, start_proxy
-from contextpaw.testing.fake_ollama import OllamaSettings
-from contextpaw.testing.ollama_sim import ollama_sim_app
-from contextpaw.testing.proof import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+from support.backends import running, start_proxy
+from support.fake_ollama import OllamaSettings
+from support.ollama_sim import ollama_sim_app
+from support.proof import (
     TABLE_HEAD,
     Trial,
     make_secret,

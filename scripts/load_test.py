@@ -30,10 +30,10 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 
-from contextpaw.testing.backends import ADDON, Backend, free_port, start_module, start_process  # noqa: E402
-from contextpaw.testing.common import LOOPBACK  # noqa: E402
+from support.backends import ADDON, Backend, free_port, start_module, start_process  # noqa: E402
+from support.common import LOOPBACK  # noqa: E402
 
 N_CTX = 2048
 TOKEN = re.compile(r"c\d+-[0-9a-f]{8}")
@@ -290,9 +290,9 @@ def table(result: dict[str, Any]) -> str:
 def start_backends_and_proxy(
     workdir: Path, slots: int, options: list[str]
 ) -> tuple[list[Backend], dict[str, dict[str, str]], Backend]:
-    ollama = start_module("contextpaw.testing.fake_ollama", ["--n-ctx", str(N_CTX), "--native"], "/", workdir / "ollama.log")
+    ollama = start_module("support.fake_ollama", ["--n-ctx", str(N_CTX), "--native"], "/", workdir / "ollama.log")
     llamacpp = start_module(
-        "contextpaw.testing.fake_llamacpp", ["--n-ctx", str(N_CTX), "--slots", str(slots)], "/health", workdir / "llamacpp.log"
+        "support.fake_llamacpp", ["--n-ctx", str(N_CTX), "--slots", str(slots)], "/health", workdir / "llamacpp.log"
     )
     ports = {"ollama": free_port(), "llamacpp": free_port()}
     argv = [

@@ -29,8 +29,10 @@ import aiohttp
 from contextpaw.calibration import Calibration
 from contextpaw.conversation import Conversation
 from contextpaw.counting import LlamaCppCounting
-from contextpaw.testing.backends import locate_llama_server, locate_smollm2, start_llama_server
 from contextpaw.tokens import EstimateCounter, TokenizerCounter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+from support.backends import locate_llama_server, locate_smollm2, start_llama_server
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]

@@ -27,9 +27,11 @@ import aiohttp
 from contextpaw.compact import compact_chat
 from contextpaw.conversation import Conversation
 from contextpaw.summarize import ChatCompletions, Summarizer, SummaryModel
-from contextpaw.testing.backends import locate_smollm2
-from contextpaw.testing.common import LOOPBACK, free_port
 from contextpaw.tokens import EstimateCounter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+from support.backends import locate_smollm2
+from support.common import LOOPBACK, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ANSWER_TOKENS = 120

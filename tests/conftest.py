@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from contextpaw.testing.backends import Backend, start_module
-from contextpaw.testing.common import FAKE_N_CTX
+from support.backends import Backend, start_module
+from support.common import FAKE_N_CTX
 
 # CI replays the same examples every run, so a red build means a change broke something; runs
 # elsewhere explore new examples (and keep what they find in .hypothesis/).
@@ -28,12 +28,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ollama(workdir: Path) -> Iterator[Backend]:
     """Fake Ollama in native mode: an overflow is llama-server's 400, wrapped in a string."""
     args = ["--n-ctx", str(FAKE_N_CTX), "--native"]
-    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "ollama.log") as backend:
+    with start_module("support.fake_ollama", args, "/", workdir / "ollama.log") as backend:
         yield backend
 
 
 @pytest.fixture(scope="session")
 def llamacpp(workdir: Path) -> Iterator[Backend]:
     args = ["--n-ctx", str(FAKE_N_CTX)]
-    with start_module("contextpaw.testing.fake_llamacpp", args, "/health", workdir / "llamacpp.log") as backend:
+    with start_module("support.fake_llamacpp", args, "/health", workdir / "llamacpp.log") as backend:
         yield backend

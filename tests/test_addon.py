@@ -12,10 +12,13 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow, tutils
 
 from contextpaw import wire
-from contextpaw.addon import ORIGINAL, AdminEndpoints, Backends, Compactor, Upstream, make_addons
+from contextpaw.addon import AdminEndpoints, Compactor, Upstream
+from contextpaw.backends import Backends
+from contextpaw.compose import make_addons
+from contextpaw.views import ORIGINAL
 from contextpaw.arbitration import Arbitration
-from contextpaw.testing.chain import AddonChain as Proxy
 from contextpaw.streams import StreamReport
+from support.inprocess import Proxy
 
 OLLAMA = "http://127.0.0.1:11435"
 CLOSED_PORT = 9  # discard: nothing listens on loopback there
@@ -76,8 +79,8 @@ def test_options_are_validated_with_a_clear_message(proxy: Proxy) -> None:
 
 def test_options_change_live(proxy: Proxy) -> None:
     proxy.tctx.configure(proxy.compactor, contextpaw_default_ctx=32768, contextpaw_evicted_items=5)
-    assert proxy.compactor.budgeter.default_ctx == 32768
-    assert proxy.compactor.store.max_items == 5
+    assert proxy.compactor.fitter.budgeter.default_ctx == 32768
+    assert proxy.compactor.fitter.store.max_items == 5
 
 
 # -- compaction -------------------------------------------------------------------------------------
@@ -99,17 +102,21 @@ async def test_overflowing_chat_is_compacted_and_reported_everywhere(proxy: Prox
     report = json.loads(response.content)["contextpaw"]
     assert report["compacted"] and report["window"] == 2048 and report["evicted_tokens"] > 0
     for marker_id in report["markers"]:
-        assert proxy.compactor.store.get(marker_id) is not None
-    assert proxy.compactor.stats.counts["compacted"] == 1
+        assert proxy.compactor.fitter.store.get(marker_id) is not None
+    assert proxy.compactor.fitter.stats.counts["compacted"] == 1
 
 
-async def test_the_next_turn_reuses_the_plan(proxy: Proxy) -> None:
+async def test_the_next_turn_keeps_the_last_turns_evictions(proxy: Proxy) -> None:
     body = long_chat()
-    await proxy.send(post("/api/chat", body))
-    assert len(proxy.compactor.plans) == 1
+    first = post("/api/chat", body)
+    await proxy.send(first)
+    assert len(proxy.compactor.fitter.plans) == 1
     body["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
-    await proxy.send(post("/api/chat", body))
-    assert len(proxy.compactor.plans) == 1
+    second = post("/api/chat", body)
+    await proxy.send(second)
+    assert len(proxy.compactor.fitter.plans) == 1
+    dropped = [{r.index for r in proxy.compactor.states[f].report.removals if r.action == "dropped"} for f in (first, second)]
+    assert dropped[0] and dropped[0] <= dropped[1]
 
 
 async def test_a_chat_that_fits_is_forwarded_byte_for_byte(proxy: Proxy) -> None:
@@ -126,7 +133,7 @@ async def test_malformed_client_json_is_forwarded_for_the_backend_to_answer(prox
     flow = post("/api/chat", None, raw=raw)
     await proxy.send(flow)
     assert flow.request.content == raw and flow.response is None
-    assert proxy.compactor.stats.counts["errors"] == 0
+    assert proxy.compactor.fitter.stats.counts["errors"] == 0
 
 
 async def test_unhandled_routes_pass_through_untouched(proxy: Proxy) -> None:
@@ -159,7 +166,7 @@ async def test_strict_refuses_with_ollamas_error_shape(proxy: Proxy) -> None:
     assert body["contextpaw"]["strategy"] == "refused"
     response = await proxy.answer(flow)
     assert response.headers["X-ContextPaw-Compacted"] == "false"
-    assert proxy.compactor.stats.counts["refused"] == 1
+    assert proxy.compactor.fitter.stats.counts["refused"] == 1
 
 
 async def test_strict_refuses_with_openais_error_shape(proxy: Proxy) -> None:
@@ -192,7 +199,7 @@ async def test_an_internal_error_fails_open(proxy: Proxy, monkeypatch: pytest.Mo
     response = await proxy.answer(flow, ok_json({"done": True}))
     assert response.headers["X-ContextPaw-Error"].startswith("KeyError")
     assert response.status_code == 200
-    assert proxy.compactor.stats.counts["errors"] == 1
+    assert proxy.compactor.fitter.stats.counts["errors"] == 1
 
 
 # -- streams ----------------------------------------------------------------------------------------
@@ -237,7 +244,7 @@ async def test_an_unreachable_backend_gets_a_json_502_in_the_callers_convention(
     await proxy.send(flow)
     assert flow.response.status_code == 502
     assert json.loads(flow.response.content)["error"]["code"] == "backend_unreachable"
-    assert proxy.compactor.stats.counts["unreachable"] == 1
+    assert proxy.compactor.fitter.stats.counts["unreachable"] == 1
 
 
 async def test_regular_mode_handles_only_configured_destinations(proxy: Proxy) -> None:
@@ -301,7 +308,7 @@ async def test_metrics_are_prometheus_text_from_this_instance(proxy: Proxy) -> N
     text = flow.response.text
     assert flow.response.headers["content-type"].startswith("text/plain")
     assert "contextpaw_compacted_total 1.0" in text and "contextpaw_requests_total 1.0" in text
-    assert make_addons()[3].stats.counts["compacted"] == 0  # no global registry
+    assert make_addons()[3].fitter.stats.counts["compacted"] == 0  # no global registry
 
 
 async def test_evicted_content_can_be_fetched_again(proxy: Proxy) -> None:
@@ -379,7 +386,7 @@ async def test_an_upstream_cut_goes_into_the_flows_comment(proxy: Proxy) -> None
     proxy.tctx.configure(proxy.compactor, contextpaw_output_reserve=0)
     flow = post("/api/chat", long_chat(num_ctx=2048))
     await proxy.send(flow)
-    sent = flow.metadata["contextpaw.report"]["final_tokens"]
+    sent = proxy.compactor.states[flow].report.final_tokens
     answer = ok_json({"model": "m", "message": {"role": "assistant", "content": "?"}, "done": True,
                       "prompt_eval_count": 1024, "eval_count": 1})  # Ollama's cut of a 2048 window
     await proxy.answer(flow, answer)
@@ -415,16 +422,20 @@ async def test_the_relays_rescue_returns_the_compacted_body_encoded_as_the_reque
     """A gzip request that comes back 400: the retry the relay sends is gzip too, and smaller."""
     import gzip
 
-    from contextpaw.testing.common import context_overflow_error
+    from support.common import context_overflow_error
 
     flow = post("/api/chat", long_chat(turns=6, num_ctx=8192))
     flow.request.headers["content-encoding"] = "gzip"
     flow.request.content = json.dumps(long_chat(turns=6, num_ctx=8192)).encode()  # mitmproxy encodes it
     flow.live = True
+    proxy.upstream.relay.address = ("127.0.0.1", CLOSED_PORT)  # as if it listened: the flow is relayed
     await proxy.send(flow)
-    sent = len(json.loads(gzip.decompress(flow.request.raw_content))["messages"])
+    assert flow.server_conn.via == ("http", ("127.0.0.1", CLOSED_PORT))
+    carried = flow.request.raw_content
+    sent = len(json.loads(gzip.decompress(carried))["messages"])
     answer = json.dumps({"error": json.dumps(context_overflow_error(3000, 2048))}).encode()
-    retry = await proxy.compactor.rescue_in_relay(flow, 400, answer)
-    assert retry is not None and retry == flow.request.raw_content
+    retry = await proxy.upstream.relay.rescue(carried, 400, answer)
+    assert retry is not None
     assert len(json.loads(gzip.decompress(retry))["messages"]) < sent
-    assert await proxy.compactor.rescue_in_relay(flow, 400, answer) is None, "never a second retry"
+    assert await proxy.upstream.relay.rescue(carried, 400, answer) is None, "never a second retry"
+    assert flow.request.raw_content == carried, "the live flow is not changed"

@@ -21,7 +21,8 @@ from mitmproxy.test import taddons
 from test_addon import get, post
 from test_runtime import NoGpu
 
-from contextpaw.addon import AdminEndpoints, Backends, make_addons
+from contextpaw.addon import AdminEndpoints
+from contextpaw.compose import make_addons
 from contextpaw.arbitration import Arbitration
 from contextpaw.runtime import Arbiter, ArbiterCounters, ArbiterSettings, RuntimeUnavailable
 
@@ -77,12 +78,11 @@ class Proxy:
 
 
 def proxy_with(new_arbiter: Any) -> Any:
-    """A test Arbitration ahead of the other addons, as make_addons() orders them."""
-    addons = [each for each in make_addons() if not isinstance(each, Arbitration)]
-    backends = next(each for each in addons if isinstance(each, Backends))
+    """The addons as make_addons() orders them, with a test arbiter."""
+    addons = make_addons(new_arbiter)
+    arbitration = next(each for each in addons if isinstance(each, Arbitration))
     admin = next(each for each in addons if isinstance(each, AdminEndpoints))
-    arbitration = Arbitration(backends, new_arbiter)
-    return taddons.context(arbitration, *addons), arbitration, admin
+    return taddons.context(*addons), arbitration, admin
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mitmproxy.test import taddons
 
-from contextpaw.addon import make_addons
+from contextpaw.compose import make_addons
 from contextpaw.cli import OLD_FLAGS, main, mitmproxy_args, parser
 
 

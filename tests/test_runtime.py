@@ -42,8 +42,8 @@ from contextpaw.runtime import (
     retry_after,
     start_problem,
 )
-from contextpaw.testing.common import LOOPBACK, free_port
-from contextpaw.testing.fake_ollama import fake_ollama_app
+from support.common import LOOPBACK, free_port
+from support.fake_ollama import fake_ollama_app
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -23,9 +23,9 @@ from contextpaw.summarize import (
     render_span,
     shorten,
 )
-from contextpaw.testing.common import running
-from contextpaw.testing.fake_llamacpp import LlamaSettings, fake_llamacpp_app
 from contextpaw.tokens import EstimateCounter
+from support.common import running
+from support.fake_llamacpp import LlamaSettings, fake_llamacpp_app
 
 COUNTER = EstimateCounter()
 WINDOW = 2048

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from contextpaw.testing.backends import Backend, free_port, start_module, start_process
-from contextpaw.testing.common import FAKE_N_CTX
+from support.backends import Backend, free_port, start_module, start_process
+from support.common import FAKE_N_CTX
 
 REPO = Path(__file__).resolve().parents[2]
 ADDON = REPO / "contextpaw_addon.py"
@@ -40,7 +40,7 @@ class Proxy:
 def slow_llamacpp(workdir: Path) -> Iterator[Backend]:
     """A llama-server that takes 0.1 s per generated token, to see streaming through the proxy."""
     args = ["--n-ctx", str(N_CTX), "--chunk-delay", "0.1"]
-    with start_module("contextpaw.testing.fake_llamacpp", args, "/health", workdir / "slow.log") as backend:
+    with start_module("support.fake_llamacpp", args, "/health", workdir / "slow.log") as backend:
         yield backend
 
 
@@ -48,8 +48,19 @@ def slow_llamacpp(workdir: Path) -> Iterator[Backend]:
 def slow_ollama(workdir: Path) -> Iterator[Backend]:
     """A native-mode Ollama (an overflow is a 400) that takes 0.1 s per generated token."""
     args = ["--n-ctx", str(N_CTX), "--native", "--chunk-delay", "0.1"]
-    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "slow-ollama.log") as backend:
+    with start_module("support.fake_ollama", args, "/", workdir / "slow-ollama.log") as backend:
         yield backend
+
+
+@pytest.fixture(scope="session")
+def stalling_proxy(workdir: Path) -> Iterator[Proxy]:
+    """In front of a native-mode Ollama that sends two generated tokens and then hangs forever: what
+    reaches a client from it can only have been streamed."""
+    args = ["--n-ctx", str(N_CTX), "--native", "--hang-after", "2"]
+    with start_module("support.fake_ollama", args, "/", workdir / "stalling-ollama.log") as backend:
+        running = mitmdump(workdir, "stalling-proxy", [backend.url])
+        with running.process:
+            yield running
 
 
 def mitmdump(workdir: Path, name: str, upstreams: Sequence[str], *extra: str) -> Proxy:
@@ -85,7 +96,7 @@ def proxy(workdir: Path, ollama: Backend, llamacpp: Backend) -> Iterator[Proxy]:
 def cutting_ollama(workdir: Path) -> Iterator[Backend]:
     """Fake Ollama as most models run: an overflow is cut in silence (ollama.md §1)."""
     args = ["--n-ctx", str(N_CTX)]
-    with start_module("contextpaw.testing.fake_ollama", args, "/", workdir / "cutting.log") as backend:
+    with start_module("support.fake_ollama", args, "/", workdir / "cutting.log") as backend:
         yield backend
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from contextpaw.testing.backends import (
+from support.backends import (
     Backend,
     free_port,
     locate_llama_server,
@@ -25,9 +25,9 @@ from contextpaw.testing.backends import (
     start_process,
     start_proxy,
 )
-from contextpaw.testing.common import LOOPBACK
-from contextpaw.testing.fake_ollama import OllamaSettings
-from contextpaw.testing.ollama_sim import ollama_sim_app
+from support.common import LOOPBACK
+from support.fake_ollama import OllamaSettings
+from support.ollama_sim import ollama_sim_app
 
 SERVER_N_CTX = 2048  # the llama-server slot; the simulator's windows are at most this
 SMALL_N_CTX = 1024  # the slot of the llama-server that answers an overflow with its 400

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from contextpaw.testing.backends import Backend, locate_smollm2, start_proxy
 from contextpaw.tokens import TokenizerCounter
+from support.backends import Backend, locate_smollm2, start_proxy
 
 VARIED_CHATS = [
     [{"role": "user", "content": "hi"}],

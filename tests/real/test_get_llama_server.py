@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from contextpaw.testing.backends import GET_LLAMA_SERVER, locate_llama_server
+from support.backends import GET_LLAMA_SERVER, locate_llama_server
 
 CRASHES = "#!/bin/sh\nkill -SEGV $$\n"
 """A stand-in for a binary built for another CPU: it dies of SIGSEGV as soon as it starts."""

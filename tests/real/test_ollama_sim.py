@@ -15,7 +15,7 @@ import ollama
 import openai
 import pytest
 
-from contextpaw.testing.backends import Backend
+from support.backends import Backend
 
 pytestmark = pytest.mark.real
 

@@ -8,7 +8,7 @@ SmolLM2-135M, directly and under the Ollama simulator.
 - An agent chat with tool calls, compacted, still renders through a strict chat template.
 - A request that fits passes through as it was: the same answer and the same token counts.
 
-The model is tiny: recall is asserted with :func:`~contextpaw.testing.proof.recalled` (the secret's
+The model is tiny: recall is asserted with :func:`~support.proof.recalled` (the secret's
 number) and only on the path through ContextPaw; the direct Ollama path must not hold the secret,
 which no model can guess once it is cut.
 """
@@ -22,8 +22,8 @@ import ollama
 import openai
 import pytest
 
-from contextpaw.testing.backends import Backend
-from contextpaw.testing.proof import (
+from support.backends import Backend
+from support.proof import (
     GREEDY_TOKENS,
     FILLER,
     completion_trial,

@@ -27,10 +27,10 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.test import taddons, tflow, tutils
 
-from contextpaw.addon import make_addons
-from contextpaw.testing.backends import ADDON, Backend, free_port, start_process
-from contextpaw.testing.chain import AddonChain
-from contextpaw.testing.common import FAKE_N_CTX, LOOPBACK, context_overflow_error, running, sse
+from contextpaw.compose import make_addons
+from support.backends import ADDON, Backend, free_port, start_process
+from support.common import FAKE_N_CTX, LOOPBACK, context_overflow_error, running, sse
+from support.inprocess import Proxy as InProcess
 
 N_CTX = FAKE_N_CTX
 """The fakes' window and the proxies' default window."""
@@ -65,12 +65,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # -- the addons in a test master ------------------------------------------------------------------
 
 
-class Harness(AddonChain):
+class Harness(InProcess):
     """The addons in a taddons master, with the counts the reliability checks read."""
 
     @property
     def stats(self) -> dict[str, int]:
-        return self.compactor.stats.counts
+        return self.compactor.fitter.stats.counts
 
 
 def configured(harness: Harness) -> Harness:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from contextpaw.testing.backends import REPO
+from support.backends import REPO
 
 
 def test_the_load_test_runs_clean(tmp_path: Path, cases: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from contextpaw.testing.backends import REPO, Backend, free_port, start_process
+from support.backends import REPO, Backend, free_port, start_process
 
 LOOPBACK = "127.0.0.1"
 

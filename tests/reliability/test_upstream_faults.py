@@ -228,7 +228,7 @@ def test_a_probe_of_a_silent_backend_is_bounded(proxy: Any, fault_server: Any, k
     """A reverse target that accepts and never says a byte: the kind probe gives up after
     PROBE_TIMEOUT_S, the request is forwarded as is, and tcp_timeout ends it; meanwhile the proxy
     keeps answering everything else."""
-    from contextpaw.addon import PROBE_TIMEOUT_S
+    from contextpaw.session import PROBE_TIMEOUT_S
 
     started = time.monotonic()
     with httpx.Client(timeout=BOUND_S + PROBE_TIMEOUT_S + 5) as client:

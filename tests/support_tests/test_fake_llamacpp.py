@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from contextpaw.testing.common import FIXED_REPLY, Pacing, running
-from contextpaw.testing.fake_llamacpp import LlamaSettings, fake_llamacpp_app
+from support.common import FIXED_REPLY, Pacing, running
+from support.fake_llamacpp import LlamaSettings, fake_llamacpp_app
 
 N_CTX = 64
 QUESTION = [{"role": "user", "content": "SECRET=kiwi What is the SECRET?"}]

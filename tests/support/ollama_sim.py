@@ -1,7 +1,7 @@
 """A faithful Ollama simulator over a real, already running llama-server.
 
 Ollama (v0.30 and later) drives llama-server itself, so the simulator is Ollama's HTTP surface
-(:func:`contextpaw.testing.fake_ollama.ollama_app`) with an engine that does what Ollama asks of its
+(:func:`support.fake_ollama.ollama_app`) with an engine that does what Ollama asks of its
 runner: render through the model's own template (``/apply-template``), count with ``/tokenize``, and
 generate from the truncated token list with ``/completion``. ``prompt_eval_count`` is the server's
 ``cache_n + prompt_n``, so it counts what the model really saw.
@@ -10,7 +10,7 @@ One llama-server cannot be restarted per window the way Ollama relaunches its ru
 request's ``num_ctx`` is enforced here and capped to the server's per-slot window, which
 ``/api/show`` then reports as the model's context length.
 
-Run: ``python -m contextpaw.testing.ollama_sim --upstream http://127.0.0.1:8080 --port 11434``.
+Run: ``PYTHONPATH=tests python -m support.ollama_sim --upstream http://127.0.0.1:8080 --port 11434``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from contextpaw.testing.common import serve
-from contextpaw.testing.fake_ollama import (
+from .common import serve
+from .fake_ollama import (
     Finish,
     ModelCard,
     OllamaError,

@@ -1,5 +1,5 @@
 """A fast, deterministic fake Ollama (v0.33 ``head`` profile, ollama.md §5), and the HTTP surface
-that :mod:`contextpaw.testing.ollama_sim` puts on a real llama-server.
+that :mod:`support.ollama_sim` puts on a real llama-server.
 
 One surface, two engines. :class:`OllamaServer` owns everything Ollama decides itself: num_ctx
 resolution, the loaded runner and ``keep_alive``, message-level truncation (whole messages,
@@ -11,7 +11,7 @@ double: whitespace tokens, the ``<|role|> content`` template, and :func:`common.
 Not imitated: the Modelfile (SYSTEM, MESSAGEs, PARAMETERs), images, thinking, ``_debug_render_only``,
 the Host-header 403, the queue-full 503, the ``legacy`` profile, the ``context`` request field.
 
-Run: ``python -m contextpaw.testing.fake_ollama --port 11434 --n-ctx 4096``.
+Run: ``PYTHONPATH=tests python -m support.fake_ollama --port 11434 --n-ctx 4096``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from contextpaw.testing import common
-from contextpaw.testing.common import LazyStream, Pacing, Vocabulary, compact_json
+from . import common
+from .common import LazyStream, Pacing, Vocabulary, compact_json
 
 VERSION = "0.33.0-rc2"
 PROMPT_TOO_LONG = (

@@ -195,7 +195,7 @@ def proof_holds(through: Iterable[Trial], recall_needed: float = RECALL_NEEDED) 
 
 def start_demo_llama(stack: contextlib.ExitStack, work: Path, n_ctx: int) -> str | None:
     """The bundled llama-server with SmolLM2, for a demo: its URL, or None (said on stderr) when missing."""
-    from contextpaw.testing.backends import locate_llama_server, locate_smollm2, start_llama_server
+    from .backends import locate_llama_server, locate_smollm2, start_llama_server
 
     binary, model = locate_llama_server(build=True), locate_smollm2()
     if binary.path is None or model.path is None:

@@ -15,8 +15,8 @@ import ollama
 import openai
 import pytest
 
-from contextpaw.testing.common import Pacing, running
-from contextpaw.testing.fake_ollama import OllamaSettings, fake_ollama_app
+from support.common import Pacing, running
+from support.fake_ollama import OllamaSettings, fake_ollama_app
 
 NUM_CTX = 64
 MODEL = "fake"

@@ -10,7 +10,7 @@ Tokenizer: ``<s> </s> <|im_start|> <|im_end|>`` are single special tokens (ids 1
 ``parse_special``; the rest splits as ``\\s*\\S+|\\s+\\Z`` (a word with its leading white space, and
 trailing white space). Template: ChatML. BOS comes only from ``add_special``.
 
-Run: ``python -m contextpaw.testing.fake_llamacpp --port 8080 --n-ctx 2048``.
+Run: ``PYTHONPATH=tests python -m support.fake_llamacpp --port 8080 --n-ctx 2048``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from contextpaw.testing.common import (
+from .common import (
     SSE_DONE,
     LazyStream,
     Pacing,
@@ -537,7 +537,7 @@ async def _request_errors(request: web.Request, handler: Callable[..., Any]) -> 
 
 
 def fake_llamacpp_app(settings: LlamaSettings = LlamaSettings()) -> web.Application:
-    """An aiohttp app imitating llama-server; serve it with :func:`contextpaw.testing.common.running`."""
+    """An aiohttp app imitating llama-server; serve it with :func:`support.common.running`."""
     server = FakeLlamaServer(settings)
     gets = {
         "/health": server.health,

@@ -1,0 +1,43 @@
+"""The composition root: every addon, built once and wired to what they share (the counts, the
+evicted store, the failure ledger, the HTTP session, each flow's state), in hook order."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+
+from mitmproxy import contentviews
+
+from contextpaw import admin
+from contextpaw.addon import AdminEndpoints, Compactor, Upstream
+from contextpaw.arbitration import Arbitration
+from contextpaw.runtime import Arbiter, ArbiterSettings
+from contextpaw.backends import Backends
+from contextpaw.evicted import EvictedStore
+from contextpaw.fitter import Fitter
+from contextpaw.ledger import FailureLedger
+from contextpaw.session import HttpServices, Session
+from contextpaw.settings import FitSettings
+from contextpaw.views import ContextPawView
+
+def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None) -> list[object]:
+    """The addons in hook order; and the content view. ``new_arbiter`` makes the GPU arbiter (a
+    fake one in tests; by default the real one, on the shared session)."""
+    contentviews.add(ContextPawView())
+    defaults = FitSettings()  # until mitmproxy configures the options
+    store = EvictedStore(max_items=defaults.evicted_items, max_bytes=defaults.evicted_bytes, max_age_s=defaults.evicted_ttl)
+    stats = admin.Stats(store)
+    ledger = FailureLedger(stats)
+    session = Session()
+    services = HttpServices(session)
+    fitter = Fitter(services, stats, store, defaults)
+    states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    backends = Backends(ledger, session)
+    gpu = Arbitration(backends, new_arbiter or functools.partial(Arbiter, session=session.get))
+    compactor = Compactor(backends, fitter, states, ledger, session)
+    stats.sources += [gpu.metrics, compactor.summary_metrics]
+    upstream = Upstream(backends, fitter, states, ledger)
+    backends.relay = upstream.relay
+    endpoints = AdminEndpoints(backends, fitter, services, ledger, store, gpu.status)
+    return [gpu, endpoints, backends, compactor, upstream]

@@ -1,0 +1,500 @@
+"""The decision for one request, made without mitmproxy and without sockets.
+
+Given the request's bytes, its backend and route, the settings, and what outlives requests (each
+conversation's plan, the calibration, discovered windows), the `Fitter` answers once: forward the
+request unchanged, forward this body, or refuse with this answer; and it writes the report. After
+an upstream overflow it answers the rescue's question: (the body sent, the error answer) -> a new
+body or nothing. When the answer's final record arrives, it checks what the server evaluated.
+
+What it must ask the world (windows, exact counts, tokenizer files, digests) goes through `Services`,
+which the shell implements over one HTTP session and tests fake. The shell (`addon.py`) only moves
+data between the flow and this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from contextpaw import wire
+from contextpaw.admin import Stats
+from contextpaw.calibration import Calibration
+from contextpaw.compact import BudgetTooSmall, Plan
+from contextpaw.evicted import EvictedStore
+from contextpaw.report import Report
+from contextpaw.settings import FitSettings
+from contextpaw.state import LRU
+from contextpaw.streams import report_bytes
+from contextpaw.summarize import Complete, Summarizer, SummaryModel
+from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.truncation import detect
+from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
+
+logger = logging.getLogger("contextpaw")
+
+OFFLOAD_BYTES = 256 * 1024
+OFFLOAD_MESSAGES = 500
+"""Bodies above this size, or with more messages than this, are parsed and compacted in a worker
+thread, so other flows keep moving."""
+VERIFY_ROUNDS = 3
+NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
+FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
+
+
+class BackendCounting(Protocol):
+    """llama-server's own counts (`contextpaw.counting.LlamaCppCounting`)."""
+
+    async def counter(
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool
+    ) -> tuple[Counter, int] | None: ...
+
+    async def total(self, base_url: str, body: Mapping[str, Any]) -> int | None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class Services(Protocol):
+    """What the fitter asks of the world; every call is best-effort (None: do without)."""
+
+    fetch: Fetch
+    """A JSON answer from a backend, or None."""
+    counting: BackendCounting
+
+    async def tokenizer(self, path: str) -> Counter | None:
+        """A counter from a tokenizer or GGUF file (loaded once, off the event loop)."""
+        ...
+
+    def completions(self, url: str, model: str, timeout: float, authorization: str | None) -> Complete:
+        """The call that writes a digest with this model."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send the request on: these bytes, or the client's own when ``body`` is None."""
+
+    body: bytes | None = None
+    compacted: bool = False
+    """The body is a compaction (not only the client's with `truncate: false` added)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer here, in the caller's convention; the backend never sees the request."""
+
+    status: int
+    body: bytes
+    reason: str
+
+
+Decision = Forward | Refuse
+UNCHANGED = Forward()
+
+
+@dataclass(slots=True, weakref_slot=True)
+class FlowState:
+    """What ContextPaw knows about one handled flow, from its request to its last byte."""
+
+    backend: wire.Backend
+    route: wire.Route
+    original: bytes
+    """The body as the client sent it."""
+    path: str
+    """The request's path, for log lines."""
+    authorization: str | None = None
+    report: Report | None = None
+    """The report the client is told (compact and strict)."""
+    observed: Report | None = None
+    """Under policy off: what would have been done; checked against the answer, never sent."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """The X-ContextPaw-* headers for the response."""
+    calibration: tuple[str, float] | None = None
+    """(calibration key, factor used) when the calibrated counter counted this request."""
+    sent: bytes | None = None
+    """The body sent instead of the original, if any (the rescue's retry is the last one)."""
+    retried: bool = False
+    """A rescue was tried after an upstream overflow (there is never a second)."""
+    resent: bool = False
+    """The compacted retry was sent: its answer says whether it recovered."""
+    local: bool = False
+    """The answer was made here, not by the backend."""
+    truncation_flagged: bool = False
+
+    @property
+    def watched(self) -> Report | None:
+        """The report the answer is checked against, under any policy."""
+        return self.report or self.observed
+
+
+def is_big(raw: bytes) -> bool:
+    return len(raw) > OFFLOAD_BYTES or raw.count(b'"role"') > OFFLOAD_MESSAGES
+
+
+async def off_loop[T](big: bool, fn: Callable[[], T]) -> T:
+    return await asyncio.to_thread(fn) if big else fn()
+
+
+def calibration_key(backend: wire.Backend, model: str) -> str:
+    """Calibration is learned per kind of server and model: each tokenizes and templates its own way."""
+    return f"{backend.kind}/{model}"
+
+
+def _rough(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
+    """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it."""
+    if isinstance(parsed, wire.Chat):
+        conversation = parsed.conversation
+        return counter.tools(conversation.tools) + sum(counter.message(m) for m in conversation.messages)
+    return counter.text(parsed.prompt) + counter.text(parsed.fixed_text)
+
+
+class Fitter:
+    """Fits handled requests into the budget, refuses or rescues them, and reports what was lost."""
+
+    def __init__(self, services: Services, stats: Stats, store: EvictedStore, settings: FitSettings) -> None:
+        self.services = services
+        self.stats = stats
+        self.store = store
+        self.plans = LRU(settings.conversations)
+        """Each conversation's last `Plan` (by `wire.Chat.key`): the next turn evicts the same units."""
+        self.model_files = LRU(256)
+        """(Ollama URL, model) -> the file its Modelfile's FROM names, or None."""
+        self.windows = BackendWindows(services.fetch)
+        self.estimate = EstimateCounter()
+        self.calibration = Calibration()
+        self.summarizer: Summarizer | None = None
+        self.settings = settings
+        self.budgeter = Budgeter(default_ctx=settings.default_ctx, reserve=settings.output_reserve, margin=settings.margin)
+        self.configure(settings)
+
+    def configure(self, settings: FitSettings, summarizer: Summarizer | None = None) -> None:
+        """Take new settings; the summarizer is the shell's (it keeps digests in a file)."""
+        self.settings = settings
+        self.summarizer = summarizer
+        self.budgeter = Budgeter(
+            default_ctx=settings.default_ctx,
+            reserve=settings.output_reserve,
+            margin=settings.margin,
+            source=self.windows if settings.discover_window else NoDiscovery(),
+        )
+        self.store.max_items = settings.evicted_items
+        self.store.max_bytes = settings.evicted_bytes
+        self.store.max_age_s = settings.evicted_ttl
+        self.plans.limit = settings.conversations
+
+    # -- the request ----------------------------------------------------------------------------
+
+    async def fit(self, state: FlowState) -> Decision:
+        """The one decision for a request; an internal failure forwards it unchanged and says so."""
+        self.stats.add("requests")
+        try:
+            return await self._fit(state)
+        except Exception as e:  # fail open: the backend answers the request as the client sent it
+            logger.exception("ContextPaw failed on %s; forwarding the request unchanged", state.path)
+            state.report = state.observed = None
+            state.headers = {"X-ContextPaw-Error": f"{type(e).__name__} while compacting; forwarded unchanged"}
+            self.stats.add("errors")
+            return UNCHANGED
+
+    async def _fit(self, state: FlowState) -> Decision:
+        policy = self.settings.policy
+        big = is_big(state.original)
+        try:
+            parsed = await off_loop(big, functools.partial(state.route.read, state.original))
+        except wire.NotCompactable as e:
+            logger.debug("%s forwarded as is: %s", state.path, e)
+            return UNCHANGED
+        budget = await self.budgeter.budget(state.backend, parsed.params)
+        try:
+            fitted = await self._compact(parsed, budget, state.backend, big)
+        except BudgetTooSmall as e:
+            return UNCHANGED if policy == "off" else self._refuse(state, budget.impossible(e))
+        report = fitted.report
+        self.stats.add("original_tokens", report.original_tokens)
+        if report.counter == "calibrated":
+            key = calibration_key(state.backend, parsed.params.model)
+            state.calibration = (key, self.calibration.factor(key))
+        if policy == "off":
+            state.observed = report
+            return UNCHANGED
+        if policy == "strict" and report.compacted:
+            return self._refuse(state, budget.refusal(report.original_tokens))
+        if self.summarizer is not None and isinstance(parsed, wire.Chat) and report.evicted_tokens:
+            fitted = await self._summarized(state, parsed, fitted, budget, big)
+            report = fitted.report
+        body = fitted.body
+        if self._forbid_truncation(state.route, parsed, report, budget):
+            body = wire.write(json.loads(body) if body is not None else parsed.body, truncate=False)
+        self._remember(parsed, fitted)
+        self._keep(state, report)
+        if fitted.body is not None:
+            self._note_compaction(state, report, parsed.params.model)
+        state.sent = body
+        return Forward(body, fitted.body is not None)
+
+    def _forbid_truncation(self, route: wire.Route, parsed: wire.Chat | wire.Prompt, report: Report, budget: Budget) -> bool:
+        """Ask Ollama to refuse instead of cutting, for requests near enough the window to be at risk.
+
+        Requests far below it are left byte for byte; `truncate` set by the client is respected.
+        """
+        return (
+            self.settings.forbid_truncation
+            and route.name in NATIVE_OLLAMA
+            and "truncate" not in parsed.body
+            and report.final_tokens > budget.window // 2
+            and bool(parsed.conversation.messages if isinstance(parsed, wire.Chat) else parsed.prompt)  # a load request has nothing to cut
+        )
+
+    def _refuse(self, state: FlowState, overflow: wire.Overflow) -> Refuse:
+        report = Report(False, "refused", overflow.required, overflow.required, overflow.budget, window=overflow.window)
+        self._keep(state, report)
+        state.local = True
+        logger.info("%s refused: %s", state.route.name, overflow.message)
+        self.stats.add("refused")
+        return Refuse(413, report_bytes(state.route.refusal(overflow, report.to_json())), f"refused 413: {overflow.message}")
+
+    @staticmethod
+    def _keep(state: FlowState, report: Report) -> None:
+        state.report = report
+        state.headers = report.headers()
+
+    def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted) -> None:
+        if parsed.key and fitted.plan is not None:
+            self.plans.put(parsed.key, fitted.plan)
+
+    def _note_compaction(self, state: FlowState, report: Report, model: str) -> None:
+        for marker_id, content in report.evicted.items():
+            self.store.put(marker_id, content)
+        self.stats.add("compacted")
+        self.stats.add("evicted_tokens", report.evicted_tokens)
+        logger.info("%s %s: %s", state.route.name, model, report.summary())
+        logger.debug("evicted under %s: %r", report.markers, report.evicted)
+
+    # -- counting -------------------------------------------------------------------------------
+
+    async def counter_for(
+        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int | None = None, big: bool = False
+    ) -> tuple[Counter, int]:
+        """The best counter for this request, and the template's fixed cost when it is known.
+
+        Best source first: a tokenizer file the operator named; llama-server's own tokenizer and
+        template; the tokenizer in the GGUF file Ollama names for the model; the calibrated estimate.
+        A request the estimate puts at under half the `budget` cannot overflow even if the estimate
+        is off by two, so it is not worth a call to the backend: the estimate counts it.
+        """
+        model = parsed.params.model
+        calibrated = self.calibration.counter(calibration_key(backend, model), self.estimate)
+        if budget is not None and await off_loop(big, functools.partial(_rough, parsed, calibrated)) <= budget // 2:
+            return calibrated, 0
+        if self.settings.tokenizer:
+            named = await self.services.tokenizer(self.settings.tokenizer)
+            if named is not None:
+                return named, 0
+        if backend.kind == wire.Kind.LLAMACPP:
+            counted = await self.services.counting.counter(
+                backend.url, parsed.texts, calibrated, chat=isinstance(parsed, wire.Chat), has_system=parsed.has_system
+            )
+            if counted is not None:
+                return counted
+        elif (gguf := await self._ollama_model_file(backend, model)) is not None:
+            local = await self.services.tokenizer(gguf)
+            if local is not None:
+                return local, 0
+        return calibrated, 0
+
+    async def _ollama_model_file(self, backend: wire.Backend, model: str) -> str | None:
+        """The model's GGUF blob, when Ollama's Modelfile names one (asked once per model; the
+        services say whether this machine can read it)."""
+        key = (backend.url, model)
+        if key not in self.model_files:
+            show = await self.services.fetch("POST", backend.url + "/api/show", {"model": model}) if model else None
+            found = FROM_LINE.search(str(show.get("modelfile", ""))) if isinstance(show, dict) else None
+            self.model_files.put(key, found.group(1) if found else None)
+        return self.model_files.get(key)
+
+    async def _verified(
+        self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend, **fit: Any
+    ) -> wire.Fitted:
+        """Check a llama-server chat against the server's exact count; refit if it is over.
+
+        Our per-text counts are exact, but a shrunk text is estimated and a text can tokenize one
+        token differently inside the template: the server's total for the whole request is the
+        truth. A few rounds at most; each one tightens the budget by what the last one missed.
+        """
+        if fitted.report.counter != "backend" or not isinstance(parsed, wire.Chat):
+            return fitted
+        for _ in range(VERIFY_ROUNDS):
+            sent = json.loads(fitted.body) if fitted.body is not None else parsed.body
+            total = await self.services.counting.total(
+                backend.url, {k: sent[k] for k in ("messages", "tools") if sent.get(k) is not None}
+            )
+            if total is None:
+                fitted.report.exact = False
+                return fitted
+            if total <= budget.tokens:
+                fitted.report.final_tokens = total
+                if fitted.body is None:
+                    fitted.report.original_tokens = total
+                return fitted
+            budget = Budget(budget.window, budget.reserve, budget.margin + total - budget.tokens)
+            fitted = await self._compact(parsed, budget, backend, big=False, verify=False, **fit)
+        fitted.report.exact = False
+        fitted.report.notes.append("the server's count could not be confirmed within the budget")
+        return fitted
+
+    async def _compact(
+        self,
+        parsed: wire.Chat | wire.Prompt,
+        budget: Budget,
+        backend: wire.Backend,
+        big: bool,
+        verify: bool = True,
+        digests: Mapping[str, str] | None = None,
+        previous: Plan | None = None,
+    ) -> wire.Fitted:
+        """Fit with the conversation's last plan, in a worker thread when the request is big."""
+        counter, fixed = await self.counter_for(backend, parsed, budget.tokens, big)
+        turns: dict[str, Any] = {}  # what only a chat has: turns, a last plan, holes to put digests in
+        if isinstance(parsed, wire.Chat):
+            previous = previous or self.plans.get(parsed.key)
+            turns = {"keep_recent": self.settings.keep_recent, "previous": previous, "digests": digests}
+        fit = functools.partial(parsed.fit, budget.tokens, counter, fixed_tokens=fixed, **turns)
+        fitted = await off_loop(big, fit)
+        fitted.report.window = budget.window
+        if not verify:
+            return fitted
+        return await self._verified(parsed, fitted, budget, backend, digests=digests, previous=previous)
+
+    # -- digests of what was evicted ------------------------------------------------------------
+
+    async def _summarized(
+        self, state: FlowState, parsed: wire.Chat, fitted: wire.Fitted, budget: Budget, big: bool
+    ) -> wire.Fitted:
+        """Put a digest of each evicted span where its marker goes, inside the budget.
+
+        The chat is compacted again with room left for the digests; its holes are summarized; then
+        it is compacted a last time with the digests, keeping that plan's evictions so the holes
+        come out the same. Best-effort: without a digest the plain marker stays, and the report
+        says why.
+        """
+        assert self.summarizer is not None
+        cap = self.settings.summary_tokens
+        backend = state.backend
+        roomy = await self._compact(parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big)
+        holes = {mid: content for mid, content in roomy.report.evicted.items() if not isinstance(content, str)}
+        if not holes:
+            return fitted
+        model = await self._summary_model(state, parsed, budget)
+        results = await asyncio.gather(
+            *(self.summarizer.digest(content, model=model, cap_tokens=cap // len(holes)) for content in holes.values())
+        )
+        digests = {mid: r.text for mid, r in zip(holes, results, strict=True) if r.text}
+        reasons = "; ".join(r.reason for r in results if r.reason) or None
+        if reasons:
+            logger.warning("%s: %d of %d evicted spans not summarized: %s", state.path, len(holes) - len(digests), len(holes), reasons)
+        if not digests:
+            fitted.report.summary_reason = reasons
+            return fitted
+        final = await self._compact(parsed, budget, backend, big, digests=digests, previous=roomy.plan)
+        final.report.summary_reason = reasons
+        return final
+
+    async def _summary_model(self, state: FlowState, parsed: wire.Chat, budget: Budget) -> SummaryModel:
+        """Where digests are made: the configured summarizer, else the request's own backend and model."""
+        s, backend = self.settings, state.backend
+        target = wire.Backend.parse(backend.kind, s.summarizer_url) if s.summarizer_url else backend
+        name = s.summarizer_model or parsed.params.model
+        window = budget.window if target == backend else await self.windows.window(target, name) or budget.window
+        complete = self.services.completions(target.url, name, s.summarizer_timeout, state.authorization)
+        counter, _ = await self.counter_for(target, parsed)
+        return SummaryModel(complete, f"{target.url}/{name}", window, counter)
+
+    # -- the rescue after an upstream overflow -------------------------------------------------
+
+    def may_rescue(self, state: FlowState) -> bool:
+        return state.report is not None and self.settings.policy == "compact" and not state.retried
+
+    async def rescue(self, state: FlowState, status: int, answer: bytes) -> bytes | None:
+        """The body to send once instead of one the backend refused as too long (compacted to the
+        window it named), or None to pass its answer on; never raises (fail open, said in a header)."""
+        overflow = wire.upstream_overflow(status, answer)
+        if overflow is None or not self.may_rescue(state):
+            return None
+        try:
+            return await self._refit(state, overflow)
+        except Exception as e:  # fail open: the backend's answer goes to the client as it was
+            logger.exception("ContextPaw failed to rescue %s; passing the backend's answer on", state.path)
+            state.headers["X-ContextPaw-Error"] = f"{type(e).__name__} in the rescue; passed through"
+            self.stats.add("errors")
+            return None
+
+    async def _refit(self, state: FlowState, overflow: wire.UpstreamOverflow) -> bytes | None:
+        """Compact to the window the backend just named, once per flow (never twice). The report,
+        plan and evicted content become the retry's."""
+        state.retried = True
+        assert state.report is not None, "only a reported flow is rescued"
+        big = is_big(state.original)
+        parsed = await off_loop(big, functools.partial(state.route.read, state.original))
+        budget = self.budgeter.after_upstream_overflow(overflow, state.report.original_tokens, parsed.params)
+        try:
+            fitted = await self._compact(parsed, budget, state.backend, big)
+        except BudgetTooSmall as e:
+            state.headers["X-ContextPaw-Error"] = f"the upstream 400 cannot be rescued: {e}"
+            return None
+        if fitted.body is None:
+            return None
+        self.stats.add("retried_400")
+        self._remember(parsed, fitted)
+        self._keep(state, fitted.report)
+        self._note_compaction(state, fitted.report, parsed.params.model)
+        state.sent = fitted.body
+        state.resent = True
+        return fitted.body
+
+    def settle_rescue(self, state: FlowState, status: int, relay_failed: bool) -> bool:
+        """Once the retry's status is known: whether it recovered, in the report, headers and counts."""
+        assert state.report is not None
+        recovered = status < 400
+        state.report.recovered_from_upstream_400 = recovered
+        self.stats.add("recovered_400", recovered)
+        if recovered:
+            state.headers["X-ContextPaw-Recovered"] = "upstream-400"
+        elif not relay_failed:  # the relay says so itself when the backend failed
+            logger.warning("%s: the backend refused the compacted retry too (%d); its answer is passed on",
+                           state.path, status)  # fmt: skip
+        return recovered
+
+    # -- what the server says it evaluated ------------------------------------------------------
+
+    def final_report(self, state: FlowState, final: Any) -> bytes | None:
+        """The report for the answer's final record, after checking the count the server reports there.
+
+        Ollama evaluating clearly fewer tokens than it was sent means it cut the prompt in silence:
+        that is said in the report, the log and the metrics, under every policy. The same count
+        teaches the calibrated counter. Under policy off nothing is put on the wire (None).
+        """
+        report = state.watched
+        evaluated = wire.evaluated_tokens(final) if isinstance(final, dict) else None
+        on_wire = state.report is not None
+        if report is None or evaluated is None:
+            return report_bytes(state.report.to_json()) if state.report is not None else None
+        truncation = None
+        if state.route.name.startswith("ollama"):
+            truncation = detect(report.final_tokens, evaluated, report.window, report.exact)
+        if truncation is not None and report.upstream_truncated is None:
+            report.upstream_truncated = truncation
+            self.stats.add("upstream_truncated")
+            logger.warning(
+                "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",
+                state.path, evaluated, report.final_tokens, truncation.reason,
+            )  # fmt: skip
+        if state.calibration is not None and self.settings.calibrate:
+            key, factor = state.calibration
+            state.calibration = None
+            self.calibration.observe(key, round(report.final_tokens / factor), evaluated, num_ctx=report.window)
+        return report_bytes(report.to_json()) if on_wire else None

@@ -1,0 +1,38 @@
+"""One ledger of backend failures: what is counted, what is logged, and the last error seen at each
+backend (for `/contextpaw/health`), whichever part of ContextPaw saw it fail."""
+
+from __future__ import annotations
+
+import logging
+
+from contextpaw.admin import Stats
+
+logger = logging.getLogger("contextpaw")
+
+
+class FailureLedger:
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+        self.last_error: dict[str, str] = {}
+        """"host:port" -> the last failure seen there; cleared when a connection opens again."""
+
+    def connect_failed(self, target: str, reason: str) -> None:
+        """mitmproxy could not connect (its own answer, or ours, says so to the client)."""
+        self.last_error[target] = reason
+
+    def connected(self, target: str) -> None:
+        self.last_error.pop(target, None)
+
+    def unreachable(self, target: str, what: str, reason: str) -> None:
+        """A handled request answered 502 because its backend does not answer."""
+        self.last_error[target] = reason
+        self.stats.add("unreachable")
+        logger.warning("%s: answered 502: %s", what, reason)
+
+    def failed(self, what: str, reason: str, *, target: str | None = None, timed_out: bool = False, answered: str = "") -> None:
+        """A backend that answered badly: a 5xx, an answer that is not JSON, a reset or a stall."""
+        if target is not None:
+            self.last_error[target] = reason
+        self.stats.add("upstream_errors")
+        self.stats.add("upstream_timeouts", timed_out)
+        logger.warning("%s: upstream failure: %s%s", what, reason, f" ({answered})" if answered else "")

@@ -1,0 +1,202 @@
+"""The fitter on its own: no mitmproxy, no sockets; what it asks the world is faked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from contextpaw import wire
+from contextpaw.admin import Stats
+from contextpaw.evicted import EvictedStore
+from contextpaw.fitter import UNCHANGED, FlowState, Fitter, Forward, Refuse
+from contextpaw.settings import FitSettings
+from contextpaw.summarize import Complete
+from contextpaw.tokens import Counter
+
+OLLAMA = wire.Backend.parse(wire.Kind.OLLAMA, "http://127.0.0.1:11435")
+LLAMACPP = wire.Backend.parse(wire.Kind.LLAMACPP, "http://127.0.0.1:8091")
+CHAT = wire.route_for(wire.Kind.OLLAMA, "POST", "/api/chat")
+OPENAI = wire.route_for(wire.Kind.OLLAMA, "POST", "/v1/chat/completions")
+
+
+class NoCounting:
+    """A llama-server that cannot count: the fitter falls back to its estimate."""
+
+    calls = 0
+
+    async def counter(
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool
+    ) -> tuple[Counter, int] | None:
+        self.calls += 1
+        return None
+
+    async def total(self, base_url: str, body: Mapping[str, Any]) -> int | None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class FakeServices:
+    """Discovery that knows nothing (every window is the request's own or the default)."""
+
+    def __init__(self) -> None:
+        self.fetched: list[tuple[str, str]] = []
+        self.counting = NoCounting()
+
+    async def fetch(self, method: str, url: str, body: dict[str, Any] | None) -> Any:
+        self.fetched.append((method, url))
+        return None
+
+    async def tokenizer(self, path: str) -> Counter | None:
+        return None
+
+    def completions(self, url: str, model: str, timeout: float, authorization: str | None) -> Complete:
+        raise AssertionError("no digests without contextpaw_summarize")
+
+
+def chat(turns: int = 12, num_ctx: int = 2048, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Summarise the logs."}]
+    for i in range(turns):
+        messages.append({"role": "assistant" if i % 2 == 0 else "user", "content": f"part {i} " + "log line " * 300})
+    return {"model": "m", "messages": messages, "stream": False, "options": {"num_ctx": num_ctx}, **extra}
+
+
+def fitter(**settings: Any) -> Fitter:
+    return Fitter(FakeServices(), Stats(store := EvictedStore(max_items=100, max_bytes=1 << 20, max_age_s=60)), store, replace(FitSettings(), **settings))
+
+
+def state(body: dict[str, Any], route: wire.Route = CHAT, backend: wire.Backend = OLLAMA) -> FlowState:
+    return FlowState(backend, route, json.dumps(body).encode(), "/api/chat")
+
+
+async def test_a_chat_that_fits_is_forwarded_as_the_client_sent_it() -> None:
+    f, s = fitter(), state(chat(turns=1))
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is not None and not s.report.compacted
+    assert s.headers["X-ContextPaw-Compacted"] == "false"
+
+
+async def test_an_overflowing_chat_is_compacted_reported_and_its_evictions_kept() -> None:
+    f, s = fitter(), state(chat())
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted and decision.body is not None
+    sent = json.loads(decision.body)
+    assert sent["messages"][0]["content"] == "Be brief." and len(sent["messages"]) < 14
+    assert s.report is not None and s.report.compacted and s.report.final_tokens <= s.report.budget
+    assert all(f.store.get(marker) is not None for marker in s.report.markers)
+    assert f.stats.counts["compacted"] == 1 and s.sent == decision.body
+
+
+async def test_near_the_window_a_native_ollama_request_says_truncate_false() -> None:
+    decision = await fitter(output_reserve=0).fit(state(chat()))
+    assert isinstance(decision, Forward) and json.loads(decision.body or b"{}")["truncate"] is False
+    far = await fitter().fit(state(chat(turns=1)))
+    assert far == UNCHANGED, "far below the window the bytes stay the client's"
+
+
+async def test_strict_refuses_in_the_routes_own_error_shape() -> None:
+    f, s = fitter(policy="strict"), state(chat())
+    decision = await f.fit(s)
+    assert isinstance(decision, Refuse) and decision.status == 413
+    assert "policy strict" in json.loads(decision.body)["error"]
+    assert s.local and s.report is not None and s.report.strategy == "refused"
+
+
+async def test_policy_off_sends_nothing_new_but_keeps_what_it_would_have_done() -> None:
+    f, s = fitter(policy="off"), state(chat())
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is None and s.observed is not None and s.observed.compacted
+
+
+async def test_an_internal_failure_forwards_unchanged_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    f, s = fitter(), state(chat())
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(wire.Chat, "fit", broken)
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is None, "the report never describes a request that was not sent"
+    assert "RuntimeError" in s.headers["X-ContextPaw-Error"] and f.stats.counts["errors"] == 1
+
+
+async def test_the_next_turn_is_fitted_with_the_last_turns_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the last turn dropped stays dropped, so the next turn appends to the prefix the
+    server has cached."""
+    given: list[Any] = []
+    fit = wire.Chat.fit
+
+    def spy(self: wire.Chat, *args: Any, previous: Any = None, **kwargs: Any) -> wire.Fitted:
+        given.append(previous)
+        return fit(self, *args, previous=previous, **kwargs)
+
+    monkeypatch.setattr(wire.Chat, "fit", spy)
+    f = fitter()
+    first = state(chat())
+    await f.fit(first)
+    plan = f.plans.get(next(iter(f.plans)))
+    body = chat()
+    body["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+    second = state(body)
+    await f.fit(second)
+    assert given == [None, plan], "the second turn is fitted with the first turn's plan"
+    assert first.report is not None and second.report is not None
+    dropped = {r.index for r in first.report.removals if r.action == "dropped"}
+    assert dropped and dropped <= {r.index for r in second.report.removals if r.action == "dropped"}
+    assert len(f.plans) == 1
+
+
+async def test_an_upstream_overflow_is_refitted_to_the_window_it_names_once() -> None:
+    f, s = fitter(), state(chat(num_ctx=8192))
+    await f.fit(s)
+    answer = json.dumps({"error": json.dumps({"error": {
+        "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 3000, "n_ctx": 2048,
+        "message": "the request exceeds the available context size"}})}).encode()  # fmt: skip
+    retry = await f.rescue(s, 400, answer)
+    assert retry is not None and s.resent and s.report is not None and s.report.window == 2048
+    assert f.stats.counts["retried_400"] == 1
+    assert await f.rescue(s, 400, answer) is None, "never a second retry"
+    assert f.settle_rescue(s, 200, relay_failed=False) and s.headers["X-ContextPaw-Recovered"] == "upstream-400"
+
+
+async def test_an_answer_that_is_not_an_overflow_is_not_rescued() -> None:
+    f, s = fitter(), state(chat(num_ctx=8192))
+    await f.fit(s)
+    assert await f.rescue(s, 400, b'{"error": "model not found"}') is None and not s.retried
+
+
+async def test_a_cut_ollama_made_is_flagged_and_a_whole_evaluation_is_not() -> None:
+    f = fitter(output_reserve=0)
+    cut, whole = state(chat()), state(chat())
+    await f.fit(cut)
+    await f.fit(whole)
+    assert cut.report is not None and whole.report is not None
+    f.final_report(cut, {"done": True, "prompt_eval_count": 1024})  # Ollama's cut of a 2048 window
+    f.final_report(whole, {"done": True, "prompt_eval_count": whole.report.final_tokens})
+    assert cut.report.upstream_truncated is not None and cut.report.upstream_truncated.evaluated_tokens == 1024
+    assert whole.report.upstream_truncated is None
+    assert f.stats.counts["upstream_truncated"] == 1
+
+
+async def test_under_policy_off_the_report_is_checked_but_never_put_on_the_wire() -> None:
+    f, s = fitter(policy="off"), state(chat(turns=1))
+    await f.fit(s)
+    assert f.final_report(s, {"done": True, "prompt_eval_count": 10}) is None
+
+
+async def test_a_small_llama_server_request_is_counted_without_asking_the_server() -> None:
+    f = fitter()
+    await f.fit(state({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, OPENAI, LLAMACPP))
+    assert f.services.counting.calls == 0
+
+
+def test_the_fitter_imports_no_mitmproxy() -> None:
+    code = "import sys, contextpaw.fitter; sys.exit(any(m.startswith('mitmproxy') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
