@@ -58,7 +58,7 @@ FIT_OPTIONS = {
     "contextpaw_evicted_ttl", "contextpaw_discover_window", "contextpaw_tokenizer", "contextpaw_forbid_truncation",
     "contextpaw_summarize", "contextpaw_summarizer_url", "contextpaw_summarizer_model",
     "contextpaw_summarizer_timeout", "contextpaw_summary_tokens", "contextpaw_calibrate", "contextpaw_state_dir",
-    "confdir",
+    "contextpaw_ollama_context_length", "confdir",
 }  # fmt: skip
 
 FlowStates = weakref.WeakKeyDictionary[http.HTTPFlow, FlowState]
@@ -106,7 +106,10 @@ class Compactor:
         add("contextpaw_summary_tokens", int, d.summary_tokens, "The most tokens all digests of one request may take.")
         add("contextpaw_calibrate", bool, d.calibrate,
             "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model.")
-        add("contextpaw_state_dir", str, "", "Where the calibration is kept across restarts (default: confdir).")  # fmt: skip
+        add("contextpaw_state_dir", str, "", "Where the calibration is kept across restarts (default: confdir).")
+        add("contextpaw_ollama_context_length", int, d.ollama_context_length,
+            "The Ollama server's OLLAMA_CONTEXT_LENGTH, the window of requests without num_ctx (all of /v1); "
+            "0: learn it from the server (by loading the model as such a request would).")  # fmt: skip
 
     def configure(self, updated: set[str]) -> None:
         if not FIT_OPTIONS & updated:
@@ -173,7 +176,7 @@ class Compactor:
         assert response is not None
         state = self.states.get(flow)
         if state is not None:
-            if response.headers.pop(RESCUED_HEADER, None) is not None and state.resent:  # the relay's retry
+            if response.headers.pop(RESCUED_HEADER, None) is not None:  # the relay's retry, or its refusal
                 self._settled(flow, state)
             response.headers.update(state.headers)
         if (state and state.local) or not response.headers.get("content-type", "").startswith(STREAM_TYPES):
@@ -195,8 +198,7 @@ class Compactor:
         try:
             content = response.content or b""
             if self.fitter.may_rescue(state) and wire.upstream_overflow(response.status_code, content):
-                if (retry := await self.fitter.rescue(state, response.status_code, content)) is not None:
-                    await self._resend(flow, state, retry)
+                await self._rescue(flow, state)
                 assert flow.response is not None
                 flow.response.headers.update(state.headers)
             elif response.status_code >= 500 and ERROR_HEADER not in response.headers:
@@ -213,20 +215,29 @@ class Compactor:
         if flow in self.states and flow.error and "client disconnected" not in flow.error.msg.lower():
             self.ledger.failed(f"{flow.request.method} {flow.request.path}", flow.error.msg)
 
-    async def _resend(self, flow: http.HTTPFlow, state: FlowState, body: bytes) -> None:
-        """The rescue for a flow the relay does not carry: the retry is sent here, answered in one piece."""
+    async def _rescue(self, flow: http.HTTPFlow, state: FlowState) -> None:
+        """The rescue for a flow the relay does not carry: retried here (until the answer is not an
+        overflow, within the fitter's bound), answered in one piece."""
         headers = {k: v for k, v in flow.request.headers.items() if k.lower() not in HOP_HEADERS}
         timeout = aiohttp.ClientTimeout(sock_connect=PROBE_TIMEOUT_S, sock_read=ctx.options.contextpaw_header_timeout)
-        async with self.session.get().post(flow.request.url, data=body, headers=headers, timeout=timeout) as answer:
-            content = await answer.read()
-            kept = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS]
-            status = answer.status
-        flow.response = http.Response.make(status, content, http.Headers(kept))
-        self._settled(flow, state)
+        assert flow.response is not None
+        while (retry := await self.fitter.rescue(state, flow.response.status_code, flow.response.content or b"")) is not None:
+            if isinstance(retry, Refuse):
+                reply(flow, retry.status, retry.body)
+                break
+            async with self.session.get().post(flow.request.url, data=retry, headers=headers, timeout=timeout) as answer:
+                content = await answer.read()
+                kept = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS]
+                flow.response = http.Response.make(answer.status, content, http.Headers(kept))
+        if state.retried:
+            self._settled(flow, state)
 
     def _settled(self, flow: http.HTTPFlow, state: FlowState) -> None:
         """The retry's answer is in: say whether it recovered; mitmweb shows what was sent last."""
         assert flow.response is not None and state.report is not None
+        if state.local:  # nothing that must be kept fits the window the backend named
+            flag(flow, REFUSED_MARK, f"refused 413 after the backend's overflow: {state.report.summary()}")
+            return
         self.fitter.settle_rescue(state, flow.response.status_code, ERROR_HEADER in flow.response.headers)
         flag(flow, COMPACTED_MARK, state.report.summary(), replace=True)
         flow.metadata[ORIGINAL] = state.original
@@ -342,7 +353,14 @@ class Upstream:
         if state is None:
             return None
         retry = await self.fitter.rescue(state, status, answer)
-        return encoding.encode(retry, carried[1]) if retry is not None else None
+        if isinstance(retry, Refuse):
+            return retry.status, retry.body
+        if retry is None:
+            return None
+        encoded = encoding.encode(retry, carried[1])
+        if self.fitter.may_rescue(state):  # the retry may be refused too: it is asked about again
+            self.carried.put(_digest(encoded), carried)
+        return encoded
 
     def http_connect_upstream(self, flow: http.HTTPFlow) -> None:
         if self.relay.address is not None and flow.server_conn.address == self.relay.address:

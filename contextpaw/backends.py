@@ -185,7 +185,7 @@ class Backends:
             return wire.Backend.parse(wire.Kind(named), url)
         if not _is_reverse(flow):
             return None
-        return await self._identified(address, url)
+        return await self._probe(address, url)
 
     async def _identified(self, address: tuple[str, int], url: str) -> wire.Backend | None:
         """The backend at a reverse-mode target, asked once what it is (None while it does not say)."""

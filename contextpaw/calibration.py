@@ -3,9 +3,11 @@
 Per backend and model, from the server's reported prompt counts against our estimate of exactly what
 was sent. The learned factor is the largest ratio among recent good samples (plus a small safety
 margin), so it never under-counts anything it has seen; old samples age out of the window, so one odd
-sample cannot inflate it forever. Samples are refused when they cannot be trusted: the prompt was
-truncated by the server, part of it came from a prefix cache the count leaves out, or it is too small
-for the template's fixed cost not to dominate. `state()`/`restore()` give the shell what to persist
+sample cannot inflate it forever. It learns in both directions: an estimate that counts high scales
+down too. Samples are refused when they cannot be trusted: the server may have cut the prompt (the
+caller says whether it evaluated all of it), part of it came from a prefix cache the count leaves
+out, or it is too small for the template's fixed cost not to dominate. `bounds` says how far the
+true size can be from a calibrated count, which the truncation check and the budget use. `state()`/`restore()` give the shell what to persist
 in a small JSON file, so the learning survives restarts; this module does no I/O itself.
 """
 
@@ -18,12 +20,16 @@ from dataclasses import dataclass
 
 from contextpaw.conversation import Message
 from contextpaw.tokens import Counter
-from contextpaw.truncation import detect
+from contextpaw.truncation import ESTIMATE_BOUNDS
 
 MIN_SAMPLE_TOKENS = 200
 SAFETY = 1.03
 OUTLIER = 2.5
 """A ratio this many times the median of the window is refused as an outlier."""
+BOUND_SAMPLES = 3
+"""Samples needed before the learned spread replaces the estimate's a-priori bounds."""
+BOUND_SLACK = 0.1
+"""How much wider than the spread seen the bounds are: the next text may differ a little."""
 
 
 class CalibratedCounter(Counter):
@@ -64,26 +70,33 @@ class Calibration:
     def counter(self, key: str, base: Counter) -> CalibratedCounter:
         return CalibratedCounter(base, self.factor(key))
 
-    def observe(
-        self, key: str, estimated: int, reported: int | None, *, num_ctx: int | None = None, cached: bool = False
-    ) -> Verdict:
-        """Learn from one response; `estimated` is the base counter's count of what was sent."""
-        verdict = self._judge(key, estimated, reported, num_ctx, cached)
+    def bounds(self, key: str) -> tuple[float, float]:
+        """How far the true size can be from this key's calibrated count, as (low, high) ratios."""
+        ratios = self.ratios.get(key)
+        if not ratios or len(ratios) < BOUND_SAMPLES:
+            return ESTIMATE_BOUNDS
+        factor = self.factor(key)
+        return min(ratios) / factor * (1 - BOUND_SLACK), max(ratios) / factor * (1 + BOUND_SLACK)
+
+    def observe(self, key: str, estimated: int, reported: int | None, *, whole: bool, cached: bool = False) -> Verdict:
+        """Learn from one response; `estimated` is the base counter's count of what was sent, and
+        `whole` says whether the server surely evaluated all of it."""
+        verdict = self._judge(key, estimated, reported, whole, cached)
         if verdict.accepted:
             self.ratios.setdefault(key, deque(maxlen=self.window)).append(reported / estimated)
         else:
             self.refused += 1
         return verdict
 
-    def _judge(self, key: str, estimated: int, reported: int | None, num_ctx: int | None, cached: bool) -> Verdict:
+    def _judge(self, key: str, estimated: int, reported: int | None, whole: bool, cached: bool) -> Verdict:
         if reported is None or reported <= 0:
             return Verdict(False, "no count reported")
         if cached:
             return Verdict(False, "count leaves out a cached prefix")
         if estimated < MIN_SAMPLE_TOKENS:
             return Verdict(False, "too small to learn from")
-        if detect(estimated, reported, num_ctx, exact=False):
-            return Verdict(False, "server truncated the prompt")
+        if not whole:
+            return Verdict(False, "the server may have cut the prompt")
         ratios = self.ratios.get(key)
         if ratios and len(ratios) >= 3 and reported / estimated > OUTLIER * statistics.median(ratios):
             return Verdict(False, "outlier")

@@ -33,7 +33,7 @@ from contextpaw.state import LRU
 from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter
-from contextpaw.truncation import detect
+from contextpaw.truncation import EXACT_BOUNDS, Evaluation, could_exceed, judge
 from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
 
 logger = logging.getLogger("contextpaw")
@@ -43,6 +43,8 @@ OFFLOAD_MESSAGES = 500
 """Bodies above this size, or with more messages than this, are parsed and compacted in a worker
 thread, so other flows keep moving."""
 VERIFY_ROUNDS = 3
+MAX_RESCUES = 3
+"""Retries after upstream overflows, each compacted to what the server said of the last one."""
 NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
 FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 
@@ -118,13 +120,23 @@ class FlowState:
     """(calibration key, factor used) when the calibrated counter counted this request."""
     sent: bytes | None = None
     """The body sent instead of the original, if any (the rescue's retry is the last one)."""
-    retried: bool = False
-    """A rescue was tried after an upstream overflow (there is never a second)."""
+    sent_tokens: int | None = None
+    """Our count of what was sent (under policy off, of the client's own request)."""
+    bounds: tuple[float, float] = EXACT_BOUNDS
+    """How far the true size of what was sent can be from `sent_tokens`."""
+    uncuttable: bool = False
+    """What was sent cannot be cut: it says `truncate: false`, or llama-server gets it (a 400)."""
+    rescues: int = 0
+    """Retries after upstream overflows so far (at most `MAX_RESCUES`)."""
     resent: bool = False
     """The compacted retry was sent: its answer says whether it recovered."""
     local: bool = False
     """The answer was made here, not by the backend."""
     truncation_flagged: bool = False
+
+    @property
+    def retried(self) -> bool:
+        return self.rescues > 0
 
     @property
     def watched(self) -> Report | None:
@@ -143,6 +155,11 @@ async def off_loop[T](big: bool, fn: Callable[[], T]) -> T:
 def calibration_key(backend: wire.Backend, model: str) -> str:
     """Calibration is learned per kind of server and model: each tokenizes and templates its own way."""
     return f"{backend.kind}/{model}"
+
+
+def _uncapped(state: FlowState) -> bool:
+    """Ollama's `/v1` routes cannot carry `truncate: false`: a prompt over the window is cut there."""
+    return state.backend.kind == wire.Kind.OLLAMA and state.route.name not in NATIVE_OLLAMA
 
 
 def _rough(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
@@ -176,6 +193,7 @@ class Fitter:
         """Take new settings; the summarizer is the shell's (it keeps digests in a file)."""
         self.settings = settings
         self.summarizer = summarizer
+        self.windows.ollama_default = settings.ollama_context_length or None
         self.budgeter = Budgeter(
             default_ctx=settings.default_ctx,
             reserve=settings.output_reserve,
@@ -211,16 +229,18 @@ class Fitter:
             return UNCHANGED
         budget = await self.budgeter.budget(state.backend, parsed.params)
         try:
-            fitted = await self._compact(parsed, budget, state.backend, big)
+            fitted = await self._compact(parsed, budget, state.backend, big, guard=_uncapped(state))
         except BudgetTooSmall as e:
             return UNCHANGED if policy == "off" else self._refuse(state, budget.impossible(e))
         report = fitted.report
         self.stats.add("original_tokens", report.original_tokens)
+        key = calibration_key(state.backend, parsed.params.model)
         if report.counter == "calibrated":
-            key = calibration_key(state.backend, parsed.params.model)
             state.calibration = (key, self.calibration.factor(key))
+        state.bounds = EXACT_BOUNDS if report.exact else self.calibration.bounds(key)
+        said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
-            state.observed = report
+            state.observed, state.sent_tokens, state.uncuttable = report, report.original_tokens, said
             return UNCHANGED
         if policy == "strict" and report.compacted:
             return self._refuse(state, budget.refusal(report.original_tokens))
@@ -228,25 +248,29 @@ class Fitter:
             fitted = await self._summarized(state, parsed, fitted, budget, big)
             report = fitted.report
         body = fitted.body
-        if self._forbid_truncation(state.route, parsed, report, budget):
+        forbid = self._forbid_truncation(state.route, parsed, report, budget, state.bounds)
+        if forbid:
             body = wire.write(json.loads(body) if body is not None else parsed.body, truncate=False)
         self._remember(parsed, fitted)
         self._keep(state, report)
         if fitted.body is not None:
             self._note_compaction(state, report, parsed.params.model)
-        state.sent = body
+        state.sent, state.sent_tokens, state.uncuttable = body, report.final_tokens, said or forbid
         return Forward(body, fitted.body is not None)
 
-    def _forbid_truncation(self, route: wire.Route, parsed: wire.Chat | wire.Prompt, report: Report, budget: Budget) -> bool:
-        """Ask Ollama to refuse instead of cutting, for requests near enough the window to be at risk.
+    def _forbid_truncation(
+        self, route: wire.Route, parsed: wire.Chat | wire.Prompt, report: Report, budget: Budget, bounds: tuple[float, float]
+    ) -> bool:
+        """Ask Ollama to refuse instead of cutting, for requests that can exceed the window given
+        the error bounds of our count.
 
-        Requests far below it are left byte for byte; `truncate` set by the client is respected.
+        Requests that cannot are left byte for byte; `truncate` set by the client is respected.
         """
         return (
             self.settings.forbid_truncation
             and route.name in NATIVE_OLLAMA
             and "truncate" not in parsed.body
-            and report.final_tokens > budget.window // 2
+            and could_exceed(report.final_tokens, budget.window, bounds)
             and bool(parsed.conversation.messages if isinstance(parsed, wire.Chat) else parsed.prompt)  # a load request has nothing to cut
         )
 
@@ -356,16 +380,35 @@ class Fitter:
         verify: bool = True,
         digests: Mapping[str, str] | None = None,
         previous: Plan | None = None,
+        guard: bool = False,
     ) -> wire.Fitted:
-        """Fit with the conversation's last plan, in a worker thread when the request is big."""
+        """Fit with the conversation's last plan, in a worker thread when the request is big.
+
+        With `guard` (a route that cannot ask Ollama to refuse instead of cutting), an inexact
+        count gets a budget its upper error bound still fits in, where what must be kept allows
+        it: a cut there cannot be undone, and the calibration soon narrows the bound."""
         counter, fixed = await self.counter_for(backend, parsed, budget.tokens, big)
+        guarded = budget
+        if guard and not counter.exact:
+            guarded = budget.within(self.calibration.bounds(calibration_key(backend, parsed.params.model))[1])
         turns: dict[str, Any] = {}  # what only a chat has: turns, a last plan, holes to put digests in
         if isinstance(parsed, wire.Chat):
             previous = previous or self.plans.get(parsed.key)
             turns = {"keep_recent": self.settings.keep_recent, "previous": previous, "digests": digests}
-        fit = functools.partial(parsed.fit, budget.tokens, counter, fixed_tokens=fixed, **turns)
-        fitted = await off_loop(big, fit)
+        fit = functools.partial(parsed.fit, counter=counter, fixed_tokens=fixed, **turns)
+        try:
+            fitted = await off_loop(big, functools.partial(fit, guarded.tokens))
+        except BudgetTooSmall:
+            if guarded == budget:
+                raise
+            guarded = budget  # what must be kept needs more: the full budget, and the check after
+            fitted = await off_loop(big, functools.partial(fit, budget.tokens))
         fitted.report.window = budget.window
+        if guarded != budget:
+            fitted.report.notes.append(
+                f"budget {guarded.tokens} of {budget.tokens}: the count is an estimate, and this route cannot ask "
+                "Ollama to refuse instead of cutting"
+            )
         if not verify:
             return fitted
         return await self._verified(parsed, fitted, budget, backend, digests=digests, previous=previous)
@@ -385,7 +428,8 @@ class Fitter:
         assert self.summarizer is not None
         cap = self.settings.summary_tokens
         backend = state.backend
-        roomy = await self._compact(parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big)
+        guard = _uncapped(state)
+        roomy = await self._compact(parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big, guard=guard)
         holes = {mid: content for mid, content in roomy.report.evicted.items() if not isinstance(content, str)}
         if not holes:
             return fitted
@@ -400,7 +444,7 @@ class Fitter:
         if not digests:
             fitted.report.summary_reason = reasons
             return fitted
-        final = await self._compact(parsed, budget, backend, big, digests=digests, previous=roomy.plan)
+        final = await self._compact(parsed, budget, backend, big, digests=digests, previous=roomy.plan, guard=guard)
         final.report.summary_reason = reasons
         return final
 
@@ -417,11 +461,12 @@ class Fitter:
     # -- the rescue after an upstream overflow -------------------------------------------------
 
     def may_rescue(self, state: FlowState) -> bool:
-        return state.report is not None and self.settings.policy == "compact" and not state.retried
+        return state.report is not None and self.settings.policy == "compact" and state.rescues < MAX_RESCUES
 
-    async def rescue(self, state: FlowState, status: int, answer: bytes) -> bytes | None:
-        """The body to send once instead of one the backend refused as too long (compacted to the
-        window it named), or None to pass its answer on; never raises (fail open, said in a header)."""
+    async def rescue(self, state: FlowState, status: int, answer: bytes) -> bytes | Refuse | None:
+        """After the backend refused what was sent as too long: the body to send instead, compacted
+        to what the server said of that body; a 413 in the caller's shape when nothing that must
+        be kept fits; None to pass its answer on. Never raises (fail open, said in a header)."""
         overflow = wire.upstream_overflow(status, answer)
         if overflow is None or not self.may_rescue(state):
             return None
@@ -433,28 +478,36 @@ class Fitter:
             self.stats.add("errors")
             return None
 
-    async def _refit(self, state: FlowState, overflow: wire.UpstreamOverflow) -> bytes | None:
-        """Compact to the window the backend just named, once per flow (never twice). The report,
-        plan and evicted content become the retry's."""
-        state.retried = True
+    async def _refit(self, state: FlowState, overflow: wire.UpstreamOverflow) -> bytes | Refuse | None:
+        """Compact the client's request again, to the window the backend just named, in our
+        counter's units: the server counted `n_prompt_tokens` for the body we counted at
+        `sent_tokens`. The report, plan and evicted content become the retry's; a retry to a native
+        route says `truncate: false`, so it is refused again rather than cut."""
+        state.rescues += 1
         assert state.report is not None, "only a reported flow is rescued"
         big = is_big(state.original)
         parsed = await off_loop(big, functools.partial(state.route.read, state.original))
-        budget = self.budgeter.after_upstream_overflow(overflow, state.report.original_tokens, parsed.params)
+        if parsed.params.num_ctx is None:  # the window requests without num_ctx get, from the server
+            self.windows.learn(state.backend, parsed.params.model, overflow.n_ctx)
+        sent = state.sent_tokens if state.sent_tokens is not None else state.report.final_tokens
+        budget = self.budgeter.after_upstream_overflow(overflow, sent, parsed.params)
         try:
             fitted = await self._compact(parsed, budget, state.backend, big)
         except BudgetTooSmall as e:
-            state.headers["X-ContextPaw-Error"] = f"the upstream 400 cannot be rescued: {e}"
-            return None
+            return self._refuse(state, budget.impossible(e))
         if fitted.body is None:
             return None
+        body = fitted.body
+        native = state.route.name in NATIVE_OLLAMA and "truncate" not in parsed.body
+        if native:
+            body = wire.write(json.loads(body), truncate=False)
         self.stats.add("retried_400")
         self._remember(parsed, fitted)
         self._keep(state, fitted.report)
         self._note_compaction(state, fitted.report, parsed.params.model)
-        state.sent = fitted.body
-        state.resent = True
-        return fitted.body
+        state.sent, state.sent_tokens, state.resent = body, fitted.report.final_tokens, True
+        state.uncuttable = state.uncuttable or native
+        return body
 
     def settle_rescue(self, state: FlowState, status: int, relay_failed: bool) -> bool:
         """Once the retry's status is known: whether it recovered, in the report, headers and counts."""
@@ -481,20 +534,21 @@ class Fitter:
         report = state.watched
         evaluated = wire.evaluated_tokens(final) if isinstance(final, dict) else None
         on_wire = state.report is not None
-        if report is None or evaluated is None:
+        if report is None or evaluated is None or state.sent_tokens is None:
             return report_bytes(state.report.to_json()) if state.report is not None else None
-        truncation = None
-        if state.route.name.startswith("ollama"):
-            truncation = detect(report.final_tokens, evaluated, report.window, report.exact)
-        if truncation is not None and report.upstream_truncated is None:
+        sent = state.sent_tokens
+        verdict = judge(sent, evaluated, report.window, state.bounds, state.uncuttable)
+        if (truncation := verdict.truncation) is not None and report.upstream_truncated is None:
             report.upstream_truncated = truncation
+            report.recovered_from_upstream_400 = False
             self.stats.add("upstream_truncated")
             logger.warning(
                 "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",
-                state.path, evaluated, report.final_tokens, truncation.reason,
+                state.path, evaluated, sent, truncation.reason,
             )  # fmt: skip
         if state.calibration is not None and self.settings.calibrate:
             key, factor = state.calibration
             state.calibration = None
-            self.calibration.observe(key, round(report.final_tokens / factor), evaluated, num_ctx=report.window)
+            whole = verdict.evaluation is Evaluation.WHOLE
+            self.calibration.observe(key, round(sent / factor), evaluated, whole=whole)
         return report_bytes(report.to_json()) if on_wire else None

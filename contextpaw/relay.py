@@ -14,9 +14,9 @@ headers and bodies pass as they are) and answers every failure of the backend in
 
 Each failure is reported to `on_failure` (the addon counts and logs it) and its answer carries
 `X-ContextPaw-Upstream-Error`. A 400 (or 500) is shown to `rescue` first, with the body that was
-sent: if the addon compacts that request to the window the error names, the new body is sent once
-more and its answer, streamed if it streams and marked `X-ContextPaw-Rescued`, goes back instead of
-the error. The relay knows no flows and changes none. The relay listens on 127.0.0.1 only and opens tunnels only for a
+sent: if the addon compacts that request to the window the error names, the new body is sent
+instead (and shown again if it fails the same way) and its answer, streamed if it streams and
+marked `X-ContextPaw-Rescued`, goes back instead of the error. The relay knows no flows and changes none. The relay listens on 127.0.0.1 only and opens tunnels only for a
 CONNECT that carries its secret (mitmproxy adds it in the `http_connect_upstream` hook), so it is
 not an open proxy for other local users. A tunnel keeps its backend connection between requests for
 a moment, and never sends a request twice.
@@ -82,9 +82,10 @@ class Failure:
     """False when no connection to the backend could be opened."""
 
 
-Rescue = Callable[[bytes, int, bytes], Awaitable[bytes | None]]
-"""(the body sent, the error's status, the error's body) -> a body to send once instead, or None to
-pass the answer on."""
+Rescue = Callable[[bytes, int, bytes], Awaitable[bytes | tuple[int, bytes] | None]]
+"""(the body sent, the error's status, the error's body) -> a body to send instead, a JSON answer
+(status, body) to give the client instead, or None to pass the error on. Asked again after each
+retry that fails the same way; the addon bounds the rounds."""
 RESCUABLE = (400, 500)
 """The statuses a context overflow comes back with (llama-server 400; some Ollama builds 500)."""
 
@@ -238,7 +239,10 @@ async def _refuse_unreadable(down: h11.Connection, writer: asyncio.StreamWriter,
 
 def _json_answer(status: int, body: dict[str, Any], *headers: tuple[bytes, bytes]) -> list[h11.Event]:
     """A whole JSON answer of the relay's own, as h11 events."""
-    data = json.dumps(body).encode()
+    return _whole_answer(status, json.dumps(body).encode(), *headers)
+
+
+def _whole_answer(status: int, data: bytes, *headers: tuple[bytes, bytes]) -> list[h11.Event]:
     head = [(b"Content-Type", JSON_TYPE), (b"Content-Length", str(len(data)).encode()), *headers]
     return [h11.Response(status_code=status, headers=head), h11.Data(data=data), h11.EndOfMessage()]
 
@@ -305,8 +309,12 @@ class Exchange:
         if self._streams(response):
             return await self._relay_stream(response)
         body = await self._read_body()
-        rescued = response.status_code in RESCUABLE and (retry := await self._rescued(response.status_code, body)) is not None
-        if rescued:
+        sent, rescued = self.body, False
+        while response.status_code in RESCUABLE and (retry := await self._rescued(sent, response.status_code, body)) is not None:
+            if isinstance(retry, tuple):  # nothing that must be kept fits: the addon's own answer
+                status, answer = retry
+                return await self._answer(*_whole_answer(status, answer, (RESCUED_HEADER.encode(), b"1")))
+            sent, rescued = retry, True
             response = await self._ask(retry)
             if self._streams(response):
                 return await self._relay_stream(response, rescued)
@@ -380,12 +388,12 @@ class Exchange:
                 body += event.data
         return bytes(body)
 
-    async def _rescued(self, status: int, answer: bytes) -> bytes | None:
+    async def _rescued(self, sent: bytes, status: int, answer: bytes) -> bytes | tuple[int, bytes] | None:
         """Ask the addon whether this 400 is an overflow it can fit once more; a failure of ours passes it on."""
         if self.relay.rescue is None:
             return None
         try:
-            return await self.relay.rescue(self.body, status, answer)
+            return await self.relay.rescue(sent, status, answer)
         except Exception:
             logger.exception("the rescue of %s failed; the backend's 400 is passed on", self.path)
             return None

@@ -31,6 +31,7 @@ MINIMUMS = {
     "contextpaw_header_timeout": 1,
     "contextpaw_idle_timeout": 1,
     "contextpaw_max_body_mb": 1,
+    "contextpaw_ollama_context_length": 0,
 }
 
 
@@ -67,6 +68,8 @@ class FitSettings:
     summary_tokens: int = 256
     calibrate: bool = True
     state_dir: Path = Path("~/.mitmproxy")
+    ollama_context_length: int = 0
+    """The Ollama server's OLLAMA_CONTEXT_LENGTH as the operator states it (0: learn it)."""
 
     @classmethod
     def parse(cls, o: Any) -> FitSettings:
@@ -105,6 +108,7 @@ class FitSettings:
             summary_tokens=at_least(o, "contextpaw_summary_tokens"),
             calibrate=o.contextpaw_calibrate,
             state_dir=Path(o.contextpaw_state_dir or o.confdir).expanduser(),
+            ollama_context_length=at_least(o, "contextpaw_ollama_context_length"),
         )
 
 

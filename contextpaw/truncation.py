@@ -1,20 +1,25 @@
-"""Catching Ollama's silent truncation: the server evaluated fewer tokens than it was sent.
+"""Catching Ollama's silent truncation, without false alarms.
 
-Ollama answers 200 after cutting a prompt, and its `prompt_eval_count` is counted after the cut. Two
-signs give it away: the count lands on the value its token-level cut always produces
-(`num_ctx - (num_ctx - keep) // 2`, or `num_ctx`/`num_ctx - 1` on older builds), or it is clearly
-below what we know we sent (whole messages dropped). Pure: the shell supplies both numbers.
+Ollama answers 200 after cutting a prompt, and its `prompt_eval_count` is counted after the cut.
+Two facts decide it: Ollama only cuts a prompt longer than the window it used, and after a cut
+`prompt_eval_count` never exceeds that window. So the verdict rests on the window used, on whether
+what was sent could have exceeded it given the error bounds of our count, and on where the count
+the server reports lands: on the value its token-level cut always produces, or below any size the
+prompt we sent can have (whole messages dropped). A request that carried `truncate: false` cannot
+be cut (Ollama answers 400 instead). Pure: the shell supplies the numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import Enum
 
-EXACT_TOLERANCE = 0.02
-"""Allowed shortfall when our count is exact (template details, BOS)."""
-
-ESTIMATE_TOLERANCE = 0.25
-"""Allowed shortfall when our count is an estimate, which errs high on purpose."""
+EXACT_BOUNDS = (0.97, 1.03)
+"""How far the true prompt size can be from an exact count (template details, BOS)."""
+ESTIMATE_BOUNDS = (0.25, 3.3)
+"""How far it can be from the byte estimate (3.2 bytes a token) before calibration: a token is at
+least one byte, so no text has more than 3.2 times the tokens it says (dense text such as
+one-letter words comes close), and long runs of whitespace or code take up to 13 bytes a token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,19 +33,55 @@ class Truncation:
         return asdict(self)
 
 
+class Evaluation(Enum):
+    WHOLE = "whole"
+    """The server evaluated all of it: flag nothing, and calibration may learn from the count."""
+    CUT = "cut"
+    UNSURE = "unsure"
+    """The numbers allow both; flag nothing, learn nothing (the caller prevents this case)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    evaluation: Evaluation
+    truncation: Truncation | None = None
+
+
 def cut_counts(num_ctx: int) -> set[int]:
     """`prompt_eval_count` values that only a token-level cut produces, across Ollama versions."""
     return {num_ctx, num_ctx - 1} | {num_ctx - (num_ctx - keep) // 2 for keep in range(0, 9)}
 
 
-def detect(sent_tokens: int, evaluated_tokens: int | None, num_ctx: int | None, exact: bool) -> Truncation | None:
-    """A `Truncation` when the server evaluated clearly less than it was sent, else None."""
-    if evaluated_tokens is None or sent_tokens <= 0 or evaluated_tokens >= sent_tokens:
-        return None
-    if num_ctx and evaluated_tokens in cut_counts(num_ctx) and sent_tokens > num_ctx // 2:
-        return Truncation(sent_tokens, evaluated_tokens, num_ctx, "count matches Ollama's token-level cut")
-    tolerance = EXACT_TOLERANCE if exact else ESTIMATE_TOLERANCE
-    plausible = exact or num_ctx is None or sent_tokens * (1 - tolerance) > num_ctx * 0.5
-    if plausible and evaluated_tokens < sent_tokens * (1 - tolerance) - 8:
-        return Truncation(sent_tokens, evaluated_tokens, num_ctx, "server evaluated fewer tokens than were sent")
-    return None
+def could_exceed(sent_tokens: int, window: int, bounds: tuple[float, float]) -> bool:
+    """Whether a prompt we count at `sent_tokens` can be over what `window` holds (the runner
+    needs one token for BOS)."""
+    return sent_tokens * bounds[1] > window - 1
+
+
+def judge(
+    sent_tokens: int,
+    evaluated_tokens: int | None,
+    window: int | None,
+    bounds: tuple[float, float],
+    truncation_forbidden: bool = False,
+) -> Verdict:
+    """What the server did with a prompt we count at `sent_tokens` (true size within `bounds`
+    times that), given the window it used and the count it reported."""
+    if evaluated_tokens is None or evaluated_tokens <= 0 or sent_tokens <= 0:
+        return Verdict(Evaluation.UNSURE)
+    if truncation_forbidden:
+        return Verdict(Evaluation.WHOLE)
+    if window is None:
+        return Verdict(Evaluation.UNSURE)
+    low, _ = bounds
+    if not could_exceed(sent_tokens, window, bounds) or evaluated_tokens > window:
+        return Verdict(Evaluation.WHOLE)
+    if sent_tokens * low > window:
+        reason = "the prompt sent is larger than the window the server used"
+    elif evaluated_tokens in cut_counts(window):
+        reason = "count matches Ollama's token-level cut"
+    elif evaluated_tokens < sent_tokens * low:
+        reason = "server evaluated fewer tokens than were sent"
+    else:
+        return Verdict(Evaluation.UNSURE)
+    return Verdict(Evaluation.CUT, Truncation(sent_tokens, evaluated_tokens, window, reason))

@@ -29,6 +29,12 @@ class Budget:
     def tokens(self) -> int:
         return max(self.window - self.reserve - self.margin, 0)
 
+    def within(self, ratio: float) -> Budget:
+        """The budget a count that may be `ratio` times too low still fits in."""
+        if ratio <= 1:
+            return self
+        return Budget(self.window, self.reserve, self.margin + self.tokens - math.floor(self.tokens / ratio))
+
     def refusal(self, required: int) -> Overflow:
         """Policy strict: the request would have to be compacted."""
         cause = f"the request needs {required} tokens but only {self.tokens} fit, and policy strict refuses to compact it"
@@ -57,33 +63,63 @@ Fetch = Callable[[str, str, dict[str, Any] | None], Awaitable[Any]]
 
 
 class BackendWindows:
-    """Asks the backend what window a model really runs with, and remembers it for a while.
+    """Asks the backend what window a model really runs with, and remembers what it learned.
 
     llama-server: `/props` `default_generation_settings.n_ctx`, the per-slot window. Ollama: the
-    loaded model's `context_length` from `/api/ps` (what it actually loaded, which `/v1` requests
-    cannot change), else the Modelfile's `num_ctx` from `/api/show`, capped by the model's trained
-    length. Answers are kept `ttl` seconds, so a model reloaded with another window is noticed.
+    window a request without `num_ctx` gets, which is all `/v1` requests can be: the Modelfile's
+    `num_ctx`, else the server's default (`OLLAMA_CONTEXT_LENGTH` as the operator states it), capped
+    by the trained length, else what `/api/ps` lists once the model is loaded the way such a request
+    loads it (an empty `/api/generate` without options, which a loaded runner of the same window
+    answers at once, and which the request itself would have paid for). A runner listed in
+    `/api/ps` alone proves nothing: one loaded with an explicit `num_ctx` is reloaded by the next
+    request without one. What was found is kept `ttl` seconds; that nothing was found is kept as such
+    (`miss_ttl` seconds), so a server that does not answer costs one timeout, not one per request.
+    The default that stands in meanwhile is never stored as the window. `learn` records the
+    `n_ctx` a server named in a 400.
     """
 
-    def __init__(self, fetch: Fetch, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        fetch: Fetch,
+        ttl: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        ollama_default: int | None = None,
+        miss_ttl: float = 30.0,
+    ) -> None:
         self.fetch = fetch
         self.ttl = ttl
+        self.miss_ttl = miss_ttl
         self.clock = clock
+        self.ollama_default = ollama_default
         self.known: dict[tuple[str, str], tuple[float, int | None]] = {}
 
     async def window(self, backend: Backend, model: str) -> int | None:
         key = (backend.url, model)
         cached = self.known.get(key)
-        if cached is not None and self.clock() - cached[0] < self.ttl:
+        if cached is not None and self.clock() - cached[0] < (self.ttl if cached[1] is not None else self.miss_ttl):
             return cached[1]
-        if backend.kind == Kind.LLAMACPP:
-            found = llamacpp_window(await self.fetch("GET", backend.url + "/props", None))
-        else:
-            found = ollama_loaded_window(await self.fetch("GET", backend.url + "/api/ps", None), model)
-            if found is None and model:
-                found = ollama_configured_window(await self.fetch("POST", backend.url + "/api/show", {"model": model}))
+        found = await (self._llamacpp(backend) if backend.kind == Kind.LLAMACPP else self._ollama(backend, model))
         self.known[key] = (self.clock(), found)
         return found
+
+    def learn(self, backend: Backend, model: str, window: int) -> None:
+        """A window the server itself named for requests without `num_ctx` (the `n_ctx` of its 400)."""
+        self.known[(backend.url, model)] = (self.clock(), window)
+
+    async def _llamacpp(self, backend: Backend) -> int | None:
+        return llamacpp_window(await self.fetch("GET", backend.url + "/props", None))
+
+    async def _ollama(self, backend: Backend, model: str) -> int | None:
+        if not model:
+            return None
+        configured, trained = ollama_show_windows(await self.fetch("POST", backend.url + "/api/show", {"model": model}))
+        if configured is None and self.ollama_default:
+            configured = self.ollama_default
+        if configured is not None:
+            return min(configured, trained) if trained else configured
+        if await self.fetch("POST", backend.url + "/api/generate", {"model": model}) is None:
+            return None
+        return ollama_loaded_window(await self.fetch("GET", backend.url + "/api/ps", None), model)
 
 
 def _positive(value: Any) -> int | None:
@@ -111,10 +147,11 @@ def ollama_loaded_window(ps: Any, model: str) -> int | None:
     return None
 
 
-def ollama_configured_window(show: Any) -> int | None:
-    """The Modelfile `num_ctx` (its `parameters` lines are `name  value`), capped by the trained length."""
+def ollama_show_windows(show: Any) -> tuple[int | None, int | None]:
+    """From `/api/show`: the Modelfile `num_ctx` (its `parameters` lines are `name  value`) and the
+    trained length."""
     if not isinstance(show, dict):
-        return None
+        return None, None
     configured = None
     for line in str(show.get("parameters") or "").splitlines():
         name, _, value = line.strip().partition(" ")
@@ -122,10 +159,7 @@ def ollama_configured_window(show: Any) -> int | None:
             configured = int(value.strip())
     info = show.get("model_info") if isinstance(show.get("model_info"), dict) else {}
     arch = info.get("general.architecture")
-    trained = _positive(info.get(f"{arch}.context_length"))
-    if configured is None:
-        return None
-    return min(configured, trained) if trained else configured
+    return configured, _positive(info.get(f"{arch}.context_length"))
 
 
 class Budgeter:

@@ -102,7 +102,7 @@ async def measure(url: str, gguf: Path, count: int, seed: int) -> dict:
             rows["tokenizer (GGUF)"].append(local - truth)
             estimated = estimate.tools(conv.tools) + sum(estimate.message(m) for m in conv.messages)
             if len(calibration.ratios.get("llamacpp/m", ())) < 5:
-                calibration.observe("llamacpp/m", estimated, truth)  # small chats are refused: too small
+                calibration.observe("llamacpp/m", estimated, truth, whole=True)  # small chats are refused: too small
             else:
                 calibrated = calibration.counter("llamacpp/m", estimate)
                 rows["calibrated (after 5)"].append(

@@ -383,7 +383,7 @@ async def test_a_body_over_the_limit_is_marked_and_commented(proxy: Proxy) -> No
 
 
 async def test_an_upstream_cut_goes_into_the_flows_comment(proxy: Proxy) -> None:
-    proxy.tctx.configure(proxy.compactor, contextpaw_output_reserve=0)
+    proxy.tctx.configure(proxy.compactor, contextpaw_output_reserve=0, contextpaw_forbid_truncation=False)
     flow = post("/api/chat", long_chat(num_ctx=2048))
     await proxy.send(flow)
     sent = proxy.compactor.states[flow].report.final_tokens

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from contextpaw.calibration import MIN_SAMPLE_TOKENS, SAFETY, Calibration
 from contextpaw.conversation import Message
 from contextpaw.tokens import EstimateCounter, TokenizerCounter
-from contextpaw.truncation import cut_counts, detect
+from contextpaw.truncation import ESTIMATE_BOUNDS, EXACT_BOUNDS, Evaluation, cut_counts, judge
 
 
 def smollm_gguf() -> pathlib.Path | None:
@@ -26,27 +26,58 @@ def smollm_gguf() -> pathlib.Path | None:
 # -- truncation -------------------------------------------------------------------------------
 
 
+EXACT, GUESS = EXACT_BOUNDS, ESTIMATE_BOUNDS
+
+
 @pytest.mark.parametrize("num_ctx,keep", [(2048, 4), (2048, 5), (4096, 4), (32768, 5)])
 def test_ollama_token_level_cut_is_recognised_by_its_count(num_ctx, keep):
     evaluated = num_ctx - (num_ctx - keep) // 2
     assert evaluated in cut_counts(num_ctx)
-    found = detect(num_ctx + 3000, evaluated, num_ctx, exact=False)
-    assert found is not None and "token-level cut" in found.reason
+    verdict = judge(num_ctx - 200, evaluated, num_ctx, GUESS)
+    assert verdict.evaluation is Evaluation.CUT and "token-level cut" in verdict.truncation.reason
 
 
-def test_dropped_messages_are_flagged_when_far_fewer_tokens_were_evaluated():
-    assert detect(5000, 1500, 4096, exact=True) is not None
-    assert detect(5000, 1500, 4096, exact=False) is not None
+def test_a_prompt_larger_than_the_window_used_was_cut_whatever_the_count():
+    assert judge(5000, 1500, 4096, EXACT).evaluation is Evaluation.CUT
+    assert judge(20000, 3900, 4096, GUESS).evaluation is Evaluation.CUT
 
 
-@given(st.integers(10, 200_000), st.floats(0.0, 0.015))
-def test_an_honest_count_is_never_flagged_with_an_exact_counter(sent, shortfall):
-    assert detect(sent, int(sent * (1 - shortfall)), None, exact=True) is None
+def test_dropped_messages_are_flagged_when_fewer_tokens_were_evaluated_than_can_have_been_sent():
+    verdict = judge(4050, 2500, 4096, EXACT)
+    assert verdict.evaluation is Evaluation.CUT and "fewer tokens" in verdict.truncation.reason
 
 
-def test_an_estimate_that_errs_high_on_a_small_prompt_is_not_flagged():
-    # our estimate says 900, the server counted 600: the prompt was never near the 4096 window
-    assert detect(900, 600, 4096, exact=False) is None
+@given(st.integers(10, 200_000), st.floats(0.0, 0.025), st.integers(1, 1 << 18))
+def test_an_honest_count_is_never_flagged_with_an_exact_counter(sent, shortfall, window):
+    evaluated = int(sent * (1 - shortfall))
+    if evaluated < 1 or sent > window * 0.97 or evaluated in cut_counts(window):
+        return  # what the server cannot have evaluated whole in this window
+    assert judge(sent, evaluated, window, EXACT).evaluation is not Evaluation.CUT
+
+
+@given(st.integers(200, 100_000), st.floats(0.45, 2.2), st.integers(256, 1 << 18))
+def test_an_estimate_off_by_up_to_two_is_never_a_false_alarm_for_a_whole_evaluation(sent, ratio, window):
+    """The false alarms once seen: "452 of 924", "1314 of 1789", "2050 of 2564"."""
+    true = int(sent * ratio)
+    if not 0 < true < window - 1 or true in cut_counts(window):
+        return
+    assert judge(sent, true, window, GUESS).evaluation is not Evaluation.CUT
+
+
+@pytest.mark.parametrize("sent,evaluated,window", [(924, 452, 4096), (1789, 1314, 4096), (2564, 2050, 8192)])
+def test_the_false_alarms_once_reported_are_not_raised(sent, evaluated, window):
+    assert judge(sent, evaluated, window, GUESS).evaluation is Evaluation.WHOLE or (
+        judge(sent, evaluated, window, GUESS).evaluation is Evaluation.UNSURE
+    )
+
+
+def test_a_request_that_said_truncate_false_was_evaluated_whole():
+    assert judge(3000, 2050, 4096, GUESS, truncation_forbidden=True).evaluation is Evaluation.WHOLE
+
+
+def test_a_prompt_that_cannot_reach_the_window_is_whole_and_one_over_the_window_cannot_be_cut():
+    assert judge(1000, 400, 4096, GUESS).evaluation is Evaluation.WHOLE  # 1000 x 2.5 < 4096
+    assert judge(3000, 4100, 4096, GUESS).evaluation is Evaluation.WHOLE  # a cut never leaves more
 
 
 # -- calibration --------------------------------------------------------------------------------
@@ -55,7 +86,7 @@ def test_an_estimate_that_errs_high_on_a_small_prompt_is_not_flagged():
 def test_calibration_never_under_counts_a_sample_it_has_seen():
     cal = Calibration()
     for estimated, reported in [(1000, 1100), (2000, 1900), (1500, 1650), (3000, 3100)]:
-        assert cal.observe("llamacpp/m", estimated, reported).accepted
+        assert cal.observe("llamacpp/m", estimated, reported, whole=True).accepted
     factor = cal.factor("llamacpp/m")
     for estimated, reported in [(1000, 1100), (2000, 1900), (1500, 1650), (3000, 3100)]:
         assert estimated * factor >= reported
@@ -64,28 +95,28 @@ def test_calibration_never_under_counts_a_sample_it_has_seen():
 
 def test_calibration_refuses_truncated_cached_and_tiny_samples():
     cal = Calibration()
-    assert cal.observe("k", 9000, 2050, num_ctx=4096).reason == "server truncated the prompt"
-    assert cal.observe("k", 5000, 100, cached=True).reason == "count leaves out a cached prefix"
-    assert cal.observe("k", MIN_SAMPLE_TOKENS - 1, 500).reason == "too small to learn from"
+    assert cal.observe("k", 9000, 2050, whole=False).reason == "the server may have cut the prompt"
+    assert cal.observe("k", 5000, 100, whole=True, cached=True).reason == "count leaves out a cached prefix"
+    assert cal.observe("k", MIN_SAMPLE_TOKENS - 1, 500, whole=True).reason == "too small to learn from"
     assert cal.factor("k") == 1.0 and cal.refused == 3
 
 
 def test_one_odd_sample_does_not_inflate_the_factor_forever():
     cal = Calibration(window=5)
     for _ in range(3):
-        cal.observe("k", 1000, 1000)
-    assert cal.observe("k", 1000, 9000).reason == "outlier"
-    cal.observe("k", 1000, 1400)  # a real but high sample is learned ...
+        cal.observe("k", 1000, 1000, whole=True)
+    assert cal.observe("k", 1000, 9000, whole=True).reason == "outlier"
+    cal.observe("k", 1000, 1400, whole=True)  # a real but high sample is learned ...
     assert cal.factor("k") == pytest.approx(1.4 * SAFETY)
     for _ in range(5):
-        cal.observe("k", 1000, 1000)  # ... and ages out of the window
+        cal.observe("k", 1000, 1000, whole=True)  # ... and ages out of the window
     assert cal.factor("k") == pytest.approx(1.0 * SAFETY)
 
 
 def test_calibration_is_per_backend_and_model_and_survives_a_restart():
     cal = Calibration()
-    cal.observe("ollama/a", 1000, 1300)
-    cal.observe("llamacpp/b", 1000, 900)
+    cal.observe("ollama/a", 1000, 1300, whole=True)
+    cal.observe("llamacpp/b", 1000, 900, whole=True)
     restored = Calibration()
     assert restored.restore(cal.state())
     assert restored.factor("ollama/a") == cal.factor("ollama/a") != restored.factor("llamacpp/b")
@@ -94,7 +125,7 @@ def test_calibration_is_per_backend_and_model_and_survives_a_restart():
 
 def test_calibrated_counter_scales_messages_and_text():
     cal = Calibration()
-    cal.observe("k", 1000, 2000)
+    cal.observe("k", 1000, 2000, whole=True)
     counter = cal.counter("k", EstimateCounter())
     message = Message.from_wire({"role": "user", "content": "x" * 3200})
     assert counter.text("x" * 3200) >= 2000 and counter.message(message) >= EstimateCounter().message(message) * 2

@@ -14,7 +14,7 @@ import pytest
 from contextpaw import wire
 from contextpaw.admin import Stats
 from contextpaw.evicted import EvictedStore
-from contextpaw.fitter import UNCHANGED, FlowState, Fitter, Forward, Refuse
+from contextpaw.fitter import MAX_RESCUES, UNCHANGED, FlowState, Fitter, Forward, Refuse
 from contextpaw.settings import FitSettings
 from contextpaw.summarize import Complete
 from contextpaw.tokens import Counter
@@ -77,7 +77,7 @@ def state(body: dict[str, Any], route: wire.Route = CHAT, backend: wire.Backend 
 
 
 async def test_a_chat_that_fits_is_forwarded_as_the_client_sent_it() -> None:
-    f, s = fitter(), state(chat(turns=1))
+    f, s = fitter(), state(chat(turns=1, num_ctx=8192))
     assert await f.fit(s) == UNCHANGED
     assert s.report is not None and not s.report.compacted
     assert s.headers["X-ContextPaw-Compacted"] == "false"
@@ -97,7 +97,7 @@ async def test_an_overflowing_chat_is_compacted_reported_and_its_evictions_kept(
 async def test_near_the_window_a_native_ollama_request_says_truncate_false() -> None:
     decision = await fitter(output_reserve=0).fit(state(chat()))
     assert isinstance(decision, Forward) and json.loads(decision.body or b"{}")["truncate"] is False
-    far = await fitter().fit(state(chat(turns=1)))
+    far = await fitter().fit(state(chat(turns=1, num_ctx=8192)))
     assert far == UNCHANGED, "far below the window the bytes stay the client's"
 
 
@@ -153,17 +153,42 @@ async def test_the_next_turn_is_fitted_with_the_last_turns_plan(monkeypatch: pyt
     assert len(f.plans) == 1
 
 
-async def test_an_upstream_overflow_is_refitted_to_the_window_it_names_once() -> None:
+def overflow_400(n_prompt_tokens: int, n_ctx: int) -> bytes:
+    """Ollama's native-mode 400: llama-server's error, as a string in Ollama's own."""
+    return json.dumps({"error": json.dumps({"error": {
+        "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx,
+        "message": "the request exceeds the available context size"}})}).encode()  # fmt: skip
+
+
+async def test_an_upstream_overflow_is_refitted_to_what_the_server_said_of_that_body() -> None:
     f, s = fitter(), state(chat(num_ctx=8192))
     await f.fit(s)
-    answer = json.dumps({"error": json.dumps({"error": {
-        "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 3000, "n_ctx": 2048,
-        "message": "the request exceeds the available context size"}})}).encode()  # fmt: skip
-    retry = await f.rescue(s, 400, answer)
-    assert retry is not None and s.resent and s.report is not None and s.report.window == 2048
+    assert s.sent_tokens is not None
+    retry = await f.rescue(s, 400, overflow_400(s.sent_tokens * 2, 4096))  # the server counts twice what we do
+    assert isinstance(retry, bytes) and s.resent and s.report is not None and s.report.window == 4096
+    assert s.sent_tokens <= (4096 - 1024 - 64) // 2 + 1, "in our units, half the window's budget"
+    assert json.loads(retry)["truncate"] is False, "the retry is refused again, never cut"
     assert f.stats.counts["retried_400"] == 1
-    assert await f.rescue(s, 400, answer) is None, "never a second retry"
     assert f.settle_rescue(s, 200, relay_failed=False) and s.headers["X-ContextPaw-Recovered"] == "upstream-400"
+
+
+async def test_a_retry_refused_again_is_refitted_and_when_nothing_fits_refused_in_the_callers_shape() -> None:
+    f, s = fitter(), state(chat(num_ctx=8192))
+    await f.fit(s)
+    answers = []
+    while isinstance(retry := await f.rescue(s, 400, overflow_400(3000, 2048)), bytes):
+        answers.append(retry)
+    assert answers and len(answers) < MAX_RESCUES
+    assert isinstance(retry, Refuse) and retry.status == 413 and "error" in json.loads(retry.body)
+    assert s.local and s.report is not None and s.report.strategy == "refused"
+
+
+async def test_the_rescue_rounds_are_bounded() -> None:
+    f, s = fitter(), state(chat(num_ctx=8192))
+    await f.fit(s)
+    for _ in range(MAX_RESCUES):
+        assert await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192)) is not None
+    assert await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192)) is None
 
 
 async def test_an_answer_that_is_not_an_overflow_is_not_rescued() -> None:
@@ -173,7 +198,7 @@ async def test_an_answer_that_is_not_an_overflow_is_not_rescued() -> None:
 
 
 async def test_a_cut_ollama_made_is_flagged_and_a_whole_evaluation_is_not() -> None:
-    f = fitter(output_reserve=0)
+    f = fitter(output_reserve=0, forbid_truncation=False)
     cut, whole = state(chat()), state(chat())
     await f.fit(cut)
     await f.fit(whole)

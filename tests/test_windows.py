@@ -33,28 +33,50 @@ async def test_llama_server_window_is_the_slot_size_from_props():
     assert await BackendWindows(server).window(LLAMA, "any") == 2048
 
 
-async def test_ollama_window_is_what_it_loaded_matching_latest():
-    ps = {"models": [{"name": "qwen3:latest", "context_length": 8192}, {"name": "other:1b", "context_length": 4096}]}
-    server = Server({("GET", "api/ps"): ps})
-    assert await BackendWindows(server).window(OLLAMA, "qwen3") == 8192
-    assert server.calls == [OLLAMA.url + "/api/ps"]
+LOADED = {"model": "qwen3", "done": True, "done_reason": "load"}
 
 
-async def test_ollama_not_loaded_uses_the_modelfile_capped_by_the_trained_length():
+async def test_a_cold_ollama_is_asked_by_loading_the_model_as_a_request_without_num_ctx_would():
+    ps = {"models": [{"name": "qwen3:latest", "context_length": 2048}, {"name": "other:1b", "context_length": 4096}]}
+    server = Server({("GET", "api/ps"): ps, ("POST", "api/generate"): LOADED})
+    assert await BackendWindows(server).window(OLLAMA, "qwen3") == 2048
+    assert server.calls == [OLLAMA.url + "/api/show", OLLAMA.url + "/api/generate", OLLAMA.url + "/api/ps"]
+
+
+async def test_ollama_uses_the_modelfile_capped_by_the_trained_length_without_loading_anything():
     server = Server({("GET", "api/ps"): {"models": []}, ("POST", "api/show"): SHOW})
     assert await BackendWindows(server).window(OLLAMA, "qwen3") == 40960
+    assert server.calls == [OLLAMA.url + "/api/show"]
 
 
-async def test_unknown_window_is_none_and_answers_are_cached_for_a_while():
+async def test_the_servers_stated_default_is_capped_by_the_trained_length():
+    show = {"parameters": "", "model_info": {"general.architecture": "qwen3", "qwen3.context_length": 40960}}
+    server = Server({("POST", "api/show"): show})
+    assert await BackendWindows(server, ollama_default=2048).window(OLLAMA, "qwen3") == 2048
+    assert await BackendWindows(server, ollama_default=65536).window(OLLAMA, "other") == 40960
+
+
+async def test_what_is_found_and_that_nothing_was_found_are_kept_apart_for_a_while():
     now = [0.0]
     server = Server({})
-    windows = BackendWindows(server, ttl=30, clock=lambda: now[0])
+    windows = BackendWindows(server, ttl=30, miss_ttl=5, clock=lambda: now[0])
     assert await windows.window(LLAMA, "m") is None
-    await windows.window(LLAMA, "m")
-    assert len(server.calls) == 1
-    now[0] = 31
+    assert await windows.window(LLAMA, "m") is None
+    assert len(server.calls) == 1, "a server that does not answer costs one timeout"
+    server.answers[("GET", "props")] = {"default_generation_settings": {"n_ctx": 2048}}
+    now[0] = 5.5
+    assert await windows.window(LLAMA, "m") == 2048, "the default that stood in was not kept as the window"
     await windows.window(LLAMA, "m")
     assert len(server.calls) == 2
+    now[0] = 36
+    await windows.window(LLAMA, "m")
+    assert len(server.calls) == 3
+
+
+async def test_a_window_named_in_a_400_is_learned():
+    windows = BackendWindows(Server({}))
+    windows.learn(OLLAMA, "qwen3", 2048)
+    assert await windows.window(OLLAMA, "qwen3") == 2048
 
 
 @pytest.mark.parametrize(

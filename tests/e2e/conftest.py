@@ -69,7 +69,9 @@ def mitmdump(workdir: Path, name: str, upstreams: Sequence[str], *extra: str) ->
     argv = [sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q", "-s", str(ADDON)]
     for upstream, port in zip(upstreams, ports, strict=True):
         argv += ["--mode", f"reverse:{upstream}@{LOOPBACK}:{port}"]
-    argv += ["--set", f"confdir={workdir / 'conf'}", "--set", "connection_strategy=lazy"]
+    # one CA for all, but what each learns (calibration, digests) is its own
+    argv += ["--set", f"confdir={workdir / 'conf'}", "--set", f"contextpaw_state_dir={workdir / name}-state",
+             "--set", "connection_strategy=lazy"]  # fmt: skip
     # no learning: each test sees the estimate as it starts, whatever ran before it
     argv += ["--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128",
              "--set", "contextpaw_calibrate=false", *extra]
@@ -159,6 +161,7 @@ def command(workdir: Path, llamacpp: Backend) -> Iterator[Proxy]:
         sys.executable, "-m", "contextpaw.cli", "--ollama", down, "--port", str(port),
         "--llamacpp", llamacpp.url, "--llamacpp-port", str(llama_port), "--confdir", str(workdir / "conf"), "-q",
         "--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128",
+        "--set", f"contextpaw_state_dir={workdir / 'command-state'}",
     ]  # fmt: skip
     url = f"http://{LOOPBACK}:{port}"
     with start_process(argv, url, "/contextpaw/health", workdir / "command.log", 30) as process:
@@ -174,6 +177,7 @@ def regular(workdir: Path, ollama: Backend) -> Iterator[str]:
         sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q", "-s", str(ADDON),
         "--mode", f"regular@{LOOPBACK}:{port}", "--set", f"confdir={workdir / 'conf'}",
         "--set", "connection_strategy=lazy", "--set", f"contextpaw_ollama={ollama.url}",
+        "--set", f"contextpaw_state_dir={workdir / 'regular-state'}",
     ]  # fmt: skip
     # Ready as soon as it is started (Ollama answers `/`); then wait until the proxy answers too.
     with start_process(argv, ollama.url, "/", workdir / "regular.log", 30) as process:

@@ -177,21 +177,36 @@ def test_strict_gives_openai_clients_context_length_exceeded(strict: Proxy, back
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_upstream_overflow_400_is_compacted_and_retried_once(proxy: Proxy, stream: bool) -> None:
+def test_an_upstream_overflow_400_is_compacted_and_retried(proxy: Proxy, stream: bool) -> None:
+    body = {"model": "fake", "messages": undercounted(), "options": OPTIONS, "stream": stream}
+    response = httpx.post(f"{proxy.ollama}/api/chat", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["X-ContextPaw-Recovered"] == "upstream-400"
+    report = json.loads(response.text.splitlines()[-1])["contextpaw"]
+    assert report["recovered_from_upstream_400"] is True and report["window"] == N_CTX
+    assert "upstream_truncated" not in report
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_on_ollamas_v1_an_estimated_chat_is_fitted_with_room_for_the_counts_error(proxy: Proxy, stream: bool) -> None:
+    """/v1 cannot carry truncate:false, so a prompt over the window would be cut there: one our
+    estimate undercounts three times is fitted so that even then it fits, and the report says so."""
     body = {"model": "fake", "messages": undercounted(), "max_tokens": 16, "stream": stream}
     response = httpx.post(f"{proxy.ollama}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
-    assert response.headers["X-ContextPaw-Recovered"] == "upstream-400"
     if stream:
         events = [e.removeprefix("data: ") for e in response.text.strip().split("\n\n")]
         assert events[-1] == "[DONE]"
         report = json.loads(events[-2])["contextpaw"]
     else:
         report = response.json()["contextpaw"]
-    assert report["recovered_from_upstream_400"] is True and report["window"] == N_CTX
+        assert SECRET in response.json()["choices"][0]["message"]["content"]
+    assert report["compacted"] and "X-ContextPaw-Recovered" not in response.headers
+    assert any("cannot ask Ollama to refuse" in note for note in report["notes"])
+    assert "upstream_truncated" not in report
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/api/chat"])
+@pytest.mark.parametrize("route", ["/api/chat"])
 def test_a_rescued_stream_is_streamed(stalling_proxy: Proxy, route: str) -> None:
     """The retry after the 400 answers as it generates: its first tokens reach the client while the
     backend is still generating (it never finishes), so nothing waited for the whole answer."""
@@ -207,7 +222,7 @@ def test_a_rescued_stream_is_streamed(stalling_proxy: Proxy, route: str) -> None
     assert len(records) == 2 and not any("contextpaw" in r for r in records)
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/api/chat"])
+@pytest.mark.parametrize("route", ["/api/chat"])
 def test_a_rescued_streams_report_comes_in_its_last_record(slow_proxy: Proxy, route: str) -> None:
     body = {"model": "fake", "messages": undercounted(), "max_tokens": 8, "options": {"num_predict": 8}, "stream": True}
     with httpx.stream("POST", slow_proxy.ollama + route, json=body, timeout=30) as response:
@@ -307,7 +322,8 @@ def test_a_silent_ollama_cut_is_flagged_in_the_report(watching: Proxy, stream: b
     records = [json.loads(line) for line in response.text.splitlines()]
     final = records[-1]
     flagged = final["contextpaw"]["upstream_truncated"]
-    assert flagged["evaluated_tokens"] == final["prompt_eval_count"] < flagged["sent_tokens"]
+    assert flagged["evaluated_tokens"] == final["prompt_eval_count"] and flagged["num_ctx"] == N_CTX
+    assert flagged["sent_tokens"] == final["contextpaw"]["final_tokens"]
     if not stream:
         assert response.headers["X-ContextPaw-Upstream-Truncated"].startswith(f"{final['prompt_eval_count']} of ")
 

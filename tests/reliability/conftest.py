@@ -349,6 +349,7 @@ def start_mitmdump(workdir: Path, log_name: str, upstreams: dict[str, str], *ext
     ports = {name: free_port() for name in upstreams}
     options = [
         "--set", f"confdir={workdir / 'conf'}", "--set", "connection_strategy=lazy",
+        "--set", f"contextpaw_state_dir={workdir / log_name}-state",
         "--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128", *extra,
     ]  # fmt: skip
     urls = {name: f"http://{LOOPBACK}:{port}" for name, port in ports.items()}
