@@ -266,10 +266,23 @@ class Compactor:
             response.headers["X-ContextPaw-Upstream-Truncated"] = (
                 f"{truncated.evaluated_tokens} of {truncated.sent_tokens} tokens evaluated"
             )
+        elif watched is not None and (possible := watched.upstream_truncation_possible) is not None:
+            response.headers["X-ContextPaw-Upstream-Truncated"] = (
+                f"possibly: {possible.evaluated_tokens} evaluated of about {possible.sent_tokens}, window {possible.num_ctx}"
+            )
 
     def _final_report(self, flow: http.HTTPFlow, state: FlowState, final: Any) -> bytes | None:
         """The fitter's report for the answer's final record; a cut the server made is flagged in
-        mitmweb, and what calibration learned is kept."""
+        mitmweb, and what calibration learned is kept. It runs inside the answer's stream, so a
+        failure of ours passes the record on as it came (fail open) and is counted."""
+        try:
+            return self._checked_report(flow, state, final)
+        except Exception:
+            logger.exception("ContextPaw failed on the final record of %s; passed through", flow.request.path)
+            self.ledger.stats.add("errors")
+            return None
+
+    def _checked_report(self, flow: http.HTTPFlow, state: FlowState, final: Any) -> bytes | None:
         value = self.fitter.final_report(state, final)
         watched = state.watched
         if watched is not None:
@@ -277,6 +290,9 @@ class Compactor:
             if (truncated := watched.upstream_truncated) is not None and not state.truncation_flagged:
                 state.truncation_flagged = True
                 flag(flow, TRUNCATED_MARK, f"the server cut the prompt: {truncated.evaluated_tokens} of {truncated.sent_tokens} tokens evaluated")
+            elif (possible := watched.upstream_truncation_possible) is not None and not state.truncation_flagged:
+                state.truncation_flagged = True
+                flag(flow, TRUNCATED_MARK, f"the server may have cut the prompt: {possible.evaluated_tokens} evaluated of about {possible.sent_tokens}")
         if self.kept is not None:
             self.kept.save(self.fitter.calibration)
         return value

@@ -40,6 +40,7 @@ COUNTS = {
     "original_tokens": "Prompt tokens as sent by clients, on compactable routes",
     "evicted_tokens": "Prompt tokens removed by compaction",
     "upstream_truncated": "Responses whose server evaluated fewer prompt tokens than it was sent (silent truncation)",
+    "upstream_truncation_possible": "Responses whose server may have cut the prompt (an estimated count near the window)",
 }
 
 

@@ -26,10 +26,7 @@ MIN_SAMPLE_TOKENS = 200
 SAFETY = 1.03
 OUTLIER = 2.5
 """A ratio this many times the median of the window is refused as an outlier."""
-BOUND_SAMPLES = 3
-"""Samples needed before the learned spread replaces the estimate's a-priori bounds."""
-BOUND_SLACK = 0.1
-"""How much wider than the spread seen the bounds are: the next text may differ a little."""
+
 
 
 class CalibratedCounter(Counter):
@@ -71,12 +68,13 @@ class Calibration:
         return CalibratedCounter(base, self.factor(key))
 
     def bounds(self, key: str) -> tuple[float, float]:
-        """How far the true size can be from this key's calibrated count, as (low, high) ratios."""
-        ratios = self.ratios.get(key)
-        if not ratios or len(ratios) < BOUND_SAMPLES:
-            return ESTIMATE_BOUNDS
+        """How far the true size can be from this key's calibrated count, as (low, high) ratios.
+
+        The estimate's own bounds, moved by the factor: what was learned from one kind of text
+        (prose) says little about the next (one-letter words are three times denser), so the
+        learning sharpens the count but never narrows what it may be off by."""
         factor = self.factor(key)
-        return min(ratios) / factor * (1 - BOUND_SLACK), max(ratios) / factor * (1 + BOUND_SLACK)
+        return ESTIMATE_BOUNDS[0] / factor, ESTIMATE_BOUNDS[1] / factor
 
     def observe(self, key: str, estimated: int, reported: int | None, *, whole: bool, cached: bool = False) -> Verdict:
         """Learn from one response; `estimated` is the base counter's count of what was sent, and

@@ -33,7 +33,7 @@ from contextpaw.state import LRU
 from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter
-from contextpaw.truncation import EXACT_BOUNDS, Evaluation, could_exceed, judge
+from contextpaw.truncation import EXACT_BOUNDS, Evaluation, could_exceed, judge, unknowable
 from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
 
 logger = logging.getLogger("contextpaw")
@@ -534,11 +534,22 @@ class Fitter:
         report = state.watched
         evaluated = wire.evaluated_tokens(final) if isinstance(final, dict) else None
         on_wire = state.report is not None
-        if report is None or evaluated is None or state.sent_tokens is None:
+        answered = isinstance(final, dict) and "error" not in final
+        if report is None or state.sent_tokens is None or not answered:
             return report_bytes(state.report.to_json()) if state.report is not None else None
         sent = state.sent_tokens
-        verdict = judge(sent, evaluated, report.window, state.bounds, state.uncuttable)
-        if (truncation := verdict.truncation) is not None and report.upstream_truncated is None:
+        if state.backend.kind != wire.Kind.OLLAMA:
+            verdict = judge(sent, evaluated, report.window, state.bounds, truncation_forbidden=True)
+        elif evaluated is None:  # a /v1 stream without stream_options.include_usage says no count
+            verdict = unknowable(sent, report.window, state.bounds, state.uncuttable)
+        else:
+            verdict = judge(sent, evaluated, report.window, state.bounds, state.uncuttable)
+        if verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None and report.upstream_truncation_possible is None:
+            report.upstream_truncation_possible = verdict.truncation
+            self.stats.add("upstream_truncation_possible")
+            logger.warning("%s: the server may have cut a prompt counted at %d in a %d-token window (%s)",
+                           state.path, sent, report.window or 0, verdict.truncation.reason)  # fmt: skip
+        if verdict.evaluation is Evaluation.CUT and (truncation := verdict.truncation) is not None and report.upstream_truncated is None:
             report.upstream_truncated = truncation
             report.recovered_from_upstream_400 = False
             self.stats.add("upstream_truncated")
@@ -546,7 +557,7 @@ class Fitter:
                 "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",
                 state.path, evaluated, sent, truncation.reason,
             )  # fmt: skip
-        if state.calibration is not None and self.settings.calibrate:
+        if state.calibration is not None and self.settings.calibrate and evaluated is not None:
             key, factor = state.calibration
             state.calibration = None
             whole = verdict.evaluation is Evaluation.WHOLE

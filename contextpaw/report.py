@@ -47,6 +47,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
     upstream_truncated: Truncation | None = None
     """Set when the server evaluated less than it was sent: it cut the prompt anyway."""
+    upstream_truncation_possible: Truncation | None = None
+    """Set when the numbers cannot tell whether the server cut the prompt (an estimated count of a
+    request ContextPaw did not change, near the window): said, never claimed."""
     evicted: dict[str, Any] = field(default_factory=dict, repr=False)
     """marker id -> the content removed under it (messages or text), verbatim."""
 
@@ -58,8 +61,9 @@ class Report:
         """The client-facing form: numbers and ids, never the evicted content itself."""
         out = asdict(self)
         out.pop("evicted")
-        if self.upstream_truncated is None:
-            out.pop("upstream_truncated")
+        for unset in ("upstream_truncated", "upstream_truncation_possible"):
+            if out[unset] is None:
+                out.pop(unset)
         out["evicted_tokens"] = self.evicted_tokens
         return out
 

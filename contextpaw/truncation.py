@@ -38,7 +38,8 @@ class Evaluation(Enum):
     """The server evaluated all of it: flag nothing, and calibration may learn from the count."""
     CUT = "cut"
     UNSURE = "unsure"
-    """The numbers allow both; flag nothing, learn nothing (the caller prevents this case)."""
+    """The numbers allow both: said as possible, never claimed, never learned from (the caller
+    prevents this case wherever it can change the request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,17 @@ def could_exceed(sent_tokens: int, window: int, bounds: tuple[float, float]) -> 
     """Whether a prompt we count at `sent_tokens` can be over what `window` holds (the runner
     needs one token for BOS)."""
     return sent_tokens * bounds[1] > window - 1
+
+
+def unknowable(sent_tokens: int, window: int | None, bounds: tuple[float, float], truncation_forbidden: bool) -> Verdict:
+    """The server reported no count (Ollama's /v1 streams carry none unless the client asks for
+    usage): a prompt that can exceed the window may have been cut, and that is said."""
+    if truncation_forbidden or (window is not None and not could_exceed(sent_tokens, window, bounds)):
+        return Verdict(Evaluation.WHOLE)
+    if window is None:
+        return Verdict(Evaluation.UNSURE)
+    doubt = "the server reported no prompt count, and the prompt may have been longer than the window"
+    return Verdict(Evaluation.UNSURE, Truncation(sent_tokens, 0, window, doubt))
 
 
 def judge(
@@ -83,5 +95,6 @@ def judge(
     elif evaluated_tokens < sent_tokens * low:
         reason = "server evaluated fewer tokens than were sent"
     else:
-        return Verdict(Evaluation.UNSURE)
+        doubt = "the prompt may have been longer than the window; the count sent is an estimate"
+        return Verdict(Evaluation.UNSURE, Truncation(sent_tokens, evaluated_tokens, window, doubt))
     return Verdict(Evaluation.CUT, Truncation(sent_tokens, evaluated_tokens, window, reason))

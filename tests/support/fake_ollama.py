@@ -391,6 +391,7 @@ class OllamaServer:
         self.engine = engine
         self.card: ModelCard | None = None
         self.runner: Runner | None = None
+        self.last_cut: dict[str, Any] | None = None
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         self.card = await self.engine.open()
@@ -497,14 +498,14 @@ class OllamaServer:
         """Load, truncate, then start generating: the prompt before the token-level step, and the
         pieces. Errors raised here, before the first piece, carry their own status."""
         num_ctx = self.load(self.num_ctx(request.options), request.keep_alive).num_ctx
-        prompt = request.prompt
+        prompt = whole = request.prompt
         if request.messages is not None:
-            prompt = await (
-                self.fit_messages(request.messages, request.tools, num_ctx)
-                if request.truncate
-                else self.engine.render(request.messages, request.tools)
-            )
+            whole = await self.engine.render(request.messages, request.tools)
+            prompt = await self.fit_messages(request.messages, request.tools, num_ctx) if request.truncate else whole
+        self.last_cut = None
         tokens = await self.fit_tokens(prompt, request, num_ctx)
+        sent = len(await self.engine.tokenize(whole, add_special=True))
+        self.last_cut = {"cut": len(tokens) < sent, "sent_tokens": sent, "kept_tokens": len(tokens), "num_ctx": num_ctx}
         num_predict = request.options.get("num_predict", -1)
         num_predict = GENERATION_BOUND * num_ctx if num_predict < 0 else num_predict
         if not self.shift(request):
@@ -629,6 +630,11 @@ class OllamaServer:
         }
         options |= {ours: body[theirs] for theirs, ours in renamed.items() if body.get(theirs) is not None}
         return Request(model, messages, prompt, body.get("tools"), options, True, None, None, native_chat)
+
+    async def last(self, request: web.Request) -> web.Response:
+        """Test-only ground truth: whether the last prompt that reached the runner was cut (null
+        when the last request was refused before that)."""
+        return _json(self.last_cut)
 
     async def openai_models(self, request: web.Request) -> web.Response:
         model = {
@@ -777,6 +783,7 @@ def ollama_app(settings: OllamaSettings, engine: Engine) -> web.Application:
         "/api/tags": server.tags,
         "/api/ps": server.ps,
         "/v1/models": server.openai_models,
+        "/_fake/last": server.last,
     }
     posts = {
         "/api/chat": server.chat,

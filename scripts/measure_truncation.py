@@ -1,0 +1,118 @@
+"""Never silent, measured: route × policy × counter × cold/warm × stream, over requests of varied
+shapes (dense text, code, logs, multilingual text, tool calls) and sizes, each judged against the
+backend's own record of whether it cut the prompt. Prints the matrix of flagged / missed / falsely
+flagged responses, and the recall of a fact planted at the start, direct and through ContextPaw.
+
+    .venv/bin/python scripts/measure_truncation.py [--quick] [--json out.json]
+
+Counters: "estimate" is the fast fake Ollama, whose tokenizer ContextPaw cannot read (it counts
+with its calibrated byte estimate); "exact" is the Ollama simulator on the real llama-server and
+SmolLM2, whose GGUF ContextPaw finds through /api/show and counts with. Both servers default to a
+2,048-token window, which ContextPaw is not told (its own default is 4,096): cold requests must
+learn it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+
+from support import truncation_matrix as matrix  # noqa: E402
+from support.backends import locate_llama_server, locate_smollm2, start_llama_server, start_module  # noqa: E402
+
+SERVER_DEFAULT = 2048
+
+
+def table(outcomes: list[matrix.Outcome], counter: str) -> list[str]:
+    cells: dict[tuple, list[matrix.Outcome]] = collections.defaultdict(list)
+    for o in outcomes:
+        cells[(o.case.route, o.case.policy, "cold" if o.case.cold else "warm", "stream" if o.case.stream else "buffered")].append(o)
+    rows = [f"| {counter} | route | policy | start | answer | requests | cut by Ollama | flagged | missed | false |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for key, group in sorted(cells.items()):
+        rows.append(
+            f"| {counter} | {' | '.join(key)} | {len(group)} | {sum(o.cut for o in group)} | {sum(o.flagged for o in group)} "
+            f"| {sum(o.missed for o in group)} | {sum(o.false_alarm for o in group)} |"
+        )
+    return rows
+
+
+def totals(outcomes: list[matrix.Outcome]) -> dict[str, int]:
+    return {
+        "requests": len(outcomes),
+        "cut": sum(o.cut for o in outcomes),
+        "flagged": sum(o.flagged for o in outcomes),
+        "missed": sum(o.missed for o in outcomes),
+        "false": sum(o.false_alarm for o in outcomes),
+        "refused": sum(o.status != 200 for o in outcomes),
+    }
+
+
+def direct_recall(backend: str, model: str, cases: list[matrix.Case]) -> tuple[int, int]:
+    """The same requests straight to the server: how often the planted fact survives."""
+    hits = 0
+    for case in cases:
+        response = matrix.httpx.post(backend + case.route, json=matrix.body(case, model), timeout=600)
+        hits += response.status_code == 200 and matrix.SECRET in matrix.answer_text(case.route, case.stream, response.text).lower()
+    return hits, len(cases)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller matrix (one size per shape)")
+    parser.add_argument("--no-exact", action="store_true", help="skip the simulator on the real model")
+    parser.add_argument("--json", type=Path, help="write every outcome here")
+    args = parser.parse_args()
+    sizes = (300, 3000) if args.quick else (300, 1500, 4000)
+    all_outcomes: dict[str, list[matrix.Outcome]] = {}
+    recall: dict[str, tuple[int, int, int, int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        fake_args = ["--n-ctx", str(SERVER_DEFAULT), "--model", "fake"]
+        with start_module("support.fake_ollama", fake_args, "/", work / "fake.log") as fake:
+            cases = list(matrix.cases(sizes=sizes))
+            all_outcomes["estimate"] = matrix.measure(fake.url, "fake", work, cases, ["contextpaw_calibrate=true"],
+                                                      progress=lambda o: print(".", end="", flush=True))  # fmt: skip
+        print()
+        binary, model = locate_llama_server(), locate_smollm2()
+        if not args.no_exact and binary.path and model.path:
+            with start_llama_server(binary.path, model.path, SERVER_DEFAULT, work / "llama.log") as llama:
+                sim_args = ["--upstream", llama.url, "--n-ctx", str(SERVER_DEFAULT), "--model", "smollm2:135m"]
+                with start_module("support.ollama_sim", sim_args, "/", work / "sim.log") as sim:
+                    cases = list(matrix.cases(sizes=(300, 3000), shapes=("dense", "logs", "tools")))
+                    outcomes = matrix.measure(sim.url, "smollm2:135m", work, cases, [],
+                                              progress=lambda o: print(".", end="", flush=True))  # fmt: skip
+                    all_outcomes["exact"] = outcomes
+                    chats = [c for c in cases if c.policy == "compact" and not c.cold and c.words == 3000]
+                    direct = direct_recall(sim.url, "smollm2:135m", chats)
+                    through = [o for o in outcomes if o.case in chats]
+                    recall["exact"] = (*direct, sum(o.recalled for o in through), len(through))
+            print()
+        elif not args.no_exact:
+            print(f"no exact row: {binary.reason or model.reason}")
+    print("\n## Never silent: every Ollama route\n")
+    for counter, outcomes in all_outcomes.items():
+        print("\n".join(table(outcomes, counter)))
+        print()
+    print("| counter | requests | cut by Ollama | flagged | missed | false | refused (413/400) |")
+    print("|---|---|---|---|---|---|---|")
+    for counter, outcomes in all_outcomes.items():
+        t = totals(outcomes)
+        print(f"| {counter} | {t['requests']} | {t['cut']} | {t['flagged']} | {t['missed']} | {t['false']} | {t['refused']} |")
+    for counter, (direct_hits, direct_n, through_hits, through_n) in recall.items():
+        print(f"\nrecall of the planted fact ({counter}, compact, warm, overflowing): direct {direct_hits}/{direct_n}, "
+              f"through ContextPaw {through_hits}/{through_n}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({k: [asdict(o) for o in v] for k, v in all_outcomes.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

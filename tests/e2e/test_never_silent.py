@@ -1,0 +1,56 @@
+"""The never-silent invariant on every Ollama route, against the fake Ollama (which records whether
+it cut each prompt): a prompt Ollama cut is always flagged, one it evaluated whole never is; where
+ContextPaw may change the request (compact, strict) nothing is cut at all; under policy off, where
+it may not, a cut it cannot be sure of is said to be possible, never passed over."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support import truncation_matrix as matrix
+from support.backends import Backend, start_module
+
+SERVER_DEFAULT = 2048
+"""The fake's window for requests without num_ctx; ContextPaw is not told (its default is 4096)."""
+
+
+@pytest.fixture(scope="module")
+def cutting(workdir: Path) -> Iterator[Backend]:
+    args = ["--n-ctx", str(SERVER_DEFAULT), "--model", "fake"]
+    with start_module("support.fake_ollama", args, "/", workdir / "never-silent-ollama.log") as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def outcomes(cutting: Backend, tmp_path_factory: pytest.TempPathFactory) -> list[matrix.Outcome]:
+    cases = list(matrix.cases(shapes=("dense", "tools"), sizes=(300, 3000)))
+    return matrix.measure(cutting.url, "fake", tmp_path_factory.mktemp("never-silent"), cases, [])
+
+
+def test_no_cut_is_missed_and_no_whole_evaluation_is_flagged(outcomes: list[matrix.Outcome]) -> None:
+    assert len(outcomes) >= 192
+    assert [o.case for o in outcomes if o.missed] == []
+    assert [o.case for o in outcomes if o.false_alarm] == []
+    assert sum(o.cut for o in outcomes) > 0, "the matrix must contain cuts to catch"
+
+
+def test_where_contextpaw_may_change_the_request_nothing_is_cut_or_left_in_doubt(outcomes: list[matrix.Outcome]) -> None:
+    acting = [o for o in outcomes if o.case.policy != "off"]
+    assert [o.case for o in acting if o.cut or o.warned] == []
+    # strict never compacts: an overflow our estimate did not see is the server's own 400, passed on
+    assert all(o.status in (200, 413) or (o.status == 400 and o.case.policy == "strict") for o in acting)
+
+
+def test_every_route_cold_and_warm_streamed_or_not_was_tried(outcomes: list[matrix.Outcome]) -> None:
+    tried = collections.Counter((o.case.route, o.case.cold, o.case.stream) for o in outcomes)
+    assert len(tried) == len(matrix.ROUTES) * 2 * 2
+
+
+def test_cold_v1_requests_are_fitted_to_the_servers_own_default(outcomes: list[matrix.Outcome]) -> None:
+    """Cold, ContextPaw would assume 4096; the server uses 2048 for /v1 and must not cut."""
+    cold_v1 = [o for o in outcomes if o.case.cold and o.case.route.startswith("/v1") and o.case.policy == "compact"]
+    assert cold_v1 and not any(o.cut for o in cold_v1) and all(o.status == 200 for o in cold_v1)

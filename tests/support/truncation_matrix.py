@@ -1,0 +1,173 @@
+"""The never-silent invariant, measured: requests of varied shapes through ContextPaw in front of
+an Ollama (the fake, or the simulator on a real llama-server), each checked against the backend's
+own record of whether it cut the prompt (`GET /_fake/last`).
+
+A response is *flagged* when ContextPaw's `upstream_truncated` count went up for it (that count
+moves under every policy, streamed or not), and *warned* when `upstream_truncation_possible` did
+(the numbers could not tell); *missed* when the backend cut it and it was neither; *false* when it
+was flagged and the backend evaluated it whole. Used by
+`scripts/measure_truncation.py` (the whole matrix) and by the tests (a slice of it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from .backends import Backend, start_proxy
+
+ROUTES = ("/api/chat", "/api/generate", "/v1/chat/completions", "/v1/completions")
+POLICIES = ("compact", "strict", "off")
+SHAPES = ("dense", "code", "logs", "multilingual", "tools")
+SECRET = "kiwi"
+SYSTEM = f"The SECRET is {SECRET}. Answer in one short sentence."
+QUESTION = "What is the SECRET? Answer with the word only."
+
+
+@dataclass(frozen=True)
+class Case:
+    route: str
+    policy: str
+    cold: bool
+    stream: bool
+    shape: str
+    words: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    case: Case
+    status: int
+    cut: bool
+    """The backend cut what reached it."""
+    flagged: bool
+    warned: bool
+    recalled: bool
+
+    @property
+    def missed(self) -> bool:
+        return self.cut and not self.flagged and not self.warned
+
+    @property
+    def false_alarm(self) -> bool:
+        return self.flagged and not self.cut
+
+
+def filler(shape: str, words: int, rng: random.Random) -> str:
+    """Text of one kind, about `words` words long."""
+    if shape == "dense":
+        return " ".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(words))
+    if shape == "code":
+        lines = [f"    value_{i} = compute(items[{i}], limit={rng.randint(1, 99)})  # step {i}" for i in range(words // 8)]
+        return "def run(items):\n" + "\n".join(lines)
+    if shape == "logs":
+        return "\n".join(
+            f"2026-12-01T08:{i % 60:02d}:{rng.randint(0, 59):02d}Z INFO worker-{rng.randint(1, 9)} job={i} ok latency_ms={rng.randint(1, 999)}"
+            for i in range(words // 7)
+        )
+    if shape == "multilingual":
+        pieces = ["日本語のテキスト", "Überprüfung läuft", "ошибка сети", "naïve café", "数据已保存", "¿qué tal?"]
+        return " ".join(rng.choice(pieces) for _ in range(words // 2))
+    return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "result", "value"]) for _ in range(words))
+
+
+def body(case: Case, model: str, seed: int = 0) -> dict:
+    """The request for a case: the fact up front, filler in the middle, the question last."""
+    rng = random.Random(f"{case}-{seed}")
+    middle = filler(case.shape, case.words, rng)
+    common = {"model": model, "stream": case.stream}
+    if case.route in ("/api/generate", "/v1/completions"):
+        prompt = f"{SYSTEM}\n\n{middle}\n\n{QUESTION}"
+        return common | ({"prompt": prompt, "max_tokens": 8} if case.route.startswith("/v1") else {"prompt": prompt, "options": {"num_predict": 8}})
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    chunks = [middle[i : i + max(len(middle) // 4, 1)] for i in range(0, len(middle), max(len(middle) // 4, 1))]
+    for i, chunk in enumerate(chunks):
+        if case.shape == "tools":
+            call = {"id": f"call_{i}", "type": "function", "function": {"name": "search", "arguments": json.dumps({"q": f"part {i}"})}}
+            messages += [
+                {"role": "user", "content": f"Look up part {i}."},
+                {"role": "assistant", "content": "", "tool_calls": [call if case.route.startswith("/v1") else {"function": call["function"]}]},
+                {"role": "tool", "content": chunk, **({"tool_call_id": call["id"]} if case.route.startswith("/v1") else {})},
+            ]
+        else:
+            messages += [{"role": "user", "content": f"Note {i}: {chunk}"}, {"role": "assistant", "content": "Noted."}]
+    messages.append({"role": "user", "content": QUESTION})
+    extra = {"max_tokens": 8} if case.route.startswith("/v1") else {"options": {"num_predict": 8}}
+    return common | {"messages": messages} | extra
+
+
+def answer_text(route: str, stream: bool, text: str) -> str:
+    """What the model said, from a buffered or streamed answer of any of the four routes."""
+    records = [json.loads(line.removeprefix("data: ")) for line in text.splitlines()
+               if line.strip() and line.strip() != "data: [DONE]" and line.strip().startswith(("{", "data: {"))]  # fmt: skip
+    said = []
+    for record in records if stream or not records else records[:1]:
+        if "message" in record:
+            said.append(record["message"].get("content") or "")
+        elif "response" in record:
+            said.append(record.get("response") or "")
+        for choice in record.get("choices") or []:
+            said.append((choice.get("message") or choice.get("delta") or {}).get("content") or choice.get("text") or "")
+    return "".join(said)
+
+
+def truncation_counts(proxy: str) -> tuple[int, int]:
+    stats = httpx.get(f"{proxy}/contextpaw/health", timeout=10).json()["stats"]
+    return stats["upstream_truncated"], stats["upstream_truncation_possible"]
+
+
+def run(case: Case, proxy: str, backend: str, model: str, seed: int = 0) -> Outcome:
+    """Send one case through the proxy and judge it against the backend's record."""
+    before = truncation_counts(proxy)
+    response = httpx.post(proxy + case.route, json=body(case, model, seed), timeout=600)
+    last = httpx.get(f"{backend}/_fake/last", timeout=10).json() if response.status_code == 200 else None
+    cut = bool(last and last["cut"])
+    after = truncation_counts(proxy)
+    recalled = response.status_code == 200 and SECRET in answer_text(case.route, case.stream, response.text).lower()
+    return Outcome(case, response.status_code, cut, after[0] > before[0], after[1] > before[1], recalled)
+
+
+def unload(backend: str, model: str) -> None:
+    """The model leaves memory: the next request loads it cold."""
+    httpx.post(f"{backend}/api/generate", json={"model": model, "keep_alive": 0}, timeout=60)
+
+
+def cases(routes=ROUTES, policies=POLICIES, shapes=SHAPES, sizes=(300, 1500, 4000), streams=(False, True)) -> Iterator[Case]:
+    for route, policy, cold, stream, shape, words in itertools.product(routes, policies, (True, False), streams, shapes, sizes):
+        yield Case(route, policy, cold, stream, shape, words)
+
+
+def measure(
+    backend: str, model: str, work: Path, matrix: list[Case], options: list[str], progress: Callable[[Outcome], None] = lambda o: None
+) -> list[Outcome]:
+    """Every case through its policy's proxy. A cold case gets a fresh proxy (nothing learned) in
+    front of an unloaded model; a warm one follows on a proxy that has served the model already."""
+    outcomes = []
+    for policy in sorted({c.policy for c in matrix}):
+        settings = [f"contextpaw_ollama={backend}", f"contextpaw_policy={policy}", *options]
+        fresh_state = lambda name: f"contextpaw_state_dir={work / name}"  # noqa: E731
+        warm: Backend | None = None
+        try:
+            for case in (c for c in matrix if c.policy == policy):
+                if case.cold:
+                    unload(backend, model)
+                    state = fresh_state(f"cold-{policy}-{len(outcomes)}")
+                    with start_proxy(backend, work / "conf", work / f"cold-{policy}.log", options=[*settings, state]) as fresh:
+                        outcome = run(case, fresh.url, backend, model)
+                else:
+                    if warm is None:
+                        state = fresh_state(f"warm-{policy}")
+                        warm = start_proxy(backend, work / "conf", work / f"warm-{policy}.log", options=[*settings, state])
+                    outcome = run(case, warm.url, backend, model)
+                outcomes.append(outcome)
+                progress(outcome)
+        finally:
+            if warm is not None:
+                warm.stop()
+    return outcomes
