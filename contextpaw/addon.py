@@ -96,8 +96,9 @@ class Compactor:
             "A tokenizer.json or GGUF file to count with, for every model (default: ask llama-server, "
             "or the GGUF Ollama names, else a calibrated estimate).")
         add("contextpaw_forbid_truncation", bool, d.forbid_truncation,
-            "Send truncate:false on Ollama's native routes when a request is near the window, so a residual "
-            "overflow comes back as a 400 that ContextPaw rescues instead of a silent cut.")
+            "Send truncate:false on Ollama's native routes when a request could exceed the window given the "
+            "error bounds of its count, so a residual overflow comes back as a 400 that ContextPaw rescues "
+            "instead of a silent cut.")
         add("contextpaw_summarize", bool, d.summarize,
             "Put a digest of what was evicted where its marker goes (map-reduce over the whole span).")
         add("contextpaw_summarizer_url", str, d.summarizer_url, "The server that writes digests (default: the request's).")
