@@ -109,12 +109,6 @@ def ollama_sim(llama_server: Backend) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def sim_model() -> str:
-    """The model the simulator serves."""
-    return SIM_MODEL
-
-
-@pytest.fixture(scope="session")
 def sim_proxy(ollama_sim: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """ContextPaw (mitmdump with the addon) in front of the Ollama simulator; its base URL."""
     work = tmp_path_factory.mktemp("sim-proxy")
