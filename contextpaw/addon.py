@@ -316,6 +316,7 @@ class Upstream:
         self.states = states
         self.ledger = ledger
         self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S), self._rescue)
+        self._starting: asyncio.Task[None] | None = None
         self.carried: LRU = LRU(4096)
         """Digest of a body the relay carries -> (its flow's state, the body's Content-Encoding)."""
 
@@ -336,7 +337,7 @@ class Upstream:
     def running(self) -> None:
         """Start the relay (sync, as a reloaded script's hooks are called; flows before it listens
         go to their backend directly)."""
-        _background(self.relay.start())
+        self._starting = asyncio.get_running_loop().create_task(self.relay.start())
 
     def done(self) -> None:
         self.relay.close()
@@ -447,12 +448,3 @@ class AdminEndpoints:
 def _digest(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
-
-_tasks: set[Any] = set()
-
-
-def _background(work: Awaitable[None]) -> None:
-    """Run `work` on the loop without blocking the hook, keeping a reference until it ends."""
-    task = asyncio.ensure_future(work)
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
