@@ -185,7 +185,7 @@ class Compactor:
         if state is None or state.watched is None or response.headers.get("content-encoding", "identity") != "identity":
             response.stream = True
             return
-        response.stream = StreamReport(state.route.framing, state.route.is_final, functools.partial(self._final_report, flow, state))
+        response.stream = self._stream_report(flow, state)
         if "content-length" in response.headers:
             del response.headers["content-length"]
             response.headers["transfer-encoding"] = "chunked"
@@ -250,16 +250,15 @@ class Compactor:
         assert response is not None
         if not response.content:
             return
-        amend = functools.partial(self._final_report, flow, state)
         if response.headers.get("content-type", "").startswith(STREAM_TYPES):
-            response.content = StreamReport(state.route.framing, state.route.is_final, amend).transform(response.content)
+            response.content = self._stream_report(flow, state).transform(response.content)
             return
         try:
             answer = json.loads(response.content)
         except ValueError:
             self.ledger.failed(f"{flow.request.method} {flow.request.path}", "the backend's answer is not JSON; passed through as it was")
             return
-        value = amend(answer) if isinstance(answer, dict) else None
+        value = self._final_report(flow, state, answer) if isinstance(answer, dict) else None
         if value is not None and (body := with_report(response.content, value)) is not None:
             response.content = body
         watched = state.watched
@@ -272,19 +271,24 @@ class Compactor:
                 f"possibly: {possible.evaluated_tokens} evaluated of about {possible.sent_tokens}, window {possible.num_ctx}"
             )
 
-    def _final_report(self, flow: http.HTTPFlow, state: FlowState, final: Any) -> bytes | None:
-        """The fitter's report for the answer's final record; a cut the server made is flagged in
-        mitmweb, and what calibration learned is kept. It runs inside the answer's stream, so a
-        failure of ours passes the record on as it came (fail open) and is counted."""
+    def _stream_report(self, flow: http.HTTPFlow, state: FlowState) -> StreamReport:
+        route = state.route
+        return StreamReport(route.framing, route.is_final, functools.partial(self._final_report, flow, state), route.evaluated)
+
+    def _final_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None = None) -> bytes | None:
+        """The fitter's report for the answer's final record (`counted`: the prompt size an earlier
+        record of the stream reported); a cut the server made is flagged in mitmweb, and what
+        calibration learned is kept. It runs inside the answer's stream, so a failure of ours passes
+        the record on as it came (fail open) and is counted."""
         try:
-            return self._checked_report(flow, state, final)
+            return self._checked_report(flow, state, final, counted)
         except Exception:
             logger.exception("ContextPaw failed on the final record of %s; passed through", flow.request.path)
             self.ledger.stats.add("errors")
             return None
 
-    def _checked_report(self, flow: http.HTTPFlow, state: FlowState, final: Any) -> bytes | None:
-        value = self.fitter.final_report(state, final)
+    def _checked_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None) -> bytes | None:
+        value = self.fitter.final_report(state, final, counted)
         watched = state.watched
         if watched is not None:
             flow.metadata[REPORT] = watched.to_json()

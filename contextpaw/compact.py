@@ -389,7 +389,7 @@ class _ChatCompaction:
                 note = self.hole_note(holes[i], marker_id, digest)
                 after = last + 1
                 role = marker_role(
-                    out[-1].role if out else None, self.msgs[after].role if after < len(self.msgs) else None
+                    out[-1].speaker if out else None, self.msgs[after].speaker if after < len(self.msgs) else None
                 )
                 if role is not None:
                     out.append(Message.from_wire({"role": role, "content": note}))

@@ -1,16 +1,20 @@
 """The neutral conversation model: what compaction needs to know about a chat, and nothing it may lose.
 
 Ollama `/api/chat` and OpenAI `/v1/chat/completions` messages share one shape with a few dialects
-(content parts vs `images`, `tool_call_id` vs `tool_name`, `thinking` vs `reasoning_content`). A
-`Message` keeps the wire object it came from untouched in `raw`; a kept message is written back from
-`raw`, so nothing unknown is lost. The derived fields exist only so the engine can count and pair.
+(content parts vs `images`, `tool_call_id` vs `tool_name`, `thinking` vs `reasoning_content`).
+Anthropic's `/v1/messages` puts everything in content blocks: a `tool_use` block in an assistant
+message is a call, and the user message after it answers with `tool_result` blocks; such a message is
+read as a tool result (role `tool`), so pairing and markers treat it as the other dialects' tool
+messages. A `Message` keeps the wire object it came from untouched in `raw`; a kept message is
+written back from `raw`, so nothing unknown is lost. The derived fields exist only so the engine can
+count and pair.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +22,9 @@ PINNED_ROLES = frozenset({"system", "developer"})
 """Roles that are never touched: the operator's instructions."""
 
 _REASONING_FIELDS = ("thinking", "reasoning_content", "reasoning")
+CALL_BLOCKS = frozenset({"tool_use", "server_tool_use"})
+"""Anthropic content blocks that call a tool; their `id` is answered by a `tool_use_id`."""
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +49,8 @@ class Message:
         if not isinstance(role, str):
             raise ValueError(f"a message role must be a string, not {role!r}")
         parts: list[str] = []
-        images = _collect_content(raw.get("content"), parts)
+        content = raw.get("content")
+        images = _collect_content(content, parts)
         for name in _REASONING_FIELDS:
             if isinstance(raw.get(name), str):
                 parts.append(raw[name])
@@ -57,6 +65,12 @@ class Message:
                 call_id = call.get("id") if isinstance(call, Mapping) else None
                 call_ids.append(call_id if isinstance(call_id, str) else f"#{n}")
         answers = raw.get("tool_call_id")
+        if isinstance(content, list):  # Anthropic: calls and results are content blocks
+            blocks = [b for b in content if isinstance(b, Mapping)]
+            call_ids += [str(b.get("id", f"#{n}")) for n, b in enumerate(blocks) if b.get("type") in CALL_BLOCKS]
+            results = [b.get("tool_use_id") for b in blocks if "tool_use_id" in b]
+            if results and role == "user":
+                role, answers = "tool", results[0]
         return cls(
             raw=raw,
             role=role,
@@ -70,22 +84,32 @@ class Message:
     def pinned(self) -> bool:
         return self.role in PINNED_ROLES
 
+    @property
+    def speaker(self) -> str:
+        """The role as the wire spells it, which templates and APIs check alternation on: an
+        Anthropic tool result is a user message there, though compaction reads it as a tool result."""
+        return str(self.raw["role"])
+
     def with_content(self, text: str) -> Message:
         """A copy whose main text is replaced (used by shrinking and marker folding).
 
-        A content-part list keeps its non-text parts (images) and order: the largest text part is
-        replaced and other text parts are kept, so only what was shrunk changes.
+        A content list keeps its other parts (images, tool calls) and order: the largest text, at
+        the top level or inside a tool result, is replaced and other texts are kept, so only what
+        was shrunk changes. A list without text gets a text part: first, or after the tool results
+        (Anthropic refuses text before them).
         """
         raw = dict(self.raw)
         content = raw.get("content")
         if isinstance(content, list):
-            texts = [i for i, p in enumerate(content) if _part_text(p) is not None]
-            if texts:
-                biggest = max(texts, key=lambda i: len(_part_text(content[i]) or ""))
-                content = list(content)
-                content[biggest] = {**content[biggest], "text": text}
+            content = list(content)
+            slots = _text_slots(content)
+            if slots:
+                part, inner, _ = max(slots, key=lambda slot: len(slot[2]))
+                content[part] = _replaced(content[part], inner, text)
+            elif any(isinstance(p, Mapping) and "tool_use_id" in p for p in content):
+                content.append({"type": "text", "text": text})
             else:
-                content = [{"type": "text", "text": text}, *content]
+                content.insert(0, {"type": "text", "text": text})
             raw["content"] = content
         else:
             raw["content"] = text
@@ -93,14 +117,45 @@ class Message:
 
     @property
     def content_text(self) -> str:
-        """The text that shrinking may cut: string content, or the largest text part."""
+        """The text that shrinking may cut: string content, or the largest text in a content list."""
         content = self.raw.get("content")
         if isinstance(content, str):
             return content
         if isinstance(content, list):
-            texts = [t for p in content if (t := _part_text(p)) is not None]
-            return max(texts, key=len, default="")
+            return max((text for _, _, text in _text_slots(content)), key=len, default="")
         return ""
+
+
+Slot = tuple[int, int | None, str]
+"""Where a text lies in a content list: (part, None) for a text part; (part, -1) for a tool result
+whose content is a string; (part, k) for the k-th text part of a tool result's content list."""
+
+
+def _text_slots(content: list[Any]) -> list[Slot]:
+    slots: list[Slot] = []
+    for i, part in enumerate(content):
+        text = _part_text(part)
+        if text is not None:
+            slots.append((i, None, text))
+        elif isinstance(part, Mapping) and "tool_use_id" in part:
+            inner = part.get("content")
+            if isinstance(inner, str):
+                slots.append((i, -1, inner))
+            elif isinstance(inner, list):
+                slots += [(i, k, t) for k, sub in enumerate(inner) if (t := _part_text(sub)) is not None]
+    return slots
+
+
+def _replaced(part: Mapping[str, Any], inner: int | None, text: str) -> dict[str, Any]:
+    """A content part with the text at `inner` (see `Slot`) replaced; its other keys (an Anthropic
+    `cache_control`, a tool result's `is_error`) are kept."""
+    if inner is None:
+        return {**part, "text": text}
+    if inner == -1:
+        return {**part, "content": text}
+    subs = list(part["content"])
+    subs[inner] = {**subs[inner], "text": text}
+    return {**part, "content": subs}
 
 
 def _part_text(part: Any) -> str | None:
@@ -121,8 +176,10 @@ def _collect_content(content: Any, parts: list[str]) -> int:
             text = _part_text(part)
             if text is not None:
                 parts.append(text)
-            elif isinstance(part, Mapping) and part.get("type") in ("image_url", "input_image", "image"):
+            elif isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
                 images += 1
+            elif isinstance(part, Mapping) and part.get("type") in _BLOCK_TEXT:
+                images += _BLOCK_TEXT[part["type"]](part, parts)
             elif isinstance(part, str):
                 parts.append(part)
             elif part is not None:
@@ -132,11 +189,50 @@ def _collect_content(content: Any, parts: list[str]) -> int:
     return images
 
 
+def _result_text(block: Mapping[str, Any], parts: list[str]) -> int:
+    return _collect_content(block.get("content"), parts)
+
+
+def _field_text(name: str) -> Callable[[Mapping[str, Any], list[str]], int]:
+    def read(block: Mapping[str, Any], parts: list[str]) -> int:
+        value = block.get(name)
+        parts.append(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+        return 0
+
+    return read
+
+
+def _document_text(block: Mapping[str, Any], parts: list[str]) -> int:
+    source = block.get("source")
+    if isinstance(source, Mapping) and isinstance(source.get("data"), str) and source.get("type") == "text":
+        parts.append(source["data"])
+    else:
+        parts.append(json.dumps(block, ensure_ascii=False))
+    return 0
+
+
+def _use_text(block: Mapping[str, Any], parts: list[str]) -> int:
+    parts.append(_call_text(block))
+    return 0
+
+
+_BLOCK_TEXT: dict[str, Callable[[Mapping[str, Any], list[str]], int]] = {
+    "tool_result": _result_text,
+    "tool_use": _use_text,
+    "server_tool_use": _use_text,
+    "thinking": _field_text("thinking"),
+    "redacted_thinking": _field_text("data"),
+    "document": _document_text,
+}
+"""How the model's text is read out of Anthropic content blocks (returning the images inside);
+a block of any other type is counted as its JSON."""
+
+
 def _call_text(call: Any) -> str:
     if not isinstance(call, Mapping):
         return json.dumps(call, ensure_ascii=False)
     fn = call.get("function") if isinstance(call.get("function"), Mapping) else call
-    args = fn.get("arguments")
+    args = fn.get("arguments", fn.get("input"))
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
     return f"{fn.get('name', '')} {args}"

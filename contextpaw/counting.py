@@ -4,7 +4,8 @@ The engine counts synchronously, so the shell asks the server first and hands th
 `BackendCounter` holding exact counts for every text in the request (cached by content, so an agent
 loop pays only for its new messages). Two more numbers come from the server once per base URL: the
 template's fixed cost (system default, generation prompt) and its cost per message. The whole
-request's exact total comes from `/v1/chat/completions/input_tokens`, used to check the result.
+request's exact total comes from `/v1/chat/completions/input_tokens` (Anthropic's: `/v1/messages/count_tokens`),
+used to check the result.
 Any failure returns None: the caller falls back to its tokenizer or calibrated counter. A server
 whose counting failed is not asked again for `retry_after` seconds, so a hanging `/tokenize` costs one
 timeout, not one per request.
@@ -175,17 +176,18 @@ class LlamaCppCounting:
         fixed = template.fixed_with_system if has_system else template.fixed
         return BackendCounter(known, fallback, template.per_message), fixed
 
-    async def total(self, base_url: str, body: Mapping[str, Any]) -> int | None:
-        """The server's exact prompt size for a chat body (template and tools included); None on failure."""
-        key = (base_url, _key(json.dumps(body, sort_keys=True, default=str)))
+    async def total(self, base_url: str, path: str, body: Mapping[str, Any]) -> int | None:
+        """The server's exact prompt size for a chat body (template and tools included), counted at
+        `path` (OpenAI's or Anthropic's counting route); None on failure."""
+        key = (base_url, _key(path + json.dumps(body, sort_keys=True, default=str)))
         if key not in self.totals:
-            if self._resting(base_url, "input_tokens"):
+            if self._resting(base_url, path):
                 return None
             try:
-                answer = await self._post(base_url, "/v1/chat/completions/input_tokens", dict(body))
+                answer = await self._post(base_url, path, dict(body))
                 self.totals.put(key, int(answer["input_tokens"]))
             except FAILURES as e:
-                self._failed(base_url, "input_tokens", e)
+                self._failed(base_url, path, e)
                 return None
         return self.totals[key]
 

@@ -56,7 +56,7 @@ class BackendCounting(Protocol):
         self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool
     ) -> tuple[Counter, int] | None: ...
 
-    async def total(self, base_url: str, body: Mapping[str, Any]) -> int | None: ...
+    async def total(self, base_url: str, path: str, body: Mapping[str, Any]) -> int | None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -280,7 +280,8 @@ class Fitter:
         state.local = True
         logger.info("%s refused: %s", state.route.name, overflow.message)
         self.stats.add("refused")
-        return Refuse(413, report_bytes(state.route.refusal(overflow, report.to_json())), f"refused 413: {overflow.message}")
+        status = state.route.refusal_status
+        return Refuse(status, report_bytes(state.route.refusal(overflow, report.to_json())), f"refused {status}: {overflow.message}")
 
     @staticmethod
     def _keep(state: FlowState, report: Report) -> None:
@@ -354,9 +355,7 @@ class Fitter:
             return fitted
         for _ in range(VERIFY_ROUNDS):
             sent = json.loads(fitted.body) if fitted.body is not None else parsed.body
-            total = await self.services.counting.total(
-                backend.url, {k: sent[k] for k in ("messages", "tools") if sent.get(k) is not None}
-            )
+            total = await self.services.counting.total(backend.url, *parsed.counted(sent))
             if total is None:
                 fitted.report.exact = False
                 return fitted
@@ -524,15 +523,17 @@ class Fitter:
 
     # -- what the server says it evaluated ------------------------------------------------------
 
-    def final_report(self, state: FlowState, final: Any) -> bytes | None:
+    def final_report(self, state: FlowState, final: Any, counted: int | None = None) -> bytes | None:
         """The report for the answer's final record, after checking the count the server reports there.
 
         Ollama evaluating clearly fewer tokens than it was sent means it cut the prompt in silence:
         that is said in the report, the log and the metrics, under every policy. The same count
-        teaches the calibrated counter. Under policy off nothing is put on the wire (None).
+        teaches the calibrated counter. Under policy off nothing is put on the wire (None). A count
+        the final record lacks may have come earlier in the stream (`counted`).
         """
         report = state.watched
-        evaluated = wire.evaluated_tokens(final) if isinstance(final, dict) else None
+        evaluated = state.route.evaluated(final) if isinstance(final, dict) else None
+        evaluated = counted if evaluated is None else evaluated
         on_wire = state.report is not None
         answered = isinstance(final, dict) and "error" not in final
         if report is None or state.sent_tokens is None or not answered:

@@ -4,9 +4,11 @@ The report is spliced into the bytes the backend sent, just before the object's 
 everything else reaches the client byte for byte (Go's `\\u003c` escapes, key order, spacing).
 
 Streams are passed through record by record as they arrive. In NDJSON the report joins the
-`done: true` object, which is always last. In SSE the final-looking event (finish or usage chunk) is
-held back until the next event shows whether it really was the last before `[DONE]` or the end;
-token events are never held, so the client's first token is not delayed. The transformer is a
+`done: true` object, which is always last. In SSE the final-looking event (OpenAI's finish or usage
+chunk, Anthropic's `message_delta`) is held back until the next event shows whether another
+final-looking one follows: the report goes into the last of them. Token events are never held, so
+the client's first token is not delayed. The prompt size a server reports early in a stream
+(Anthropic's `message_start`) is remembered for the final record's check. The transformer is a
 mitmproxy stream callable: called per chunk and once with b"" at the end, it never returns b"" before
 that (an empty chunk would end a chunked body).
 """
@@ -27,9 +29,14 @@ def report_bytes(report: Mapping[str, Any]) -> bytes:
 
 
 def record_bytes(framing: Literal["ndjson", "sse"], value: Mapping[str, Any]) -> bytes:
-    """One record of a stream in its framing: an NDJSON line or an SSE `data:` event."""
+    """One record of a stream in its framing: an NDJSON line or an SSE `data:` event, named after
+    the object's `type` where it has one (Anthropic's streams name every event)."""
     line = report_bytes(value)
-    return line + b"\n" if framing == "ndjson" else b"data: " + line + b"\n\n"
+    if framing == "ndjson":
+        return line + b"\n"
+    kind = value.get("type")
+    named = b"event: " + str(kind).encode() + b"\n" if isinstance(kind, str) and kind.isidentifier() else b""
+    return named + b"data: " + line + b"\n\n"
 
 
 def splice(obj: bytes, value: bytes) -> bytes | None:
@@ -52,16 +59,21 @@ def with_report(raw: bytes, value: bytes) -> bytes | None:
     return splice(raw, value)
 
 
-Amend = Callable[[Mapping[str, Any]], bytes | None]
-"""The final record -> the report to put into it, or None to add nothing (what the server says
-there, e.g. the count it evaluated, can change the report)."""
+Amend = Callable[[Mapping[str, Any], int | None], bytes | None]
+"""(the final record, the prompt size an earlier record reported) -> the report to put into it, or
+None to add nothing (what the server says, e.g. the count it evaluated, can change the report)."""
+Count = Callable[[Mapping[str, Any]], int | None]
 
 
 class StreamReport:
     """A stream callable that passes records through and puts the report into the final one."""
 
     def __init__(
-        self, framing: Literal["ndjson", "sse"], is_final: Callable[[Mapping[str, Any]], bool], report: bytes | Amend
+        self,
+        framing: Literal["ndjson", "sse"],
+        is_final: Callable[[Mapping[str, Any]], bool],
+        report: bytes | Amend,
+        count: Count | None = None,
     ) -> None:
         self._separator = b"\n" if framing == "ndjson" else b"\n\n"
         self._sse = framing == "sse"
@@ -70,6 +82,9 @@ class StreamReport:
         self._pending = b""
         self._held: bytes | None = None
         self._placed = False
+        self._count = count
+        self.counted: int | None = None
+        """The last prompt size a record before the final one reported."""
 
     def __call__(self, data: bytes) -> list[bytes]:
         if not data:
@@ -91,13 +106,16 @@ class StreamReport:
         return [data] if data else []
 
     def _record(self, record: bytes) -> list[bytes]:
+        if self._placed:
+            return [record]
+        final = self._final(record)
         out: list[bytes] = []
         if self._held is not None:
             held, self._held = self._held, None
-            if record.strip() == DONE:
+            if not final:  # `[DONE]`, `message_stop` or a token: the held one was the last final
                 return [self._merge(held), record]
             out.append(held)
-        if not self._placed and self._final(record):
+        if final:
             if self._sse:
                 self._held = record
                 return out
@@ -131,7 +149,13 @@ class StreamReport:
             obj = json.loads(record[span[0] : span[1]])
         except ValueError:
             return False
-        return isinstance(obj, dict) and self._is_final(obj)
+        if not isinstance(obj, dict):
+            return False
+        if self._is_final(obj):
+            return True
+        if self._count is not None and (counted := self._count(obj)) is not None:
+            self.counted = counted
+        return False
 
     def _merge(self, record: bytes) -> bytes:
         span = self._span(record)
@@ -140,7 +164,7 @@ class StreamReport:
         report = self._report
         if callable(report):
             try:
-                report = report(json.loads(record[start:end]))
+                report = report(json.loads(record[start:end]), self.counted)
             except ValueError:
                 return record
             if report is None:  # only watched, nothing to add (policy off)

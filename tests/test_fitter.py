@@ -36,7 +36,7 @@ class NoCounting:
         self.calls += 1
         return None
 
-    async def total(self, base_url: str, body: Mapping[str, Any]) -> int | None:
+    async def total(self, base_url: str, path: str, body: Mapping[str, Any]) -> int | None:
         return None
 
     def stats(self) -> dict[str, Any]:
@@ -225,3 +225,37 @@ async def test_a_small_llama_server_request_is_counted_without_asking_the_server
 def test_the_fitter_imports_no_mitmproxy() -> None:
     code = "import sys, contextpaw.fitter; sys.exit(any(m.startswith('mitmproxy') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+MESSAGES = wire.route_for(wire.Kind.LLAMACPP, "POST", "/v1/messages")
+
+
+def messages_body(turns: int = 12) -> dict[str, Any]:
+    """The same history in Anthropic's shape: `system` beside the messages."""
+    body = chat(turns)
+    return {"model": "m", "max_tokens": 256, "system": "Be brief.", "messages": body["messages"][1:]}
+
+
+async def test_an_anthropic_request_refused_by_llama_server_is_refitted_and_at_worst_refused_as_anthropic_does() -> None:
+    f, s = fitter(default_ctx=8192), state(messages_body(), MESSAGES, LLAMACPP)
+    await f.fit(s)
+    llama_400 = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 9000,
+                                      "n_ctx": 2048, "message": "request exceeds the context"}}).encode()  # fmt: skip
+    retry = await f.rescue(s, 400, llama_400)
+    assert isinstance(retry, bytes) and json.loads(retry)["system"] == "Be brief." and "truncate" not in json.loads(retry)
+    while isinstance(retry := await f.rescue(s, 400, json.dumps({"error": {**json.loads(llama_400)["error"], "n_ctx": 300}}).encode()), bytes):
+        pass
+    assert isinstance(retry, Refuse) and retry.status == 400
+    error = json.loads(retry.body)
+    assert error["type"] == "error" and error["error"]["message"].startswith("prompt is too long: ")
+
+
+async def test_a_cut_ollama_made_on_v1_messages_is_flagged_from_message_delta() -> None:
+    route = wire.route_for(wire.Kind.OLLAMA, "POST", "/v1/messages")
+    f, s = fitter(policy="off", default_ctx=2048), state(messages_body(turns=8), route, OLLAMA)
+    await f.fit(s)
+    assert s.observed is not None and s.sent_tokens is not None and s.sent_tokens > 2048
+    estimate = {"type": "message_start", "message": {"usage": {"input_tokens": s.sent_tokens}}}
+    assert route.evaluated(estimate) == s.sent_tokens  # Ollama's start carries only a bytes/4 guess...
+    f.final_report(s, {"type": "message_delta", "usage": {"input_tokens": 1024, "output_tokens": 3}}, s.sent_tokens)
+    assert s.observed.upstream_truncated is not None and s.observed.upstream_truncated.evaluated_tokens == 1024  # ...the delta says

@@ -1,6 +1,6 @@
 """Wire formats: which requests ContextPaw handles, and how each API spells them.
 
-One module per API (`ollama`, `openai`, `llamacpp`) builds `Route`s: how to read a body into a
+One module per API (`ollama`, `openai`, `llamacpp`, `anthropic`) builds `Route`s: how to read a body into a
 conversation or a prompt plus the request parameters that size the budget, how to write the
 compacted body back, the API's own error shapes, and how its stream marks the final record. A parsed
 request fits itself into a budget with the compaction engine. This package is pure: bytes and dicts
@@ -64,29 +64,38 @@ class Chat:
     body: dict[str, Any]
     conversation: Conversation
     params: Params
+    fixed_text: str = ""
+    """A system prompt sent beside the messages (Anthropic's `system`): counted, never cut."""
+    exact_count: tuple[str, tuple[str, ...]] = ("/v1/chat/completions/input_tokens", ("messages", "tools"))
+    """Where llama-server counts a whole request in this API, and the fields it reads."""
+
+    def counted(self, sent: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(path, body) that asks llama-server for the exact size of `sent`, a body in this API."""
+        path, fields = self.exact_count
+        return path, {k: sent[k] for k in fields if sent.get(k) is not None}
 
     @property
     def key(self) -> str:
-        """Who this conversation is across turns: model, system messages and first user message.
+        """Who this conversation is across turns: model, system prompt and first user message.
 
         Those stay the same while the history after them grows, and differ between conversations.
         """
         messages = self.conversation.messages
-        anchor = [m.raw for m in messages if m.pinned] + [m.raw for m in messages if m.role == "user"][:1]
+        anchor = [self.fixed_text] + [m.raw for m in messages if m.pinned] + [m.raw for m in messages if m.role == "user"][:1]
         data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
         return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
     @property
     def texts(self) -> list[str]:
         """Every text a counter will be asked about, so an exact count can be fetched beforehand."""
-        texts = [t for m in self.conversation.messages for t in (m.text, m.content_text)]
+        texts = [self.fixed_text] + [t for m in self.conversation.messages for t in (m.text, m.content_text)]
         if self.conversation.tools:
             texts.append(json.dumps(self.conversation.tools, ensure_ascii=False, separators=(",", ":")))
         return texts
 
     @property
     def has_system(self) -> bool:
-        return bool(self.conversation.messages) and self.conversation.messages[0].role == "system"
+        return bool(self.fixed_text) or (bool(self.conversation.messages) and self.conversation.messages[0].role == "system")
 
     def fit(
         self,
@@ -104,7 +113,7 @@ class Chat:
             counter,
             keep_recent=keep_recent,
             previous=previous,
-            fixed_tokens=fixed_tokens,
+            fixed_tokens=fixed_tokens + (counter.text(self.fixed_text) if self.fixed_text else 0),
             digests=digests,
         )
         body = None if result.messages is None else write(self.body, messages=result.messages)
@@ -174,6 +183,9 @@ class Route:
     framing: Literal["ndjson", "sse"]
     is_final: Callable[[Mapping[str, Any]], bool]
     """Whether a stream record is the last one that carries data (the report goes into it)."""
+    refusal_status: int = 413
+    evaluated: Callable[[Mapping[str, Any]], int | None] = lambda record: evaluated_tokens(record)
+    """The prompt size the server reports in an answer or a stream record, or None."""
 
     def read(self, raw: bytes) -> Chat | Prompt:
         try:
@@ -288,6 +300,8 @@ def proxy_error(kind: Kind | None, path: str, reason: str, status: int = 502) ->
     routes all start with `/api/`.
     """
     path = _plain(path)
+    if path.startswith("/v1/messages"):
+        return anthropic.MESSAGES.proxy_error(reason, status)
     if path.startswith("/v1/"):
         return openai.CHAT.proxy_error(reason, status)
     if kind is Kind.OLLAMA or (kind is None and path.startswith("/api/")):
@@ -300,9 +314,14 @@ def _plain(path: str) -> str:
 
 
 # The API modules build their routes from the types above, so they are imported last.
-from contextpaw.wire import llamacpp, ollama, openai  # noqa: E402
+from contextpaw.wire import anthropic, llamacpp, ollama, openai  # noqa: E402
 
-_OPENAI = {"/v1/chat/completions": openai.CHAT, "/v1/completions": openai.COMPLETIONS}
+_OPENAI = {
+    "/v1/chat/completions": openai.CHAT,
+    "/v1/completions": openai.COMPLETIONS,
+    "/v1/messages": anthropic.MESSAGES,
+}
+"""The routes both backends serve the same way (`/v1/messages/count_tokens` passes through)."""
 _ROUTES: dict[Kind, dict[str, Route]] = {
     Kind.OLLAMA: _OPENAI | {"/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE},
     Kind.LLAMACPP: _OPENAI

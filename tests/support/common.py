@@ -109,6 +109,50 @@ def sse(value: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def named_sse(value: dict[str, Any]) -> bytes:
+    """An Anthropic stream event: named after its ``type``."""
+    return f"event: {value['type']}\ndata: {compact_json(value)}\n\n".encode()
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    kinds = {400: "invalid_request_error", 404: "not_found_error", 503: "overloaded_error"}
+    return {"type": "error", "error": {"type": kinds.get(status, "api_error"), "message": message}}
+
+
+def anthropic_chat(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """An Anthropic request's ``system`` and ``messages`` as chat messages, converted the way both
+    servers do: text blocks joined, a user message's tool results first as ``tool`` messages, tool
+    uses as ``tool_calls``; images, thinking and unknown blocks are not rendered."""
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "".join(b.get("text", "") for b in system if b.get("type") == "text")
+    messages = [{"role": "system", "content": system}] if system else []
+    for message in body.get("messages") or []:
+        role, content = message["role"], message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+        text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+        calls = [
+            {"id": b["id"], "function": {"name": b["name"], "arguments": b.get("input") or {}}}
+            for b in blocks
+            if b.get("type") == "tool_use"
+        ]
+        results = [
+            {"role": "tool", "tool_call_id": b["tool_use_id"], "content": _result_text(b.get("content"))}
+            for b in blocks
+            if b.get("type") == "tool_result"
+        ]
+        messages += results
+        if text or calls:
+            messages.append({"role": role, "content": text, **({"tool_calls": calls} if calls else {})})
+    return messages
+
+
+def _result_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return content or ""
+
+
 def context_overflow_error(n_prompt_tokens: int, n_ctx: int) -> dict[str, Any]:
     """llama-server's 400 body for a prompt of ``n_prompt_tokens >= n_ctx`` (llamacpp.md §1.2);
     Ollama passes it on as a string."""

@@ -33,10 +33,12 @@ from .common import (
     LazyStream,
     Pacing,
     Vocabulary,
+    anthropic_chat,
     application,
     common_arguments,
     compact_json,
     context_overflow_error,
+    named_sse,
     pacing,
     routing_errors,
     scripted_reply,
@@ -198,12 +200,16 @@ class ResponseFormat(ABC):
     """How one endpoint encodes partial and final results (llamacpp.md §4.1-4.3)."""
 
     done_marker = True
+    named_events = False
+    """Stream events carry an ``event:`` line (Anthropic's)."""
 
     def __init__(self, model: str, completion_id: str, body: dict[str, Any]) -> None:
         self.model = model
         self.id = completion_id
         self.created = int(time.time())
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.n_cached = 0
+        """Prompt tokens served from the slot's cache (known once a slot is claimed)."""
 
     @abstractmethod
     def partial(self, piece: str, token: int, decoded: int, n_prompt: int) -> list[dict[str, Any]]:
@@ -340,6 +346,60 @@ class ChatFormat(ResponseFormat):
         }
 
 
+class MessagesFormat(ResponseFormat):
+    """``/v1/messages``: Anthropic's named events; the prompt size is on ``message_start`` only,
+    split into new and cached tokens, and ``message_delta`` carries the output count."""
+
+    done_marker = False
+    named_events = True
+
+    def _message(self, content: list[dict[str, Any]], done: Completion | None, n_prompt: int, n_cached: int) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "model": self.model,
+            "stop_reason": None if done is None else self._stop(done),
+            "stop_sequence": None,
+            "usage": {
+                "cache_read_input_tokens": n_cached,
+                "input_tokens": n_prompt - n_cached,
+                "output_tokens": 0 if done is None else len(done.pieces),
+            },
+        }
+
+    @staticmethod
+    def _stop(done: Completion) -> str:
+        return "max_tokens" if done.stopped_by_limit else "end_turn"
+
+    def _start(self, n_prompt: int, n_cached: int) -> list[dict[str, Any]]:
+        return [
+            {"type": "message_start", "message": self._message([], None, n_prompt, n_cached)},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        ]
+
+    def partial(self, piece: str, token: int, decoded: int, n_prompt: int) -> list[dict[str, Any]]:
+        start = self._start(n_prompt, self.n_cached) if decoded == 1 else []
+        return [*start, {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}}]
+
+    def final_events(self, done: Completion) -> list[dict[str, Any]]:
+        start = [] if done.pieces else self._start(done.n_prompt, done.n_cached)
+        return [
+            *start,
+            {"type": "content_block_stop", "index": 0},
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": self._stop(done), "stop_sequence": None},
+                "usage": {"output_tokens": len(done.pieces)},
+            },
+            {"type": "message_stop"},
+        ]
+
+    def whole(self, done: Completion) -> dict[str, Any]:
+        return self._message([{"type": "text", "text": done.content}], done, done.n_prompt, done.n_cached)
+
+
 def _n_predict(body: dict[str, Any]) -> int:
     """The first non-null of ``n_predict``, ``max_completion_tokens``, ``max_tokens``; -1 if none."""
     value = next((body[k] for k in ("n_predict", "max_completion_tokens", "max_tokens") if body.get(k) is not None), -1)
@@ -462,6 +522,16 @@ class FakeLlamaServer:
         count = len(self.tokenizer.tokenize(prompt, add_special=True))
         return _json({"input_tokens": count, "object": "response.input_tokens"})
 
+    def messages_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """An Anthropic request as the chat request the server converts it to."""
+        if not isinstance(body.get("messages"), list):
+            raise RequestError(400, "'messages' is required", "invalid_request_error")
+        return {**body, "messages": anthropic_chat(body)}
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        prompt = self.chat_prompt(self.messages_body(await self.body(request)))
+        return _json({"input_tokens": len(self.tokenizer.tokenize(prompt, add_special=True))})
+
     # --- generation routes ----------------------------------------------------------------
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
@@ -476,6 +546,11 @@ class FakeLlamaServer:
         body = await self.body(request)
         tokens = self.tokenizer.tokenize(self.chat_prompt(body), add_special=True)
         return await self.generate(request, body, tokens, ChatFormat)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body = self.messages_body(await self.body(request))
+        tokens = self.tokenizer.tokenize(self.chat_prompt(body), add_special=True)
+        return await self.generate(request, body, tokens, MessagesFormat)
 
     async def generate(
         self, request: web.Request, body: dict[str, Any], tokens: list[int], kind: type[ResponseFormat]
@@ -495,6 +570,7 @@ class FakeLlamaServer:
             pieces = reply[:budget]
             generated = self.tokenizer.tokenize("".join(pieces), add_special=False)
             slot.cached = tokens + generated
+            encoder.n_cached = n_cached
             done = Completion(
                 n_prompt=len(tokens),
                 n_cached=n_cached,
@@ -516,9 +592,9 @@ class FakeLlamaServer:
         for index, (piece, token) in enumerate(zip(done.pieces, done.tokens, strict=True)):
             await self.settings.pacing.before_token(index)
             for event in encoder.partial(piece, token, index + 1, done.n_prompt):
-                await out.write(sse(event))
+                await out.write(named_sse(event) if encoder.named_events else sse(event))
         for event in encoder.final_events(done):
-            await out.write(sse(event))
+            await out.write(named_sse(event) if encoder.named_events else sse(event))
         if encoder.done_marker:
             await out.write(SSE_DONE)
         return await out.close()
@@ -557,6 +633,8 @@ def fake_llamacpp_app(settings: LlamaSettings = LlamaSettings()) -> web.Applicat
         "/v1/completions": server.text_completion,
         "/v1/chat/completions": server.chat_completion,
         "/chat/completions": server.chat_completion,
+        "/v1/messages": server.messages,
+        "/v1/messages/count_tokens": server.count_tokens,
     }
     return application([routing_errors(_not_found, _not_found), _request_errors], gets, posts)
 

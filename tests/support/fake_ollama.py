@@ -337,6 +337,56 @@ class OpenAICodec:
         return _sse(self._object([choice], chunk=True, model=""))
 
 
+class AnthropicCodec:
+    """The ``/v1/messages`` layer (Ollama's anthropic package): ``message_start`` goes out with
+    the first piece carrying only an estimate of the prompt (its bytes / 4), since the first chunk
+    has no metrics yet; the real ``prompt_eval_count`` comes on ``message_delta``. A failure
+    mid-stream becomes an ``error`` event."""
+
+    content_type = "text/event-stream"
+    _ids = itertools.count(1)
+
+    def __init__(self, model: str, body: dict[str, Any]) -> None:
+        self._model = model
+        self._id = f"msg_{next(self._ids):024x}"
+        self._estimate = max(1, len(compact_json([body.get("system"), body.get("messages")])) // 4)
+
+    def _message(self, content: list[dict[str, Any]], input_tokens: int, output_tokens: int, **rest: Any) -> dict[str, Any]:
+        usage = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+        return {"id": self._id, "type": "message", "role": "assistant", "model": self._model, "content": content, **rest, "usage": usage}
+
+    def _start(self) -> list[bytes]:
+        return [
+            common.named_sse({"type": "message_start", "message": self._message([], self._estimate, 0)}),
+            common.named_sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ]
+
+    @staticmethod
+    def _stop(finish: Finish) -> str:
+        return "max_tokens" if finish.done_reason == "length" else "end_turn"
+
+    def partial(self, piece: str, first: bool) -> list[bytes]:
+        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}}
+        return [*(self._start() if first else []), common.named_sse(delta)]
+
+    async def final(self, text: str, finish: Finish) -> list[bytes]:
+        usage = {"input_tokens": finish.prompt_eval_count, "output_tokens": finish.eval_count}
+        return [
+            *([] if text else self._start()),
+            common.named_sse({"type": "content_block_stop", "index": 0}),
+            common.named_sse({"type": "message_delta", "delta": {"stop_reason": self._stop(finish)}, "usage": usage}),
+            common.named_sse({"type": "message_stop"}),
+        ]
+
+    async def whole(self, text: str, finish: Finish) -> web.Response:
+        content = [{"type": "text", "text": text}] if text else []
+        body = self._message(content, finish.prompt_eval_count, finish.eval_count, stop_reason=self._stop(finish))
+        return _json(body, content_type="application/json")
+
+    def failure(self, message: str) -> bytes:
+        return common.named_sse(common.anthropic_error(500, message))
+
+
 def _sse(value: Any) -> bytes:
     return f"data: {go_json(value)}\n\n".encode()
 
@@ -631,6 +681,25 @@ class OllamaServer:
         options |= {ours: body[theirs] for theirs, ours in renamed.items() if body.get(theirs) is not None}
         return Request(model, messages, prompt, body.get("tools"), options, True, None, None, native_chat)
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's API over the chat pipeline: no num_ctx, truncate or keep_alive get through,
+        so an overflow is cut to the loaded (or default) window in silence."""
+        body = await self.body(request)
+        model = self.model(body)
+        if not isinstance(body.get("messages"), list):
+            raise OllamaError(400, "messages is required")
+        messages = common.anthropic_chat(body)
+        options = {"num_predict": body.get("max_tokens", -1)}
+        options |= {k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None}
+        request_ = Request(model, messages, "", None, options, True, None, None, self.settings.native)
+        _, pieces = await self.run(request_)
+        return await self.respond(request, body.get("stream") is True, pieces, AnthropicCodec(model, body))
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Ollama's count here is an estimate: the request's bytes / 4."""
+        body = await self.body(request)
+        return _json({"input_tokens": max(1, len(compact_json([body.get("system"), body.get("messages")])) // 4)})
+
     async def last(self, request: web.Request) -> web.Response:
         """Test-only ground truth: whether the last prompt that reached the runner was cut (null
         when the last request was refused before that)."""
@@ -767,6 +836,8 @@ async def _ollama_errors(request: web.Request, handler: Callable[..., Any]) -> w
     try:
         return await handler(request)
     except OllamaError as error:
+        if request.path.startswith("/v1/messages"):
+            return _json(common.anthropic_error(error.status, error.message), status=error.status)
         if request.path.startswith("/v1/"):
             return openai_error(error.status, error.message)
         return _json({"error": error.message}, status=error.status)
@@ -791,6 +862,8 @@ def ollama_app(settings: OllamaSettings, engine: Engine) -> web.Application:
         "/api/show": server.show,
         "/v1/chat/completions": server.openai_chat,
         "/v1/completions": server.openai_completion,
+        "/v1/messages": server.messages,
+        "/v1/messages/count_tokens": server.count_tokens,
     }
     app = common.application([common.routing_errors(not_found, not_allowed), _ollama_errors], gets, posts)
     app.cleanup_ctx.append(server.lifetime)
