@@ -395,13 +395,17 @@ class Fitter:
             previous = previous or self.plans.get(parsed.key)
             turns = {"keep_recent": self.settings.keep_recent, "previous": previous, "digests": digests}
         fit = functools.partial(parsed.fit, counter=counter, fixed_tokens=fixed, **turns)
-        try:
-            fitted = await off_loop(big, functools.partial(fit, guarded.tokens))
-        except BudgetTooSmall:
-            if guarded == budget:
-                raise
-            guarded = budget  # what must be kept needs more: the full budget, and the check after
-            fitted = await off_loop(big, functools.partial(fit, budget.tokens))
+        while True:
+            try:
+                fitted = await off_loop(big, functools.partial(fit, guarded.tokens))
+                break
+            except BudgetTooSmall as e:
+                if guarded == budget:
+                    raise
+                # what must be kept needs more than the guard leaves: as close to the guard as it
+                # fits, else the full budget, and the check after the answer says what happened
+                needed = budget.at_most(e.required)
+                guarded = needed if guarded.tokens < needed.tokens < budget.tokens else budget
         fitted.report.window = budget.window
         if guarded != budget:
             fitted.report.notes.append(

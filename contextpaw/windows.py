@@ -35,6 +35,10 @@ class Budget:
             return self
         return Budget(self.window, self.reserve, self.margin + self.tokens - math.floor(self.tokens / ratio))
 
+    def at_most(self, tokens: int) -> Budget:
+        """This budget cut to `tokens` (never raised above what it is)."""
+        return Budget(self.window, self.reserve, self.margin + max(self.tokens - tokens, 0))
+
     def refusal(self, required: int) -> Overflow:
         """Policy strict: the request would have to be compacted."""
         cause = f"the request needs {required} tokens but only {self.tokens} fit, and policy strict refuses to compact it"

@@ -259,3 +259,17 @@ async def test_a_cut_ollama_made_on_v1_messages_is_flagged_from_message_delta() 
     assert route.evaluated(estimate) == s.sent_tokens  # Ollama's start carries only a bytes/4 guess...
     f.final_report(s, {"type": "message_delta", "usage": {"input_tokens": 1024, "output_tokens": 3}}, s.sent_tokens)
     assert s.observed.upstream_truncated is not None and s.observed.upstream_truncated.evaluated_tokens == 1024  # ...the delta says
+
+
+async def test_when_the_guard_leaves_too_little_for_what_must_be_kept_the_budget_stays_as_close_to_it_as_fits() -> None:
+    """Ollama's /v1 routes get a budget the estimate's worst error still fits in; a system prompt
+    bigger than that is kept, and the budget grows only to what it needs, not to the whole window."""
+    f = fitter(default_ctx=4096, output_reserve=0)
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "system", "content": "rule " * 1400}, *chat(turns=8)["messages"][1:]]}
+    s = state(body, OPENAI, OLLAMA)
+    await f.fit(s)
+    assert s.report is not None and s.report.compacted
+    full = 4096 - f.settings.margin
+    guard = full - (full - int(full / 3.3))
+    assert guard < s.report.budget < full and s.report.final_tokens <= s.report.budget
+    assert any("cannot ask Ollama to refuse" in note for note in s.report.notes)

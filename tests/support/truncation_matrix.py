@@ -22,7 +22,7 @@ import httpx
 
 from .backends import Backend, start_proxy
 
-ROUTES = ("/api/chat", "/api/generate", "/v1/chat/completions", "/v1/completions")
+ROUTES = ("/api/chat", "/api/generate", "/v1/chat/completions", "/v1/completions", "/v1/messages")
 POLICIES = ("compact", "strict", "off")
 SHAPES = ("dense", "code", "logs", "multilingual", "tools")
 SECRET = "kiwi"
@@ -77,16 +77,42 @@ def filler(shape: str, words: int, rng: random.Random) -> str:
     return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "result", "value"]) for _ in range(words))
 
 
+def anthropic_body(chunks: list[str], tools: bool) -> dict:
+    """The case in Anthropic's shape: `system` beside the messages, tool calls as `tool_use` blocks
+    answered by `tool_result` blocks, roles alternating."""
+    messages: list[dict] = []
+    for i, chunk in enumerate(chunks):
+        if tools:
+            ask = {"type": "text", "text": f"Look up part {i}."}
+            if messages:
+                messages[-1]["content"].append(ask)
+            else:
+                messages.append({"role": "user", "content": [ask]})
+            use = {"type": "tool_use", "id": f"toolu_{i}", "name": "search", "input": {"q": f"part {i}"}}
+            messages += [{"role": "assistant", "content": [use]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": chunk}]}]  # fmt: skip
+        else:
+            messages += [{"role": "user", "content": f"Note {i}: {chunk}"}, {"role": "assistant", "content": "Noted."}]
+    if tools and messages:
+        messages[-1]["content"].append({"type": "text", "text": QUESTION})
+    else:
+        messages.append({"role": "user", "content": QUESTION})
+    return {"system": SYSTEM, "messages": messages, "max_tokens": 8}
+
+
 def body(case: Case, model: str, seed: int = 0) -> dict:
     """The request for a case: the fact up front, filler in the middle, the question last."""
     rng = random.Random(f"{case}-{seed}")
     middle = filler(case.shape, case.words, rng)
     common = {"model": model, "stream": case.stream}
+    step = max(len(middle) // 4, 1)
+    chunks = [middle[i : i + step] for i in range(0, len(middle), step)]
+    if case.route == "/v1/messages":
+        return common | anthropic_body(chunks, case.shape == "tools")
     if case.route in ("/api/generate", "/v1/completions"):
         prompt = f"{SYSTEM}\n\n{middle}\n\n{QUESTION}"
         return common | ({"prompt": prompt, "max_tokens": 8} if case.route.startswith("/v1") else {"prompt": prompt, "options": {"num_predict": 8}})
     messages: list[dict] = [{"role": "system", "content": SYSTEM}]
-    chunks = [middle[i : i + max(len(middle) // 4, 1)] for i in range(0, len(middle), max(len(middle) // 4, 1))]
     for i, chunk in enumerate(chunks):
         if case.shape == "tools":
             call = {"id": f"call_{i}", "type": "function", "function": {"name": "search", "arguments": json.dumps({"q": f"part {i}"})}}
@@ -103,12 +129,16 @@ def body(case: Case, model: str, seed: int = 0) -> dict:
 
 
 def answer_text(route: str, stream: bool, text: str) -> str:
-    """What the model said, from a buffered or streamed answer of any of the four routes."""
+    """What the model said, from a buffered or streamed answer of any of the routes."""
     records = [json.loads(line.removeprefix("data: ")) for line in text.splitlines()
                if line.strip() and line.strip() != "data: [DONE]" and line.strip().startswith(("{", "data: {"))]  # fmt: skip
     said = []
     for record in records if stream or not records else records[:1]:
-        if "message" in record:
+        if record.get("type") == "content_block_delta":  # Anthropic's
+            said.append(record["delta"].get("text") or "")
+        elif record.get("type") == "message":
+            said += [block.get("text") or "" for block in record.get("content") or []]
+        elif isinstance(record.get("message"), dict) and "role" in record["message"]:
             said.append(record["message"].get("content") or "")
         elif "response" in record:
             said.append(record.get("response") or "")
