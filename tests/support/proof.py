@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
+    import anthropic
     import openai
 
 WORDS = ["walrus", "mango", "copper", "violet", "falcon", "pepper", "glacier", "saffron", "otter", "cobalt"]
@@ -149,6 +150,49 @@ def openai_trial(
         pieces += [c.delta.content for c in chunk.choices if c.delta and c.delta.content]
         usage = chunk.usage.prompt_tokens if chunk.usage else usage
         report = (chunk.model_extra or {}).get("contextpaw", report)
+    answer = "".join(pieces)
+    return Trial(path, raw.status_code, answer, recalled(secret, answer), usage, report, ["stream"], headers)
+
+
+def anthropic_trial(
+    client: anthropic.Anthropic, path: str, secret: str, messages: list[dict[str, Any]], *, model: str = "smollm2", stream: bool = False
+) -> Trial:
+    """One Messages API call with the real anthropic SDK, streamed or not: a chat's system message
+    goes into `system`. The report comes from the message (``model_extra``) or, in a stream, from
+    the ``message_delta`` event; the prompt size from ``usage`` (new plus cached tokens)."""
+    import anthropic
+
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    turns = [m for m in messages if m["role"] != "system"]
+    try:
+        raw = client.messages.with_raw_response.create(
+            model=model, max_tokens=GREEDY_TOKENS, system=system, messages=turns, stream=stream,  # type: ignore[arg-type]
+            extra_body={"temperature": 0},  # greedy, as the other demos (this SDK has no parameter for it)
+        )  # fmt: skip
+    except anthropic.APIStatusError as e:
+        body = e.body if isinstance(e.body, Mapping) else {}
+        error = body.get("error") if isinstance(body.get("error"), Mapping) else {}
+        return Trial(path, e.status_code, error_answer(error), False, error.get("n_prompt_tokens"), body.get("contextpaw"))
+    headers = contextpaw_headers(raw.headers)
+
+    def prompt_size(usage: Any) -> int | None:
+        return None if usage is None or usage.input_tokens is None else usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+    if not stream:
+        message = raw.parse()
+        answer = "".join(b.text for b in message.content if b.type == "text")
+        report = (message.model_extra or {}).get("contextpaw")
+        return Trial(path, raw.status_code, answer, recalled(secret, answer), prompt_size(message.usage), report, headers=headers)
+    pieces: list[str] = []
+    usage, report = None, None
+    for event in raw.parse():
+        if event.type == "message_start":
+            usage = prompt_size(event.message.usage)
+        elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+            pieces.append(event.delta.text)
+        elif event.type == "message_delta":
+            usage = getattr(event.usage, "input_tokens", None) or usage
+            report = (event.model_extra or {}).get("contextpaw")
     answer = "".join(pieces)
     return Trial(path, raw.status_code, answer, recalled(secret, answer), usage, report, ["stream"], headers)
 
