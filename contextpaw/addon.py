@@ -21,15 +21,17 @@ import asyncio
 import functools
 import hashlib
 import json
-import logging
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from mitmproxy import connection, ctx, exceptions, http
+from mitmproxy.net.http import url
+from mitmproxy.proxy import mode_specs
 from mitmproxy.net import encoding
 
+from contextpaw import logs
 from contextpaw import admin, wire
 from contextpaw.backends import Backends
 from contextpaw.evicted import EvictedStore
@@ -45,7 +47,10 @@ from contextpaw.streams import STREAM_TYPES, StreamReport, with_report
 from contextpaw.summarize import Summarizer
 from contextpaw.views import ORIGINAL, REPORT
 
-logger = logging.getLogger("contextpaw")
+CLIENT_HOST = "contextpaw.client_host"
+"""The Host header the client sent (reverse mode replaces it with the backend's)."""
+
+logger = logs.get("contextpaw")
 
 RELAY_TIMEOUT_S = 540
 """The relay's default header and idle timeouts: under mitmproxy's default `tcp_timeout` (600 s),
@@ -414,12 +419,31 @@ class AdminEndpoints:
         self.fitter = fitter
         self.services = services
         self.admin = admin.Admin(ledger.stats, store, self._health, runtime)
+        self.rewrites_host = False
 
     def load(self, loader: Any) -> None:
         loader.add_option(
             "contextpaw_admin_token", str | None, None,
             "Token (header X-ContextPaw-Token) that lets non-loopback clients use /contextpaw/*.",
         )  # fmt: skip
+
+    def running(self) -> None:
+        """Warn of listeners off the loopback; and see the Host each client sent, which reverse mode
+        replaces before any hook: mitmproxy is told to keep it, and `requestheaders` rewrites it as
+        mitmproxy would have, for every flow but the admin check."""
+        for spec in ctx.options.mode:
+            host = mode_specs.ProxyMode.parse(spec).listen_host(ctx.options.listen_host)
+            if not admin.loopback_address(host) and host != "localhost":
+                logger.warning("listening on %s (%s), not on the loopback: other machines can reach the backends through it",
+                               host or "every interface", spec)  # fmt: skip
+        if not ctx.options.keep_host_header:
+            self.rewrites_host = True
+            ctx.options.update(keep_host_header=True)
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        flow.metadata[CLIENT_HOST] = flow.request.host_header
+        if self.rewrites_host and isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):
+            flow.request.host_header = url.hostport(flow.request.scheme, flow.request.host, flow.request.port)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or not admin.is_admin(flow.request.path):
@@ -428,10 +452,11 @@ class AdminEndpoints:
             return
         client_host = flow.client_conn.peername[0] if flow.client_conn.peername else ""
         token = flow.request.headers.get("X-ContextPaw-Token")
-        if admin.authorized(client_host, token, ctx.options.contextpaw_admin_token):
+        host = flow.metadata.get(CLIENT_HOST, flow.request.host_header)
+        if admin.authorized(client_host, host, token, ctx.options.contextpaw_admin_token):
             answer = await self.admin.answer(flow.request.method, flow.request.path)
         else:
-            answer = admin.json_reply(403, {"error": "ContextPaw endpoints are for loopback clients or token holders"})
+            answer = admin.json_reply(403, {"error": "ContextPaw endpoints are for loopback clients naming a loopback host, or token holders"})
         reply(flow, answer.status, answer.body, answer.content_type)
 
     async def _health(self) -> dict[str, Any]:

@@ -5,11 +5,13 @@
 - `GET /contextpaw/runtime`: which runtime owns the GPU (`contextpaw_arbitrate`).
 - `GET /contextpaw/evicted/<id>`: content removed under a marker, verbatim, for an agent to re-read.
 
-They reveal prompt content, so only loopback clients may call them unless an access token is set.
+They reveal prompt content, so only loopback clients that name a loopback host may call them, or
+holders of the access token.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 from collections.abc import Awaitable, Callable, Iterator
@@ -90,16 +92,31 @@ def is_admin(path: str) -> bool:
     return path.startswith(PREFIX)
 
 
-def authorized(client_host: str, presented: str | None, token: str | None) -> bool:
-    """Loopback clients always; others only with the configured token."""
+def authorized(client_host: str, host: str | None, presented: str | None, token: str | None) -> bool:
+    """The token holder (compared in constant time), or a loopback client that named a loopback
+    host: a web page whose name resolves to 127.0.0.1 (DNS rebinding) is a loopback client, but its
+    browser sends the page's own name as the Host."""
+    if token and presented is not None and hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), token.encode()):
+        return True
+    return loopback_address(client_host) and loopback_host(host)
+
+
+def loopback_address(text: str) -> bool:
     try:
-        address = ipaddress.ip_address(client_host)
+        address = ipaddress.ip_address(text.strip("[]"))
     except ValueError:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
-    if (mapped or address).is_loopback:
-        return True
-    return bool(token) and presented == token
+    return (mapped or address).is_loopback
+
+
+def loopback_host(host: str | None) -> bool:
+    """A Host header naming this machine: `localhost`, `127.0.0.0/8` or `[::1]`, with any port."""
+    if not host:
+        return False
+    name = host.rsplit("]", 1)[0] + "]" if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.rstrip(".").lower()
+    return name == "localhost" or name.endswith(".localhost") or loopback_address(name)
 
 
 class Admin:

@@ -11,7 +11,6 @@ llama-server that the arbiter is about to start.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, NamedTuple
 
 from mitmproxy import ctx, exceptions, http
 
+from contextpaw import logs
 from contextpaw import admin, wire
 from contextpaw.backends import Backends
 from contextpaw.replies import reply
@@ -32,7 +32,7 @@ from contextpaw.runtime import (
 )
 from contextpaw.streams import report_bytes
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 MODEL_MANAGEMENT = ("/api/show", "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/blobs/")
 """Ollama's POSTs that load no model: they must not take the GPU from llama-server."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from contextpaw import logs
 from contextpaw import wire
 from contextpaw.ledger import FailureLedger
 from contextpaw.relay import Relay
@@ -23,7 +23,7 @@ from contextpaw.session import PROBE_TIMEOUT_S, Session
 from contextpaw.settings import BackendSettings
 from contextpaw.streams import report_bytes
 
-logger = logging.getLogger("contextpaw")
+logger = logs.get("contextpaw")
 
 BACKEND_HEADER = "X-ContextPaw-Backend"
 HEALTH_PROBE_WAIT_S = 0.5

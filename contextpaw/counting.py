@@ -25,10 +25,11 @@ from typing import Any
 
 import aiohttp
 
+from contextpaw import logs
 from contextpaw.state import LRU
 from contextpaw.tokens import Counter
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 
 MIN_RATE_CHARS = 200
 """Texts shorter than this say more about the template than about the tokenizer's rate."""

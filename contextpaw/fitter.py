@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from contextpaw import logs
 from contextpaw import wire
 from contextpaw.admin import Stats
 from contextpaw.calibration import Calibration
@@ -36,7 +36,7 @@ from contextpaw.tokens import Counter, EstimateCounter
 from contextpaw.truncation import EXACT_BOUNDS, Evaluation, could_exceed, judge, unknowable
 from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
 
-logger = logging.getLogger("contextpaw")
+logger = logs.get("contextpaw")
 
 OFFLOAD_BYTES = 256 * 1024
 OFFLOAD_MESSAGES = 500
@@ -214,7 +214,7 @@ class Fitter:
             return await self._fit(state)
         except Exception as e:  # fail open: the backend answers the request as the client sent it
             logger.exception("ContextPaw failed on %s; forwarding the request unchanged", state.path)
-            state.report = state.observed = None
+            state.report = state.observed = state.sent = state.sent_tokens = None
             state.headers = {"X-ContextPaw-Error": f"{type(e).__name__} while compacting; forwarded unchanged"}
             self.stats.add("errors")
             return UNCHANGED
@@ -293,12 +293,14 @@ class Fitter:
             self.plans.put(parsed.key, fitted.plan)
 
     def _note_compaction(self, state: FlowState, report: Report, model: str) -> None:
+        """Log, keep and count a compaction; the counts go last, so a failure before them (which
+        forwards the request unchanged) leaves no count of a compaction that was never sent."""
+        logger.info("%s %s: %s", state.route.name, model, report.summary())
+        logger.debug("evicted under %s: %r", report.markers, report.evicted)
         for marker_id, content in report.evicted.items():
             self.store.put(marker_id, content)
         self.stats.add("compacted")
         self.stats.add("evicted_tokens", report.evicted_tokens)
-        logger.info("%s %s: %s", state.route.name, model, report.summary())
-        logger.debug("evicted under %s: %r", report.markers, report.evicted)
 
     # -- counting -------------------------------------------------------------------------------
 

@@ -3,11 +3,11 @@ backend (for `/contextpaw/health`), whichever part of ContextPaw saw it fail."""
 
 from __future__ import annotations
 
-import logging
 
+from contextpaw import logs
 from contextpaw.admin import Stats
 
-logger = logging.getLogger("contextpaw")
+logger = logs.get("contextpaw")
 
 
 class FailureLedger:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -36,10 +35,11 @@ from typing import Any
 
 import h11
 
+from contextpaw import logs
 from contextpaw import headers as shared, wire
 from contextpaw.streams import STREAM_TYPES, record_bytes
 
-logger = logging.getLogger(__name__)
+logger = logs.get(__name__)
 
 LOOPBACK = "127.0.0.1"
 READ_SIZE = 64 * 1024

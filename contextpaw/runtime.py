@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
 import os
 import shlex
@@ -32,9 +31,10 @@ from typing import Any
 
 import aiohttp
 
+from contextpaw import logs
 from contextpaw.gpu import GpuProbe, NoVram, NvmlProbe, VramReading, sample
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 
 MIB = 1 << 20
 RELEASE_MARGIN_BYTES = 256 * MIB

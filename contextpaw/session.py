@@ -4,17 +4,17 @@ session, and the `Services` the fitter asks them through."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from typing import Any
 
 import aiohttp
 
+from contextpaw import logs
 from contextpaw.counting import LlamaCppCounting
 from contextpaw.summarize import ChatCompletions, Complete
 from contextpaw.tokens import Counter, TokenizerCounter
 
-logger = logging.getLogger("contextpaw")
+logger = logs.get("contextpaw")
 
 PROBE_TIMEOUT_S = 2.0
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,11 +32,12 @@ from typing import Any
 
 import aiohttp
 
+from contextpaw import logs
 from contextpaw.conversation import Message
 from contextpaw.state import LRU, write_atomically
 from contextpaw.tokens import Counter
 
-log = logging.getLogger(__name__)
+log = logs.get(__name__)
 
 Complete = Callable[[str, int], Awaitable[str]]
 """One summarizer call: prompt text and the most tokens to generate -> the model's answer."""

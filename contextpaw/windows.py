@@ -9,6 +9,8 @@ asks the backend (`/props`, `/api/ps`, `/api/show`) through a fetch function the
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from contextpaw.compact import BudgetTooSmall
+from contextpaw.state import LRU
 from contextpaw.wire import Backend, Kind, Overflow, Params, UpstreamOverflow
 
 
@@ -66,6 +69,10 @@ Fetch = Callable[[str, str, dict[str, Any] | None], Awaitable[Any]]
 """(method, url, JSON body or None) -> the parsed JSON answer, or None when the server did not answer."""
 
 
+MAX_MODELS = 1024
+"""Windows remembered at most (by backend and model name)."""
+
+
 class BackendWindows:
     """Asks the backend what window a model really runs with, and remembers what it learned.
 
@@ -95,20 +102,31 @@ class BackendWindows:
         self.miss_ttl = miss_ttl
         self.clock = clock
         self.ollama_default = ollama_default
-        self.known: dict[tuple[str, str], tuple[float, int | None]] = {}
+        self.known = LRU(MAX_MODELS)
+        """(backend URL, model) -> (when, the window or None); bounded, since model names are the client's."""
+        self._asking: dict[tuple[str, str], asyncio.Task[int | None]] = {}
+        """Lookups under way: concurrent first requests for a model share one."""
 
     async def window(self, backend: Backend, model: str) -> int | None:
         key = (backend.url, model)
         cached = self.known.get(key)
         if cached is not None and self.clock() - cached[0] < (self.ttl if cached[1] is not None else self.miss_ttl):
             return cached[1]
-        found = await (self._llamacpp(backend) if backend.kind == Kind.LLAMACPP else self._ollama(backend, model))
-        self.known[key] = (self.clock(), found)
-        return found
+        task = self._asking.get(key)
+        if task is None:
+            lookup = self._llamacpp(backend) if backend.kind == Kind.LLAMACPP else self._ollama(backend, model)
+            task = self._asking[key] = asyncio.ensure_future(lookup)
+            task.add_done_callback(functools.partial(self._found, key))
+        return await asyncio.shield(task)  # a request that goes away leaves the lookup to the others
+
+    def _found(self, key: tuple[str, str], task: asyncio.Task[int | None]) -> None:
+        del self._asking[key]
+        if not task.cancelled() and task.exception() is None:
+            self.known.put(key, (self.clock(), task.result()))
 
     def learn(self, backend: Backend, model: str, window: int) -> None:
         """A window the server itself named for requests without `num_ctx` (the `n_ctx` of its 400)."""
-        self.known[(backend.url, model)] = (self.clock(), window)
+        self.known.put((backend.url, model), (self.clock(), window))
 
     async def _llamacpp(self, backend: Backend) -> int | None:
         return llamacpp_window(await self.fetch("GET", backend.url + "/props", None))
@@ -178,8 +196,10 @@ class Budgeter:
         return self.for_window(window, params)
 
     def for_window(self, window: int, params: Params) -> Budget:
+        """The answer's reserve takes at most half the window, the margin at most an eighth: a tiny
+        window (`num_ctx` 128 and below) still holds a short prompt."""
         reserve = min(params.max_output or self.reserve, window // 2)
-        return Budget(window, reserve, self.margin)
+        return Budget(window, reserve, min(self.margin, window // 8))
 
     def after_upstream_overflow(self, error: UpstreamOverflow, counted: int, params: Params) -> Budget:
         """The budget for a retry after the backend refused: its window, in our counter's units.

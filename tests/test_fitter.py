@@ -273,3 +273,37 @@ async def test_when_the_guard_leaves_too_little_for_what_must_be_kept_the_budget
     guard = full - (full - int(full / 3.3))
     assert guard < s.report.budget < full and s.report.final_tokens <= s.report.budget
     assert any("cannot ask Ollama to refuse" in note for note in s.report.notes)
+
+
+async def test_a_model_name_that_would_forge_or_break_a_log_line_is_escaped_and_the_report_is_what_was_sent() -> None:
+    """A log handler that cannot encode a lone surrogate (as a terminal's cannot) must not turn a
+    compaction into a forwarded original that is reported, and counted, as compacted."""
+    import logging
+
+    lines: list[str] = []
+
+    class Strict(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage().encode("utf-8").decode())
+
+    handler, log = Strict(), logging.getLogger("contextpaw")
+    level, log.level = log.level, logging.INFO
+    log.addHandler(handler)
+    try:
+        f, s = fitter(), state({**chat(), "model": "m\ud800\n[06:00:00.000] FORGED compacted"})
+        decision = await f.fit(s)
+    finally:
+        log.removeHandler(handler)
+        log.level = level
+    assert isinstance(decision, Forward) and decision.body is not None and s.report is not None and s.report.compacted
+    assert f.stats.counts["compacted"] == 1
+    assert lines and all("\n" not in line for line in lines) and any("\\ud800\\n[06:00:00.000] FORGED" in line for line in lines)
+
+
+@pytest.mark.parametrize("num_ctx", [32, 64, 128, 129])
+async def test_a_short_prompt_fits_a_tiny_window(num_ctx: int) -> None:
+    """The margin scales with the window: "hi" in a 64-token window is forwarded, not refused."""
+    f = fitter()
+    s = state({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False, "options": {"num_ctx": num_ctx}})
+    decision = await f.fit(s)
+    assert decision == UNCHANGED and s.report is not None and s.report.strategy != "refused"

@@ -87,3 +87,26 @@ async def test_the_request_wins_then_the_backend_then_the_default(num_ctx, disco
     budgeter = Budgeter(default_ctx=4096, reserve=256, margin=64, source=BackendWindows(server))
     budget = await budgeter.budget(LLAMA, Params(model="m", stream=False, num_ctx=num_ctx))
     assert budget.window == window and budget.tokens == window - 256 - 64
+
+
+async def test_concurrent_first_requests_for_a_model_share_one_lookup() -> None:
+    import asyncio
+
+    class Slow(Server):
+        async def __call__(self, method: str, url: str, body: object) -> object:
+            await asyncio.sleep(0.05)
+            return await super().__call__(method, url, body)
+
+    server = Slow({("POST", "api/show"): SHOW})
+    windows = BackendWindows(server)
+    found = await asyncio.gather(*(windows.window(OLLAMA, "qwen3") for _ in range(50)))
+    assert found == [40960] * 50 and server.calls == ["http://127.0.0.1:11435/api/show"]
+
+
+async def test_the_windows_remembered_are_bounded_whatever_model_names_clients_send() -> None:
+    from contextpaw.windows import MAX_MODELS
+
+    windows = BackendWindows(Server({("POST", "api/show"): SHOW}))
+    for n in range(MAX_MODELS + 500):
+        await windows.window(OLLAMA, f"model-{n}-" + "x" * 1000)
+    assert len(windows.known) == MAX_MODELS and not windows._asking

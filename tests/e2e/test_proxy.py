@@ -370,3 +370,12 @@ def test_health_lists_every_backend_before_any_traffic_and_flags_the_dead_one(
     rows = {row["url"]: row for row in health["backends"]}
     assert rows[ollama.url] | {"last_error": None} == {"kind": "ollama", "url": ollama.url, "answers": True, "last_error": None}
     assert rows[dead]["kind"] == "llamacpp" and rows[dead]["answers"] is False
+
+
+def test_a_page_that_rebinds_its_name_to_the_loopback_cannot_read_the_admin_endpoints(proxy: Proxy) -> None:
+    """Reverse mode replaces the Host before any hook; ContextPaw still checks the one the browser sent."""
+    forged = {"Host": f"attacker.example:{proxy.ollama.rsplit(':', 1)[1]}"}
+    for path in ("/contextpaw/health", "/contextpaw/metrics", "/contextpaw/evicted/cp-0"):
+        assert httpx.get(proxy.ollama + path, headers=forged, timeout=10).status_code == 403
+    assert httpx.get(proxy.ollama + "/contextpaw/health", timeout=10).status_code == 200
+    assert httpx.get(proxy.ollama + "/api/version", headers=forged, timeout=10).status_code == 200, "the backend is still reached"

@@ -139,7 +139,7 @@ def flow_for(
     peer: str = "127.0.0.1",
 ) -> http.HTTPFlow:
     """A flow to a configured backend whose upstream connection is open (no reachability probe)."""
-    hdrs = http.Headers(content_type="application/json", authorization="Bearer k")
+    hdrs = http.Headers(host="127.0.0.1:11434", content_type="application/json", authorization="Bearer k")
     for k, v in (headers or {}).items():
         hdrs[k] = v
     flow = tflow.tflow(

@@ -181,8 +181,10 @@ ADMIN_PATHS = ["/contextpaw/health", "/contextpaw/metrics", "/contextpaw/evicted
 METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"]
 
 
-async def admin_call(harness: Any, kit: Any, path: str, peer: str, method: str = "GET", token: str | None = None) -> Any:
-    headers = {"X-ContextPaw-Token": token} if token is not None else {}
+async def admin_call(
+    harness: Any, kit: Any, path: str, peer: str, method: str = "GET", token: str | None = None, headers: dict[str, str] | None = None
+) -> Any:
+    headers = {**({"X-ContextPaw-Token": token} if token is not None else {}), **(headers or {})}
     flow = kit.flow_for(path, b"", method=method, peer=peer, headers=headers)
     await harness.send(flow)
     return flow
@@ -251,4 +253,25 @@ def test_the_clients_authorization_reaches_the_backend_unchanged(proxy: Any, fau
     [seen] = fault_server.hits(req_id)
     assert seen.headers["Authorization"] == secret
     assert (seen.headers["X-Api-Key"], seen.headers["Cookie"]) == ("k-1", "session=abc")
+    cases["security"] += 1
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:11434", "127.0.0.1.evil.example", "192.168.1.2:11434", "[fe80::1]:80", ""])
+@pytest.mark.parametrize("path", ADMIN_PATHS)
+async def test_admin_endpoints_refuse_a_loopback_client_that_names_another_host(harness: Any, kit: Any, cases: Any, host: str, path: str) -> None:
+    """DNS rebinding: a web page whose name resolves to 127.0.0.1 is a loopback client, but its
+    browser sends the page's name as the Host; without the token it learns nothing."""
+    flow = await admin_call(harness, kit, path, "127.0.0.1", headers={"Host": host})
+    assert flow.response is not None and flow.response.status_code == 403, (host, path)
+    assert b"prompt" not in flow.response.content
+    harness.tctx.configure(harness.admin, contextpaw_admin_token="s3cret")
+    flow = await admin_call(harness, kit, "/contextpaw/metrics", "127.0.0.1", token="s3cret", headers={"Host": host})
+    assert flow.response.status_code == 200
+    cases["security"] += 2
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:11434", "localhost.", "127.0.0.1", "127.8.9.10:80", "[::1]", "[::1]:11434", "app.localhost:3000"])
+async def test_admin_endpoints_answer_a_loopback_client_that_names_a_loopback_host(harness: Any, kit: Any, cases: Any, host: str) -> None:
+    flow = await admin_call(harness, kit, "/contextpaw/metrics", "127.0.0.1", headers={"Host": host})
+    assert flow.response is not None and flow.response.status_code == 200, host
     cases["security"] += 1
