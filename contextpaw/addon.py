@@ -29,7 +29,6 @@ import aiohttp
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.net.http import url
 from mitmproxy.proxy import mode_specs
-from mitmproxy.net import encoding
 
 from contextpaw import logs
 from contextpaw import admin, wire
@@ -358,8 +357,7 @@ class Upstream:
         flow.server_conn = connection.Server(address=(flow.request.host, flow.request.port), via=("http", self.relay.address))
         state = self.states.get(flow)
         if state is not None and flow.request.raw_content is not None and self.fitter.may_rescue(state):
-            encoded = flow.request.headers.get("content-encoding", "identity")
-            self.carried.put(_digest(flow.request.raw_content), (weakref.ref(state), encoded))
+            self.carried.put(_digest(flow.request.raw_content), weakref.ref(state))
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._forget(flow)
@@ -374,9 +372,10 @@ class Upstream:
 
     async def _rescue(self, sent: bytes, status: int, answer: bytes) -> bytes | None:
         """The relay's question when a request it carries comes back with an error: the body to send
-        once instead, encoded as the request was, or None to pass the answer on."""
+        once instead, or None to pass the answer on. (What it carries is never compressed: the
+        backends addon inflated it.)"""
         carried = self.carried.pop(_digest(sent), None)
-        state = carried and carried[0]()
+        state = carried and carried()
         if state is None:
             return None
         retry = await self.fitter.rescue(state, status, answer)
@@ -384,10 +383,9 @@ class Upstream:
             return retry.status, retry.body
         if retry is None:
             return None
-        encoded = encoding.encode(retry, carried[1])
         if self.fitter.may_rescue(state):  # the retry may be refused too: it is asked about again
-            self.carried.put(_digest(encoded), carried)
-        return encoded
+            self.carried.put(_digest(retry), carried)
+        return retry
 
     def http_connect_upstream(self, flow: http.HTTPFlow) -> None:
         if self.relay.address is not None and flow.server_conn.address == self.relay.address:
@@ -441,8 +439,9 @@ class AdminEndpoints:
             ctx.options.update(keep_host_header=True)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        flow.metadata[CLIENT_HOST] = flow.request.host_header
         if self.rewrites_host and isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):
+            if admin.is_admin(flow.request.path):
+                flow.metadata[CLIENT_HOST] = flow.request.host_header
             flow.request.host_header = url.hostport(flow.request.scheme, flow.request.host, flow.request.port)
 
     async def request(self, flow: http.HTTPFlow) -> None:

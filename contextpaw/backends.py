@@ -14,7 +14,7 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from contextpaw import logs
+from contextpaw import inflate, logs
 from contextpaw import wire
 from contextpaw.ledger import FailureLedger
 from contextpaw.relay import Relay
@@ -58,6 +58,11 @@ def model_request(flow: http.HTTPFlow) -> bool:
 def _host_port(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def relayable(target: bytes) -> bool:
+    """Whether HTTP/1.1 allows this request target (visible ASCII only), so the relay can send it on."""
+    return bool(target) and all(0x21 <= byte <= 0x7E for byte in target)
 
 
 def _address(data: ServerConnectionHookData) -> str:
@@ -140,11 +145,35 @@ class Backends:
         if size > limit and model_request(flow):
             reason = f"ContextPaw: the request body ({size:,} bytes) is over the limit of {limit:,} bytes (contextpaw_max_body_mb)"
             await self._refuse(flow, 413, reason, "too_large")
+        elif model_request(flow) and not await self._inflated(flow, limit):
+            reason = f"ContextPaw: the request body inflates to more than the limit of {limit:,} bytes (contextpaw_max_body_mb)"
+            await self._refuse(flow, 413, reason, "too_large")
+        elif self.relayed(flow) and not relayable(flow.request.data.path):
+            reason = f"ContextPaw: the request target {flow.request.data.path!r} holds bytes HTTP does not allow; percent-encode them"
+            await self._refuse(flow, 400, reason, "bad_request")
         elif self.relayed(flow):
             return  # the relay answers for a backend that does not answer
         elif not flow.server_conn.connected and not await self.answers(flow.request.host, flow.request.port):
             reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"
             await self._refuse(flow, 502, reason, "unreachable")
+
+    @staticmethod
+    async def _inflated(flow: http.HTTPFlow, limit: int) -> bool:
+        """Decode a compressed model request off the event loop, stopping at `limit` (False: over
+        it). It goes on decoded: a body that is not what its encoding says goes on as it came."""
+        encoding = flow.request.headers.get("content-encoding", "").strip().lower()
+        if encoding not in inflate.ENCODINGS:
+            return True
+        try:
+            body = await asyncio.to_thread(inflate.inflate, flow.request.raw_content or b"", encoding, limit)
+        except inflate.TooLarge:
+            return False
+        except ValueError as e:
+            logger.info("%s: %s; forwarded as it came", flow.request.path, e)
+            return True
+        del flow.request.headers["content-encoding"]
+        flow.request.content = body
+        return True
 
     async def _refuse(self, flow: http.HTTPFlow, status: int, reason: str, count: str) -> None:
         backend = await self.backend_of(flow)

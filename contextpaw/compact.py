@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,12 @@ class Plan:
     """Keys of evicted units."""
     shrunk: Mapping[str, int] = field(default_factory=dict)
     """Unit key -> the tokens its message's text was cut to (the target, so the same cut repeats)."""
+
+    @property
+    def footprint(self) -> int:
+        """About the bytes this plan holds in memory (its keys and sets), to bound how many are kept."""
+        keys = sum(sys.getsizeof(k) for k in self.evicted) + sum(sys.getsizeof(k) + 32 for k in self.shrunk)
+        return sys.getsizeof(self.evicted) + sys.getsizeof(self.shrunk) + keys
 
 
 @dataclass(slots=True)

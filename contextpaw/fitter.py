@@ -29,7 +29,7 @@ from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.evicted import EvictedStore
 from contextpaw.report import Report
 from contextpaw.settings import FitSettings
-from contextpaw.state import LRU
+from contextpaw.state import LRU, SizedLRU
 from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter
@@ -46,6 +46,8 @@ VERIFY_ROUNDS = 3
 MAX_RESCUES = 3
 """Retries after upstream overflows, each compacted to what the server said of the last one."""
 NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
+PLAN_BYTES = 32 << 20
+"""Memory the remembered conversation plans may hold together (besides `contextpaw_conversations`)."""
 FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 
 
@@ -177,7 +179,7 @@ class Fitter:
         self.services = services
         self.stats = stats
         self.store = store
-        self.plans = LRU(settings.conversations)
+        self.plans = SizedLRU(settings.conversations, PLAN_BYTES, lambda plan: plan.footprint)
         """Each conversation's last `Plan` (by `wire.Chat.key`): the next turn evicts the same units."""
         self.model_files = LRU(256)
         """(Ollama URL, model) -> the file its Modelfile's FROM names, or None."""

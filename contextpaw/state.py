@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 
@@ -31,6 +32,27 @@ class LRU(OrderedDict):
         self.move_to_end(key)
         while len(self) > self.limit:
             self.popitem(last=False)
+
+
+class SizedLRU(LRU):
+    """An LRU bounded by the bytes its values hold too (`size` tells them), not only by count:
+    one entry can be large (the plan of a 20,000-message conversation)."""
+
+    def __init__(self, limit: int, max_bytes: int, size: Callable[[Any], int]) -> None:
+        super().__init__(limit)
+        self.max_bytes = max_bytes
+        self.size = size
+        self.bytes = 0
+        self._sizes: dict[Any, int] = {}
+
+    def put(self, key: Any, value: Any) -> None:
+        self.bytes += (size := self.size(value)) - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > 1 and (len(self) > self.limit or self.bytes > self.max_bytes):
+            old, _ = self.popitem(last=False)
+            self.bytes -= self._sizes.pop(old)
 
 
 def write_atomically(path: Path, text: str) -> None:

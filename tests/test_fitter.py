@@ -287,14 +287,15 @@ async def test_a_model_name_that_would_forge_or_break_a_log_line_is_escaped_and_
             lines.append(record.getMessage().encode("utf-8").decode())
 
     handler, log = Strict(), logging.getLogger("contextpaw")
-    level, log.level = log.level, logging.INFO
+    level = log.level
+    log.setLevel(logging.INFO)
     log.addHandler(handler)
     try:
         f, s = fitter(), state({**chat(), "model": "m\ud800\n[06:00:00.000] FORGED compacted"})
         decision = await f.fit(s)
     finally:
         log.removeHandler(handler)
-        log.level = level
+        log.setLevel(level)
     assert isinstance(decision, Forward) and decision.body is not None and s.report is not None and s.report.compacted
     assert f.stats.counts["compacted"] == 1
     assert lines and all("\n" not in line for line in lines) and any("\\ud800\\n[06:00:00.000] FORGED" in line for line in lines)
@@ -307,3 +308,16 @@ async def test_a_short_prompt_fits_a_tiny_window(num_ctx: int) -> None:
     s = state({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False, "options": {"num_ctx": num_ctx}})
     decision = await f.fit(s)
     assert decision == UNCHANGED and s.report is not None and s.report.strategy != "refused"
+
+
+def test_remembered_plans_are_bounded_by_the_bytes_they_hold() -> None:
+    from contextpaw.compact import Plan
+    from contextpaw.fitter import PLAN_BYTES
+
+    f = fitter()
+    huge = Plan(frozenset(f"{n:016x}" for n in range(20_000)), {f"{n:016x}": 64 for n in range(2_000)})
+    assert huge.footprint > 1 << 20
+    for n in range(200):
+        f.plans.put(f"conversation-{n}", huge)
+    assert f.plans.bytes <= PLAN_BYTES and 1 <= len(f.plans) < 200
+    assert "conversation-199" in f.plans, "the newest plan is kept"

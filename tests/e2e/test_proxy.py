@@ -379,3 +379,66 @@ def test_a_page_that_rebinds_its_name_to_the_loopback_cannot_read_the_admin_endp
         assert httpx.get(proxy.ollama + path, headers=forged, timeout=10).status_code == 403
     assert httpx.get(proxy.ollama + "/contextpaw/health", timeout=10).status_code == 200
     assert httpx.get(proxy.ollama + "/api/version", headers=forged, timeout=10).status_code == 200, "the backend is still reached"
+
+
+# -- compressed bodies ------------------------------------------------------------------------------
+
+
+def test_a_compressed_chat_is_inflated_and_compacted(proxy: Proxy) -> None:
+    import gzip
+
+    body = {"model": "fake", "messages": overflowing(), "options": OPTIONS, "stream": False}
+    packed = gzip.compress(json.dumps(body).encode())
+    response = httpx.post(f"{proxy.ollama}/api/chat", content=packed, headers={"Content-Encoding": "gzip"}, timeout=30)
+    assert response.status_code == 200 and response.json()["contextpaw"]["compacted"]
+    assert SECRET in response.json()["message"]["content"]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])
+def test_a_compressed_bomb_is_refused_while_inflating_and_other_clients_go_on(new_mitmdump: Callable, ollama: Backend, encoding: str) -> None:
+    """A body that inflates past contextpaw_max_body_mb (here 8 MB) gets a 413 in the caller's shape
+    once the limit is reached, not after inflating it all; another client is answered meanwhile."""
+    import concurrent.futures
+    import zlib
+
+    import brotli
+    from backports import zstd
+
+    zeros = b'{"model": "fake", "messages": [{"role": "user", "content": "' + b"0" * (400 << 20)
+    pack = {"gzip": lambda d: zlib.compress(d, wbits=31), "deflate": zlib.compress, "br": lambda d: brotli.compress(d, quality=1), "zstd": zstd.compress}
+    bomb = pack[encoding](zeros)
+    assert len(bomb) < 2 << 20
+    limited = new_mitmdump(f"bomb-{encoding}", [ollama.url], "--set", "contextpaw_max_body_mb=8")
+    with limited.process, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        refused = pool.submit(httpx.post, f"{limited.ollama}/api/chat", content=bomb, headers={"Content-Encoding": encoding}, timeout=60)
+        other = httpx.get(f"{limited.ollama}/api/version", timeout=30)
+        response = refused.result()
+        took = time.monotonic() - started
+    assert other.status_code == 200
+    assert response.status_code == 413 and "inflates to more than" in response.json()["error"], response.text
+    assert took < 10, f"{took:.1f}s: the bomb was inflated past the limit"
+
+
+@pytest.mark.parametrize(("path", "shape"), [("/api/chat", "ollama"), ("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")])
+def test_a_raw_non_ascii_byte_in_the_target_is_refused_in_the_callers_shape(proxy: Proxy, path: str, shape: str) -> None:
+    import socket
+
+    host, port = proxy.ollama.removeprefix("http://").rsplit(":", 1)
+    body = b'{"model": "fake", "messages": [{"role": "user", "content": "hi"}]}'
+    request = (b"POST " + path.encode() + b"?q=caf\xe9 HTTP/1.1\r\nHost: 127.0.0.1:" + port.encode()
+               + b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, content = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    error = json.loads(content)
+    if shape == "ollama":
+        assert isinstance(error["error"], str) and "percent-encode" in error["error"]
+    elif shape == "openai":
+        assert error["error"]["code"] == "invalid_request" and "percent-encode" in error["error"]["message"]
+    else:
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"

@@ -1,0 +1,87 @@
+"""Compressed request bodies, inflated with a limit on what they inflate to.
+
+A 1.8 MB gzip body can inflate to 400 MB: the limit (`contextpaw_max_body_mb`) is on the inflated
+size, enforced while inflating, so a bomb stops at the limit instead of filling memory. Every
+encoding mitmproxy decodes is handled: gzip (and zlib), deflate (with or without its zlib header),
+br and zstd. Pure and blocking: the shell runs it in a worker thread (the decompressors release the
+GIL while they work).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import brotli
+
+try:
+    from compression import zstd  # Python 3.14
+except ImportError:  # pragma: no cover - mitmproxy depends on the backport below 3.14
+    from backports import zstd  # type: ignore[no-redef]
+
+STEP = 1 << 20
+"""Output produced per step, so the limit is checked every megabyte."""
+ENCODINGS = ("gzip", "x-gzip", "deflate", "deflateraw", "br", "zstd")
+
+
+class TooLarge(Exception):
+    """The body inflates to more than the limit."""
+
+
+def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
+    """`raw` decoded from `encoding` (one of `ENCODINGS`); `TooLarge` past `limit` bytes, ValueError
+    when it is not what its encoding says."""
+    steps = {"gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "deflateraw": _deflate, "br": _brotli, "zstd": _zstd}
+    out = bytearray()
+    try:
+        for piece in steps[encoding](raw):
+            out += piece
+            if len(out) > limit:
+                raise TooLarge(f"the body inflates to more than {limit:,} bytes")
+    except (zlib.error, brotli.error, zstd.ZstdError, EOFError) as e:
+        raise ValueError(f"the body is not valid {encoding}: {e}") from None
+    return bytes(out)
+
+
+def _zlib(raw: bytes, wbits: int) -> Iterator[bytes]:
+    d = zlib.decompressobj(wbits)
+    data = raw
+    while data and not d.eof:
+        yield d.decompress(data, STEP)
+        data = d.unconsumed_tail
+    yield d.flush()
+
+
+def _gzip(raw: bytes) -> Iterator[bytes]:
+    return _zlib(raw, 47)  # gzip or zlib header, detected
+
+
+def _deflate(raw: bytes) -> Iterator[bytes]:
+    """With its zlib header, or raw (servers send both)."""
+    return _zlib(raw, 15 if raw[:1] and (raw[0] & 0x0F) == 8 and int.from_bytes(raw[:2]) % 31 == 0 else -15)
+
+
+def _brotli(raw: bytes) -> Iterator[bytes]:
+    d = brotli.Decompressor()
+    piece = d.process(raw, output_buffer_limit=STEP)
+    while True:
+        yield piece
+        if d.is_finished() or (not piece and d.can_accept_more_data()):
+            return
+        piece = d.process(b"", output_buffer_limit=STEP)
+
+
+def _zstd(raw: bytes) -> Iterator[bytes]:
+    data = raw
+    while data:  # one decompressor per frame
+        d = zstd.ZstdDecompressor()
+        piece = d.decompress(data, STEP)
+        while True:
+            yield piece
+            if d.eof or d.needs_input:
+                break
+            piece = d.decompress(b"", STEP)
+        if not d.eof:
+            raise ValueError("the zstd body ends inside a frame")
+        data = d.unused_data
+
