@@ -434,7 +434,7 @@ class AdminEndpoints:
             if not admin.loopback_address(host) and host != "localhost":
                 logger.warning("listening on %s (%s), not on the loopback: other machines can reach the backends through it",
                                host or "every interface", spec)  # fmt: skip
-        if not ctx.options.keep_host_header:
+        if "keep_host_header" in ctx.options and not ctx.options.keep_host_header:  # a proxy's option (not in taddons)
             self.rewrites_host = True
             ctx.options.update(keep_host_header=True)
 

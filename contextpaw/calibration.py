@@ -19,9 +19,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from contextpaw.conversation import Message
+from contextpaw.state import LRU
 from contextpaw.tokens import Counter
 from contextpaw.truncation import ESTIMATE_BOUNDS
 
+MAX_KEYS = 256
+"""(backend kind, model) pairs whose calibration is kept."""
 MIN_SAMPLE_TOKENS = 200
 SAFETY = 1.03
 OUTLIER = 2.5
@@ -57,7 +60,8 @@ class Calibration:
 
     def __init__(self, window: int = 20) -> None:
         self.window = window
-        self.ratios: dict[str, deque[float]] = {}
+        self.ratios: LRU = LRU(MAX_KEYS)
+        """Key -> recent ratios; bounded, since a key holds the model name the client sent."""
         self.refused = 0
 
     def factor(self, key: str) -> float:
@@ -81,7 +85,10 @@ class Calibration:
         `whole` says whether the server surely evaluated all of it."""
         verdict = self._judge(key, estimated, reported, whole, cached)
         if verdict.accepted:
-            self.ratios.setdefault(key, deque(maxlen=self.window)).append(reported / estimated)
+            ratios = self.ratios.get(key)
+            if ratios is None:
+                self.ratios.put(key, ratios := deque(maxlen=self.window))
+            ratios.append(reported / estimated)
         else:
             self.refused += 1
         return verdict
@@ -113,11 +120,14 @@ class Calibration:
     def restore(self, state: object) -> bool:
         """Take back a saved state; a damaged one costs the learning, never the proxy."""
         try:
-            self.ratios = {
+            ratios = {
                 str(k): deque((float(r) for r in v if float(r) > 0), maxlen=self.window)
                 for k, v in state["ratios"].items()  # type: ignore[index]
             }
+            self.ratios = LRU(MAX_KEYS)
+            for k, v in ratios.items():
+                self.ratios.put(k, v)
             return True
         except (ValueError, KeyError, TypeError, AttributeError):
-            self.ratios = {}
+            self.ratios = LRU(MAX_KEYS)
             return False

@@ -29,7 +29,7 @@ from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.evicted import EvictedStore
 from contextpaw.report import Report
 from contextpaw.settings import FitSettings
-from contextpaw.state import LRU, SizedLRU
+from contextpaw.state import SizedLRU
 from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter
@@ -179,9 +179,9 @@ class Fitter:
         self.services = services
         self.stats = stats
         self.store = store
-        self.plans = SizedLRU(settings.conversations, PLAN_BYTES, lambda plan: plan.footprint)
+        self.plans = SizedLRU(settings.conversations, PLAN_BYTES, lambda key, plan: len(key) + plan.footprint)
         """Each conversation's last `Plan` (by `wire.Chat.key`): the next turn evicts the same units."""
-        self.model_files = LRU(256)
+        self.model_files = SizedLRU(256, 1 << 20, lambda key, path: len(key[1]) + len(path or ""))
         """(Ollama URL, model) -> the file its Modelfile's FROM names, or None."""
         self.windows = BackendWindows(services.fetch)
         self.estimate = EstimateCounter()

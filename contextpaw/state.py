@@ -35,10 +35,10 @@ class LRU(OrderedDict):
 
 
 class SizedLRU(LRU):
-    """An LRU bounded by the bytes its values hold too (`size` tells them), not only by count:
-    one entry can be large (the plan of a 20,000-message conversation)."""
+    """An LRU bounded by the bytes its entries hold too (`size(key, value)` tells them), not only
+    by count: one entry can be large (a 20,000-message conversation's plan, a 32 KB model name)."""
 
-    def __init__(self, limit: int, max_bytes: int, size: Callable[[Any], int]) -> None:
+    def __init__(self, limit: int, max_bytes: int, size: Callable[[Any, Any], int]) -> None:
         super().__init__(limit)
         self.max_bytes = max_bytes
         self.size = size
@@ -46,7 +46,7 @@ class SizedLRU(LRU):
         self._sizes: dict[Any, int] = {}
 
     def put(self, key: Any, value: Any) -> None:
-        self.bytes += (size := self.size(value)) - self._sizes.get(key, 0)
+        self.bytes += (size := self.size(key, value)) - self._sizes.get(key, 0)
         self._sizes[key] = size
         self[key] = value
         self.move_to_end(key)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from contextpaw.compact import BudgetTooSmall
-from contextpaw.state import LRU
+from contextpaw.state import SizedLRU
 from contextpaw.wire import Backend, Kind, Overflow, Params, UpstreamOverflow
 
 
@@ -70,7 +70,8 @@ Fetch = Callable[[str, str, dict[str, Any] | None], Awaitable[Any]]
 
 
 MAX_MODELS = 1024
-"""Windows remembered at most (by backend and model name)."""
+MAX_NAME_BYTES = 1 << 20
+"""Windows remembered at most (by backend and model name), and the bytes their names may hold."""
 
 
 class BackendWindows:
@@ -102,7 +103,7 @@ class BackendWindows:
         self.miss_ttl = miss_ttl
         self.clock = clock
         self.ollama_default = ollama_default
-        self.known = LRU(MAX_MODELS)
+        self.known = SizedLRU(MAX_MODELS, MAX_NAME_BYTES, lambda key, _: len(key[0]) + len(key[1]) + 64)
         """(backend URL, model) -> (when, the window or None); bounded, since model names are the client's."""
         self._asking: dict[tuple[str, str], asyncio.Task[int | None]] = {}
         """Lookups under way: concurrent first requests for a model share one."""

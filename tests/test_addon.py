@@ -441,3 +441,20 @@ async def test_a_compressed_request_is_inflated_once_and_carried_and_rescued_dec
     assert len(json.loads(retry)["messages"]) < sent
     assert await proxy.upstream.relay.rescue(carried, 400, answer) is None, "never a second retry"
     assert flow.request.raw_content == carried, "the live flow is not changed"
+
+
+def test_a_listener_off_the_loopback_is_warned_about_at_start(proxy: Proxy, caplog: pytest.LogCaptureFixture) -> None:
+    proxy.tctx.options.update(mode=["reverse:http://127.0.0.1:11435@127.0.0.1:11434", "reverse:http://127.0.0.1:8091@0.0.0.0:8092"])
+    with caplog.at_level("WARNING", logger="contextpaw"):
+        proxy.admin.running()
+    warned = [r.getMessage() for r in caplog.records if "not on the loopback" in r.getMessage()]
+    assert len(warned) == 1 and "0.0.0.0" in warned[0]
+
+
+async def test_reverse_mode_still_gives_the_backend_its_own_host(proxy: Proxy) -> None:
+    proxy.admin.rewrites_host = True
+    flow = get("/api/tags")
+    flow.request.headers["Host"] = "attacker.example"
+    flow.client_conn.proxy_mode = mode_specs.ProxyMode.parse("reverse:http://127.0.0.1:11435@127.0.0.1:0")
+    await proxy.send(flow)
+    assert flow.request.host_header == "127.0.0.1:11435"

@@ -187,3 +187,14 @@ async def test_a_hanging_tokenize_costs_one_timeout_then_rests_and_is_retried_la
         assert await counting.counter(url, ["again"], fallback, chat=False, has_system=False) is None
         assert len(hits) == 3 and counting.stats()["failures"] == 3
     await runner.cleanup()
+
+
+def test_calibration_is_kept_for_a_bounded_number_of_models() -> None:
+    from contextpaw.calibration import MAX_KEYS
+
+    calibration = Calibration()
+    for n in range(MAX_KEYS + 100):
+        calibration.observe(f"ollama/model-{n}-" + "x" * 32_000, 1000, 1200, whole=True)
+    assert len(calibration.ratios) == MAX_KEYS and calibration.factor(f"ollama/model-{MAX_KEYS + 99}-" + "x" * 32_000) > 1
+    restored = Calibration()
+    assert restored.restore(calibration.state()) and len(restored.ratios) == MAX_KEYS

@@ -104,9 +104,12 @@ async def test_concurrent_first_requests_for_a_model_share_one_lookup() -> None:
 
 
 async def test_the_windows_remembered_are_bounded_whatever_model_names_clients_send() -> None:
-    from contextpaw.windows import MAX_MODELS
+    from contextpaw.windows import MAX_MODELS, MAX_NAME_BYTES
 
     windows = BackendWindows(Server({("POST", "api/show"): SHOW}))
     for n in range(MAX_MODELS + 500):
-        await windows.window(OLLAMA, f"model-{n}-" + "x" * 1000)
-    assert len(windows.known) == MAX_MODELS and not windows._asking
+        await windows.window(OLLAMA, f"model-{n}-" + "x" * 32_000)
+    assert len(windows.known) < MAX_MODELS and windows.known.bytes <= MAX_NAME_BYTES and not windows._asking
+    for n in range(MAX_MODELS + 500):
+        await windows.window(OLLAMA, f"m{n}")
+    assert len(windows.known) == MAX_MODELS
