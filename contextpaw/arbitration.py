@@ -11,6 +11,7 @@ llama-server that the arbiter is about to start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -34,6 +35,8 @@ from contextpaw.streams import report_bytes
 
 logger = logs.get(__name__)
 
+CLIENT_CHECK_S = 0.5
+"""How often a request waiting for its runtime checks that its client is still there."""
 MODEL_MANAGEMENT = ("/api/show", "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/blobs/")
 """Ollama's POSTs that load no model: they must not take the GPU from llama-server."""
 
@@ -64,6 +67,9 @@ TIMEOUTS = {
     ),
     "contextpaw_vram_release_timeout": Timeout(
         "release_timeout", 30, 1, "Seconds NVML has to show an evicted runtime's memory back."
+    ),
+    "contextpaw_min_hold": Timeout(
+        "min_hold", 20, 0, "Seconds a runtime keeps the GPU once it has won it, against thrashing (the earlier --min-hold)."
     ),
 }
 """Whole seconds: mitmproxy cannot set float options from the command line."""
@@ -174,7 +180,7 @@ class Arbitration:
         if backend is None or backend.url != getattr(arbiter.settings, f"{backend.kind}_url"):
             return
         try:
-            await arbiter.acquire(backend.kind, flow.id)
+            await _while_connected(flow, arbiter, backend.kind)
         except RuntimeUnavailable as refusal:
             _refuse(flow, backend.kind, refusal)
 
@@ -199,6 +205,21 @@ class Arbitration:
         series exist from the start."""
         counters = self.arbiter.counters if self.arbiter else ArbiterCounters()
         return {f"runtime_{name}": float(value) for name, value in asdict(counters).items()}
+
+
+async def _while_connected(flow: http.HTTPFlow, arbiter: Arbiter, kind: wire.Kind) -> None:
+    """Wait for the runtime while the client is there: one that went away stops waiting, so a
+    switch nobody waits for any more is cancelled (mitmproxy does not cancel a hook on disconnect)."""
+    waiting = asyncio.ensure_future(arbiter.acquire(kind, flow.id))
+    while not waiting.done():
+        await asyncio.wait({waiting}, timeout=CLIENT_CHECK_S)
+        if not waiting.done() and flow.client_conn.timestamp_end is not None:
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            logger.info("%s %s: the client went away while waiting for %s", flow.request.method, flow.request.path, kind)
+            return
+    waiting.result()
 
 
 def _runs_model(request: http.Request) -> bool:

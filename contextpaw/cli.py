@@ -41,6 +41,7 @@ OLD_FLAGS: dict[str, tuple[str, type | None, str]] = {
     "--summarizer-url": ("contextpaw_summarizer_url", str, "the server that writes digests"),
     "--arbitrate": ("contextpaw_arbitrate", None, "give the GPU to one runtime at a time"),
     "--llamacpp-cmd": ("contextpaw_llamacpp_cmd", str, "command that starts llama-server (for --arbitrate)"),
+    "--min-hold": ("contextpaw_min_hold", int, "seconds a runtime keeps the GPU once it has won it (for --arbitrate)"),
 }
 """The earlier proxy's flags: flag -> (the option it sets, its value's type or None for a switch, help)."""
 

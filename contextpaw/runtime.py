@@ -33,6 +33,7 @@ import aiohttp
 
 from contextpaw import logs
 from contextpaw.gpu import GpuProbe, NoVram, NvmlProbe, VramReading, sample
+from contextpaw.vram import Need, estimate, read_shape, server_plan
 
 log = logs.get(__name__)
 
@@ -58,14 +59,18 @@ class Admit:
 
 @dataclass(frozen=True)
 class Wait:
-    """A switch is under way; decide again when it ends."""
+    """Decide again when something changes, or at ``until`` (a hold that runs out)."""
+
+    reason: str = "a switch is under way"
+    until: float | None = None
 
 
 @dataclass(frozen=True)
-class Switch:
-    """Start handing the GPU to ``to``."""
+class Load:
+    """Bring ``to`` up; first evict ``evict`` (None: it fits beside what runs)."""
 
     to: Kind
+    evict: Kind | None = None
 
 
 @dataclass(frozen=True)
@@ -75,29 +80,70 @@ class Refuse:
     reason: str
 
 
-Decision = Admit | Wait | Switch | Refuse
+Decision = Admit | Wait | Load | Refuse
 
 
-def decide(owner: Kind | None, switching_to: Kind | None, wanted: Kind, cannot_start: str | None) -> Decision:
+@dataclass(frozen=True)
+class Room:
+    """The card as NVML reads it: free bytes (the total less what every process uses, ours and
+    others'), and what each resident runtime holds."""
+
+    free_bytes: int
+    held_bytes: Mapping[Kind, int] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"free_bytes": self.free_bytes, "held_bytes": {str(k): v for k, v in self.held_bytes.items()}}
+
+
+def decide(
+    resident: Mapping[Kind, float],
+    switching_to: Kind | None,
+    wanted: Kind,
+    cannot_start: str | None,
+    *,
+    now: float = 0.0,
+    min_hold: float = 0.0,
+    need: int | None = None,
+    room: Room | None = None,
+) -> Decision:
     """What a request for ``wanted`` does now.
 
-    While a switch is pending, requests for the outgoing owner wait too: admitting them would keep
-    the drain from ever finishing under steady traffic. ``cannot_start`` is why the wanted runtime
-    could not be brought up, checked before anything is evicted for it.
+    ``resident`` maps each runtime on the GPU to when it won it. While a switch is pending every
+    request waits (admitting the outgoing runtime would keep its drain from ending). A runtime that
+    is not resident is loaded beside the others when its estimated ``need`` fits the ``room``
+    NVML reports; otherwise the other runtime must go, but not before it has held the GPU
+    ``min_hold`` seconds (against thrashing), and not when even its memory would not make room
+    (an over-commit). Without a reading or an estimate, the other runtime goes: nothing else is safe.
     """
     if switching_to is not None:
         return Wait()
-    if owner is wanted:
+    if wanted in resident:
         return Admit()
     if cannot_start:
         return Refuse(cannot_start)
-    return Switch(wanted)
+    others = [kind for kind in resident if kind is not wanted]
+    if not others:
+        return Load(wanted)
+    other = others[0]
+    if need is not None and room is not None:
+        if need <= room.free_bytes:
+            return Load(wanted)
+        freed = room.free_bytes + room.held_bytes.get(other, 0)
+        if other in room.held_bytes and need > freed:
+            return Refuse(
+                f"{wanted} needs about {need // MIB} MiB but only {freed // MIB} MiB would be free even "
+                f"without {other}"
+            )
+    held_until = resident[other] + min_hold
+    if now < held_until:
+        return Wait(f"{other} holds the GPU for {held_until - now:.1f}s more (contextpaw_min_hold)", held_until)
+    return Load(wanted, evict=other)
 
 
-def blocking(in_flight: Mapping[Kind, int], target: Kind) -> int:
-    """Requests that must finish before ``target`` may take the GPU: evicting under them would cut
-    their responses off."""
-    return sum(count for kind, count in in_flight.items() if kind is not target)
+def blocking(in_flight: Mapping[Kind, int], evicted: Kind | None) -> int:
+    """Requests that must finish before ``evicted`` goes: evicting under them would cut their
+    responses off."""
+    return in_flight[evicted] if evicted is not None else 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +163,10 @@ class Release:
 
     def done(self, used_bytes: int) -> bool:
         return used_bytes <= self.ceiling_bytes
+
+
+def _mib(value: int | None) -> str:
+    return "?" if value is None else f"{value // MIB} MiB"
 
 
 def retry_after(mean_switch_seconds: float | None) -> int:
@@ -162,6 +212,8 @@ class ArbiterSettings:
     stop_grace: float = 10.0
     release_timeout: float = 30.0
     poll_interval: float = 0.25
+    min_hold: float = 20.0
+    """Seconds a runtime keeps the GPU once it has won it, whatever else is asked for."""
 
 
 class RuntimeUnavailable(Exception):
@@ -177,13 +229,19 @@ class SwitchFailed(Exception):
     """A switch step did not succeed; the message is what the operator needs to fix it."""
 
 
+class SwitchCancelled(Exception):
+    """Every request that waited for the switch gave up (a 503, or the client went away)."""
+
+
 @dataclass
 class SwitchRecord:
     source: Kind | None
+    """The runtime evicted for it (None: the target fit beside what runs)."""
     target: Kind
     started_at: float
     seconds: float | None = None
     error: str | None = None
+    cancelled: bool = False
 
 
 @dataclass
@@ -195,10 +253,15 @@ class ArbiterCounters:
     switch_seconds: float = 0.0
     refused: int = 0
     wait_timeouts: int = 0
+    cancelled: int = 0
+    loads: int = 0
+    """Runtimes brought up, with an eviction (a switch) or without."""
+    loaded_beside: int = 0
+    """Runtimes brought up beside another one that stayed: both fit."""
 
     @property
     def mean_switch_seconds(self) -> float | None:
-        attempts = self.switches + self.failures
+        attempts = self.loads + self.failures
         return self.switch_seconds / attempts if attempts else None
 
 
@@ -289,7 +352,8 @@ class Arbiter:
         self._shared = session
         self.gpu = gpu if gpu is not None else NvmlProbe()
         self.counters = ArbiterCounters()
-        self._owner: Kind | None = None
+        self._resident: dict[Kind, float] = {}
+        """Runtimes on the GPU, and the loop time at which each won it."""
         self._pending: Kind | None = None
         self._phase = "idle"
         self._in_flight = {kind: 0 for kind in Kind}
@@ -298,6 +362,10 @@ class Arbiter:
         self._server: LlamaServer | None = None
         self._last: SwitchRecord | None = None
         self._errors: deque[str] = deque(maxlen=10)
+        self._decisions: deque[dict[str, Any]] = deque(maxlen=20)
+        self._needs: dict[Kind, Need | None] = {}
+        self._ollama_bytes: int | None = None
+        """What Ollama's models held on the GPU when last seen loaded (`/api/ps` `size_vram`)."""
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -326,20 +394,32 @@ class Arbiter:
                 if awaited is not None and awaited.error is not None:
                     raise RuntimeUnavailable(awaited.error)
                 cannot_start = start_problem(self.settings.llamacpp_cmd) if wanted is Kind.LLAMACPP else None
-                match decide(self._owner, self._pending, wanted, cannot_start):
+                need = room = None
+                if self._pending is None and wanted not in self._resident:
+                    await self._notice_ollama()
+                    if self._resident:
+                        need, room = await self._need(wanted), await self._room()
+                decision = decide(self._resident, self._pending, wanted, cannot_start,
+                                  now=loop.time(), min_hold=self.settings.min_hold, need=need, room=room)  # fmt: skip
+                match decision:
                     case Admit():
                         self._in_flight[wanted] += 1
                         self._holders[flow_id] = wanted
                         return
                     case Refuse(reason):
+                        self._decided(wanted, decision, need, room)
                         self.counters.refused += 1
                         raise RuntimeUnavailable(reason)
-                    case Switch(target):
-                        awaited = self._begin_switch(target)
+                    case Load():
+                        self._decided(wanted, decision, need, room)
+                        awaited = self._begin_switch(decision)
                         continue  # an eager task may have finished the switch already: decide again
-                    case Wait() if self._pending is wanted:
-                        awaited = self._last
-                await self._until_changed(deadline - loop.time(), wanted)
+                    case Wait(until=until):
+                        if until is not None:
+                            self._decided(wanted, decision, need, room)
+                        if self._pending is wanted:
+                            awaited = self._last
+                await self._until_changed(deadline, wanted, decision.until)
         finally:
             self._waiting[wanted] -= 1
 
@@ -365,13 +445,35 @@ class Arbiter:
         reading = await sample(self.gpu)
         server = self._server
         last = self._last
+        loop_now = asyncio.get_running_loop().time()
+        models: list[dict[str, Any]] | None = None
+        with contextlib.suppress(SwitchFailed):
+            models = [{"name": m.get("name"), "size_vram": m.get("size_vram")} for m in await self._ollama_models()]
+        runtimes = {
+            str(kind): {
+                "resident": kind in self._resident,
+                "resident_for_s": round(loop_now - self._resident[kind], 1) if kind in self._resident else None,
+                "in_flight": self._in_flight[kind],
+                "waiting": self._waiting[kind],
+                "need_bytes": await self._need(kind),
+            }
+            for kind in Kind
+        }
+        runtimes[str(Kind.OLLAMA)]["models"] = models
+        runtimes[str(Kind.LLAMACPP)]["process"] = server.as_json(reading) if server else None
         return {
-            "owner": self._owner,
+            "owner": max(self._resident, key=self._resident.__getitem__) if self._resident else None,
+            """The runtime that won the GPU last (with both resident, the other one is there too)."""
+            "resident": [str(kind) for kind in self._resident],
+            "llamacpp_process": runtimes[str(Kind.LLAMACPP)]["process"],
+            "runtimes": runtimes,
+            "free_vram_bytes": sum(d.free_bytes for d in reading.devices) if isinstance(reading, VramReading) else None,
+            "min_hold_s": self.settings.min_hold,
+            "decisions": list(self._decisions),
             "state": self._phase,
             "switching_to": self._pending,
             "in_flight": dict(self._in_flight),
             "waiting": dict(self._waiting),
-            "llamacpp_process": server.as_json(reading) if server else None,
             "last_switch": asdict(last) if last else None,
             "counters": asdict(self.counters),
             "vram": reading.as_json() if isinstance(reading, VramReading) else None,
@@ -397,10 +499,14 @@ class Arbiter:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def _until_changed(self, remaining: float, wanted: Kind) -> None:
+    async def _until_changed(self, deadline: float, wanted: Kind, until: float | None = None) -> None:
+        """Until something changes, a hold runs out (`until`), or the request's `deadline` passes."""
+        wake = deadline if until is None else min(deadline, until)
         try:
-            await asyncio.wait_for(self._changed.wait(), max(0.0, remaining))
+            await asyncio.wait_for(self._changed.wait(), max(0.0, wake - asyncio.get_running_loop().time()))
         except TimeoutError:
+            if wake < deadline:
+                return
             self.counters.wait_timeouts += 1
             raise RuntimeUnavailable(
                 f"{wanted} is not ready after {self.settings.wait_timeout:g}s ({self._phase})",
@@ -419,9 +525,9 @@ class Arbiter:
 
     # --- switching ------------------------------------------------------------------------------
 
-    def _begin_switch(self, target: Kind) -> SwitchRecord:
-        record = SwitchRecord(source=self._owner, target=target, started_at=time.time())
-        self._pending, self._last = target, record
+    def _begin_switch(self, load: Load) -> SwitchRecord:
+        record = SwitchRecord(source=load.evict, target=load.to, started_at=time.time())
+        self._pending, self._last = load.to, record
         self._spawn_task(self._run_switch(record))
         return record
 
@@ -431,27 +537,46 @@ class Arbiter:
         task.add_done_callback(self._tasks.discard)
 
     async def _run_switch(self, record: SwitchRecord) -> None:
-        started = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             async with self._lock:
                 try:
-                    await self._drain(record.target)
+                    await self._drain(record)
                     async with asyncio.timeout(self.settings.switch_timeout):
-                        await (self._to_llamacpp() if record.target is Kind.LLAMACPP else self._to_ollama())
+                        if record.source is not None:
+                            self._abandoned(record)
+                            await self._evict(record.source)
+                            self._resident.pop(record.source, None)
+                        self._abandoned(record)
+                        await self._bring_up(record)
+                except SwitchCancelled as cancel:
+                    record.cancelled = True
+                    self.counters.cancelled += 1
+                    log.info("contextpaw runtime: switch to %s cancelled: %s", record.target, cancel)
+                    if record.target is Kind.LLAMACPP:
+                        await self._stop_server()
                 except (SwitchFailed, TimeoutError) as failure:
                     record.error = str(failure) or (
                         f"switch to {record.target} took longer than {self.settings.switch_timeout:g}s"
                     )
                     await self._recover(record)
                 else:
-                    self._owner = record.target
-                    self.counters.switches += 1
+                    self._resident[record.target] = loop.time()
+                    self.counters.loads += 1
+                    self.counters.switches += record.source is not None
+                    self.counters.loaded_beside += record.source is None and len(self._resident) > 1
         finally:
-            record.seconds = asyncio.get_running_loop().time() - started
+            record.seconds = loop.time() - started
             self.counters.switch_seconds += record.seconds
             self._pending = None
-            self._phase = "ready" if self._owner else "idle"
+            self._phase = "ready" if self._resident else "idle"
             self._notify()
+
+    def _abandoned(self, record: SwitchRecord) -> None:
+        """Stop a switch nobody waits for any more: every requester was sent its 503 or went away."""
+        if self._waiting[record.target] == 0:
+            raise SwitchCancelled(f"no request waits for {record.target} any more")
 
     async def _recover(self, record: SwitchRecord) -> None:
         """No half-started or half-stopped server may keep the card; the previous owner stays if it
@@ -460,32 +585,102 @@ class Arbiter:
         self._note(f"switch to {record.target} failed: {record.error}")
         if record.target is Kind.LLAMACPP or (self._server and self._server.stopping):
             await self._stop_server()
-        if self._owner is Kind.LLAMACPP and self._server is None:
-            self._owner = None
+        if self._server is None:
+            self._resident.pop(Kind.LLAMACPP, None)
+        if record.source is Kind.OLLAMA:  # unloaded for nothing; it reloads on its next request
+            self._resident.setdefault(Kind.OLLAMA, asyncio.get_running_loop().time())
 
-    async def _drain(self, target: Kind) -> None:
+    async def _drain(self, record: SwitchRecord) -> None:
         self._phase = "draining"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.drain_timeout
-        while busy := blocking(self._in_flight, target):
+        while busy := blocking(self._in_flight, record.source):
+            self._abandoned(record)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise SwitchFailed(
                     f"{busy} request(s) still running after {self.settings.drain_timeout:g}s; "
-                    f"nothing was evicted for {target}"
+                    f"nothing was evicted for {record.target}"
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
 
-    async def _to_llamacpp(self) -> None:
-        self._phase = "unloading ollama"
-        await self._await_release(await self._unload_ollama(), "Ollama")
-        self._phase = "starting llama-server"
-        await self._start_server()
+    async def _evict(self, kind: Kind) -> None:
+        if kind is Kind.OLLAMA:
+            self._phase = "unloading ollama"
+            await self._await_release(await self._unload_ollama(), "Ollama")
+        else:
+            self._phase = "stopping llama-server"
+            await self._await_release(await self._stop_server(), "llama-server")
 
-    async def _to_ollama(self) -> None:
-        self._phase = "stopping llama-server"
-        await self._await_release(await self._stop_server(), "llama-server")
+    async def _bring_up(self, record: SwitchRecord) -> None:
+        """llama-server is started; Ollama loads its models itself on the request."""
+        if record.target is Kind.LLAMACPP and (self._server is None or not self._server.running):
+            self._phase = "starting llama-server"
+            await self._start_server(record)
+
+    # --- what is on the card, and what is asked of it --------------------------------------------
+
+    async def _need(self, kind: Kind) -> int | None:
+        """Bytes ``kind`` will take: llama-server's from its GGUF and command line, Ollama's from what
+        its models held when last loaded; None when unknown."""
+        if kind is Kind.OLLAMA:
+            return self._ollama_bytes
+        if kind not in self._needs:
+            plan = server_plan(self.settings.llamacpp_cmd)
+            need = None
+            if plan is not None:
+                try:
+                    shape = await asyncio.to_thread(read_shape, plan.model)
+                    need = estimate(shape, plan.ctx or shape.trained_ctx or 4096, plan.kv_type, plan.offloaded)
+                except ValueError as e:
+                    log.info("contextpaw runtime: no VRAM estimate for llama-server: %s", e)
+            self._needs[kind] = need
+        need = self._needs[kind]
+        return need.total_bytes if need is not None else None
+
+    async def _notice_ollama(self) -> None:
+        """Ollama loads models for any client, not only through this proxy: one that lists models is
+        on the GPU (and owed no hold)."""
+        if Kind.OLLAMA not in self._resident:
+            with contextlib.suppress(SwitchFailed):
+                if await self._ollama_models():
+                    self._resident[Kind.OLLAMA] = -math.inf
+
+    async def _room(self) -> Room | None:
+        """Free memory now and what each resident runtime holds; None without NVML."""
+        reading = await sample(self.gpu)
+        if isinstance(reading, NoVram):
+            return None
+        held: dict[Kind, int] = {}
+        server = self._server
+        if Kind.LLAMACPP in self._resident and server is not None:
+            mine = reading.process_bytes(server.process.pid) or server.held_bytes
+            if mine is not None:
+                held[Kind.LLAMACPP] = mine
+        if Kind.OLLAMA in self._resident:
+            with contextlib.suppress(SwitchFailed):
+                size = sum(model.get("size_vram") or 0 for model in await self._ollama_models())
+                if size:
+                    held[Kind.OLLAMA] = self._ollama_bytes = size
+        return Room(sum(device.free_bytes for device in reading.devices), held)
+
+    def _decided(self, wanted: Kind, decision: Decision, need: int | None, room: Room | None) -> None:
+        """Keep and log a decision with the readings behind it (a repeated wait is kept once)."""
+        entry = {
+            "wanted": str(wanted),
+            "decision": type(decision).__name__.lower(),
+            "evict": str(decision.evict) if isinstance(decision, Load) and decision.evict else None,
+            "reason": getattr(decision, "reason", None),
+            "need_bytes": need,
+            **(room.as_json() if room is not None else {"free_bytes": None, "held_bytes": None}),
+        }
+        if self._decisions and {**self._decisions[-1], "at": None} == {**entry, "at": None}:
+            return
+        self._decisions.append({"at": time.time(), **entry})
+        log.info("contextpaw runtime: %s for %s%s%s; need %s, free %s, held %s", entry["decision"], wanted,
+                 f", evicting {entry['evict']}" if entry["evict"] else "", f" ({entry['reason']})" if entry["reason"] else "",
+                 _mib(need), _mib(entry["free_bytes"]), {k: _mib(v) for k, v in (entry["held_bytes"] or {}).items()})  # fmt: skip
 
     async def _await_release(self, release: Release | None, holder: str) -> None:
         """Wait until NVML shows ``holder``'s memory back: the driver frees it after the process
@@ -558,7 +753,7 @@ class Arbiter:
 
     # --- llama-server ---------------------------------------------------------------------------
 
-    async def _start_server(self) -> None:
+    async def _start_server(self, record: SwitchRecord) -> None:
         argv = shlex.split(self.settings.llamacpp_cmd)
         before = await sample(self.gpu)
         try:
@@ -566,7 +761,12 @@ class Arbiter:
         except OSError as error:
             raise SwitchFailed(f"cannot start llama-server {argv[0]!r}: {error}") from error
         self._server = server
-        if not await self._until(lambda: self._healthy(server), self.settings.health_timeout):
+
+        async def ready() -> bool:
+            self._abandoned(record)  # nobody waits: stop loading (the caller stops the server)
+            return await self._healthy(server)
+
+        if not await self._until(ready, self.settings.health_timeout):
             raise await self._startup_failure(
                 server,
                 f"llama-server did not answer {self.settings.llamacpp_url}/health with 200 "
@@ -597,8 +797,7 @@ class Arbiter:
         code = await server.process.wait()
         if server is self._server and not server.stopping:
             self._server = None
-            if self._owner is Kind.LLAMACPP:
-                self._owner = None
+            if self._resident.pop(Kind.LLAMACPP, None) is not None and not self._resident:
                 self._phase = "idle"
             self._note(f"llama-server exited unexpectedly with code {code}; see {server.log_path}")
             self._notify()

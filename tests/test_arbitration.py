@@ -7,6 +7,7 @@ the card, where a switch to Ollama evicts nothing and a llama-server that exits 
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import shlex
 import sys
@@ -290,6 +291,9 @@ async def test_metrics_are_the_arbiters_counters(proxy: Proxy) -> None:
         "runtime_switch_seconds": 0.0,
         "runtime_refused": 2.0,
         "runtime_wait_timeouts": 0.0,
+        "runtime_cancelled": 0.0,
+        "runtime_loads": 0.0,
+        "runtime_loaded_beside": 0.0,
     }
 
 
@@ -310,6 +314,7 @@ async def real(tmp_path: Path) -> AsyncIterator[Proxy]:
             contextpaw_llamacpp=[f"http://127.0.0.1:{CLOSED_PORT + 1}"],
             contextpaw_llamacpp_log=str(tmp_path / "llama-server.log"),
             contextpaw_arbitrate_wait=2,
+            contextpaw_min_hold=0,
         )
         yield proxy
         await arbitration.done()
@@ -334,3 +339,24 @@ async def test_real_arbiter_holds_ollama_then_refuses_a_server_that_dies(real: P
         "ollama", {"ollama": 0, "llamacpp": 0}, 1,
     )  # fmt: skip
     assert real.arbitration.metrics()["runtime_failures"] == 1.0
+
+
+async def test_a_client_that_goes_away_stops_waiting_for_its_runtime(proxy: Proxy) -> None:
+    proxy.turn_on()
+    gave_up = asyncio.Event()
+
+    async def forever(kind: str, flow_id: Hashable) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            gave_up.set()
+            raise
+
+    proxy.arbiter.acquire = forever
+    chat = post("/api/chat", CHAT, port=OLLAMA_PORT)
+    hook = asyncio.create_task(proxy.arbitration.request(chat))
+    await asyncio.sleep(0.1)
+    assert not hook.done()
+    chat.client_conn.timestamp_end = time.time()  # the client disconnected
+    await asyncio.wait_for(hook, 2)
+    assert gave_up.is_set() and chat.response is None

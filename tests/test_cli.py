@@ -65,6 +65,7 @@ OLD_FLAG_VALUES = {
     "--summarizer-url": ("http://127.0.0.1:11436", "http://127.0.0.1:11436"),
     "--arbitrate": (None, True),
     "--llamacpp-cmd": ("llama-server -m m.gguf --port 8091", "llama-server -m m.gguf --port 8091"),
+    "--min-hold": ("45", 45),
 }
 
 

@@ -35,7 +35,8 @@ from contextpaw.runtime import (
     Refuse,
     Release,
     RuntimeUnavailable,
-    Switch,
+    Load,
+    Room,
     Wait,
     blocking,
     decide,
@@ -47,7 +48,7 @@ from support.fake_ollama import fake_ollama_app
 
 MIB = 1 << 20
 GIB = 1 << 30
-TOTAL_BYTES = 24 * GIB
+TOTAL_BYTES = 12 * GIB  # the model and the server do not fit together: a switch must evict
 BASE_BYTES = 1 * GIB
 MODEL = "qwen3:8b"
 MODEL_BYTES = 6 * GIB
@@ -62,6 +63,7 @@ FAST = {
     "stop_grace": 0.3,
     "release_timeout": 1.0,
     "poll_interval": 0.02,
+    "min_hold": 0.0,
 }
 
 SERVER_SCRIPT = r'''
@@ -100,20 +102,39 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
         (OLLAMA, LLAMACPP, OLLAMA, None, Wait()),  # the outgoing owner waits, or the drain never ends
         (None, LLAMACPP, LLAMACPP, None, Wait()),
         (OLLAMA, None, LLAMACPP, "no command", Refuse("no command")),
-        (OLLAMA, None, LLAMACPP, None, Switch(LLAMACPP)),
-        (None, None, OLLAMA, None, Switch(OLLAMA)),
+        (OLLAMA, None, LLAMACPP, None, Load(LLAMACPP, evict=OLLAMA)),  # no reading: the other goes
+        (None, None, OLLAMA, None, Load(OLLAMA)),
     ],
 )
-def test_decide(
+def test_decide_without_readings_gives_the_gpu_to_one_runtime(
     owner: Kind | None, switching_to: Kind | None, wanted: Kind, cannot_start: str | None, expected: object
 ) -> None:
-    assert decide(owner, switching_to, wanted, cannot_start) == expected
+    resident = {owner: 0.0} if owner else {}
+    assert decide(resident, switching_to, wanted, cannot_start, now=100.0, min_hold=20.0) == expected
 
 
-def test_only_requests_on_other_runtimes_block_a_switch() -> None:
-    assert blocking({OLLAMA: 2, LLAMACPP: 3}, LLAMACPP) == 2
-    assert blocking({OLLAMA: 2, LLAMACPP: 3}, OLLAMA) == 3
-    assert blocking({OLLAMA: 0, LLAMACPP: 3}, LLAMACPP) == 0
+def test_what_fits_beside_the_other_runtime_is_loaded_without_evicting_it() -> None:
+    room = Room(free_bytes=40 * GIB, held_bytes={OLLAMA: 15 * GIB})
+    assert decide({OLLAMA: 0.0}, None, LLAMACPP, None, now=1.0, min_hold=20.0, need=11 * GIB, room=room) == Load(LLAMACPP)
+
+
+def test_what_does_not_fit_evicts_the_other_runtime_once_its_hold_is_over() -> None:
+    room = Room(free_bytes=8 * GIB, held_bytes={OLLAMA: 15 * GIB})
+    held = decide({OLLAMA: 90.0}, None, LLAMACPP, None, now=100.0, min_hold=20.0, need=11 * GIB, room=room)
+    assert isinstance(held, Wait) and held.until == 110.0 and "min_hold" in held.reason
+    assert decide({OLLAMA: 90.0}, None, LLAMACPP, None, now=110.0, min_hold=20.0, need=11 * GIB, room=room) == Load(LLAMACPP, evict=OLLAMA)
+
+
+def test_what_would_not_fit_even_alone_is_refused_rather_than_over_committed() -> None:
+    room = Room(free_bytes=2 * GIB, held_bytes={OLLAMA: 6 * GIB})  # another process holds the rest
+    refused = decide({OLLAMA: 0.0}, None, LLAMACPP, None, now=100.0, min_hold=20.0, need=11 * GIB, room=room)
+    assert isinstance(refused, Refuse) and "8192 MiB would be free" in refused.reason
+
+
+def test_only_requests_on_the_evicted_runtime_block_a_switch() -> None:
+    assert blocking({OLLAMA: 2, LLAMACPP: 3}, OLLAMA) == 2
+    assert blocking({OLLAMA: 2, LLAMACPP: 3}, LLAMACPP) == 3
+    assert blocking({OLLAMA: 2, LLAMACPP: 3}, None) == 0, "nothing evicted, nothing to wait for"
 
 
 def test_release_margin_has_a_floor_and_grows_with_what_was_held() -> None:
@@ -324,7 +345,7 @@ async def test_switch_to_llamacpp_unloads_ollama_and_waits_for_its_vram(rig: Rig
     assert status["last_switch"]["seconds"] >= 0.2
     assert status["llamacpp_process"]["vram_bytes"] == SERVER_BYTES
     assert status["vram"][0]["used_bytes"] == BASE_BYTES + SERVER_BYTES
-    assert status["counters"]["switches"] == 2
+    assert status["counters"]["switches"] == 1  # Ollama's first load evicted nothing: not a switch
     json.dumps(status)
 
 
@@ -400,7 +421,7 @@ async def test_a_start_command_that_exits_is_reported_with_its_log_and_ollama_ke
     status = await arbiter.status()
     assert (status["owner"], status["counters"]["failures"]) == ("ollama", 1)
     await claim_for_ollama(arbiter)
-    assert (await arbiter.status())["counters"]["switches"] == 1  # Ollama was served without a switch
+    assert (await arbiter.status())["counters"]["switches"] == 0  # Ollama was served without a switch
 
 
 async def test_health_timeout_stops_the_server_and_says_why(rig: Rig) -> None:
@@ -411,7 +432,7 @@ async def test_health_timeout_stops_the_server_and_says_why(rig: Rig) -> None:
     assert "fake llama-server: loading model" in str(failed.value)
     assert rig.spawns[0].server.process.returncode == -signal.SIGTERM
     status = await arbiter.status()
-    assert (status["owner"], status["llamacpp_process"]) == (None, None)
+    assert (status["owner"], status["llamacpp_process"]) == ("ollama", None)  # it reloads on its next request
     assert "contextpaw starts:" in (rig.tmp_path / "llama-server.log").read_text()
 
 
@@ -476,14 +497,14 @@ async def test_requests_arriving_during_a_switch_wait_and_share_it(rig: Rig) -> 
     await asyncio.gather(arbiter.acquire("llamacpp", "a"), arbiter.acquire("llamacpp", "b"))
     status = await arbiter.status()
     assert len(rig.spawns) == 1
-    assert (status["in_flight"]["llamacpp"], status["counters"]["switches"]) == (2, 1)
+    assert (status["in_flight"]["llamacpp"], status["counters"]["loads"]) == (2, 1)
 
 
 async def test_a_request_for_the_outgoing_runtime_waits_for_the_switch_and_then_its_turn(rig: Rig) -> None:
     arbiter = rig.arbiter(load_seconds=0.1)
     await claim_for_ollama(arbiter)
     to_llamacpp = asyncio.create_task(arbiter.acquire("llamacpp", "a"))
-    await asyncio.sleep(0)
+    await eventually(arbiter, lambda status: status["switching_to"] == "llamacpp")
     to_ollama = asyncio.create_task(arbiter.acquire("ollama", "b"))
     await to_llamacpp
     await asyncio.sleep(0.05)
@@ -491,18 +512,43 @@ async def test_a_request_for_the_outgoing_runtime_waits_for_the_switch_and_then_
     arbiter.release("a")
     await to_ollama
     status = await arbiter.status()
-    assert (status["owner"], status["counters"]["switches"]) == ("ollama", 3)
+    assert (status["owner"], status["counters"]["switches"]) == ("ollama", 2)
 
 
-async def test_a_request_that_waits_too_long_gets_retry_after_and_the_switch_goes_on(rig: Rig) -> None:
+async def test_a_switch_nobody_waits_for_any_more_is_cancelled_and_nothing_is_evicted(rig: Rig) -> None:
+    """Its only requester got a 503 (Retry-After) while Ollama drained: the switch stops there."""
     arbiter = rig.arbiter(wait_timeout=0.2)
     await arbiter.acquire("ollama", "long")
     with pytest.raises(RuntimeUnavailable, match=r"llamacpp is not ready after 0\.2s \(draining\)") as busy:
         await arbiter.acquire("llamacpp", "late")
-    assert busy.value.retry_after == 1
+    assert busy.value.retry_after is not None
+    status = await eventually(arbiter, lambda status: status["counters"]["cancelled"] == 1)
+    assert status["owner"] == "ollama" and status["switching_to"] is None
     arbiter.release("long")
-    await eventually(arbiter, lambda status: status["owner"] == "llamacpp")
+    await asyncio.sleep(0.1)
+    assert rig.spawns == [] and rig.ollama.requests == [], "nothing was evicted, nothing started"
     assert (await arbiter.status())["counters"]["wait_timeouts"] == 1
+
+
+async def test_a_switch_whose_clients_went_away_while_llama_server_loads_stops_it(rig: Rig) -> None:
+    arbiter = rig.arbiter(load_seconds=30, health_timeout=10)
+    waiting = asyncio.create_task(arbiter.acquire("llamacpp", "gone"))
+    await eventually(arbiter, lambda status: status["state"] == "starting llama-server")
+    waiting.cancel()  # the client disconnected
+    status = await eventually(arbiter, lambda status: status["counters"]["cancelled"] == 1 and status["switching_to"] is None)
+    assert rig.spawns[0].server.process.returncode is not None and status["llamacpp_process"] is None
+
+
+async def test_a_runtime_that_won_the_gpu_keeps_it_for_min_hold(rig: Rig) -> None:
+    arbiter = rig.arbiter(min_hold=0.5)
+    async with arbiter.use("llamacpp"):  # Ollama's model is evicted: llama-server wins the GPU now
+        won = asyncio.get_running_loop().time()
+    await claim_for_ollama(arbiter)
+    held = asyncio.get_running_loop().time() - won
+    assert held >= 0.45, f"Ollama got the GPU {held:.2f}s after llama-server won it, inside its hold"
+    status = await arbiter.status()
+    assert any(d["decision"] == "wait" and "min_hold" in d["reason"] for d in status["decisions"])
+    assert any(d["decision"] == "load" and d["evict"] == "ollama" for d in status["decisions"])
 
 
 async def test_a_drain_that_runs_out_abandons_the_switch_and_ollama_keeps_serving(rig: Rig) -> None:
