@@ -136,7 +136,7 @@ def decide(
             )
     held_until = resident[other] + min_hold
     if now < held_until:
-        return Wait(f"{other} holds the GPU for {held_until - now:.1f}s more (contextpaw_min_hold)", held_until)
+        return Wait(f"{other} keeps the GPU until its {min_hold:g}s hold is over (contextpaw_min_hold)", held_until)
     return Load(wanted, evict=other)
 
 
@@ -663,7 +663,15 @@ class Arbiter:
                 size = sum(model.get("size_vram") or 0 for model in await self._ollama_models())
                 if size:
                     held[Kind.OLLAMA] = self._ollama_bytes = size
-        return Room(sum(device.free_bytes for device in reading.devices), held)
+        free = sum(device.free_bytes for device in reading.devices)
+        for kind in self._resident:  # a runtime still loading will take its whole need
+            need = await self._need(kind)
+            if need is None and kind not in held:
+                return None  # what it will take is unknown: no room can be promised beside it
+            if need is not None and need > held.get(kind, 0):
+                free -= need - held.get(kind, 0)
+                held[kind] = need
+        return Room(max(free, 0), held)
 
     def _decided(self, wanted: Kind, decision: Decision, need: int | None, room: Room | None) -> None:
         """Keep and log a decision with the readings behind it (a repeated wait is kept once)."""
@@ -675,8 +683,9 @@ class Arbiter:
             "need_bytes": need,
             **(room.as_json() if room is not None else {"free_bytes": None, "held_bytes": None}),
         }
-        if self._decisions and {**self._decisions[-1], "at": None} == {**entry, "at": None}:
-            return
+        same = ("wanted", "decision", "evict", "reason")
+        if self._decisions and all(self._decisions[-1][k] == entry[k] for k in same):
+            return  # a wait goes on: kept once, with the readings it began with
         self._decisions.append({"at": time.time(), **entry})
         log.info("contextpaw runtime: %s for %s%s%s; need %s, free %s, held %s", entry["decision"], wanted,
                  f", evicting {entry['evict']}" if entry["evict"] else "", f" ({entry['reason']})" if entry["reason"] else "",

@@ -589,3 +589,16 @@ async def test_closing_during_a_start_stops_the_server_and_turns_waiters_away(ri
     assert rig.spawns[0].server.process.returncode == -signal.SIGTERM
     with pytest.raises(RuntimeUnavailable, match="shutting down"):
         await waiter
+
+
+async def test_runtime_status_shows_llama_servers_estimated_need_from_its_gguf(rig: Rig) -> None:
+    from contextpaw.vram import estimate, read_shape
+    from support.backends import locate_smollm2
+
+    model = locate_smollm2()
+    if model.path is None:
+        pytest.skip(model.reason)
+    arbiter = rig.arbiter(llamacpp_cmd=shlex.join([sys.executable, "-m", str(model.path), "-c", "2048"]))
+    status = await arbiter.status()
+    assert status["runtimes"]["llamacpp"]["need_bytes"] == estimate(read_shape(model.path), 2048).total_bytes
+    assert status["runtimes"]["ollama"]["models"] is not None and status["free_vram_bytes"] is not None

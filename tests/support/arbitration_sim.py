@@ -1,0 +1,272 @@
+"""The real arbiter (`contextpaw.runtime.Arbiter`) replayed against request schedules and VRAM
+traces, on a simulated clock, with a fake NVML and fake runtimes.
+
+The clock: an asyncio loop whose `time()` is virtual and whose selector, when nothing is ready, moves
+the clock to the next timer instead of sleeping; so 120 s of traffic replay in about a second, and
+every wait, timeout and hold in the arbiter runs as written. The fakes replace only the arbiter's
+I/O (Ollama's HTTP API, starting and stopping llama-server, the GGUF estimate); every decision,
+drain, hold and cancellation is the arbiter's own. Used by `scripts/bench_arbitration.py` and
+`tests/test_bench_arbitration.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import selectors
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from contextpaw.gpu import DeviceMemory, ProcessMemory, VramReading
+from contextpaw.runtime import Arbiter, ArbiterSettings, Kind, RuntimeUnavailable, SwitchRecord
+
+GB = 10**9
+LLAMA_PID = 4242
+
+
+class _VirtualSelector(selectors.DefaultSelector):
+    """Real file events (the loop's self-pipe, worker threads finishing) first; when there are
+    none, the clock jumps to the next timer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        events = super().select(0 if timeout == 0 else 0.002)
+        if events or not timeout:
+            return events
+        self.now += timeout
+        return []
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        self._virtual = _VirtualSelector()
+        super().__init__(self._virtual)
+
+    def time(self) -> float:
+        return self._virtual.now
+
+
+@dataclass
+class Card:
+    """One GPU: its total, what other processes take over time, and what the runtimes hold."""
+
+    total: int
+    others: Callable[[float], int] = lambda t: 0
+    held: dict[Kind, int] = field(default_factory=dict)
+    over_commits: int = 0
+
+    def used(self, now: float) -> int:
+        return self.others(now) + sum(self.held.values())
+
+    def take(self, kind: Kind, amount: int, now: float) -> None:
+        self.held[kind] = amount
+        if self.used(now) > self.total:
+            self.over_commits += 1
+
+
+class FakeNvml:
+    def __init__(self, card: Card, clock: Callable[[], float]) -> None:
+        self.card, self.clock = card, clock
+
+    def read(self) -> VramReading:
+        now = self.clock()
+        used = min(self.card.used(now), self.card.total)
+        processes = (ProcessMemory(LLAMA_PID, "llama-server", self.card.held[Kind.LLAMACPP]),) if Kind.LLAMACPP in self.card.held else ()
+        device = DeviceMemory(0, "simulated", self.card.total, used, self.card.total - used, processes)
+        return VramReading((device,))
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Process:
+    pid: int = LLAMA_PID
+    returncode: int | None = None
+
+
+@dataclass
+class _Server:
+    """What the arbiter reads of the llama-server it started."""
+
+    process: _Process = field(default_factory=_Process)
+    stopping: bool = False
+    held_bytes: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process.returncode is None
+
+    def as_json(self, reading: Any) -> dict[str, Any]:
+        return {"pid": self.process.pid}
+
+    async def stop(self, grace: float) -> None:
+        self.stopping = True
+        self.process.returncode = -15
+
+
+class SimulatedArbiter(Arbiter):
+    """The arbiter with fake runtimes behind its I/O: Ollama loads its model on a request it admits
+    (`load_s`), llama-server starts in `start_s`, and both give their memory back when evicted."""
+
+    def __init__(self, settings: ArbiterSettings, card: Card, needs: dict[Kind, int], start_s: float = 4.0, load_s: float = 3.0) -> None:
+        self.card, self.needs, self.start_s, self.load_s = card, needs, start_s, load_s
+        self.evicted_in_flight = 0
+        super().__init__(settings, FakeNvml(card, asyncio.get_running_loop().time))  # read in a worker thread
+
+    async def _need(self, kind: Kind) -> int | None:
+        return self.needs[kind]
+
+    async def _ollama_models(self) -> list[dict[str, Any]]:
+        held = self.card.held.get(Kind.OLLAMA)
+        return [{"name": "model", "size_vram": held}] if held else []
+
+    async def _evict(self, kind: Kind) -> None:
+        if self._in_flight[kind]:
+            self.evicted_in_flight += 1
+        await asyncio.sleep(1.0)  # unload, or stop and reap
+        self.card.held.pop(kind, None)
+        if kind is Kind.LLAMACPP:
+            self._server = None
+
+    async def _bring_up(self, record: SwitchRecord) -> None:
+        if record.target is Kind.LLAMACPP:
+            await asyncio.sleep(self.start_s)
+            self._abandoned(record)
+            self._server = _Server()  # type: ignore[assignment]
+            self.card.take(Kind.LLAMACPP, self.needs[Kind.LLAMACPP], asyncio.get_running_loop().time())
+
+    async def serve_ollama(self) -> None:
+        """An admitted Ollama request loads its model first, as Ollama does."""
+        if Kind.OLLAMA not in self.card.held:
+            await asyncio.sleep(self.load_s)
+            self.card.take(Kind.OLLAMA, self.needs[Kind.OLLAMA], asyncio.get_running_loop().time())
+
+
+@dataclass(frozen=True)
+class Request:
+    at: float
+    kind: Kind
+    seconds: float = 0.5
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    card_bytes: int
+    needs: dict[Kind, int]
+    schedule: tuple[Request, ...]
+    others: Callable[[float], int] = lambda t: 0
+    min_hold: float = 20.0
+
+
+def alternating(seconds: float, hz: float = 1.0) -> tuple[Request, ...]:
+    """Two clients, one per runtime, each asking at `hz`, half a period apart."""
+    period = 1 / hz
+    times = [n * period for n in range(int(seconds * hz))]
+    return tuple(sorted([Request(t, Kind.OLLAMA) for t in times] + [Request(t + period / 2, Kind.LLAMACPP) for t in times], key=lambda r: r.at))
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    switches: int
+    dropped: int
+    evicted_in_flight: int
+    over_commits: int
+    decisions_logged: int
+    served: int
+    most_resident: int
+    cancelled: int
+    min_hold: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "switches": self.switches,
+            "dropped": self.dropped,
+            "evicted_in_flight": self.evicted_in_flight,
+            "over_commits": self.over_commits,
+            "decisions_logged": self.decisions_logged,
+            "served": self.served,
+            "most_resident": self.most_resident,
+            "cancelled": self.cancelled,
+        }
+
+
+class _Decisions(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("contextpaw runtime: ") and " for " in record.getMessage():
+            self.count += 1
+
+
+def replay(scenario: Scenario) -> Outcome:
+    """Run the schedule to its end on a simulated clock; count what the issue asks for."""
+    loop = VirtualLoop()
+    try:
+        return loop.run_until_complete(_replay(scenario))
+    finally:
+        loop.close()
+
+
+async def _replay(scenario: Scenario) -> Outcome:
+    card = Card(scenario.card_bytes, scenario.others)
+    settings = ArbiterSettings("http://ollama.invalid", "http://llama.invalid", llamacpp_cmd="true", min_hold=scenario.min_hold)
+    arbiter = SimulatedArbiter(settings, card, scenario.needs)
+    decisions = _Decisions()
+    logger = logging.getLogger("contextpaw.runtime")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(decisions)
+    dropped = served = most = 0
+    loop = asyncio.get_running_loop()
+
+    async def client(n: int, request: Request) -> None:
+        nonlocal dropped, served, most
+        await asyncio.sleep(max(0.0, request.at - loop.time()))
+        try:
+            async with arbiter.use(request.kind):
+                most = max(most, len(arbiter._resident))
+                if request.kind is Kind.OLLAMA:
+                    await arbiter.serve_ollama()
+                await asyncio.sleep(request.seconds)
+                served += 1
+        except RuntimeUnavailable:
+            dropped += 1
+
+    try:
+        await asyncio.gather(*(client(n, r) for n, r in enumerate(scenario.schedule)))
+    finally:
+        logger.removeHandler(decisions)
+        logger.setLevel(level)
+        await arbiter.aclose()
+    counters = arbiter.counters
+    return Outcome(scenario.name, counters.switches, dropped, arbiter.evicted_in_flight, card.over_commits,
+                   decisions.count, served, most, counters.cancelled, scenario.min_hold)  # fmt: skip
+
+
+def scenarios(min_hold: float = 20.0) -> list[Scenario]:
+    """The issue's four: thrashing clients; the earlier proxy's 24 GB card; a card both fit on;
+    another process taking 10 GB mid-run."""
+    big = {Kind.OLLAMA: int(15.1 * GB), Kind.LLAMACPP: int(11.0 * GB)}
+    return [
+        Scenario("alternating clients, 1 Hz, 120 s", 24 * GB, big, alternating(120), min_hold=min_hold),
+        Scenario("24 GB card, 15.1 GB + 11.0 GB", 24 * GB, big, alternating(60, 0.5), min_hold=min_hold),
+        Scenario("80 GB card, both fit", 80 * GB, big, alternating(60), min_hold=min_hold),
+        Scenario("another process takes 10 GB at 30 s", 32 * GB, big,
+                 (Request(0, Kind.OLLAMA), *(Request(40 + 2 * n, Kind.LLAMACPP) for n in range(10)), Request(70, Kind.OLLAMA)),
+                 others=lambda t: 10 * GB if t >= 30 else 0, min_hold=min_hold),  # fmt: skip
+    ]
+
+
+def switch_bound(seconds: float, min_hold: float) -> int:
+    return math.ceil(seconds / min_hold)
