@@ -453,7 +453,11 @@ class AdminEndpoints:
         token = flow.request.headers.get("X-ContextPaw-Token")
         host = flow.metadata.get(CLIENT_HOST, flow.request.host_header)
         if admin.authorized(client_host, host, token, ctx.options.contextpaw_admin_token):
-            answer = await self.admin.answer(flow.request.method, flow.request.path)
+            try:
+                answer = await self.admin.answer(flow.request.method, flow.request.path)
+            except Exception as e:  # answered here all the same: /contextpaw/* never reaches a backend
+                logger.exception("ContextPaw failed to answer %s", flow.request.path)
+                answer = admin.json_reply(500, {"error": f"ContextPaw failed to answer: {type(e).__name__}"})
         else:
             answer = admin.json_reply(403, {"error": "ContextPaw endpoints are for loopback clients naming a loopback host, or token holders"})
         reply(flow, answer.status, answer.body, answer.content_type)

@@ -109,7 +109,7 @@ class Calibration:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "factors": {k: round(self.factor(k), 4) for k in self.ratios},
+            "factors": {k: round(self.factor(k), 4) for k in list(self.ratios)},  # `factor` reorders the LRU
             "samples": {k: len(v) for k, v in self.ratios.items()},
             "refused": self.refused,
         }

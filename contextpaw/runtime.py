@@ -1,14 +1,18 @@
-"""One runtime owns the GPU: arbitration between Ollama and a llama-server that ContextPaw starts.
+"""Arbitration of one GPU between Ollama and a llama-server that ContextPaw starts, decided by VRAM.
 
 A card that cannot hold both runtimes' models fails silently: Ollama loads on top of llama-server,
 spills to system RAM and runs many times slower while reporting 100% GPU. The proxy sees every
-request, so it knows which runtime is wanted and makes room first: it lets running requests finish,
-unloads Ollama's models or stops its llama-server, waits until NVML shows the memory back, and only
-then lets the other runtime in.
+request, so it knows which runtime is wanted. It brings that runtime up beside the other when the
+estimate of its need fits what NVML says is free. When it does not fit, it waits until the other
+runtime has held the GPU `min_hold` seconds and has no request in flight, evicts it, waits until
+NVML shows the memory back, and only then lets the wanted runtime in. A switch nobody waits for any
+more is cancelled.
 
-The decisions (:func:`decide`, :func:`blocking`, :class:`Release`) are pure; :class:`Arbiter` is the
-I/O shell around them. The addon calls :meth:`Arbiter.acquire` in its ``request`` hook and
-:meth:`Arbiter.release` in ``response``/``error``.
+The decisions (:func:`decide`, :func:`blocking`, :class:`Release`, :class:`Room`) are pure;
+:class:`Arbiter` is the I/O shell around them. Its runtime I/O (`_ollama_models`, `_evict`,
+`_bring_up`, `_need`) is the seam `tests/support/arbitration_sim.py` replaces to replay traces. The
+addon calls :meth:`Arbiter.acquire` in its ``request`` hook and :meth:`Arbiter.release` in
+``response``/``error``.
 """
 
 from __future__ import annotations

@@ -458,3 +458,14 @@ async def test_reverse_mode_still_gives_the_backend_its_own_host(proxy: Proxy) -
     flow.client_conn.proxy_mode = mode_specs.ProxyMode.parse("reverse:http://127.0.0.1:11435@127.0.0.1:0")
     await proxy.send(flow)
     assert flow.request.host_header == "127.0.0.1:11435"
+
+
+async def test_an_admin_endpoint_that_fails_answers_500_and_is_never_forwarded(proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(method: str, path: str) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(proxy.admin.admin, "answer", broken)
+    flow = get("/contextpaw/health")
+    await proxy.send(flow)
+    assert flow.response is not None and flow.response.status_code == 500
+    assert "RuntimeError" in json.loads(flow.response.content)["error"]

@@ -198,3 +198,10 @@ def test_calibration_is_kept_for_a_bounded_number_of_models() -> None:
     assert len(calibration.ratios) == MAX_KEYS and calibration.factor(f"ollama/model-{MAX_KEYS + 99}-" + "x" * 32_000) > 1
     restored = Calibration()
     assert restored.restore(calibration.state()) and len(restored.ratios) == MAX_KEYS
+
+
+def test_the_calibration_report_reads_every_model_without_reordering_under_itself() -> None:
+    calibration = Calibration()
+    for n in range(3):
+        calibration.observe(f"ollama/m{n}", 1000, 1200 + n, whole=True)
+    assert set(calibration.to_json()["factors"]) == {"ollama/m0", "ollama/m1", "ollama/m2"}

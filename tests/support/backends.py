@@ -110,11 +110,12 @@ def _answers(url: str) -> bool:
 
 
 def start_process(
-    argv: Sequence[str], url: str, health_path: str, log: Path, timeout: float, *, env: Mapping[str, str] | None = None
+    argv: Sequence[str], url: str, health_path: str, log: Path, timeout: float, *, env: Mapping[str, str] | None = None,
+    poll: float = 0.1,
 ) -> Backend:
     """Start ``argv`` in a new process group, logging to ``log``, and wait until
-    ``url + health_path`` answers 200; on exit or timeout, stop it and raise with the log's tail.
-    ``env`` replaces the environment (default: this process's)."""
+    ``url + health_path`` answers 200 (asked every ``poll`` seconds); on exit or timeout, stop it and
+    raise with the log's tail. ``env`` replaces the environment (default: this process's)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -130,7 +131,7 @@ def start_process(
                 else f"not ready in {timeout:.0f}s"
             )
             raise RuntimeError(f"{argv[0]} {state}; log {log}:\n{tail}")
-        time.sleep(0.1)
+        time.sleep(poll)
     return backend
 
 
