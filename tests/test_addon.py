@@ -461,7 +461,7 @@ async def test_reverse_mode_still_gives_the_backend_its_own_host(proxy: Proxy) -
 
 
 async def test_an_admin_endpoint_that_fails_answers_500_and_is_never_forwarded(proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def broken(method: str, path: str) -> Any:
+    async def broken(method: str, path: str) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(proxy.admin.admin, "answer", broken)
