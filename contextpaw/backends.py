@@ -4,6 +4,7 @@ and how big a model request may be."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import weakref
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ HEALTH_PROBE_WAIT_S = 0.5
 OPTIONS = {"contextpaw_ollama", "contextpaw_llamacpp", "contextpaw_max_body_mb", "contextpaw_relay"}
 
 
+@functools.lru_cache(maxsize=1024)
 def endpoint(host: str, port: int) -> tuple[str, int]:
     """A server's address as a key: every loopback name (`localhost`, `127.0.0.1`, `[::1]`) is one
     server, so a regular-mode client that says `localhost` reaches the backend configured as 127.0.0.1."""

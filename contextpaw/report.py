@@ -7,7 +7,7 @@ never put on the wire to the client by `to_json`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from contextpaw.truncation import Truncation
@@ -58,12 +58,20 @@ class Report:
         return sum(r.tokens for r in self.removals)
 
     def to_json(self) -> dict[str, Any]:
-        """The client-facing form: numbers and ids, never the evicted content itself."""
-        out = asdict(self)
-        out.pop("evicted")
-        for unset in ("upstream_truncated", "upstream_truncation_possible"):
-            if out[unset] is None:
-                out.pop(unset)
+        """The client-facing form: numbers and ids, never the evicted content itself. Built by hand
+        rather than with `asdict`, which deep-copies: this runs for every handled response."""
+        out: dict[str, Any] = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if name == "removals":
+                value = [{key: getattr(r, key) for key in _REMOVAL} for r in value]
+            elif name in ("markers", "notes"):
+                value = list(value)
+            elif name in ("upstream_truncated", "upstream_truncation_possible"):
+                if value is None:
+                    continue
+                value = asdict(value)
+            out[name] = value
         out["evicted_tokens"] = self.evicted_tokens
         return out
 
@@ -89,3 +97,8 @@ class Report:
             f"(budget {self.budget}, {self.evicted_tokens} evicted: {dropped} dropped, {shrunk} shrunk; "
             f"strategy {self.strategy}, counter {self.counter})"
         )
+
+
+
+_REMOVAL = tuple(f.name for f in fields(Removal))
+_FIELDS = tuple(f.name for f in fields(Report) if f.name != "evicted")
