@@ -48,6 +48,12 @@ MAX_RESCUES = 3
 NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
 PLAN_BYTES = 32 << 20
 """Memory the remembered conversation plans may hold together (besides `contextpaw_conversations`)."""
+SIZE_PROOF_BYTES = 64 * 1024
+"""Bodies up to this size are first checked for fitting by their size alone (see `_fits_by_size`)."""
+TEMPLATE_ALLOWANCE = 512
+MESSAGE_ALLOWANCE = 16
+"""Tokens a chat template may add: once (a default system prompt, the generation prompt), and per message."""
+MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([A-Za-z0-9._:/@+-]{1,256})"')
 FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 
 
@@ -223,6 +229,13 @@ class Fitter:
 
     async def _fit(self, state: FlowState) -> Decision:
         policy = self.settings.policy
+        if (small := self._fits_by_size(state)) is not None:
+            state.sent_tokens, state.bounds = small.final_tokens, (0.0, 1.0)  # an upper bound
+            if policy == "off":
+                state.observed = small
+            else:
+                self._keep(state, small)
+            return UNCHANGED
         big = is_big(state.original)
         try:
             parsed = await off_loop(big, functools.partial(state.route.read, state.original))
@@ -259,6 +272,34 @@ class Fitter:
             self._note_compaction(state, report, parsed.params.model)
         state.sent, state.sent_tokens, state.uncuttable = body, report.final_tokens, said or forbid
         return Forward(body, fitted.body is not None)
+
+    def _fits_by_size(self, state: FlowState) -> Report | None:
+        """A request proved to fit from its byte length alone, with nothing parsed, counted or asked.
+
+        A token is at least one byte of text, and the JSON of a text is never shorter than its UTF-8;
+        so the body's length, plus an allowance for the template, bounds its prompt. Below the least
+        budget its window gives (half kept for any answer length), it cannot overflow, and Ollama
+        cannot cut it. A request that names its own window, whose model cannot be read at once, or
+        whose window is not known yet takes the full path.
+        """
+        raw = state.original
+        if len(raw) > SIZE_PROOF_BYTES or b'"num_ctx"' in raw or raw.count(b'"model"') != 1:
+            return None  # a window of its own, or a model name that could be another field's
+        if (model := MODEL_FIELD.search(raw)) is None:
+            return None
+        if self.settings.discover_window:
+            known, window = self.windows.cached(state.backend, model.group(1).decode())
+            if not known:
+                return None
+        else:
+            window = None
+        window = window or self.settings.default_ctx
+        bound = len(raw) + TEMPLATE_ALLOWANCE + MESSAGE_ALLOWANCE * raw.count(b'"role"')
+        floor = self.budgeter.floor(window)
+        if bound > floor:
+            return None
+        note = f"fits by its size: at most {bound} tokens ({len(raw)} bytes and the template's allowance)"
+        return Report(False, "none", bound, bound, floor, counter="size", window=window, notes=[note])
 
     def _forbid_truncation(
         self, route: wire.Route, parsed: wire.Chat | wire.Prompt, report: Report, budget: Budget, bounds: tuple[float, float]

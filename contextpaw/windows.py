@@ -120,6 +120,13 @@ class BackendWindows:
             task.add_done_callback(functools.partial(self._found, key))
         return await asyncio.shield(task)  # a request that goes away leaves the lookup to the others
 
+    def cached(self, backend: Backend, model: str) -> tuple[bool, int | None]:
+        """(whether it is known now, the window or None for a miss), without asking anything."""
+        cached = self.known.get((backend.url, model))
+        if cached is None or self.clock() - cached[0] >= (self.ttl if cached[1] is not None else self.miss_ttl):
+            return False, None
+        return True, cached[1]
+
     def _found(self, key: tuple[str, str], task: asyncio.Task[int | None]) -> None:
         del self._asking[key]
         if not task.cancelled() and task.exception() is None:
@@ -191,6 +198,10 @@ class Budgeter:
         self.reserve = reserve
         self.margin = margin
         self.source: WindowSource = source or NoDiscovery()
+
+    def floor(self, window: int) -> int:
+        """The least budget any request gets in `window`, whatever answer length it asks for."""
+        return Budget(window, window // 2, min(self.margin, window // 8)).tokens
 
     async def budget(self, backend: Backend, params: Params) -> Budget:
         window = params.num_ctx or await self.source.window(backend, params.model) or self.default_ctx

@@ -321,3 +321,40 @@ def test_remembered_plans_are_bounded_by_the_bytes_they_hold() -> None:
         f.plans.put(f"conversation-{n}", huge)
     assert f.plans.bytes <= PLAN_BYTES and 1 <= len(f.plans) < 200
     assert "conversation-199" in f.plans, "the newest plan is kept"
+
+
+async def test_a_small_request_is_proved_to_fit_by_its_size_without_being_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    f = fitter(discover_window=False, default_ctx=4096)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": False}
+    s = state(body, OPENAI, OLLAMA)
+    monkeypatch.setattr(wire.Route, "read", lambda self, raw: pytest.fail("parsed"))
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is not None and s.report.counter == "size" and not s.report.compacted
+    assert s.report.final_tokens >= len(s.original) and s.headers["X-ContextPaw-Compacted"] == "false"
+    f.final_report(s, {"choices": [], "usage": {"prompt_tokens": 12}})  # nothing to flag, nothing learned
+    assert s.report.upstream_truncated is None and s.report.upstream_truncation_possible is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "messages": [{"role": "user", "content": "hello"}], "options": {"num_ctx": 64}},  # its own window
+        {"model": "m", "messages": [{"role": "user", "content": "x " * 900}]},  # near a 4096 window's floor
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"model": "other"}]},  # two "model"s
+    ],
+)
+async def test_a_request_the_size_cannot_prove_takes_the_full_path(body: dict[str, Any]) -> None:
+    f = fitter(discover_window=False, default_ctx=4096)
+    s = state(body, CHAT, OLLAMA)
+    await f.fit(s)
+    assert s.report is not None and s.report.counter != "size"
+
+
+async def test_with_discovery_a_window_not_known_yet_takes_the_full_path() -> None:
+    f = fitter()
+    s = state({"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": False}, OPENAI, OLLAMA)
+    await f.fit(s)
+    assert s.report is not None and s.report.counter != "size"
+    again = state({"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": False}, OPENAI, OLLAMA)
+    await f.fit(again)
+    assert again.report is not None and again.report.counter == "size", "the first request's lookup is cached"
