@@ -207,6 +207,125 @@ def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
     return result
 
 
+# -- 6. concurrency, stalls and memory ----------------------------------------------------------------
+
+COMPACTION_CTX = 32_768
+"""The window of the stall run: the 160k-token chat overflows it and is compacted."""
+
+
+def concurrent_rate(url: str, seconds: float, clients: int = 8) -> float:
+    """Small fitting POSTs from `clients` threads for `seconds`: answers per second."""
+    import threading
+
+    stop, counts = time.perf_counter() + seconds, [0] * clients
+
+    def run(n: int) -> None:
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            while time.perf_counter() < stop:
+                latency(client, url, chat_bytes(n * 10**6 + counts[n]))
+                counts[n] += 1
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts) / seconds
+
+
+def worst_latency_while(url: str, busy: Callable[[], None] | None, seconds: float) -> float:
+    """The worst small-request latency (ms) seen every 10 ms while `busy` runs (or for `seconds`)."""
+    import threading
+
+    done, worst = threading.Event(), [0.0]
+
+    def ping() -> None:
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            while not done.is_set():
+                worst[0] = max(worst[0], latency(client, url, chat_bytes(-1)) * 1000)
+                time.sleep(0.01)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    time.sleep(0.3)
+    if busy is None:
+        time.sleep(seconds)
+    else:
+        busy()
+    done.set()
+    pinger.join()
+    return worst[0]
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def loop_health(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
+    """c=8 throughput, the worst latency idle and during one 160k-token / 600-message compaction,
+    and RSS, for bare mitmdump and ContextPaw over the same fake llama-server."""
+    seconds = 2.0 if quick else 6.0
+    task = progress.add_task("concurrency and stalls", total=6)
+    big = bench_compact.agent_conversation(160_000, EstimateCounter(), messages=600)
+    big_body = json.dumps({"model": "fake-model", "messages": big, "max_tokens": 8}).encode()
+    result: dict[str, Any] = {"clients": 8, "seconds": seconds, "compaction_messages": 600, "compaction_tokens": 160_000}
+    with contextlib.ExitStack() as stack:
+        fast = stack.enter_context(start_module("support.fake_llamacpp", ["--n-ctx", str(COMPACTION_CTX)], "/health", work / "loop.log"))
+        bare, (bare_url,) = mitmdump([fast.url], work, "loop-bare", addon=False, options=[])
+        stack.enter_context(bare)
+        paw, (paw_url,) = mitmdump([fast.url], work, "loop-paw", addon=True,
+                                   options=[f"contextpaw_llamacpp={fast.url}", "contextpaw_calibrate=false"])
+        stack.enter_context(paw)
+        for url in (bare_url, paw_url):  # warm up
+            with httpx.Client(timeout=60, trust_env=False) as client:
+                for i in range(20):
+                    latency(client, url, chat_bytes(-i))
+        for name, url, process in (("mitmdump", bare_url, bare), ("ContextPaw", paw_url, paw)):
+            rate = concurrent_rate(url, seconds)
+            progress.advance(task)
+            idle = worst_latency_while(url, None, seconds)
+            progress.advance(task)
+
+            def compact_once(url: str = url) -> None:
+                with httpx.Client(timeout=300, trust_env=False) as client:
+                    client.post(url + "/v1/chat/completions", content=big_body, headers={"Content-Type": "application/json"})
+
+            during = worst_latency_while(url, compact_once, seconds)
+            progress.advance(task)
+            result[name] = {"c8_req_per_s": rate, "worst_idle_ms": idle, "worst_during_big_request_ms": during,
+                            "rss_mib": rss_mib(process.process.pid)}
+    result["verdict"] = {"c8_vs_mitmdump": result["ContextPaw"]["c8_req_per_s"] / result["mitmdump"]["c8_req_per_s"]}
+    return result
+
+
+# -- 7. the engine at 1,200 to 10,000 messages -------------------------------------------------------
+
+
+def scaling(quick: bool, progress: Progress) -> dict[str, Any]:
+    """160k tokens in more and more messages, compacted into 32k with the estimate: time per size,
+    and its growth per doubling (the goal: at most 2.2x)."""
+    from contextpaw.compact import compact_chat
+
+    sizes = (1200, 2400, 4800) if quick else (1200, 2400, 4800, 9600)
+    task = progress.add_task("engine scaling", total=len(sizes))
+    rows = []
+    for n in sizes:
+        conversation = Conversation.from_wire(bench_compact.agent_conversation(160_000, EstimateCounter(), messages=n))
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            compact_chat(conversation, 32_000, EstimateCounter(), keep_recent=4, previous=None)
+            times.append(time.perf_counter() - started)
+        rows.append({"messages": n, "ms": statistics.median(times) * 1000})
+        progress.advance(task)
+    for before, after in zip(rows, rows[1:]):
+        after["per_doubling"] = after["ms"] / before["ms"] / (after["messages"] / before["messages"] / 2)
+    return {"tokens": 160_000, "budget": 32_000, "rows": rows}
+
+
 # -- 2./3. compaction cost and window use -----------------------------------------------------------
 
 
@@ -487,6 +606,24 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
             if r["table"]:
                 lines += ["", f"{name}:", "", *r["table"]]
         lines.append("")
+    if health := result.get("loop_health"):
+        lines += ["## 6. Concurrency, stalls and memory", "",
+                  f"One fake llama-server (window {COMPACTION_CTX:,}); {health['clients']} clients sending small fitting "
+                  f"chats for {health['seconds']:g} s; a small request every 10 ms while idle and while one "
+                  f"{health['compaction_tokens']:,}-token, {health['compaction_messages']}-message chat goes through "
+                  "(compacted by ContextPaw, relayed by bare mitmdump).", "",
+                  "| path | c=8 req/s | worst idle ms | worst during the big request ms | RSS MiB |", "|---|---:|---:|---:|---:|"]
+        for name in ("mitmdump", "ContextPaw"):
+            h = health[name]
+            lines.append(f"| {name} | {h['c8_req_per_s']:.0f} | {h['worst_idle_ms']:.1f} | {h['worst_during_big_request_ms']:.1f} | {h['rss_mib']:.0f} |")
+        lines += ["", f"c=8 ContextPaw vs bare mitmdump: {health['verdict']['c8_vs_mitmdump']:.2f}x (goal 0.9x).", ""]
+    if scale := result.get("scaling"):
+        lines += ["## 7. The engine at 1,200 to 10,000 messages", "",
+                  f"{scale['tokens']:,} tokens compacted into {scale['budget']:,} with the estimate; median of 3.", "",
+                  "| messages | ms | growth per doubling |", "|---:|---:|---:|"]
+        lines += [f"| {r['messages']:,} | {r['ms']:.0f} | {r['per_doubling']:.2f}x |" if "per_doubling" in r
+                  else f"| {r['messages']:,} | {r['ms']:.0f} | |" for r in scale["rows"]]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -533,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
             result["agent_loop"] = bench_agent_loop.run(binary.path, model.path, work, turns, n_ctx,
                                                         lambda: progress.advance(task))
         result["recall"] = {"skipped": skip_real} if skip_real else recall(args.quick, args.recall_trials, progress)
+        result["loop_health"] = loop_health(work, args.quick, progress)
+        result["scaling"] = scaling(args.quick, progress)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     return report(result, out, args.docs)

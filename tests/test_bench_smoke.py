@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = {"machine", "overhead", "compaction", "window_use", "agent_loop", "recall"}
+SECTIONS = {"machine", "overhead", "compaction", "window_use", "agent_loop", "recall", "loop_health", "scaling"}
 
 pytest.importorskip("matplotlib")
 
