@@ -210,7 +210,8 @@ class Arbitration:
 async def _while_connected(flow: http.HTTPFlow, arbiter: Arbiter, kind: wire.Kind) -> None:
     """Wait for the runtime while the client is there: one that went away stops waiting, so a
     switch nobody waits for any more is cancelled (mitmproxy does not cancel a hook on disconnect)."""
-    waiting = asyncio.ensure_future(arbiter.acquire(kind, flow.id))
+    model = wire.model_of(flow.request.raw_content or b"") if kind is wire.Kind.OLLAMA else None
+    waiting = asyncio.ensure_future(arbiter.acquire(kind, flow.id, model))
     while not waiting.done():
         await asyncio.wait({waiting}, timeout=CLIENT_CHECK_S)
         if not waiting.done() and flow.client_conn.timestamp_end is not None:

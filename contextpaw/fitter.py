@@ -53,7 +53,6 @@ SIZE_PROOF_BYTES = 64 * 1024
 TEMPLATE_ALLOWANCE = 512
 MESSAGE_ALLOWANCE = 16
 """Tokens a chat template may add: once (a default system prompt, the generation prompt), and per message."""
-MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([A-Za-z0-9._:/@+-]{1,256})"')
 FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 
 
@@ -283,12 +282,10 @@ class Fitter:
         whose window is not known yet takes the full path.
         """
         raw = state.original
-        if len(raw) > SIZE_PROOF_BYTES or b'"num_ctx"' in raw or raw.count(b'"model"') != 1:
-            return None  # a window of its own, or a model name that could be another field's
-        if (model := MODEL_FIELD.search(raw)) is None:
-            return None
+        if len(raw) > SIZE_PROOF_BYTES or b'"num_ctx"' in raw or (model := wire.model_of(raw)) is None:
+            return None  # a window of its own, or a model name that cannot be read at once
         if self.settings.discover_window:
-            known, window = self.windows.cached(state.backend, model.group(1).decode())
+            known, window = self.windows.cached(state.backend, model)
             if not known:
                 return None
         else:

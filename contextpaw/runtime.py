@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -37,12 +38,15 @@ import aiohttp
 
 from contextpaw import logs
 from contextpaw.gpu import GpuProbe, NoVram, NvmlProbe, VramReading, sample
+from contextpaw.state import LRU
 from contextpaw.vram import Need, estimate, read_shape, server_plan
 
 log = logs.get(__name__)
 
 MIB = 1 << 20
 RELEASE_MARGIN_BYTES = 256 * MIB
+OLLAMA_DEFAULT_CTX = 4096
+"""The window Ollama loads a model with when neither its Modelfile nor the server's setting says."""
 DEFAULT_RETRY_AFTER_S = 5
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5)
 UNLOAD_TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -370,6 +374,10 @@ class Arbiter:
         self._needs: dict[Kind, Need | None] = {}
         self._ollama_bytes: int | None = None
         """What Ollama's models held on the GPU when last seen loaded (`/api/ps` `size_vram`)."""
+        self._ollama_seen: LRU = LRU(64)
+        """Model -> its `size_vram` when last listed."""
+        self._ollama_needs: LRU = LRU(64)
+        """Model -> the estimate from the GGUF file its Modelfile names, or None."""
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -378,11 +386,12 @@ class Arbiter:
 
     # --- what the addon calls -------------------------------------------------------------------
 
-    async def acquire(self, kind: str, flow_id: Hashable) -> None:
+    async def acquire(self, kind: str, flow_id: Hashable, model: str | None = None) -> None:
         """Return once ``kind`` owns the GPU and the request is counted as running on it.
 
         Raises :class:`RuntimeUnavailable` when the runtime cannot be brought up, when the switch
         this request waited for failed, or (with ``retry_after``) when ``wait_timeout`` passes.
+        ``model`` (an Ollama request's) sizes what loading it takes.
         """
         if flow_id in self._holders:
             raise ValueError(f"flow {flow_id!r} already holds {self._holders[flow_id]}")
@@ -402,7 +411,7 @@ class Arbiter:
                 if self._pending is None and wanted not in self._resident:
                     await self._notice_ollama()
                     if self._resident:
-                        need, room = await self._need(wanted), await self._room()
+                        need, room = await self._need(wanted, model), await self._room()
                 decision = decide(self._resident, self._pending, wanted, cannot_start,
                                   now=loop.time(), min_hold=self.settings.min_hold, need=need, room=room)  # fmt: skip
                 match decision:
@@ -625,11 +634,16 @@ class Arbiter:
 
     # --- what is on the card, and what is asked of it --------------------------------------------
 
-    async def _need(self, kind: Kind) -> int | None:
-        """Bytes ``kind`` will take: llama-server's from its GGUF and command line, Ollama's from what
-        its models held when last loaded; None when unknown."""
+    async def _need(self, kind: Kind, model: str | None = None) -> int | None:
+        """Bytes ``kind`` will take: llama-server's from its GGUF and command line; Ollama's from what
+        `model` held when last loaded (`/api/ps` `size_vram`), else from the GGUF file its Modelfile
+        names (`/api/show`), else what its models held last; None when unknown."""
         if kind is Kind.OLLAMA:
-            return self._ollama_bytes
+            if model is None:
+                return self._ollama_bytes
+            if model not in self._ollama_needs:
+                self._ollama_needs.put(model, await self._ollama_estimate(model))
+            return self._ollama_seen.get(model) or self._ollama_needs.get(model) or self._ollama_bytes
         if kind not in self._needs:
             plan = server_plan(self.settings.llamacpp_cmd)
             need = None
@@ -642,6 +656,25 @@ class Arbiter:
             self._needs[kind] = need
         need = self._needs[kind]
         return need.total_bytes if need is not None else None
+
+    async def _ollama_estimate(self, model: str) -> int | None:
+        """What loading `model` will take, from the GGUF its Modelfile's FROM names (when this machine
+        can read it) at its `num_ctx` (else Ollama's default 4096); None when it cannot be told."""
+        try:
+            async with self._session().post(f"{self.settings.ollama_url}/api/show", json={"model": model}, timeout=PROBE_TIMEOUT) as response:
+                response.raise_for_status()
+                show = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        found = re.search(r"^FROM\s+(\S+)", str(show.get("modelfile", "")), re.MULTILINE)
+        ctx = re.search(r"^num_ctx\s+(\d+)", str(show.get("parameters", "")), re.MULTILINE)
+        if found is None:
+            return None
+        try:
+            shape = await asyncio.to_thread(read_shape, found.group(1))
+        except ValueError:
+            return None
+        return estimate(shape, int(ctx.group(1)) if ctx else OLLAMA_DEFAULT_CTX).total_bytes
 
     async def _notice_ollama(self) -> None:
         """Ollama loads models for any client, not only through this proxy: one that lists models is
@@ -664,7 +697,11 @@ class Arbiter:
                 held[Kind.LLAMACPP] = mine
         if Kind.OLLAMA in self._resident:
             with contextlib.suppress(SwitchFailed):
-                size = sum(model.get("size_vram") or 0 for model in await self._ollama_models())
+                listed = await self._ollama_models()
+                for model in listed:
+                    if model.get("size_vram"):
+                        self._ollama_seen.put(model.get("name"), model["size_vram"])
+                size = sum(model.get("size_vram") or 0 for model in listed)
                 if size:
                     held[Kind.OLLAMA] = self._ollama_bytes = size
         free = sum(device.free_bytes for device in reading.devices)

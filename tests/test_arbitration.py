@@ -49,7 +49,7 @@ class FakeArbiter:
         self.refusal: RuntimeUnavailable | None = None
         self.closed = False
 
-    async def acquire(self, kind: str, flow_id: Hashable) -> None:
+    async def acquire(self, kind: str, flow_id: Hashable, model: str | None = None) -> None:
         if self.refusal is not None:
             raise self.refusal
         self.held[flow_id] = kind
@@ -345,7 +345,7 @@ async def test_a_client_that_goes_away_stops_waiting_for_its_runtime(proxy: Prox
     proxy.turn_on()
     gave_up = asyncio.Event()
 
-    async def forever(kind: str, flow_id: Hashable) -> None:
+    async def forever(kind: str, flow_id: Hashable, model: str | None = None) -> None:
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:

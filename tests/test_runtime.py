@@ -602,3 +602,24 @@ async def test_runtime_status_shows_llama_servers_estimated_need_from_its_gguf(r
     status = await arbiter.status()
     assert status["runtimes"]["llamacpp"]["need_bytes"] == estimate(read_shape(model.path), 2048).total_bytes
     assert status["runtimes"]["ollama"]["models"] is not None and status["free_vram_bytes"] is not None
+
+
+async def test_ollamas_need_for_a_model_not_loaded_yet_comes_from_the_gguf_its_modelfile_names(rig: Rig) -> None:
+    from contextpaw.vram import estimate, read_shape
+    from support.backends import locate_smollm2
+
+    model = locate_smollm2()
+    if model.path is None:
+        pytest.skip(model.reason)
+    show = {"modelfile": f"# Modelfile\nFROM {model.path}\n", "parameters": "num_ctx                        2048"}
+    app = web.Application()
+    app.router.add_post("/api/show", lambda request: web.json_response(show))
+    app.router.add_get("/api/ps", lambda request: web.json_response({"models": []}))
+    server = TestServer(app, host=LOOPBACK)
+    await server.start_server()
+    try:
+        arbiter = rig.arbiter(ollama_url=f"http://{LOOPBACK}:{server.port}")
+        assert await arbiter._need(Kind.OLLAMA, "smollm2") == estimate(read_shape(model.path), 2048).total_bytes
+        assert await arbiter._need(Kind.OLLAMA) is None, "without a model name nothing is known yet"
+    finally:
+        await server.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -228,6 +229,17 @@ def positive(value: int | None) -> int | None:
     """A window or answer length the request set, or None: zero and negative values (the 'unlimited'
     spellings -1, -2, 0 of an answer length; a window of none) say nothing, the backend decides."""
     return value if value is not None and value > 0 else None
+
+
+MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([A-Za-z0-9._:/@+-]{1,256})"')
+
+
+def model_of(raw: bytes) -> str | None:
+    """The model a request body names, read without parsing it: only when `"model"` occurs once (so
+    it cannot be another field's) and the name needs no unescaping."""
+    if raw.count(b'"model"') != 1 or (found := MODEL_FIELD.search(raw)) is None:
+        return None
+    return found.group(1).decode()
 
 
 def evaluated_tokens(record: Mapping[str, Any]) -> int | None:

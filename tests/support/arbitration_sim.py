@@ -119,7 +119,7 @@ class SimulatedArbiter(Arbiter):
         self.evicted_in_flight = 0
         super().__init__(settings, FakeNvml(card, asyncio.get_running_loop().time))  # read in a worker thread
 
-    async def _need(self, kind: Kind) -> int | None:
+    async def _need(self, kind: Kind, model: str | None = None) -> int | None:
         return self.needs[kind]
 
     async def _ollama_models(self) -> list[dict[str, Any]]:
