@@ -40,6 +40,10 @@ CALL_TIMEOUT_S = 3.0
 """llama-server counts on its HTTP threads, not its slots: even a busy one answers in milliseconds."""
 
 
+OPENAI_COUNT = "/v1/chat/completions/input_tokens"
+"""Where llama-server counts a whole OpenAI chat (Anthropic's requests are counted at their own route)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TemplateCost:
     fixed: int
@@ -177,7 +181,7 @@ class LlamaCppCounting:
         fixed = template.fixed_with_system if has_system else template.fixed
         return BackendCounter(known, fallback, template.per_message), fixed
 
-    async def total(self, base_url: str, path: str, body: Mapping[str, Any]) -> int | None:
+    async def total(self, base_url: str, body: Mapping[str, Any], path: str = OPENAI_COUNT) -> int | None:
         """The server's exact prompt size for a chat body (template and tools included), counted at
         `path` (OpenAI's or Anthropic's counting route); None on failure."""
         key = (base_url, _key(path + json.dumps(body, sort_keys=True, default=str)))

@@ -63,7 +63,7 @@ class BackendCounting(Protocol):
         self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool
     ) -> tuple[Counter, int] | None: ...
 
-    async def total(self, base_url: str, path: str, body: Mapping[str, Any]) -> int | None: ...
+    async def total(self, base_url: str, body: Mapping[str, Any], path: str = ...) -> int | None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -397,7 +397,8 @@ class Fitter:
             return fitted
         for _ in range(VERIFY_ROUNDS):
             sent = json.loads(fitted.body) if fitted.body is not None else parsed.body
-            total = await self.services.counting.total(backend.url, *parsed.counted(sent))
+            path, counted = parsed.counted(sent)
+            total = await self.services.counting.total(backend.url, counted, path=path)
             if total is None:
                 fitted.report.exact = False
                 return fitted

@@ -36,7 +36,7 @@ class NoCounting:
         self.calls += 1
         return None
 
-    async def total(self, base_url: str, path: str, body: Mapping[str, Any]) -> int | None:
+    async def total(self, base_url: str, body: Mapping[str, Any], path: str = "") -> int | None:
         return None
 
     def stats(self) -> dict[str, Any]:
