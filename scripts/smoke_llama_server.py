@@ -61,7 +61,20 @@ def _complete(base: str) -> str:
 
 
 def check(binary: Path, model: Path, timeout: float) -> str | None:
-    """None when the binary passes; otherwise the one sentence that says what went wrong."""
+    """None when the binary passes; otherwise the one sentence that says what went wrong. A port
+    another process took between choosing it and binding it is tried again on another port: that
+    says nothing about the binary, and a cached binary that fails is deleted."""
+    for _ in range(3):
+        problem = _check_once(binary, model, timeout)
+        if problem is None or not problem.startswith(PORT_TAKEN):
+            return problem
+    return problem
+
+
+PORT_TAKEN = "port taken:"
+
+
+def _check_once(binary: Path, model: Path, timeout: float) -> str | None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     argv = [str(binary), "-m", str(model), "-c", "512", "-np", "1", "--host", "127.0.0.1", "--port", str(port)]
@@ -76,7 +89,10 @@ def check(binary: Path, model: Path, timeout: float) -> str | None:
                 if process.poll() is not None:
                     code = process.returncode
                     log.seek(0)
-                    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+                    output = log.read().decode(errors="replace")
+                    tail = output.strip().splitlines()[-5:]
+                    if code > 0 and ("bind" in output.lower() or "address already in use" in output.lower()):
+                        return f"{PORT_TAKEN} {binary} could not listen on port {port}"
                     name = CRASH_SIGNALS.get(code, f"status {code}")
                     return (
                         f"{binary} dies while loading the model ({name}): it was probably built for "
