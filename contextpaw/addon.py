@@ -326,7 +326,7 @@ class Upstream:
         self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S), self._rescue)
         self._starting: asyncio.Task[None] | None = None
         self.carried: LRU = LRU(4096)
-        """Digest of a body the relay carries -> (its flow's state, the body's Content-Encoding)."""
+        """Digest of a body the relay carries -> its flow's state (weakly)."""
 
     def load(self, loader: Any) -> None:
         loader.add_option("contextpaw_header_timeout", int, RELAY_TIMEOUT_S,

@@ -144,16 +144,17 @@ class Backends:
         if flow.response or flow.error or not flow.live or not self.serves(flow):
             return
         size, limit = len(flow.request.raw_content or b""), self.settings.max_body_bytes
-        if size > limit and model_request(flow):
+        model, relayed = model_request(flow), self.relayed(flow)
+        if size > limit and model:
             reason = f"ContextPaw: the request body ({size:,} bytes) is over the limit of {limit:,} bytes (contextpaw_max_body_mb)"
             await self._refuse(flow, 413, reason, "too_large")
-        elif model_request(flow) and not await self._inflated(flow, limit):
+        elif model and not await self._inflated(flow, limit):
             reason = f"ContextPaw: the request body inflates to more than the limit of {limit:,} bytes (contextpaw_max_body_mb)"
             await self._refuse(flow, 413, reason, "too_large")
-        elif self.relayed(flow) and not relayable(flow.request.data.path):
+        elif relayed and not relayable(flow.request.data.path):
             reason = f"ContextPaw: the request target {flow.request.data.path!r} holds bytes HTTP does not allow; percent-encode them"
             await self._refuse(flow, 400, reason, "bad_request")
-        elif self.relayed(flow):
+        elif relayed:
             return  # the relay answers for a backend that does not answer
         elif not flow.server_conn.connected and not await self.answers(flow.request.host, flow.request.port):
             reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"

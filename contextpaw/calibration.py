@@ -120,13 +120,10 @@ class Calibration:
     def restore(self, state: object) -> bool:
         """Take back a saved state; a damaged one costs the learning, never the proxy."""
         try:
-            ratios = {
-                str(k): deque((float(r) for r in v if float(r) > 0), maxlen=self.window)
-                for k, v in state["ratios"].items()  # type: ignore[index]
-            }
-            self.ratios = LRU(MAX_KEYS)
-            for k, v in ratios.items():
-                self.ratios.put(k, v)
+            ratios = LRU(MAX_KEYS)
+            for k, v in state["ratios"].items():  # type: ignore[index]
+                ratios.put(str(k), deque((float(r) for r in v if float(r) > 0), maxlen=self.window))
+            self.ratios = ratios
             return True
         except (ValueError, KeyError, TypeError, AttributeError):
             self.ratios = LRU(MAX_KEYS)

@@ -68,7 +68,7 @@ class Message:
         if isinstance(content, list):  # Anthropic: calls and results are content blocks
             blocks = [b for b in content if isinstance(b, Mapping)]
             call_ids += [str(b.get("id", f"#{n}")) for n, b in enumerate(blocks) if b.get("type") in CALL_BLOCKS]
-            results = [b.get("tool_use_id") for b in blocks if "tool_use_id" in b]
+            results = [b.get("tool_use_id") for b in blocks if _is_result(b)]
             if results and role == "user":
                 role, answers = "tool", results[0]
         return cls(
@@ -106,7 +106,7 @@ class Message:
             if slots:
                 part, inner, _ = max(slots, key=lambda slot: len(slot[2]))
                 content[part] = _replaced(content[part], inner, text)
-            elif any(isinstance(p, Mapping) and "tool_use_id" in p for p in content):
+            elif any(_is_result(p) for p in content):
                 content.append({"type": "text", "text": text})
             else:
                 content.insert(0, {"type": "text", "text": text})
@@ -131,13 +131,18 @@ Slot = tuple[int, int | None, str]
 whose content is a string; (part, k) for the k-th text part of a tool result's content list."""
 
 
+def _is_result(part: Any) -> bool:
+    """An Anthropic block that answers a tool call (`tool_result`, and server tools' results)."""
+    return isinstance(part, Mapping) and "tool_use_id" in part
+
+
 def _text_slots(content: list[Any]) -> list[Slot]:
     slots: list[Slot] = []
     for i, part in enumerate(content):
         text = _part_text(part)
         if text is not None:
             slots.append((i, None, text))
-        elif isinstance(part, Mapping) and "tool_use_id" in part:
+        elif _is_result(part):
             inner = part.get("content")
             if isinstance(inner, str):
                 slots.append((i, -1, inner))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,7 +33,7 @@ from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter
 from contextpaw.truncation import EXACT_BOUNDS, Evaluation, could_exceed, judge, unknowable
-from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
+from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows, ollama_model_file
 
 logger = logs.get("contextpaw")
 
@@ -53,7 +52,6 @@ SIZE_PROOF_BYTES = 64 * 1024
 TEMPLATE_ALLOWANCE = 512
 MESSAGE_ALLOWANCE = 16
 """Tokens a chat template may add: once (a default system prompt, the generation prompt), and per message."""
-FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
 
 
 class BackendCounting(Protocol):
@@ -380,8 +378,7 @@ class Fitter:
         key = (backend.url, model)
         if key not in self.model_files:
             show = await self.services.fetch("POST", backend.url + "/api/show", {"model": model}) if model else None
-            found = FROM_LINE.search(str(show.get("modelfile", ""))) if isinstance(show, dict) else None
-            self.model_files.put(key, found.group(1) if found else None)
+            self.model_files.put(key, ollama_model_file(show))
         return self.model_files.get(key)
 
     async def _verified(

@@ -10,7 +10,7 @@ GIL while they work).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import brotli
 
@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - mitmproxy depends on the backport belo
 STEP = 1 << 20
 """Output produced per step, so the limit is checked every megabyte."""
 ENCODINGS = ("gzip", "x-gzip", "deflate", "deflateraw", "br", "zstd")
+"""The `Content-Encoding`s inflated here (the keys of `_STEPS`)."""
 
 
 class TooLarge(Exception):
@@ -31,10 +32,9 @@ class TooLarge(Exception):
 def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
     """`raw` decoded from `encoding` (one of `ENCODINGS`); `TooLarge` past `limit` bytes, ValueError
     when it is not what its encoding says."""
-    steps = {"gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "deflateraw": _deflate, "br": _brotli, "zstd": _zstd}
     out = bytearray()
     try:
-        for piece in steps[encoding](raw):
+        for piece in _STEPS[encoding](raw):
             out += piece
             if len(out) > limit:
                 raise TooLarge(f"the body inflates to more than {limit:,} bytes")
@@ -85,3 +85,7 @@ def _zstd(raw: bytes) -> Iterator[bytes]:
             raise ValueError("the zstd body ends inside a frame")
         data = d.unused_data
 
+
+_STEPS: dict[str, Callable[[bytes], Iterator[bytes]]] = {
+    "gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "deflateraw": _deflate, "br": _brotli, "zstd": _zstd,
+}  # fmt: skip

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -40,6 +39,7 @@ from contextpaw import logs
 from contextpaw.gpu import GpuProbe, NoVram, NvmlProbe, VramReading, sample
 from contextpaw.state import LRU
 from contextpaw.vram import Need, estimate, read_shape, server_plan
+from contextpaw.windows import ollama_model_file, ollama_show_windows
 
 log = logs.get(__name__)
 
@@ -406,9 +406,10 @@ class Arbiter:
                     raise RuntimeUnavailable("the proxy is shutting down")
                 if awaited is not None and awaited.error is not None:
                     raise RuntimeUnavailable(awaited.error)
-                cannot_start = start_problem(self.settings.llamacpp_cmd) if wanted is Kind.LLAMACPP else None
-                need = room = None
-                if self._pending is None and wanted not in self._resident:
+                cannot_start = need = room = None
+                if self._pending is None and wanted not in self._resident:  # only then is anything started
+                    if wanted is Kind.LLAMACPP:
+                        cannot_start = start_problem(self.settings.llamacpp_cmd)
                     await self._notice_ollama()
                     if self._resident:
                         need, room = await self._need(wanted, model), await self._room()
@@ -666,15 +667,14 @@ class Arbiter:
                 show = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
-        found = re.search(r"^FROM\s+(\S+)", str(show.get("modelfile", "")), re.MULTILINE)
-        ctx = re.search(r"^num_ctx\s+(\d+)", str(show.get("parameters", "")), re.MULTILINE)
-        if found is None:
+        path, (ctx, _) = ollama_model_file(show), ollama_show_windows(show)
+        if path is None:
             return None
         try:
-            shape = await asyncio.to_thread(read_shape, found.group(1))
+            shape = await asyncio.to_thread(read_shape, path)
         except ValueError:
             return None
-        return estimate(shape, int(ctx.group(1)) if ctx else OLLAMA_DEFAULT_CTX).total_bytes
+        return estimate(shape, ctx or OLLAMA_DEFAULT_CTX).total_bytes
 
     async def _notice_ollama(self) -> None:
         """Ollama loads models for any client, not only through this proxy: one that lists models is

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -175,6 +176,15 @@ def ollama_loaded_window(ps: Any, model: str) -> int | None:
         if isinstance(entry, dict) and _same_model(str(entry.get("name") or entry.get("model") or ""), model):
             return _positive(entry.get("context_length"))
     return None
+
+
+FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
+
+
+def ollama_model_file(show: Any) -> str | None:
+    """From `/api/show`: the file its Modelfile's FROM names (a GGUF blob path, or a model name)."""
+    found = FROM_LINE.search(str(show.get("modelfile", ""))) if isinstance(show, dict) else None
+    return found.group(1) if found else None
 
 
 def ollama_show_windows(show: Any) -> tuple[int | None, int | None]:

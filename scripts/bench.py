@@ -60,6 +60,7 @@ from support.backends import (
     start_process,
 )
 from support.common import LOOPBACK
+from support.measure import memory_mib, worst_latency_while
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -233,37 +234,6 @@ def concurrent_rate(url: str, seconds: float, clients: int = 8) -> float:
     return sum(counts) / seconds
 
 
-def worst_latency_while(url: str, busy: Callable[[], None] | None, seconds: float) -> float:
-    """The worst small-request latency (ms) seen every 10 ms while `busy` runs (or for `seconds`)."""
-    import threading
-
-    done, worst = threading.Event(), [0.0]
-
-    def ping() -> None:
-        with httpx.Client(timeout=60, trust_env=False) as client:
-            while not done.is_set():
-                worst[0] = max(worst[0], latency(client, url, chat_bytes(-1)) * 1000)
-                time.sleep(0.01)
-
-    pinger = threading.Thread(target=ping)
-    pinger.start()
-    time.sleep(0.3)
-    if busy is None:
-        time.sleep(seconds)
-    else:
-        busy()
-    done.set()
-    pinger.join()
-    return worst[0]
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def loop_health(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
     """c=8 throughput, the worst latency idle and during one 160k-token / 600-message compaction,
     and RSS, for bare mitmdump and ContextPaw over the same fake llama-server."""
@@ -286,17 +256,20 @@ def loop_health(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
         for name, url, process in (("mitmdump", bare_url, bare), ("ContextPaw", paw_url, paw)):
             rate = concurrent_rate(url, seconds)
             progress.advance(task)
-            idle = worst_latency_while(url, None, seconds)
+            def small(client: httpx.Client, url: str = url) -> None:
+                latency(client, url, chat_bytes(-1))
+
+            idle = worst_latency_while(small, None, seconds)
             progress.advance(task)
 
             def compact_once(url: str = url) -> None:
                 with httpx.Client(timeout=300, trust_env=False) as client:
                     client.post(url + "/v1/chat/completions", content=big_body, headers={"Content-Type": "application/json"})
 
-            during = worst_latency_while(url, compact_once, seconds)
+            during = worst_latency_while(small, compact_once)
             progress.advance(task)
             result[name] = {"c8_req_per_s": rate, "worst_idle_ms": idle, "worst_during_big_request_ms": during,
-                            "rss_mib": rss_mib(process.process.pid)}
+                            "rss_mib": memory_mib(process.process.pid)}
     result["verdict"] = {"c8_vs_mitmdump": result["ContextPaw"]["c8_req_per_s"] / result["mitmdump"]["c8_req_per_s"]}
     return result
 

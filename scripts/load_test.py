@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test s
 
 from support.backends import ADDON, Backend, free_port, start_module, start_process  # noqa: E402
 from support.common import LOOPBACK  # noqa: E402
+from support.measure import memory_mib  # noqa: E402
 
 N_CTX = 2048
 TOKEN = re.compile(r"c\d+-[0-9a-f]{8}")
@@ -59,16 +60,6 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
 
 
 class Conversation:
@@ -195,7 +186,7 @@ async def heartbeat(url: str, stop: asyncio.Event, gaps: list[float], interval: 
 
 async def sample_rss(pid: int, stop: asyncio.Event, samples: list[tuple[float, float]], started: float) -> None:
     while not stop.is_set():
-        samples.append((time.monotonic() - started, rss_mib(pid)))
+        samples.append((time.monotonic() - started, memory_mib(pid)))
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except TimeoutError:
@@ -216,7 +207,7 @@ async def run(args: argparse.Namespace, urls: dict[str, dict[str, str]], pid: in
         for c in conversations[:2]:
             path, body = Conversation(10**6 + c.n, args).next_request(0)
             await post(session, urls["proxy"][c.kind] + path, body, args.request_timeout)
-        rss_start = rss_mib(pid)
+        rss_start = memory_mib(pid)
         side = [
             asyncio.create_task(heartbeat(urls["proxy"]["ollama"] + "/contextpaw/health", stop, gaps)),
             asyncio.create_task(sample_rss(pid, stop, rss, started)),
@@ -231,7 +222,7 @@ async def run(args: argparse.Namespace, urls: dict[str, dict[str, str]], pid: in
         async with session.get(urls["proxy"]["ollama"] + "/contextpaw/health") as response:
             proxy_stats = (await response.json())["stats"]
     store = re.search(r"^contextpaw_evicted_store_bytes (\S+)$", metrics, re.M)
-    rss_end = rss_mib(pid)
+    rss_end = memory_mib(pid)
     added_all = stats.added_s + stats.added_overflowing_s
     ms = 1000.0
     return {

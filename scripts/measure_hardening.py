@@ -21,7 +21,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,61 +28,39 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 from support.backends import start_module, start_proxy
-
-
-def rss_mib(pid: int, field: str = "VmRSS") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def pinging(url: str, stop: threading.Event, latencies: list[float]) -> None:
-    with httpx.Client(timeout=30) as client:
-        while not stop.is_set():
-            started = time.perf_counter()
-            client.get(url)
-            latencies.append((time.perf_counter() - started) * 1000)
-            time.sleep(0.02)
-
-
-def worst_ping(url: str, seconds: float) -> float:
-    stop, latencies = threading.Event(), []
-    thread = threading.Thread(target=pinging, args=(url, stop, latencies))
-    thread.start()
-    time.sleep(seconds)
-    stop.set()
-    thread.join()
-    return max(latencies)
+from support.measure import memory_mib, worst_latency_while
 
 
 def bomb(proxy: str, pid: int, megabytes: int) -> dict[str, float]:
     head = b'{"model": "fake", "messages": [{"role": "user", "content": "'
     packed = gzip.compress(head + b"0" * (megabytes << 20), compresslevel=6)
-    floor = worst_ping(f"{proxy}/api/version", 2.0)
-    stop, latencies = threading.Event(), []
-    thread = threading.Thread(target=pinging, args=(f"{proxy}/api/version", stop, latencies))
-    thread.start()
-    time.sleep(0.2)
-    started = time.perf_counter()
-    response = httpx.post(f"{proxy}/api/chat", content=packed, headers={"Content-Encoding": "gzip"}, timeout=120)
-    took = time.perf_counter() - started
-    time.sleep(0.1)
-    stop.set()
-    thread.join()
+
+    def version(client: httpx.Client) -> None:
+        client.get(f"{proxy}/api/version")
+
+    floor = worst_latency_while(version, None, 2.0, every=0.02)
+    refused: list[tuple[httpx.Response, float]] = []
+
+    def send() -> None:
+        started = time.perf_counter()
+        response = httpx.post(f"{proxy}/api/chat", content=packed, headers={"Content-Encoding": "gzip"}, timeout=120)
+        refused.append((response, time.perf_counter() - started))
+
+    worst = worst_latency_while(version, send, every=0.02)
+    response, took = refused[0]
     assert response.status_code == 413, response.text[:200]
     return {
         "compressed_mb": round(len(packed) / (1 << 20), 2),
         "inflates_to_mb": megabytes,
         "refused_in_s": round(took, 2),
-        "worst_other_client_ms": round(max(latencies), 1),
+        "worst_other_client_ms": round(worst, 1),
         "worst_other_client_idle_ms": round(floor, 1),
-        "peak_rss_mib": round(rss_mib(pid, "VmHWM"), 1),
+        "peak_rss_mib": round(memory_mib(pid, "VmHWM"), 1),
     }
 
 
 def soak(proxy: str, pid: int, names: int, conversations: int) -> list[tuple[str, float]]:
-    samples = [("start", rss_mib(pid))]
+    samples = [("start", memory_mib(pid))]
     steps = names + conversations * 40
     done = 0
     histories = [[{"role": "system", "content": f"Conversation {c}."}, {"role": "user", "content": f"task {c}"}]
@@ -94,7 +71,7 @@ def soak(proxy: str, pid: int, names: int, conversations: int) -> list[tuple[str
             client.post(f"{proxy}/api/chat", json=body)
             done += 1
             if done % max(steps // 10, 1) == 0:
-                samples.append((f"{done}/{steps}", rss_mib(pid)))
+                samples.append((f"{done}/{steps}", memory_mib(pid)))
         for turn in range(40):
             for c, history in enumerate(histories):
                 history += [{"role": "assistant", "content": f"step {turn} " + "log line\n" * 50},
@@ -103,7 +80,7 @@ def soak(proxy: str, pid: int, names: int, conversations: int) -> list[tuple[str
                 client.post(f"{proxy}/api/chat", json=body)
                 done += 1
                 if done % max(steps // 10, 1) == 0:
-                    samples.append((f"{done}/{steps}", rss_mib(pid)))
+                    samples.append((f"{done}/{steps}", memory_mib(pid)))
     return samples
 
 

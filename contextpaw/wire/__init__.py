@@ -38,6 +38,30 @@ class NotCompactable(ValueError):
     """
 
 
+def int_field(container: Any, *names: str) -> int | None:
+    """The first of `names` in `container` that holds an integer (bools are not integers)."""
+    if not isinstance(container, Mapping):
+        return None
+    for name in names:
+        value = container.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def positive(value: int | None) -> int | None:
+    """A window or answer length the request set, or None: zero and negative values (the 'unlimited'
+    spellings -1, -2, 0 of an answer length; a window of none) say nothing, the backend decides."""
+    return value if value is not None and value > 0 else None
+
+
+def evaluated_tokens(record: Mapping[str, Any]) -> int | None:
+    """The prompt size a server reports in a final record: Ollama's `prompt_eval_count`, the OpenAI
+    `usage.prompt_tokens`, or llama.cpp's native `tokens_evaluated`."""
+    usage = record.get("usage")
+    return int_field(record, "prompt_eval_count", "tokens_evaluated") or int_field(usage, "prompt_tokens")
+
+
 @dataclass(frozen=True, slots=True)
 class Params:
     """What a request says about its own window and answer length."""
@@ -48,6 +72,17 @@ class Params:
     """The window the request asks for (Ollama `options.num_ctx`); None when it cannot say."""
     max_output: int | None = None
     """The answer length asked for (`num_predict`, `max_tokens`, ...); None when unbounded or absent."""
+
+
+def answer_params(body: Mapping[str, Any], *max_output_fields: str) -> Params:
+    """The `Params` of an API whose request cannot name its window, only the answer's length (in
+    the first of `max_output_fields` it sets), and whose `stream` defaults to false: OpenAI's,
+    llama-server's native one, Anthropic's."""
+    return Params(
+        model=str(body.get("model", "")),
+        stream=body.get("stream") is True,
+        max_output=positive(int_field(body, *max_output_fields)),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +220,7 @@ class Route:
     is_final: Callable[[Mapping[str, Any]], bool]
     """Whether a stream record is the last one that carries data (the report goes into it)."""
     refusal_status: int = 413
-    evaluated: Callable[[Mapping[str, Any]], int | None] = lambda record: evaluated_tokens(record)
+    evaluated: Callable[[Mapping[str, Any]], int | None] = evaluated_tokens
     """The prompt size the server reports in an answer or a stream record, or None."""
 
     def read(self, raw: bytes) -> Chat | Prompt:
@@ -214,23 +249,6 @@ def write(body: Mapping[str, Any], **changes: Any) -> bytes:
     return json.dumps({**body, **changes}, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
-def int_field(container: Any, *names: str) -> int | None:
-    """The first of `names` in `container` that holds an integer (bools are not integers)."""
-    if not isinstance(container, Mapping):
-        return None
-    for name in names:
-        value = container.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
-def positive(value: int | None) -> int | None:
-    """A window or answer length the request set, or None: zero and negative values (the 'unlimited'
-    spellings -1, -2, 0 of an answer length; a window of none) say nothing, the backend decides."""
-    return value if value is not None and value > 0 else None
-
-
 MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([A-Za-z0-9._:/@+-]{1,256})"')
 
 
@@ -240,13 +258,6 @@ def model_of(raw: bytes) -> str | None:
     if raw.count(b'"model"') != 1 or (found := MODEL_FIELD.search(raw)) is None:
         return None
     return found.group(1).decode()
-
-
-def evaluated_tokens(record: Mapping[str, Any]) -> int | None:
-    """The prompt size a server reports in a final record: Ollama's `prompt_eval_count`, the OpenAI
-    `usage.prompt_tokens`, or llama.cpp's native `tokens_evaluated`."""
-    usage = record.get("usage")
-    return int_field(record, "prompt_eval_count", "tokens_evaluated") or int_field(usage, "prompt_tokens")
 
 
 def upstream_overflow(status: int, raw: bytes) -> UpstreamOverflow | None:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire import Chat, NotCompactable, Overflow, Params, Route, int_field, positive
+from contextpaw.wire import Chat, NotCompactable, Overflow, Route, answer_params, int_field
 
 REFUSAL_STATUS = 400
 """Anthropic's own answer to a prompt over the window is a 400 `invalid_request_error` saying
@@ -54,13 +54,8 @@ def _messages(body: dict[str, Any]) -> Chat:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise NotCompactable("messages is not a list")
-    params = Params(
-        model=str(body.get("model", "")),
-        stream=body.get("stream") is True,
-        max_output=positive(int_field(body, "max_tokens")),
-    )
     conversation = Conversation.from_wire(messages, body.get("tools"))
-    return Chat(body, conversation, params, system_text(body.get("system")), EXACT_COUNT)
+    return Chat(body, conversation, answer_params(body, "max_tokens"), system_text(body.get("system")), EXACT_COUNT)
 
 
 def error(kind: str, message: str) -> dict[str, Any]:

@@ -10,19 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from contextpaw.wire import NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
+from contextpaw.wire import NotCompactable, Overflow, Prompt, Route, answer_params
 
 
 def _completion(body: dict[str, Any]) -> Prompt:
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise NotCompactable("only a single string prompt can be compacted")
-    params = Params(
-        model=str(body.get("model", "")),
-        stream=body.get("stream") is True,
-        max_output=positive(int_field(body, "n_predict", "max_tokens")),
-    )
-    return Prompt(body, prompt, params)
+    return Prompt(body, prompt, answer_params(body, "n_predict", "max_tokens"))
 
 
 def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:

@@ -11,32 +11,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
+from contextpaw.wire import Chat, NotCompactable, Overflow, Prompt, Route, answer_params
 
 MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
 """llama-server reads `n_predict` too; all three mean the same limit."""
-
-
-def _params(body: Mapping[str, Any]) -> Params:
-    return Params(
-        model=str(body.get("model", "")),
-        stream=body.get("stream") is True,
-        max_output=positive(int_field(body, *MAX_OUTPUT_FIELDS)),
-    )
 
 
 def _chat(body: dict[str, Any]) -> Chat:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise NotCompactable("messages is not a list")
-    return Chat(body, Conversation.from_wire(messages, body.get("tools")), _params(body))
+    return Chat(body, Conversation.from_wire(messages, body.get("tools")), answer_params(body, *MAX_OUTPUT_FIELDS))
 
 
 def _completion(body: dict[str, Any]) -> Prompt:
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise NotCompactable("only a single string prompt can be compacted")
-    return Prompt(body, prompt, _params(body))
+    return Prompt(body, prompt, answer_params(body, *MAX_OUTPUT_FIELDS))
 
 
 def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,49 @@
+"""What the scripts measure a running proxy with: a process's memory, and the worst latency a
+small request sees while something else runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+
+def memory_mib(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (`VmHWM`: its peak) in MiB; NaN once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def worst_latency_while(request: Callable[[httpx.Client], object], busy: Callable[[], None] | None, seconds: float = 0.0,
+                        every: float = 0.01) -> float:  # fmt: skip
+    """The worst latency (ms) of `request`, made every `every` seconds from another thread while
+    `busy` runs (or, without it, for `seconds`), from a little before it to a little after."""
+    done, worst = threading.Event(), [0.0]
+
+    def ping() -> None:
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                request(client)
+                worst[0] = max(worst[0], (time.perf_counter() - started) * 1000)
+                time.sleep(every)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    time.sleep(0.2)
+    if busy is None:
+        time.sleep(seconds)
+    else:
+        busy()
+    time.sleep(0.1)
+    done.set()
+    pinger.join()
+    return worst[0]
