@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from contextpaw import logs
+from contextpaw.headers import JSON_TYPE
 from contextpaw.state import LRU
 from contextpaw.tokens import Counter
 
@@ -120,7 +121,7 @@ class LlamaCppCounting:
         level = logging.INFO if missing else logging.WARNING
         log.log(level, "%s at %s failed (%s); not asked again for %gs", what, base_url, type(error).__name__, rest)
 
-    async def _post(self, base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, base_url: str, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
         started = time.perf_counter()
         self.calls += 1
         try:
@@ -132,8 +133,9 @@ class LlamaCppCounting:
         finally:
             self.seconds += time.perf_counter() - started
 
-    async def _post_once(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self.session.post(url, json=body, timeout=self.timeout) as resp:
+    async def _post_once(self, url: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
+        sent: dict[str, Any] = {"data": body, "headers": JSON_HEADERS} if isinstance(body, bytes) else {"json": body}
+        async with self.session.post(url, timeout=self.timeout, **sent) as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)
 
@@ -160,36 +162,41 @@ class LlamaCppCounting:
         return self.templates[base_url]
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
     ) -> tuple[BackendCounter, int] | None:
         """A counter that knows every text in `texts`, and the template's fixed cost; None on failure.
 
-        A raw prompt (`chat` false) goes through no template, so it costs nothing fixed.
+        A raw prompt (`chat` false) goes through no template, so it costs nothing fixed. The texts of
+        a `big` request are hashed in a worker thread: on the event loop they would stall it.
         """
         if self._resting(base_url, "counting"):
             return None
         try:
             template = await self.template(base_url) if chat else TemplateCost(0, 0, 0)
-            missing = list({t for t in texts if t and (base_url, _key(t)) not in self.texts})
+            keyed = await asyncio.to_thread(_keyed, texts) if big else _keyed(texts)
+            missing = [t for t, key in keyed.items() if (base_url, key) not in self.texts]
             counts = await asyncio.gather(*(self._tokens(base_url, t, special=False) for t in missing))
             for text, n in zip(missing, counts):
-                self.texts.put((base_url, _key(text)), n)
-            known = {t: self.texts[(base_url, _key(t))] for t in texts if t and (base_url, _key(t)) in self.texts}
+                self.texts.put((base_url, keyed[text]), n)
+            known = {t: self.texts[(base_url, key)] for t, key in keyed.items() if (base_url, key) in self.texts}
         except FAILURES as e:
             self._failed(base_url, "counting", e)
             return None
         fixed = template.fixed_with_system if has_system else template.fixed
         return BackendCounter(known, fallback, template.per_message), fixed
 
-    async def total(self, base_url: str, body: Mapping[str, Any], path: str = OPENAI_COUNT) -> int | None:
+    async def total(self, base_url: str, body: Mapping[str, Any], path: str = OPENAI_COUNT, big: bool = False) -> int | None:
         """The server's exact prompt size for a chat body (template and tools included), counted at
-        `path` (OpenAI's or Anthropic's counting route); None on failure."""
-        key = (base_url, _key(path + json.dumps(body, sort_keys=True, default=str)))
+        `path` (OpenAI's or Anthropic's counting route); None on failure. The body is serialized
+        once, in a worker thread when it is `big`, and those bytes are both the cache key and what
+        is sent."""
+        data = await asyncio.to_thread(_serialized, body) if big else _serialized(body)
+        key = (base_url, path, hashlib.blake2b(data, digest_size=12).digest())
         if key not in self.totals:
             if self._resting(base_url, path):
                 return None
             try:
-                answer = await self._post(base_url, path, dict(body))
+                answer = await self._post(base_url, path, data)
                 self.totals.put(key, int(answer["input_tokens"]))
             except FAILURES as e:
                 self._failed(base_url, path, e)
@@ -205,5 +212,13 @@ class LlamaCppCounting:
         }
 
 
-def _key(text: str) -> str:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+JSON_HEADERS = {"Content-Type": JSON_TYPE}
+
+
+def _keyed(texts: Iterable[str]) -> dict[str, bytes]:
+    """Each distinct non-empty text with its cache key, hashed once (the cache keeps no texts)."""
+    return {t: hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=12).digest() for t in dict.fromkeys(texts) if t}
+
+
+def _serialized(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, default=str).encode()

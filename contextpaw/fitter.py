@@ -58,10 +58,10 @@ class BackendCounting(Protocol):
     """llama-server's own counts (`contextpaw.counting.LlamaCppCounting`)."""
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
     ) -> tuple[Counter, int] | None: ...
 
-    async def total(self, base_url: str, body: Mapping[str, Any], path: str = ...) -> int | None: ...
+    async def total(self, base_url: str, body: Mapping[str, Any], path: str = ..., big: bool = False) -> int | None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -155,6 +155,14 @@ def is_big(raw: bytes) -> bool:
 
 async def off_loop[T](big: bool, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn) if big else fn()
+
+
+def _fit_and_tell(fit: Callable[[int], wire.Fitted], budget: int) -> wire.Fitted:
+    """Fit, and build the report's removal rows where the fit runs: for a big request that is the
+    worker thread, and thousands of rows built on the event loop would stall it."""
+    fitted = fit(budget)
+    fitted.report.removal_rows()
+    return fitted
 
 
 def calibration_key(backend: wire.Backend, model: str) -> str:
@@ -362,7 +370,8 @@ class Fitter:
                 return named, 0
         if backend.kind == wire.Kind.LLAMACPP:
             counted = await self.services.counting.counter(
-                backend.url, parsed.texts, calibrated, chat=isinstance(parsed, wire.Chat), has_system=parsed.has_system
+                backend.url, parsed.texts, calibrated, chat=isinstance(parsed, wire.Chat), has_system=parsed.has_system,
+                big=big,
             )
             if counted is not None:
                 return counted
@@ -382,7 +391,7 @@ class Fitter:
         return self.model_files.get(key)
 
     async def _verified(
-        self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend, **fit: Any
+        self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend, big: bool, **fit: Any
     ) -> wire.Fitted:
         """Check a llama-server chat against the server's exact count; refit if it is over.
 
@@ -393,9 +402,9 @@ class Fitter:
         if fitted.report.counter != "backend" or not isinstance(parsed, wire.Chat):
             return fitted
         for _ in range(VERIFY_ROUNDS):
-            sent = json.loads(fitted.body) if fitted.body is not None else parsed.body
+            sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
             path, counted = parsed.counted(sent)
-            total = await self.services.counting.total(backend.url, counted, path=path)
+            total = await self.services.counting.total(backend.url, counted, path=path, big=big)
             if total is None:
                 fitted.report.exact = False
                 return fitted
@@ -405,7 +414,7 @@ class Fitter:
                     fitted.report.original_tokens = total
                 return fitted
             budget = Budget(budget.window, budget.reserve, budget.margin + total - budget.tokens)
-            fitted = await self._compact(parsed, budget, backend, big=False, verify=False, **fit)
+            fitted = await self._compact(parsed, budget, backend, big, verify=False, **fit)
         fitted.report.exact = False
         fitted.report.notes.append("the server's count could not be confirmed within the budget")
         return fitted
@@ -434,7 +443,7 @@ class Fitter:
         if isinstance(parsed, wire.Chat):
             previous = previous or self.plans.get(parsed.key)
             turns = {"keep_recent": self.settings.keep_recent, "previous": previous, "digests": digests}
-        fit = functools.partial(parsed.fit, counter=counter, fixed_tokens=fixed, **turns)
+        fit = functools.partial(_fit_and_tell, functools.partial(parsed.fit, counter=counter, fixed_tokens=fixed, **turns))
         while True:
             try:
                 fitted = await off_loop(big, functools.partial(fit, guarded.tokens))
@@ -454,7 +463,7 @@ class Fitter:
             )
         if not verify:
             return fitted
-        return await self._verified(parsed, fitted, budget, backend, digests=digests, previous=previous)
+        return await self._verified(parsed, fitted, budget, backend, big, digests=digests, previous=previous)
 
     # -- digests of what was evicted ------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from contextpaw.truncation import Truncation
 Action = Literal["dropped", "shrunk", "summarized"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Removal:
     """One place where content left the model's view."""
 
@@ -52,6 +52,8 @@ class Report:
     request ContextPaw did not change, near the window): said, never claimed."""
     evicted: dict[str, Any] = field(default_factory=dict, repr=False)
     """marker id -> the content removed under it (messages or text), verbatim."""
+    _rows: tuple[list[Removal], int, list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
+    """The removals' JSON rows, kept: a report of thousands of removals is told more than once."""
 
     @property
     def evicted_tokens(self) -> int:
@@ -64,7 +66,7 @@ class Report:
         for name in _FIELDS:
             value = getattr(self, name)
             if name == "removals":
-                value = [{key: getattr(r, key) for key in _REMOVAL} for r in value]
+                value = list(self.removal_rows())
             elif name in ("markers", "notes"):
                 value = list(value)
             elif name in ("upstream_truncated", "upstream_truncation_possible"):
@@ -74,6 +76,15 @@ class Report:
             out[name] = value
         out["evicted_tokens"] = self.evicted_tokens
         return out
+
+    def removal_rows(self) -> list[dict[str, Any]]:
+        """The removals as JSON rows, built once per list of removals (the engine sets the list
+        whole and never edits it)."""
+        rows = self._rows
+        if rows is None or rows[0] is not self.removals or rows[1] != len(self.removals):
+            rows = (self.removals, len(self.removals), [{key: getattr(r, key) for key in _REMOVAL} for r in self.removals])
+            self._rows = rows
+        return rows[2]
 
     def headers(self) -> dict[str, str]:
         out = {"X-ContextPaw-Compacted": "true" if self.compacted else "false"}
@@ -101,4 +112,4 @@ class Report:
 
 
 _REMOVAL = tuple(f.name for f in fields(Removal))
-_FIELDS = tuple(f.name for f in fields(Report) if f.name != "evicted")
+_FIELDS = tuple(f.name for f in fields(Report) if f.name not in ("evicted", "_rows"))

@@ -31,12 +31,12 @@ class NoCounting:
     calls = 0
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
     ) -> tuple[Counter, int] | None:
         self.calls += 1
         return None
 
-    async def total(self, base_url: str, body: Mapping[str, Any], path: str = "") -> int | None:
+    async def total(self, base_url: str, body: Mapping[str, Any], path: str = "", big: bool = False) -> int | None:
         return None
 
     def stats(self) -> dict[str, Any]:
