@@ -237,6 +237,12 @@ async def _refuse_unreadable(down: h11.Connection, writer: asyncio.StreamWriter,
     await writer.drain()
 
 
+def _close(work: Awaitable[Any]) -> None:
+    """A coroutine that will not be awaited is closed (no "never awaited" warning)."""
+    if asyncio.iscoroutine(work):
+        work.close()
+
+
 def _json_answer(status: int, body: dict[str, Any], *headers: tuple[bytes, bytes]) -> list[h11.Event]:
     """A whole JSON answer of the relay's own, as h11 events."""
     return _whole_answer(status, json.dumps(body).encode(), *headers)
@@ -278,9 +284,15 @@ class Exchange:
         self.up_closed = False
         self.headers_sent = False
         self.framing: str | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.waiting = False
+        """In a wait on the backend: the only place a client that goes away interrupts."""
+        self.client_gone = False
 
     async def run(self) -> None:
+        self.task = asyncio.current_task()
         self.watch = asyncio.ensure_future(self.reader.read(READ_SIZE))
+        self.watch.add_done_callback(self._client_moved)
         try:
             await self._forward()
         except BackendFailed as e:
@@ -323,8 +335,8 @@ class Exchange:
         if rescued:
             headers.append((RESCUED_HEADER.encode(), b"1"))
         headers.append((b"Content-Length", str(len(body)).encode()))
-        await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
-        await self._answer(h11.Data(data=body), h11.EndOfMessage())
+        head = h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)
+        await self._answer(head, h11.Data(data=body), h11.EndOfMessage())
 
     async def _ask(self, body: bytes) -> h11.Response:
         """Send the request with `body` to the backend; the head of its answer.
@@ -435,26 +447,36 @@ class Exchange:
             self.up.receive_data(data)
 
     async def _race[T](self, work: Awaitable[T], timeout: float) -> T:
-        """Await backend work within `timeout`, giving up at once if the client goes away."""
-        task = asyncio.ensure_future(work)
-        waiting = {task} if self.watch is None else {task, self.watch}
+        """Await backend work within `timeout`, giving up at once if the client goes away (the watch
+        on the client cancels this wait; no task per wait)."""
+        if self.client_gone:
+            _close(work)
+            raise ClientGone()
+        self.waiting = True
         try:
-            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            async with asyncio.timeout(timeout):
+                return await work
         except asyncio.CancelledError:
-            task.cancel()  # an open_connection must not outlive its tunnel
+            assert self.task is not None
+            if self.client_gone and self.task.uncancel() == 0:
+                raise ClientGone() from None
             raise
-        if task in done:
-            return task.result()
-        if self.watch is not None and self.watch in done:
-            leftover = self.watch.result() if not self.watch.exception() else b""
-            self.watch = None
-            if not leftover:
-                task.cancel()
-                raise ClientGone()
-            self.down.receive_data(leftover)  # a pipelined request: h11 keeps it for the next cycle
-            return await self._race(task, timeout)
-        task.cancel()
-        raise TimeoutError()
+        finally:
+            self.waiting = False
+
+    def _client_moved(self, watch: asyncio.Future[bytes]) -> None:
+        """The watch on the client ended: a pipelined request goes to h11 for the next cycle; the
+        client's end (or a reset) interrupts a wait on the backend, now or at the next one."""
+        if watch is not self.watch:
+            return  # stopped by `_stop_watching`, which keeps what it read
+        self.watch = None
+        leftover = b"" if watch.cancelled() or watch.exception() else watch.result()
+        if leftover:
+            self.down.receive_data(leftover)
+            return
+        self.client_gone = True
+        if self.waiting and self.task is not None:
+            self.task.cancel()
 
     async def _stop_watching(self) -> None:
         """End the watch on the client; what it read (a next request, or the end) goes to h11."""
@@ -474,8 +496,7 @@ class Exchange:
     # -- answering --------------------------------------------------------------------------------
 
     async def _answer(self, *events: h11.Event) -> None:
-        for event in events:
-            self.writer.write(self.down.send(event) or b"")
+        self.writer.write(b"".join(self.down.send(event) or b"" for event in events))  # one write, one send
         await self.writer.drain()
 
     async def _answer_failure(self, failure: BackendFailed) -> None:
