@@ -42,7 +42,7 @@ from contextpaw.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, fla
 from contextpaw.session import PROBE_TIMEOUT_S, HttpServices, Session
 from contextpaw.settings import POLICIES, FitSettings, at_least
 from contextpaw.state import LRU, KeptCalibration
-from contextpaw.streams import STREAM_TYPES, StreamReport, with_report
+from contextpaw.streams import STREAM_TYPES, StreamReport, splice
 from contextpaw.summarize import Summarizer
 from contextpaw.views import ORIGINAL, REPORT
 
@@ -263,7 +263,7 @@ class Compactor:
             self.ledger.failed(f"{flow.request.method} {flow.request.path}", "the backend's answer is not JSON; passed through as it was")
             return
         value = self._final_report(flow, state, answer) if isinstance(answer, dict) else None
-        if value is not None and (body := with_report(response.content, value)) is not None:
+        if value is not None and (body := splice(response.content, value)) is not None:  # a JSON object: parsed above
             response.content = body
         watched = state.watched
         if watched is not None and (truncated := watched.upstream_truncated) is not None:

@@ -49,16 +49,6 @@ def splice(obj: bytes, value: bytes) -> bytes | None:
     return head + comma + b'"' + REPORT_KEY + b'":' + value + b"}" + obj[len(body) :]
 
 
-def with_report(raw: bytes, value: bytes) -> bytes | None:
-    """A buffered JSON body with the report added, or None when the body is not a JSON object."""
-    try:
-        if not isinstance(json.loads(raw), dict):
-            return None
-    except ValueError:
-        return None
-    return splice(raw, value)
-
-
 Amend = Callable[[Mapping[str, Any], int | None], bytes | None]
 """(the final record, the prompt size an earlier record reported) -> the report to put into it, or
 None to add nothing (what the server says, e.g. the count it evaluated, can change the report)."""

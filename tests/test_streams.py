@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contextpaw.streams import StreamReport, splice, with_report
+from contextpaw.streams import StreamReport, splice
 from contextpaw.wire import llamacpp, ollama, openai
 
 REPORT = b'{"compacted":true}'
@@ -93,10 +93,10 @@ def test_mid_stream_errors_pass_through() -> None:
 
 def test_buffered_json_keeps_its_bytes() -> None:
     raw = b'{"a":"\\u003c","b":[1, 2]}\n'
-    assert with_report(raw, REPORT) == b'{"a":"\\u003c","b":[1, 2],"contextpaw":{"compacted":true}}\n'
-    assert with_report(b"{}", REPORT) == b'{"contextpaw":{"compacted":true}}'
-    assert with_report(b"[1]", REPORT) is None
-    assert with_report(b"404 page not found", REPORT) is None
+    assert splice(raw, REPORT) == b'{"a":"\\u003c","b":[1, 2],"contextpaw":{"compacted":true}}\n'
+    assert splice(b"{}", REPORT) == b'{"contextpaw":{"compacted":true}}'
+    assert splice(b"[1]", REPORT) is None
+    assert splice(b"404 page not found", REPORT) is None
 
 
 @given(st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), st.text(max_size=5)), max_size=4))
