@@ -4,10 +4,12 @@
 
 A scripted agent conversation (OpenAI format: tool calls, tool results of varied size, now and then
 a user follow-up) grows every turn until it overflows a real llama-server's window. Each turn is
-sent twice, to two identical servers (one slot each, so neither path spoils the other's cache):
-through mitmdump with ContextPaw, which remembers the conversation's plan (sticky evictions), and a
-baseline that calls `compact_chat` itself without `previous`, with the same counter and the budget
-the proxy reported for that turn. Per turn it records llama-server's `timings.cache_n` (served
+sent three times, to three servers (one slot each, so no path spoils another's cache): through
+mitmdump with ContextPaw, which remembers the conversation's plan (sticky evictions); a baseline
+that calls `compact_chat` itself without `previous`, with the same counter and the budget the proxy
+reported for that turn; and, uncut, to a server whose window holds the whole conversation. The
+uncut path is the ceiling: what a turn adds is evaluated on any path, so no compaction can serve
+more of a turn from the cache than it does. Per turn it records llama-server's `timings.cache_n` (served
 from the KV cache) and `timings.prompt_n` (evaluated again). Used by scripts/bench.py.
 """
 
@@ -38,7 +40,13 @@ from support.backends import start_llama_server, start_proxy
 KEEP_RECENT = 4
 """The proxy's default `contextpaw_keep_recent`; the baseline keeps as many."""
 MAX_TOKENS = 8
-CACHE_GOAL = 0.8
+CACHE_GOAL = 0.9
+"""The mean share of a turn's prompt served from the cache, over the turns after the first compaction."""
+TURN_FLOOR = 0.75
+"""No turn after the first compaction below this share."""
+UNCUT_CTX = 16384
+"""The uncut server's window: the whole 30-turn conversation fits."""
+PATHS = ("contextpaw", "baseline", "uncut")
 WORDS = ("alpha beta gamma delta epsilon parser token window budget cache slot prompt build test "
          "module import return value error warning config").split()
 
@@ -101,8 +109,8 @@ async def from_scratch(counting: LlamaCppCounting, url: str, messages: list[dict
     return sent, result.messages is not None, total
 
 
-async def loop(proxy: str, baseline: str, turns: int, tick: Callable[[], None]) -> list[dict[str, Any]]:
-    """Every turn through ContextPaw, then the same turn by the baseline; one record per turn."""
+async def loop(proxy: str, baseline: str, uncut: str, turns: int, tick: Callable[[], None]) -> list[dict[str, Any]]:
+    """Every turn through ContextPaw, then by the baseline, then uncut; one record per turn."""
     rows = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(trust_env=False, timeout=timeout) as session:
@@ -116,21 +124,25 @@ async def loop(proxy: str, baseline: str, turns: int, tick: Callable[[], None]) 
             sent, compacted, total = await from_scratch(counting, baseline, messages, budget)
             rows.append({"turn": n + 1, "messages": len(messages), "budget": budget,
                          "contextpaw": row(answer, bool(report.get("compacted")), report.get("final_tokens")),
-                         "baseline": row(await post(session, baseline, body(sent)), compacted, total)})
+                         "baseline": row(await post(session, baseline, body(sent)), compacted, total),
+                         "uncut": row(await post(session, uncut, body(messages)), False, None)})
             tick()
     return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per path: cache fraction over the turns after its first compaction, against the goal."""
+    """Per path: cache fraction over the turns after ContextPaw's first compaction, against the goals
+    (the uncut path over the same turns, as the ceiling)."""
     out = {}
-    for path in ("contextpaw", "baseline"):
-        first = next((i for i, r in enumerate(rows) if r[path]["compacted"]), None)
+    first_cut = next((i for i, r in enumerate(rows) if r["contextpaw"]["compacted"]), None)
+    for path in PATHS:
+        first = next((i for i, r in enumerate(rows) if r[path]["compacted"]), None) if path != "uncut" else first_cut
         after = [r[path]["cached"] for r in rows[first + 1:]] if first is not None else []
         out[path] = {"first_compacted_turn": None if first is None else first + 1, "turns_after": len(after),
                      "mean_cached": sum(after) / len(after) if after else None,
                      "min_cached": min(after) if after else None,
                      "turns_at_goal": sum(f >= CACHE_GOAL for f in after),
+                     "turns_under_floor": sum(f < TURN_FLOOR for f in after),
                      "evaluated_tokens": sum(r[path]["prompt_n"] for r in rows),
                      "cached_tokens": sum(r[path]["cache_n"] for r in rows)}
     return out
@@ -139,13 +151,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run(binary: Path, model: Path, work: Path, turns: int, n_ctx: int, tick: Callable[[], None]) -> dict[str, Any]:
     """Start two servers and the proxy, run the loop, stop them; the section of the report."""
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(start_llama_server(binary, model, n_ctx, work / f"llama-{name}.log"))
-                   for name in ("proxied", "baseline")]
+        servers = [stack.enter_context(start_llama_server(binary, model, ctx, work / f"llama-{name}.log"))
+                   for name, ctx in (("proxied", n_ctx), ("baseline", n_ctx), ("uncut", UNCUT_CTX))]
         proxy = stack.enter_context(start_proxy(
             servers[0].url, work / "mitm-loop", work / "mitmdump-loop.log",
             options=[f"contextpaw_llamacpp={servers[0].url}", "contextpaw_calibrate=false"]))
-        rows = asyncio.run(loop(proxy.url, servers[1].url, turns, tick))
-    return {"n_ctx": n_ctx, "turns": rows, "summary": summarize(rows), "goal": CACHE_GOAL}
+        rows = asyncio.run(loop(proxy.url, servers[1].url, servers[2].url, turns, tick))
+    return {"n_ctx": n_ctx, "uncut_ctx": UNCUT_CTX, "turns": rows, "summary": summarize(rows), "goal": CACHE_GOAL,
+            "turn_floor": TURN_FLOOR}
 
 
 def main(argv: list[str] | None = None) -> int:
