@@ -13,6 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 
+def encode(content: Any) -> bytes:
+    """What the store keeps and `/contextpaw/evicted/<id>` answers: the content as JSON."""
+    return json.dumps(content, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
 class EvictedStore:
     """Evicted content by marker id, oldest dropped first when a bound is reached."""
 
@@ -35,7 +40,10 @@ class EvictedStore:
 
     def put(self, marker_id: str, content: Any) -> None:
         """Keep `content` (JSON-like) under `marker_id`; the same id again refreshes its age."""
-        data = json.dumps(content, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        self.put_encoded(marker_id, encode(content))
+
+    def put_encoded(self, marker_id: str, data: bytes) -> None:
+        """`put` for content already encoded with `encode` (a big eviction is encoded off the event loop)."""
         self._drop(marker_id)
         if len(data) > self.max_bytes:
             return

@@ -25,7 +25,7 @@ from contextpaw import wire
 from contextpaw.admin import Stats
 from contextpaw.calibration import Calibration
 from contextpaw.compact import BudgetTooSmall, Plan
-from contextpaw.evicted import EvictedStore
+from contextpaw.evicted import EvictedStore, encode
 from contextpaw.report import Report
 from contextpaw.settings import FitSettings
 from contextpaw.state import SizedLRU
@@ -165,6 +165,15 @@ def _fit_and_tell(fit: Callable[[int], wire.Fitted], budget: int) -> wire.Fitted
     return fitted
 
 
+def _without_truncation(body: bytes | Mapping[str, Any]) -> bytes:
+    """The body with `truncate: false` (Ollama answers 400 instead of cutting)."""
+    return wire.write(json.loads(body) if isinstance(body, bytes) else body, truncate=False)
+
+
+def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
+    return {marker_id: encode(content) for marker_id, content in evicted.items()}
+
+
 def calibration_key(backend: wire.Backend, model: str) -> str:
     """Calibration is learned per kind of server and model: each tokenizes and templates its own way."""
     return f"{backend.kind}/{model}"
@@ -270,11 +279,11 @@ class Fitter:
         body = fitted.body
         forbid = self._forbid_truncation(state.route, parsed, report, budget, state.bounds)
         if forbid:
-            body = wire.write(json.loads(body) if body is not None else parsed.body, truncate=False)
+            body = await off_loop(big, functools.partial(_without_truncation, body if body is not None else parsed.body))
         self._remember(parsed, fitted)
         self._keep(state, report)
         if fitted.body is not None:
-            self._note_compaction(state, report, parsed.params.model)
+            await self._note_compaction(state, report, parsed.params.model, big)
         state.sent, state.sent_tokens, state.uncuttable = body, report.final_tokens, said or forbid
         return Forward(body, fitted.body is not None)
 
@@ -338,13 +347,15 @@ class Fitter:
         if parsed.key and fitted.plan is not None:
             self.plans.put(parsed.key, fitted.plan)
 
-    def _note_compaction(self, state: FlowState, report: Report, model: str) -> None:
+    async def _note_compaction(self, state: FlowState, report: Report, model: str, big: bool) -> None:
         """Log, keep and count a compaction; the counts go last, so a failure before them (which
-        forwards the request unchanged) leaves no count of a compaction that was never sent."""
+        forwards the request unchanged) leaves no count of a compaction that was never sent. The log
+        line holds no prompt text; the evicted content is encoded for the store off the event loop
+        when the request is big (it can be most of a megabyte)."""
         logger.info("%s %s: %s", state.route.name, model, report.summary())
-        logger.debug("evicted under %s: %r", report.markers, report.evicted)
-        for marker_id, content in report.evicted.items():
-            self.store.put(marker_id, content)
+        encoded = await off_loop(big, functools.partial(_encoded, report.evicted))
+        for marker_id, data in encoded.items():
+            self.store.put_encoded(marker_id, data)
         self.stats.add("compacted")
         self.stats.add("evicted_tokens", report.evicted_tokens)
 
@@ -552,11 +563,11 @@ class Fitter:
         body = fitted.body
         native = state.route.name in NATIVE_OLLAMA and "truncate" not in parsed.body
         if native:
-            body = wire.write(json.loads(body), truncate=False)
+            body = await off_loop(big, functools.partial(_without_truncation, body))
         self.stats.add("retried_400")
         self._remember(parsed, fitted)
         self._keep(state, fitted.report)
-        self._note_compaction(state, fitted.report, parsed.params.model)
+        await self._note_compaction(state, fitted.report, parsed.params.model, big)
         state.sent, state.sent_tokens, state.resent = body, fitted.report.final_tokens, True
         state.uncuttable = state.uncuttable or native
         return body

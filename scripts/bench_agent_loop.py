@@ -8,8 +8,9 @@ sent three times, to three servers (one slot each, so no path spoils another's c
 mitmdump with ContextPaw, which remembers the conversation's plan (sticky evictions); a baseline
 that calls `compact_chat` itself without `previous`, with the same counter and the budget the proxy
 reported for that turn; and, uncut, to a server whose window holds the whole conversation. The
-uncut path is the ceiling: what a turn adds is evaluated on any path, so no compaction can serve
-more of a turn from the cache than it does. Per turn it records llama-server's `timings.cache_n` (served
+uncut server evaluates exactly what each turn adds, which every path must evaluate: so no
+compaction into this window can serve more of a turn from the cache than ContextPaw's prompt less
+those tokens (the `ceiling` of the summary). Per turn it records llama-server's `timings.cache_n` (served
 from the KV cache) and `timings.prompt_n` (evaluated again). Used by scripts/bench.py.
 """
 
@@ -145,7 +146,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                      "turns_under_floor": sum(f < TURN_FLOOR for f in after),
                      "evaluated_tokens": sum(r[path]["prompt_n"] for r in rows),
                      "cached_tokens": sum(r[path]["cache_n"] for r in rows)}
+    if first_cut is not None and all("uncut" in r for r in rows):
+        ceiling = [window_ceiling(r) for r in rows[first_cut + 1:]]
+        out["ceiling"] = {"mean_cached": sum(ceiling) / len(ceiling), "min_cached": min(ceiling),
+                          "turns_at_goal": sum(f >= CACHE_GOAL for f in ceiling),
+                          "turns_under_floor": sum(f < TURN_FLOOR for f in ceiling)}
     return out
+
+
+def window_ceiling(row: dict[str, Any]) -> float:
+    """The most of ContextPaw's prompt any compaction could have served from the cache this turn:
+    all of it but what the turn adds (the uncut server evaluates exactly that)."""
+    ours = row["contextpaw"]
+    return 1 - row["uncut"]["prompt_n"] / max(1, ours["cache_n"] + ours["prompt_n"])
 
 
 def run(binary: Path, model: Path, work: Path, turns: int, n_ctx: int, tick: Callable[[], None]) -> dict[str, Any]:
