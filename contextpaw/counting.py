@@ -86,6 +86,13 @@ FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, Valu
 """Every way a counting call can go wrong: down, slow, or an answer of another shape."""
 
 
+JSON_HEADERS = {"Content-Type": JSON_TYPE}
+COUNTS_IN_FLIGHT = 8
+"""`/tokenize` calls open at once. A first big request has hundreds of new texts: all at once (a
+task and a connection each) they would fill the event loop's queue, and every other client's
+request would wait behind them."""
+
+
 class LlamaCppCounting:
     """Asks a llama-server to count, with bounded caches, a per-call timeout and a back-off."""
 
@@ -143,6 +150,18 @@ class LlamaCppCounting:
         body = {"content": text, "add_special": special, "parse_special": special}
         return len((await self._post(base_url, "/tokenize", body))["tokens"])
 
+    async def _count_each(self, base_url: str, texts: list[str]) -> list[int]:
+        """Each text's tokens, `COUNTS_IN_FLIGHT` calls at a time."""
+        counts = [0] * len(texts)
+        todo = iter(enumerate(texts))
+
+        async def worker() -> None:
+            for i, text in todo:
+                counts[i] = await self._tokens(base_url, text, special=False)
+
+        await asyncio.gather(*(worker() for _ in range(min(COUNTS_IN_FLIGHT, len(texts)))))
+        return counts
+
     async def template(self, base_url: str) -> TemplateCost:
         """Measure the template once: rendered and counted by the server, with one-token messages."""
         if base_url not in self.templates:
@@ -175,7 +194,7 @@ class LlamaCppCounting:
             template = await self.template(base_url) if chat else TemplateCost(0, 0, 0)
             keyed = await asyncio.to_thread(_keyed, texts) if big else _keyed(texts)
             missing = [t for t, key in keyed.items() if (base_url, key) not in self.texts]
-            counts = await asyncio.gather(*(self._tokens(base_url, t, special=False) for t in missing))
+            counts = await self._count_each(base_url, missing)
             for text, n in zip(missing, counts):
                 self.texts.put((base_url, keyed[text]), n)
             known = {t: self.texts[(base_url, key)] for t, key in keyed.items() if (base_url, key) in self.texts}
@@ -210,9 +229,6 @@ class LlamaCppCounting:
             "seconds": round(self.seconds, 3),
             "cached_texts": len(self.texts),
         }
-
-
-JSON_HEADERS = {"Content-Type": JSON_TYPE}
 
 
 def _keyed(texts: Iterable[str]) -> dict[str, bytes]:

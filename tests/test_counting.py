@@ -205,3 +205,42 @@ def test_the_calibration_report_reads_every_model_without_reordering_under_itsel
     for n in range(3):
         calibration.observe(f"ollama/m{n}", 1000, 1200 + n, whole=True)
     assert set(calibration.to_json()["factors"]) == {"ollama/m0", "ollama/m1", "ollama/m2"}
+
+
+async def test_the_texts_of_a_big_request_are_counted_a_few_calls_at_a_time_and_each_gets_its_own_count():
+    """Hundreds of new texts must not open hundreds of calls at once (they would crowd out every other
+    client on the event loop); each text still gets the count the server gave it."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from contextpaw.counting import COUNTS_IN_FLIGHT, LlamaCppCounting
+
+    open_now, most = 0, 0
+
+    async def tokenize(request: web.Request) -> web.Response:
+        nonlocal open_now, most
+        open_now += 1
+        most = max(most, open_now)
+        text = (await request.json())["content"]
+        await asyncio.sleep(0.002)
+        open_now -= 1
+        return web.json_response({"tokens": list(range(len(text)))})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    texts = ["x" * n for n in range(1, 201)]
+    async with aiohttp.ClientSession() as session:
+        counting = LlamaCppCounting(session)
+        counted = await counting.counter(url, texts, EstimateCounter(), chat=False, has_system=False, big=True)
+    await runner.cleanup()
+    assert counted is not None
+    counter, _ = counted
+    assert [counter.text(t) for t in texts] == [len(t) for t in texts]
+    assert 1 < most <= COUNTS_IN_FLIGHT
