@@ -42,7 +42,7 @@ from contextpaw.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, fla
 from contextpaw.session import PROBE_TIMEOUT_S, HttpServices, Session
 from contextpaw.settings import POLICIES, FitSettings, at_least
 from contextpaw.state import LRU, KeptCalibration
-from contextpaw.streams import STREAM_TYPES, StreamReport, splice
+from contextpaw.streams import STREAM_TYPES, StreamReport, report_bytes, splice
 from contextpaw.summarize import Summarizer
 from contextpaw.views import ORIGINAL, REPORT
 
@@ -206,9 +206,10 @@ class Compactor:
                 await self._rescue(flow, state)
                 assert flow.response is not None
                 flow.response.headers.update(state.headers)
+                content = flow.response.content or b""  # the retry's answer
             elif response.status_code >= 500 and ERROR_HEADER not in response.headers:
                 self.ledger.failed(f"{flow.request.method} {flow.request.path}", f"the backend answered {response.status_code}")
-            self._report_in_body(flow, state)
+            self._report_in_body(flow, state, content)
         except Exception as e:  # fail open: the client gets the backend's answer as it was
             logger.exception("ContextPaw failed on the response to %s; passing it through", flow.request.path)
             assert flow.response is not None
@@ -249,21 +250,22 @@ class Compactor:
         if state.sent is not None:
             flow.request.content = state.sent
 
-    def _report_in_body(self, flow: http.HTTPFlow, state: FlowState) -> None:
+    def _report_in_body(self, flow: http.HTTPFlow, state: FlowState, content: bytes) -> None:
+        """Put the report into the answer (`content`, its body as read once)."""
         response = flow.response
         assert response is not None
-        if not response.content:
+        if not content:
             return
         if response.headers.get("content-type", "").startswith(STREAM_TYPES):
-            response.content = self._stream_report(flow, state).transform(response.content)
+            response.content = self._stream_report(flow, state).transform(content)
             return
         try:
-            answer = json.loads(response.content)
+            answer = json.loads(content)
         except ValueError:
             self.ledger.failed(f"{flow.request.method} {flow.request.path}", "the backend's answer is not JSON; passed through as it was")
             return
         value = self._final_report(flow, state, answer) if isinstance(answer, dict) else None
-        if value is not None and (body := splice(response.content, value)) is not None:  # a JSON object: parsed above
+        if value is not None and (body := splice(content, value)) is not None:  # a JSON object: parsed above
             response.content = body
         watched = state.watched
         if watched is not None and (truncated := watched.upstream_truncated) is not None:
@@ -295,7 +297,7 @@ class Compactor:
         value = self.fitter.final_report(state, final, counted)
         watched = state.watched
         if watched is not None:
-            flow.metadata[REPORT] = watched.to_json()
+            flow.metadata[REPORT] = value if value is not None and watched is state.report else watched.to_json()
             if (truncated := watched.upstream_truncated) is not None and not state.truncation_flagged:
                 state.truncation_flagged = True
                 flag(flow, TRUNCATED_MARK, f"the server cut the prompt: {truncated.evaluated_tokens} of {truncated.sent_tokens} tokens evaluated")
@@ -304,7 +306,7 @@ class Compactor:
                 flag(flow, TRUNCATED_MARK, f"the server may have cut the prompt: {possible.evaluated_tokens} evaluated of about {possible.sent_tokens}")
         if self.kept is not None:
             self.kept.save(self.fitter.calibration)
-        return value
+        return report_bytes(value) if value is not None else None
 
 
 class Upstream:

@@ -587,8 +587,9 @@ class Fitter:
 
     # -- what the server says it evaluated ------------------------------------------------------
 
-    def final_report(self, state: FlowState, final: Any, counted: int | None = None) -> bytes | None:
-        """The report for the answer's final record, after checking the count the server reports there.
+    def final_report(self, state: FlowState, final: Any, counted: int | None = None) -> dict[str, Any] | None:
+        """The report (its JSON form) for the answer's final record, after checking the count the
+        server reports there.
 
         Ollama evaluating clearly fewer tokens than it was sent means it cut the prompt in silence:
         that is said in the report, the log and the metrics, under every policy. The same count
@@ -601,7 +602,7 @@ class Fitter:
         on_wire = state.report is not None
         answered = isinstance(final, dict) and "error" not in final
         if report is None or state.sent_tokens is None or not answered:
-            return report_bytes(state.report.to_json()) if state.report is not None else None
+            return state.report.to_json() if state.report is not None else None
         sent = state.sent_tokens
         if state.backend.kind != wire.Kind.OLLAMA:
             verdict = judge(sent, evaluated, report.window, state.bounds, truncation_forbidden=True)
@@ -627,4 +628,4 @@ class Fitter:
             state.calibration = None
             whole = verdict.evaluation is Evaluation.WHOLE
             self.calibration.observe(key, round(sent / factor), evaluated, whole=whole)
-        return report_bytes(report.to_json()) if on_wire else None
+        return report.to_json() if on_wire else None
