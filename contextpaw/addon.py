@@ -38,7 +38,7 @@ from contextpaw.fitter import FlowState, Fitter, Refuse
 from contextpaw.ledger import FailureLedger
 from contextpaw.relay import ERROR_HEADER, RESCUED_HEADER, Failure, Relay, Timeouts
 from contextpaw.headers import HOP_HEADERS
-from contextpaw.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, reply
+from contextpaw.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply
 from contextpaw.session import PROBE_TIMEOUT_S, HttpServices, Session
 from contextpaw.settings import POLICIES, FitSettings, at_least
 from contextpaw.state import LRU, KeptCalibration
@@ -183,7 +183,7 @@ class Compactor:
         if state is not None:
             if response.headers.pop(RESCUED_HEADER, None) is not None:  # the relay's retry, or its refusal
                 self._settled(flow, state)
-            response.headers.update(state.headers)
+            put_headers(response.headers, state.headers)
         if (state and state.local) or not response.headers.get("content-type", "").startswith(STREAM_TYPES):
             return
         if state is None or state.watched is None or response.headers.get("content-encoding", "identity") != "identity":
@@ -205,7 +205,7 @@ class Compactor:
             if self.fitter.may_rescue(state) and wire.upstream_overflow(response.status_code, content):
                 await self._rescue(flow, state)
                 assert flow.response is not None
-                flow.response.headers.update(state.headers)
+                put_headers(flow.response.headers, state.headers)
                 content = flow.response.content or b""  # the retry's answer
             elif response.status_code >= 500 and ERROR_HEADER not in response.headers:
                 self.ledger.failed(f"{flow.request.method} {flow.request.path}", f"the backend answered {response.status_code}")

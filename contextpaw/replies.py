@@ -1,6 +1,9 @@
-"""Answers ContextPaw makes itself, and what it says about a flow in mitmweb (its marks)."""
+"""Answers ContextPaw makes itself, its headers on answers, and what it says about a flow in
+mitmweb (its marks)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from mitmproxy import http
 
@@ -22,3 +25,13 @@ def flag(flow: http.HTTPFlow, mark: str, comment: str, replace: bool = False) ->
     unless ``replace``: a rescue's report replaces the first compaction's)."""
     flow.marked = mark
     flow.comment = comment if replace or not flow.comment else f"{flow.comment}; {comment}"
+
+
+def put_headers(headers: http.Headers, new: Mapping[str, str]) -> None:
+    """Set `new` on `headers`, replacing any of the same names, in one rebuild of the fields (one
+    `headers[k] = v` each rebuilds them all: most of a small request's header work)."""
+    if not new:
+        return
+    names = {name.lower().encode("latin-1") for name in new}
+    kept = tuple(field for field in headers.fields if field[0].lower() not in names)
+    headers.fields = kept + tuple((k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in new.items())

@@ -469,3 +469,13 @@ async def test_an_admin_endpoint_that_fails_answers_500_and_is_never_forwarded(p
     await proxy.send(flow)
     assert flow.response is not None and flow.response.status_code == 500
     assert "RuntimeError" in json.loads(flow.response.content)["error"]
+
+
+def test_report_headers_replace_any_the_backend_sent_and_keep_the_rest() -> None:
+    from contextpaw.replies import put_headers
+
+    response = http.Response.make(200, b"{}", {"Content-Type": "application/json", "x-contextpaw-budget": "9", "Server": "s"})
+    put_headers(response.headers, {"X-ContextPaw-Budget": "100", "X-ContextPaw-Compacted": "true"})
+    assert response.headers.get_all("X-ContextPaw-Budget") == ["100"]
+    assert response.headers["X-ContextPaw-Compacted"] == "true"
+    assert response.headers["Server"] == "s" and response.headers["content-length"] == "2"

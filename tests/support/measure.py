@@ -3,6 +3,7 @@ small request sees while something else runs."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,17 @@ def memory_mib(pid: int, field: str = "VmRSS") -> float:
     except OSError:
         pass
     return float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system), from /proc; NaN once it is gone. What a proxy
+    costs per request is this over a run divided by its requests: unlike latency, it does not move
+    with what the machine's other processes are doing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def worst_latency_while(request: Callable[[httpx.Client], object], busy: Callable[[], None] | None, seconds: float = 0.0,
