@@ -16,6 +16,7 @@ from contextpaw.runtime import Arbiter, ArbiterSettings
 from contextpaw.backends import Backends
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitter import Fitter
+from contextpaw.heap import StartupHeap
 from contextpaw.ledger import FailureLedger
 from contextpaw.session import HttpServices, Session
 from contextpaw.settings import FitSettings
@@ -40,4 +41,4 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     upstream = Upstream(backends, fitter, states, ledger)
     backends.relay = upstream.relay
     endpoints = AdminEndpoints(backends, fitter, services, ledger, store, gpu.status)
-    return [gpu, endpoints, backends, compactor, upstream]
+    return [StartupHeap(), gpu, endpoints, backends, compactor, upstream]

@@ -309,7 +309,7 @@ async def test_metrics_are_prometheus_text_from_this_instance(proxy: Proxy) -> N
     text = flow.response.text
     assert flow.response.headers["content-type"].startswith("text/plain")
     assert "contextpaw_compacted_total 1.0" in text and "contextpaw_requests_total 1.0" in text
-    assert make_addons()[3].fitter.stats.counts["compacted"] == 0  # no global registry
+    assert make_addons()[4].fitter.stats.counts["compacted"] == 0  # no global registry
 
 
 async def test_evicted_content_can_be_fetched_again(proxy: Proxy) -> None:
@@ -397,7 +397,28 @@ async def test_an_upstream_cut_goes_into_the_flows_comment(proxy: Proxy) -> None
 
 
 def test_addon_classes_are_exported_for_embedding() -> None:
-    assert [type(a) for a in make_addons()] == [Arbitration, AdminEndpoints, Backends, Compactor, Upstream]
+    from contextpaw.heap import StartupHeap
+
+    assert [type(a) for a in make_addons()] == [StartupHeap, Arbitration, AdminEndpoints, Backends, Compactor, Upstream]
+
+
+def test_what_start_up_made_is_left_out_of_later_full_collections() -> None:
+    import gc
+
+    from contextpaw.heap import StartupHeap
+
+    import contextpaw.heap
+
+    frozen, contextpaw.heap._frozen = contextpaw.heap._frozen, False
+    try:
+        StartupHeap().running()
+        assert gc.get_freeze_count() > 1000
+        before = gc.get_freeze_count()
+        StartupHeap().running()  # a reloaded script
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+        contextpaw.heap._frozen = frozen
 
 
 async def test_the_relay_starts_and_stops_with_sync_hooks_as_a_reloaded_script_calls_them() -> None:
