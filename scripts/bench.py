@@ -9,9 +9,14 @@ Sections (each in the JSON, the markdown table and, where it helps, a PNG):
 2. compaction: time and peak memory to compact 1k-200k token chats and raw prompts (the sweep of
    scripts/bench_compact.py) with each counter: estimate, calibrated, the GGUF tokenizer, and
    llama-server's own counts (first call uncached vs cached).
-3. window_use: final tokens / budget across the same sweep.
+3. window_use: final tokens / budget across the same sweep, by each counter's own count; and
+   real_window_use: what would be sent, counted by llama-server, over the budget.
 4. agent_loop: prefix-cache reuse per turn on a real llama-server (scripts/bench_agent_loop.py).
 5. recall: the k/N lines of demo_needle.py, demo_400.py and measure_summary.py's table.
+6. loop_health: c=8 throughput and proxy CPU per request, the worst latency idle and during one
+   160k-token compaction, RSS (and by import step), ContextPaw's time per hook, a process handoff's cost.
+7. scaling: the engine at 1,200 to 9,600 messages.
+The goals of this round, each beside its floor, head the markdown (and, with --docs, the README).
 Real-backend parts need llama-server and the SmolLM2 model; they are skipped, saying why, when
 either is missing or with --skip-real. --docs copies the markdown and plots into docs/.
 """
@@ -446,6 +451,48 @@ def compaction(quick: bool, gguf: Path | None, llama_url: str | None, progress: 
     return result
 
 
+REAL_USE_SIZES = (5_000, 10_000, 20_000, 50_000)
+
+
+async def real_window_use(url: str, sizes: tuple[int, ...] = REAL_USE_SIZES) -> dict[str, Any]:
+    """Window use in real tokens: agent chats compacted into a quarter of their real size with the
+    estimate, raw and calibrated (on five other chats, by llama-server's own counts, as the proxy
+    learns), and with llama-server's per-text counts (what ContextPaw uses in front of it), then
+    what would be sent counted by the server. Real tokens / budget: under 95% wastes
+    the window, over 100% would overflow it."""
+    from contextpaw.calibration import Calibration
+    from contextpaw.compact import compact_chat
+
+    estimate, calibration = EstimateCounter(), Calibration()
+    rows = []
+    async with aiohttp.ClientSession(trust_env=False) as session:
+        counting = LlamaCppCounting(session)
+        for seed in range(5):
+            msgs = bench_compact.agent_conversation(3_000, estimate, seed=100 + seed)
+            truth = await counting.total(url, {"messages": msgs})
+            estimated = sum(estimate.message(m) for m in Conversation.from_wire(msgs).messages)
+            calibration.observe("bench", estimated, truth, whole=True)
+        counters = {"estimate": estimate, "calibrated": calibration.counter("bench", estimate)}
+        for size in sizes:
+            msgs = bench_compact.agent_conversation(size, estimate)
+            conv = Conversation.from_wire(msgs)
+            whole = await counting.total(url, {"messages": msgs})
+            if whole is None:
+                raise RuntimeError(f"{url} did not count a {size}-token chat")
+            budget = max(1000, whole // 4)  # in real tokens, the same for every counter
+            texts = [t for m in conv.messages for t in (m.text, m.content_text)]
+            backend = await counting.counter(url, texts, estimate, chat=True, has_system=conv.messages[0].role == "system")
+            if backend is None:
+                raise RuntimeError(f"{url} did not tokenize a {size}-token chat")
+            for name, (counter, fixed) in ({k: (c, 0) for k, c in counters.items()} | {"backend": backend}).items():
+                result = compact_chat(conv, budget, counter, keep_recent=4, fixed_tokens=fixed)
+                real = await counting.total(url, {"messages": list(result.messages or msgs)})
+                if real is None:
+                    raise RuntimeError(f"{url} did not count a {size}-token chat")
+                rows.append({"counter": name, "tokens": whole, "budget": budget, "real_tokens": real, "use": real / budget})
+    return {"factor": calibration.factor("bench"), "rows": rows}
+
+
 def window_use(comp: dict[str, Any]) -> dict[str, Any]:
     """Final/budget per counter and kind, over the cases that needed compacting (the rest fit as they are)."""
     out = {}
@@ -610,6 +657,19 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                      floor, f"{pct(ours['mean_cached'])} mean, {pct(ours['min_cached'])} worst turn "
                      f"(from scratch each turn: {pct(summary['baseline']['mean_cached'])})", "≥ 90% mean, no turn under 75%",
                      met(ours["mean_cached"] >= 0.9 and ours["min_cached"] >= 0.75)))
+    real = result.get("real_window_use", {})
+    for name, label in (("estimate", "estimate, uncalibrated"), ("calibrated", "calibrated estimate"),
+                        ("backend", "llama-server's per-text counts")):
+        uses = [r["use"] for r in real.get("rows", []) if r["counter"] == name]
+        if not uses:
+            continue
+        calibrated_row = name == "calibrated"
+        rows.append((f"real-token window use, {label} (llama-server's count of what was sent / budget)", "-",
+                     f"{min(uses):.1%} to {max(uses):.1%}" + (f" (factor {real['factor']:.2f})" if calibrated_row else ""),
+                     "≥ 95% once calibrated, never over 100%" if calibrated_row else "for comparison",
+                     met(min(uses) >= WINDOW_GOAL and max(uses) <= 1.0) if calibrated_row else "-"))
+        if name == "backend":  # the counter ContextPaw uses in front of llama-server
+            rows[-1] = (*rows[-1][:3], "≥ 95%, never over 100%", met(min(uses) >= WINDOW_GOAL and max(uses) <= 1.0))
     if (use := result.get("window_use", {}).get("by_counter")) and (calibrated := use.get("calibrated/chat")):
         rows.append(("window use after compaction, calibrated estimate, chat (by its own count)", "-", f"{calibrated['min']:.1%} to {calibrated['max']:.1%}",
                      "≥ 95%", met(calibrated["min"] >= WINDOW_GOAL)))
@@ -703,6 +763,13 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
                   "| counter/kind | min | mean | max |", "|---|---:|---:|---:|"]
         lines += [f"| {k} | {v['min']:.1%} | {v['mean']:.1%} | {v['max']:.1%} |" for k, v in use["by_counter"].items()]
         lines += ["", f"Below the goal: {', '.join(use['below_goal']) or 'none'}.", ""]
+        if real := result.get("real_window_use", {}).get("rows"):
+            lines += ["In real tokens: agent chats compacted into a quarter of their size with the estimate, raw and "
+                      f"calibrated on five other chats by llama-server's counts (factor {result['real_window_use']['factor']:.2f}), "
+                      "and with llama-server's per-text counts, "
+                      "then what was sent counted by llama-server (over 100% would overflow the window):", "",
+                      "| counter | chat tokens | budget | real tokens sent | use |", "|---|---:|---:|---:|---:|",
+                      *(f"| {r['counter']} | {r['tokens']:,} | {r['budget']:,} | {r['real_tokens']:,} | {r['use']:.1%} |" for r in real), ""]
         image("bench-window-use.png")
 
     loop = result["agent_loop"]
@@ -816,6 +883,8 @@ def main(argv: list[str] | None = None) -> int:
         result["overhead"] = overhead(work, args.quick, progress)
         with counting_server(None if skip_real else binary.path, model.path, work) as llama_url:
             result["compaction"] = compaction(args.quick, model.path, llama_url, progress)
+            result["real_window_use"] = (asyncio.run(real_window_use(llama_url, REAL_USE_SIZES[:2] if args.quick else REAL_USE_SIZES))
+                                         if llama_url else {"skipped": skip_real or "no llama-server"})
         result["window_use"] = window_use(result["compaction"])
         if args.agent_loop:
             result["agent_loop"] = json.loads(args.agent_loop.read_text()) | {"reused_from": str(args.agent_loop)}
