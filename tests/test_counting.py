@@ -14,6 +14,7 @@ from contextpaw.calibration import MIN_SAMPLE_TOKENS, SAFETY, Calibration
 from contextpaw.conversation import Message
 from contextpaw.tokens import EstimateCounter, TokenizerCounter
 from contextpaw.truncation import ESTIMATE_BOUNDS, EXACT_BOUNDS, Evaluation, cut_counts, judge
+from support.common import running
 
 
 def smollm_gguf() -> pathlib.Path | None:
@@ -230,16 +231,11 @@ async def test_the_texts_of_a_big_request_are_counted_a_few_calls_at_a_time_and_
 
     app = web.Application()
     app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     texts = ["x" * n for n in range(1, 201)]
-    async with aiohttp.ClientSession() as session:
-        counting = LlamaCppCounting(session)
-        counted = await counting.counter(url, texts, EstimateCounter(), chat=False, has_system=False, big=True)
-    await runner.cleanup()
+    with running(app) as url:
+        async with aiohttp.ClientSession() as session:
+            counting = LlamaCppCounting(session)
+            counted = await counting.counter(url, texts, EstimateCounter(), chat=False, has_system=False, big=True)
     assert counted is not None
     counter, _ = counted
     assert [counter.text(t) for t in texts] == [len(t) for t in texts]
