@@ -345,12 +345,7 @@ def handoff_cost(body: bytes) -> dict[str, float]:
     from contextpaw.wire.openai import CHAT
 
     def timed(fn: Callable[[], Any]) -> float:
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times) * 1000
+        return bench_compact.median_seconds(fn, 5)[0] * 1000
 
     parsed = CHAT.read(body)
     fitted = parsed.fit(COMPACTION_CTX - 1024, EstimateCounter(), keep_recent=4, previous=None)
@@ -624,12 +619,10 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         plain_ratio = plain["req_per_s"] / bare["req_per_s"]
         rows.append(("the relay's share (c=1, no relay vs relay)", f"no relay: {plain['req_per_s']:.0f} req/s ({plain_ratio:.2f}x), "
                      f"p50 {plain['p50_ms']:.2f} ms", f"relay: {paw['p50_ms'] - plain['p50_ms']:+.2f} ms p50", "reported", "-"))
-        stream = over["stream"]
         floor = over["verdict"].get("streaming_floor_ttfb_p50_vs_direct_ms")
         ours = over["verdict"]["stream_ttfb_p50_vs_direct_ms"]
         rows.append(("first streamed record over direct, p50", "-" if floor is None else f"{floor:+.2f} ms (mitmdump streaming)",
                      f"{ours:+.2f} ms", "≤ floor + 1 ms", met(None if floor is None else ours <= floor + 1)))
-        del stream
     if health := result.get("loop_health"):
         bare, paw = health["mitmdump"], health["ContextPaw"]
         ratio = paw["c8_req_per_s"] / bare["c8_req_per_s"]
@@ -667,18 +660,15 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                      f"(from scratch each turn: {pct(summary['baseline']['mean_cached'])})", "≥ 90% mean, no turn under 75%",
                      met(ours["mean_cached"] >= 0.9 and ours["min_cached"] >= 0.75)))
     real = result.get("real_window_use", {})
-    for name, label in (("estimate", "estimate, uncalibrated"), ("calibrated", "calibrated estimate"),
-                        ("backend", "llama-server's per-text counts")):
+    factor = f" (factor {real['factor']:.2f})" if "factor" in real else ""
+    for name, label, note, goal in (("estimate", "estimate, uncalibrated", "", None),
+                                    ("calibrated", "calibrated estimate", factor, "≥ 95% once calibrated, never over 100%"),
+                                    ("backend", "llama-server's per-text counts", "", "≥ 95%, never over 100%")):
         uses = [r["use"] for r in real.get("rows", []) if r["counter"] == name]
-        if not uses:
-            continue
-        calibrated_row = name == "calibrated"
-        rows.append((f"real-token window use, {label} (llama-server's count of what was sent / budget)", "-",
-                     f"{min(uses):.1%} to {max(uses):.1%}" + (f" (factor {real['factor']:.2f})" if calibrated_row else ""),
-                     "≥ 95% once calibrated, never over 100%" if calibrated_row else "for comparison",
-                     met(min(uses) >= WINDOW_GOAL and max(uses) <= 1.0) if calibrated_row else "-"))
-        if name == "backend":  # the counter ContextPaw uses in front of llama-server
-            rows[-1] = (*rows[-1][:3], "≥ 95%, never over 100%", met(min(uses) >= WINDOW_GOAL and max(uses) <= 1.0))
+        if uses:
+            rows.append((f"real-token window use, {label} (llama-server's count of what was sent / budget)", "-",
+                         f"{min(uses):.1%} to {max(uses):.1%}{note}", goal or "for comparison",
+                         met(min(uses) >= WINDOW_GOAL and max(uses) <= 1.0) if goal else "-"))
     if (use := result.get("window_use", {}).get("by_counter")) and (calibrated := use.get("calibrated/chat")):
         rows.append(("window use after compaction, calibrated estimate, chat (by its own count)", "-", f"{calibrated['min']:.1%} to {calibrated['max']:.1%}",
                      "≥ 95%", met(calibrated["min"] >= WINDOW_GOAL)))

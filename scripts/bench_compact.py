@@ -50,18 +50,24 @@ def tokens_of(msgs: list[dict], counter: Counter) -> int:
     return sum(counter.message(Message.from_wire(m)) for m in msgs)
 
 
-def measure(fn, repeat: int) -> tuple[float, float, object]:
-    """Median seconds over `repeat` runs and peak traced MiB of one run."""
+def median_seconds(fn, repeat: int) -> tuple[float, object]:
+    """Median seconds of `fn` over `repeat` runs, and what the last run returned."""
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def measure(fn, repeat: int) -> tuple[float, float, object]:
+    """Median seconds over `repeat` runs and peak traced MiB of one run."""
+    seconds, result = median_seconds(fn, repeat)
     tracemalloc.start()
     fn()
     peak = tracemalloc.get_traced_memory()[1] / 2**20
     tracemalloc.stop()
-    return statistics.median(times), peak, result
+    return seconds, peak, result
 
 
 def run(sizes: list[int], repeat: int, counter: Counter) -> list[dict]:
