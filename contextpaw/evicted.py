@@ -38,12 +38,9 @@ class EvictedStore:
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, marker_id: str, content: Any) -> None:
-        """Keep `content` (JSON-like) under `marker_id`; the same id again refreshes its age."""
-        self.put_encoded(marker_id, encode(content))
-
-    def put_encoded(self, marker_id: str, data: bytes) -> None:
-        """`put` for content already encoded with `encode` (a big eviction is encoded off the event loop)."""
+    def put(self, marker_id: str, data: bytes) -> None:
+        """Keep `data` (content made with `encode`, off the event loop for a big eviction) under
+        `marker_id`; the same id again refreshes its age."""
         self._drop(marker_id)
         if len(data) > self.max_bytes:
             return

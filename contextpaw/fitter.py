@@ -355,7 +355,7 @@ class Fitter:
         logger.info("%s %s: %s", state.route.name, model, report.summary())
         encoded = await off_loop(big, functools.partial(_encoded, report.evicted))
         for marker_id, data in encoded.items():
-            self.store.put_encoded(marker_id, data)
+            self.store.put(marker_id, data)
         self.stats.add("compacted")
         self.stats.add("evicted_tokens", report.evicted_tokens)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from contextpaw.compact import Plan
-from contextpaw.evicted import EvictedStore
+from contextpaw.evicted import EvictedStore, encode
 from contextpaw.state import LRU
 
 
@@ -25,7 +25,7 @@ def store(clock: Clock | None = None, **bounds: int) -> EvictedStore:
 def test_content_comes_back_verbatim_as_json() -> None:
     s = store()
     content = [{"role": "tool", "content": "ünïcode \n\t and \"quotes\""}]
-    s.put("cp-1", content)
+    s.put("cp-1", encode(content))
     assert json.loads(s.get("cp-1")) == content
     assert s.get("cp-unknown") is None
 
@@ -33,27 +33,27 @@ def test_content_comes_back_verbatim_as_json() -> None:
 def test_count_bound_drops_the_oldest() -> None:
     s = store(max_items=2)
     for i in range(3):
-        s.put(f"cp-{i}", "x")
+        s.put(f"cp-{i}", encode("x"))
     assert (s.get("cp-0"), len(s)) == (None, 2)
     assert s.get("cp-2") is not None
 
 
 def test_byte_bound_drops_the_oldest_and_refuses_what_never_fits() -> None:
     s = store(max_bytes=20)
-    s.put("cp-a", "a" * 10)
-    s.put("cp-b", "b" * 10)
+    s.put("cp-a", encode("a" * 10))
+    s.put("cp-b", encode("b" * 10))
     assert s.get("cp-a") is None and s.get("cp-b") is not None
-    s.put("cp-huge", "c" * 100)
+    s.put("cp-huge", encode("c" * 100))
     assert s.get("cp-huge") is None and s.bytes == 12
 
 
 def test_age_bound_expires_and_a_repeat_refreshes() -> None:
     clock = Clock()
     s = store(clock, max_age_s=10)
-    s.put("cp-old", "x")
-    s.put("cp-kept", "y")
+    s.put("cp-old", encode("x"))
+    s.put("cp-kept", encode("y"))
     clock.now = 8
-    s.put("cp-kept", "y")
+    s.put("cp-kept", encode("y"))
     clock.now = 11
     assert s.get("cp-old") is None and s.get("cp-kept") is not None
 
