@@ -1,5 +1,5 @@
-"""What the scripts measure a running proxy with: a process's memory, and the worst latency a
-small request sees while something else runs."""
+"""What the scripts measure a running proxy with: a process's memory and CPU time, and the worst
+latency a small request sees while something else runs."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def memory_mib(pid: int, field: str = "VmRSS") -> float:
 
 def cpu_seconds(pid: int) -> float:
     """A process's CPU time so far (user + system), from /proc; NaN once it is gone. What a proxy
-    costs per request is this over a run divided by its requests: unlike latency, it does not move
-    with what the machine's other processes are doing."""
+    costs per request is this over a run divided by its requests: it counts the proxy's own work,
+    not the time it spent waiting for a CPU the machine's other processes held."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
