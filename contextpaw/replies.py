@@ -32,6 +32,11 @@ def put_headers(headers: http.Headers, new: Mapping[str, str]) -> None:
     `headers[k] = v` each rebuilds them all: most of a small request's header work)."""
     if not new:
         return
-    names = {name.lower().encode("latin-1") for name in new}
-    kept = tuple(field for field in headers.fields if field[0].lower() not in names)
-    headers.fields = kept + tuple((k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in new.items())
+    encoded = [(_header_bytes(k), _header_bytes(v)) for k, v in new.items()]
+    names = {name.lower() for name, _ in encoded}
+    headers.fields = tuple(field for field in headers.fields if field[0].lower() not in names) + tuple(encoded)
+
+
+def _header_bytes(text: str) -> bytes:
+    """As mitmproxy encodes a header name or value given as str."""
+    return text.encode("utf-8", "surrogateescape")
