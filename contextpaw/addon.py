@@ -273,7 +273,7 @@ class Compactor:
                 f"{truncated.evaluated_tokens} of {truncated.sent_tokens} tokens evaluated"
             )
         elif watched is not None and (possible := watched.upstream_truncation_possible) is not None:
-            response.headers["X-ContextPaw-Upstream-Truncated"] = (
+            response.headers["X-ContextPaw-Upstream-Truncation-Possible"] = (
                 f"possibly: {possible.evaluated_tokens} evaluated of about {possible.sent_tokens}, window {possible.num_ctx}"
             )
 

@@ -13,9 +13,15 @@ Rules, in order of precedence:
 3. Everything else is evictable, biggest unit first. Units evicted last turn stay evicted (sticky), so
    the prompt's prefix, and the server's prefix cache, survive from one turn to the next; when that
    is not enough, the units after the last hole go first, with some headroom for the next turns.
-4. If evicting all of that is not enough, protected messages are shrunk middle-out, biggest first.
+4. If evicting all of that is not enough, protected messages are shrunk middle-out, biggest first,
+   round after round (a message's cost does not fall exactly with its text) until it fits or
+   nothing more can go: a fit never ends a few tokens short.
 5. Evicted units that fit back into the room left over are re-admitted, so the window is used; room
    still left is filled with the head and tail of the smallest evicted unit, shrunk to fit.
+
+What the model reads stays the same from turn to turn wherever the budget allows: a marker's text is
+written once and reused byte for byte (`Plan.notes`), and a shrunk message is cut at the same
+characters again (`Plan.shrunk`), so a server's prefix cache holds up to the last cut.
 """
 
 from __future__ import annotations
@@ -45,16 +51,53 @@ turns then append to the cached prefix instead of each cutting it anew."""
 MARKER_SLACK = 4
 """Tokens allowed for a marker's real id tokenizing differently from the placeholder it was sized with."""
 
+SHRINK_ROUNDS = 4
+"""Passes over the protected messages before a fit is given up as impossible."""
+
+PLACEHOLDER_ID = "cp-" + "0" * 12
+"""A marker id of the real ids' length, for sizing a note before its id is known (ids are hashes)."""
+
 
 class BudgetTooSmall(Exception):
-    """What must be kept does not fit; carries the numbers for the caller's 413."""
+    """What must be kept does not fit; carries the numbers for the caller's refusal."""
 
-    def __init__(self, required: int, budget: int, what: str) -> None:
+    def __init__(self, required: int, budget: int, what: str, original: int | None = None, counter: Counter | None = None) -> None:
         super().__init__(
             f"{what} need {required} tokens but the budget is {budget}; nothing can be removed to fit"
         )
         self.required = required
         self.budget = budget
+        self.what = what
+        self.original = original
+        """The whole request's size, in the same counter's units (None: not counted)."""
+        self.counter = counter.name if counter is not None else "estimate"
+        """The counter that decided (the fitter names the server's whole count where it used it)."""
+
+    def rescaled(self, budget: int) -> BudgetTooSmall:
+        """The same shortfall told against `budget`: a refit under a budget tightened by a
+        counting miss says what the request needs in the units of the budget the client is told."""
+        rescaled = BudgetTooSmall(self.required + budget - self.budget, budget, self.what, self.original)
+        rescaled.counter = self.counter
+        return rescaled
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """Where a message's text was cut middle-out: kept `text[:head]` and `text[tail:]`; the note
+    between them says `elided` tokens. Remembered in the plan, so the next turn cuts the same
+    characters and says the same words, whatever the counter thinks of them by then."""
+
+    target: int
+    """The tokens the text was cut to."""
+    head: int
+    tail: int
+    elided: int
+
+    def apply(self, text: str, marker_id: str) -> str:
+        if self.head == 0 and self.tail >= len(text):  # nothing of the text left but the note
+            return elision_text(self.elided, text.count("\n"), marker_id).strip("\n")
+        note = elision_text(self.elided, text.count("\n", self.head, self.tail), marker_id)
+        return text[: self.head] + note + text[self.tail :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +106,17 @@ class Plan:
 
     evicted: frozenset[str] = frozenset()
     """Keys of evicted units."""
-    shrunk: Mapping[str, int] = field(default_factory=dict)
-    """Unit key -> the tokens its message's text was cut to (the target, so the same cut repeats)."""
+    shrunk: Mapping[str, Cut] = field(default_factory=dict)
+    """Unit key -> where its message's text was cut (so the same cut repeats)."""
+    notes: Mapping[str, str] = field(default_factory=dict)
+    """Marker id -> the marker's text as it was sent (so the same hole reads the same next turn)."""
 
     @property
     def footprint(self) -> int:
-        """About the bytes this plan holds in memory (its keys and sets), to bound how many are kept."""
-        keys = sum(sys.getsizeof(k) for k in self.evicted) + sum(sys.getsizeof(k) + 32 for k in self.shrunk)
-        return sys.getsizeof(self.evicted) + sys.getsizeof(self.shrunk) + keys
+        """About the bytes this plan holds in memory (its keys, sets and texts), to bound how many are kept."""
+        keys = sum(sys.getsizeof(k) for k in self.evicted) + sum(sys.getsizeof(k) + 80 for k in self.shrunk)
+        notes = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self.notes.items())
+        return sys.getsizeof(self.evicted) + sys.getsizeof(self.shrunk) + sys.getsizeof(self.notes) + keys + notes
 
 
 @dataclass(slots=True)
@@ -96,16 +142,20 @@ def compact_chat(
     previous: Plan | None = None,
     fixed_tokens: int = 0,
     digests: Mapping[str, str] | None = None,
+    admit: int | None = None,
 ) -> ChatResult:
     """Fit `conversation` into `budget` tokens (tools and `fixed_tokens` of template included).
 
+    A conversation of up to `admit` tokens (default: the budget) is left as it is: the backend
+    would serve it whole. One over that is cut to `budget`.
     `digests` maps a hole's marker id (from an earlier run's report) to a summary of what it held;
     a hole that comes out the same carries its digest inside the marker, within the budget.
     """
     fixed = fixed_tokens + counter.tools(conversation.tools)
     cost = [counter.message(m) for m in conversation.messages]
-    if fixed + sum(cost) <= budget:  # the common case, decided before any of the bookkeeping
-        return ChatResult(None, _as_sent(fixed + sum(cost), budget, counter), Plan())
+    limit = budget if admit is None else max(admit, budget)
+    if fixed + sum(cost) <= limit:  # the common case, decided before any of the bookkeeping
+        return ChatResult(None, _as_sent(fixed + sum(cost), limit, counter), Plan())
     run = _ChatCompaction(conversation, budget, counter, keep_recent, previous or Plan(), fixed, cost)
     run.digests = dict(digests or {})
     return run.run()
@@ -156,8 +206,8 @@ class _ChatCompaction:
         self.evictable = [u for u in self.units if u not in guarded]
         self.evicted: set[Unit] = set()
         self.kept = sum(self.cost)
-        self.shrunk: dict[int, tuple[Message, int, int, int]] = {}
-        """index -> (the shrunk message, its tokens, tokens elided, the target its text was cut to)"""
+        self.shrunk: dict[int, tuple[Message, int, Cut]] = {}
+        """index -> (the shrunk message, its tokens, where its text was cut)"""
         # Holes (maximal runs of evicted messages) by both ends, and their markers' cost, kept up to
         # date on every eviction so that the total is known in constant time.
         self.hole_end: dict[int, int] = {}
@@ -178,7 +228,7 @@ class _ChatCompaction:
         report = _as_sent(self.fixed + self.kept, self.budget, self.counter)
         pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
         if pinned > self.budget:
-            raise BudgetTooSmall(pinned, self.budget, "the system prompt and tool definitions")
+            raise BudgetTooSmall(pinned, self.budget, "the system prompt and tool definitions", report.original_tokens, self.counter)
 
         sticky = {u for u in self.evictable if u.key in self.previous.evicted}
         for unit in sticky:
@@ -203,7 +253,7 @@ class _ChatCompaction:
         if not cut_before:
             self.fill()
 
-        messages, removals, evicted, final = self.render()
+        messages, removals, evicted, final, notes = self.render()
         report.compacted = True
         report.final_tokens = final
         report.removals = removals
@@ -216,7 +266,8 @@ class _ChatCompaction:
         report.summarized = "summarized" in actions
         plan = Plan(
             evicted=frozenset(u.key for u in self.evicted),
-            shrunk={self.unit_of[i].key: target for i, (_, _, _, target) in self.shrunk.items()},
+            shrunk={self.unit_of[i].key: cut for i, (_, _, cut) in self.shrunk.items()},
+            notes=notes,
         )
         return ChatResult([m.raw for m in messages], report, plan)
 
@@ -271,7 +322,7 @@ class _ChatCompaction:
         """Tokens of a hole's marker, with a placeholder id of the real id's length (ids are hashes)."""
         if hole not in self._marker_cost:
             real_id = self.hole_id(hole) if self.digests else None
-            note = self.hole_note(hole, "cp-" + "0" * 12, self.digests.get(real_id or ""))
+            note = self.hole_note(hole, PLACEHOLDER_ID, self.digests.get(real_id or ""))
             self._marker_cost[hole] = self.counter.text(note) + self.counter.message_overhead + MARKER_SLACK
         return self._marker_cost[hole]
 
@@ -294,46 +345,59 @@ class _ChatCompaction:
     def shrink_protected(self) -> None:
         """Shrink protected messages middle-out, biggest first, until the rest fits.
 
-        A message shrunk last turn is shrunk to the same size again when that still fits, so its
+        A message's cost does not fall exactly as far as its text's (the note, a content part, how
+        the cut tokenizes), so a pass that lands a few tokens over is followed by another, which
+        cuts deeper by what is still over, until it fits or no message can give more.
+
+        A message shrunk last turn is cut at the same place again when that still fits, so its
         text, and the prefix cache behind it, stays the same from turn to turn.
         """
         candidates = sorted(
             (i for u in self.protected for i in u.indices if self.msgs[i].content_text),
             key=lambda i: (-self.cost[i], i),
         )
-        for i in candidates:
-            over = self.total() - self.budget
-            if over <= 0:
-                return
-            self.shrink(i, over)
+        for _ in range(SHRINK_ROUNDS):
+            gave = False
+            for i in candidates:
+                over = self.total() - self.budget
+                if over <= 0:
+                    return
+                gave = self.shrink(i, over) or gave
+            if not gave:
+                break
         if self.total() > self.budget:
-            raise BudgetTooSmall(self.total(), self.budget, "the task, the recent messages and the markers")
+            raise BudgetTooSmall(
+                self.total(), self.budget, "the task, the recent messages and the markers", self.fixed + sum(self.cost), self.counter
+            )
 
     def shrink(self, i: int, over: int) -> bool:
-        """Cut message `i`'s text middle-out by `over` tokens (to no less than the floor); False if it
-        cannot give that much."""
+        """Cut message `i`'s text middle-out by `over` more tokens (to no less than the floor);
+        False if it cannot give any more."""
         message = self.msgs[i]
-        own = self.counter.text(message.content_text)
-        note = self.counter.text(elision_text(own, message.content_text.count("\n"), "cp-" + "0" * 12))
-        floor = SHRINK_FLOOR + note
-        target = max(floor, own - over)
+        text = message.content_text
+        own = self.counter.text(text)
+        current = self.shrunk.get(i)
+        now = current[2].target if current is not None else own
+        floor = SHRINK_FLOOR + self.counter.text(elision_text(own, text.count("\n"), PLACEHOLDER_ID))
+        target = max(floor, now - over)
         remembered = self.previous.shrunk.get(self.unit_of[i].key)
-        if remembered is not None and floor <= remembered <= target:
-            target = remembered  # the same cut as last turn: the same text, the same cache
-        if target >= own:
+        if current is None and remembered is not None and floor <= remembered.target <= target:
+            cut = remembered  # the same cut as last turn: the same text, the same cache
+        elif target >= now:
             return False
-        kept_text, elided = shrink_text(message.content_text, target, self.counter, content_id(message.content_text))
-        smaller = message.with_content(kept_text)
+        else:
+            cut = shrink_text(text, target, self.counter)
+        smaller = message.with_content(cut.apply(text, content_id(text)))
         size = self.counter.message(smaller)
-        self.kept += size - self.cost[i]
-        self.shrunk[i] = (smaller, size, elided, target)
+        self.kept += size - self.size(i)
+        self.shrunk[i] = (smaller, size, cut)
         return True
 
     def biggest(self, unit: Unit) -> int:
         return max(unit.indices, key=lambda i: (self.cost[i], -i))
 
     def unshrink(self, i: int) -> None:
-        smaller, size, _, _ = self.shrunk.pop(i)
+        _, size, _ = self.shrunk.pop(i)
         self.kept -= size - self.cost[i]
 
     def fill(self) -> None:
@@ -377,11 +441,12 @@ class _ChatCompaction:
             if self.total() > limit:
                 self.evict(unit)
 
-    def render(self) -> tuple[list[Message], list[Removal], dict[str, Any], int]:
+    def render(self) -> tuple[list[Message], list[Removal], dict[str, Any], int, dict[str, str]]:
         holes = {h[0]: h for h in self.holes()}
         out: list[Message] = []
         removals: list[Removal] = []
         evicted: dict[str, Any] = {}
+        notes: dict[str, str] = {}
         final = self.fixed
         pending_fold: str | None = None
         i = 0
@@ -393,7 +458,12 @@ class _ChatCompaction:
                 digest = self.digests.get(marker_id)
                 action = "summarized" if digest else "dropped"
                 removals += [Removal(j, self.msgs[j].role, self.cost[j], action, marker_id) for j in range(first, last + 1)]
-                note = self.hole_note(holes[i], marker_id, digest)
+                if digest or marker_id not in self.previous.notes:
+                    note = self.hole_note(holes[i], marker_id, digest)
+                else:
+                    note = self.previous.notes[marker_id]  # written once: the prefix stays the same
+                if not digest:
+                    notes[marker_id] = note
                 after = last + 1
                 role = marker_role(
                     out[-1].speaker if out else None, self.msgs[after].speaker if after < len(self.msgs) else None
@@ -409,10 +479,10 @@ class _ChatCompaction:
                 i = after
                 continue
             if i in self.shrunk:
-                message, size, elided, _ = self.shrunk[i]
+                message, size, cut = self.shrunk[i]
                 marker_id = content_id(self.msgs[i].content_text)
                 evicted[marker_id] = self.msgs[i].content_text
-                removals.append(Removal(i, message.role, elided, "shrunk", marker_id))
+                removals.append(Removal(i, message.role, cut.elided, "shrunk", marker_id))
             else:
                 message, size = self.msgs[i], self.cost[i]
             if pending_fold is not None:
@@ -421,7 +491,7 @@ class _ChatCompaction:
             out.append(message)
             final += size
             i += 1
-        return out, removals, evicted, final
+        return out, removals, evicted, final, notes
 
 
 def _runs(indices: Iterable[int]) -> list[tuple[int, int]]:
@@ -435,12 +505,13 @@ def _runs(indices: Iterable[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def shrink_text(text: str, target: int, counter: Counter, marker_id: str) -> tuple[str, int]:
-    """Keep the head and tail of `text` within `target` tokens, note included; cut at line ends.
+def shrink_text(text: str, target: int, counter: Counter) -> Cut:
+    """Where to cut `text` so that its head and tail fit in `target` tokens, note included; cuts
+    fall at line ends.
 
-    Returns the new text and the number of tokens elided. Each pass scales the kept characters by how
-    far the last result overshot, and always by at least one token's worth, so it terminates; the
-    last resort keeps only the note.
+    Each pass scales the kept characters by how far the last result overshot, and always by at
+    least one token's worth, so it terminates; the last resort keeps only the note. The note is
+    sized with a placeholder id of the real id's length.
     """
     total = counter.text(text)
     chars_per_token = max(len(text) / max(total, 1), 1.0)
@@ -448,13 +519,12 @@ def shrink_text(text: str, target: int, counter: Counter, marker_id: str) -> tup
     while keep_chars > 0:
         head, tail = _head_tail(text, keep_chars)
         elided = max(total - counter.text(head) - counter.text(tail), 0)
-        middle_lines = text.count("\n", len(head), len(text) - len(tail))
-        result = head + elision_text(elided, middle_lines, marker_id) + tail
-        size = counter.text(result)
+        cut = Cut(target, len(head), len(text) - len(tail), elided)
+        size = counter.text(cut.apply(text, PLACEHOLDER_ID))
         if size <= target:
-            return result, elided
+            return cut
         keep_chars = min(int(keep_chars * target / size), keep_chars - int((size - target) * chars_per_token) - 1)
-    return elision_text(total, text.count("\n"), marker_id).strip("\n"), total
+    return Cut(target, 0, len(text), total)
 
 
 def _head_tail(text: str, keep_chars: int) -> tuple[str, str]:
@@ -478,21 +548,25 @@ def compact_prompt(
     counter: Counter,
     *,
     fixed_tokens: int = 0,
+    admit: int | None = None,
 ) -> PromptResult:
-    """Fit a raw prompt: keep its head and tail, elide the middle with a marker."""
+    """Fit a raw prompt: keep its head and tail, elide the middle with a marker. A prompt of up to
+    `admit` tokens (default: the budget) is left as it is."""
     original = fixed_tokens + counter.text(prompt)
+    limit = budget if admit is None else max(admit, budget)
+    if original <= limit:
+        return PromptResult(None, _as_sent(original, limit, counter))
     report = _as_sent(original, budget, counter)
-    if original <= budget:
-        return PromptResult(None, report)
     room = budget - fixed_tokens
     if room < SHRINK_FLOOR:
-        raise BudgetTooSmall(fixed_tokens + SHRINK_FLOOR, budget, "the system text and template")
+        raise BudgetTooSmall(fixed_tokens + SHRINK_FLOOR, budget, "the system text and template", original, counter)
     marker_id = content_id(prompt)
-    kept, elided = shrink_text(prompt, room, counter, marker_id)
+    cut = shrink_text(prompt, room, counter)
+    kept = cut.apply(prompt, marker_id)
     report.compacted = True
     report.strategy = "head_tail"
     report.final_tokens = fixed_tokens + counter.text(kept)
-    report.removals = [Removal(-1, "prompt", elided, "shrunk", marker_id)]
+    report.removals = [Removal(-1, "prompt", cut.elided, "shrunk", marker_id)]
     report.markers = [marker_id]
     report.evicted = {marker_id: prompt}
     return PromptResult(kept, report)

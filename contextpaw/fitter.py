@@ -33,7 +33,8 @@ from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter
 from contextpaw.truncation import EXACT_BOUNDS, Evaluation, could_exceed, judge, unknowable
-from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows, ollama_model_file
+from contextpaw.tokens import EXACT_COUNTERS
+from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
 
 logger = logs.get("contextpaw")
 
@@ -41,7 +42,8 @@ OFFLOAD_BYTES = 256 * 1024
 OFFLOAD_MESSAGES = 500
 """Bodies above this size, or with more messages than this, are parsed and compacted in a worker
 thread, so other flows keep moving."""
-VERIFY_ROUNDS = 3
+VERIFY_ROUNDS = 4
+"""Refits after the server's whole-request count said a fit was still over the budget."""
 MAX_RESCUES = 3
 """Retries after upstream overflows, each compacted to what the server said of the last one."""
 NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
@@ -157,10 +159,15 @@ async def off_loop[T](big: bool, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn) if big else fn()
 
 
-def _fit_and_tell(fit: Callable[[int], wire.Fitted], budget: int) -> wire.Fitted:
-    """Fit, and build the report's removal rows where the fit runs: for a big request that is the
-    worker thread, and thousands of rows built on the event loop would stall it."""
-    fitted = fit(budget)
+Fit = Callable[[Budget], wire.Fitted]
+"""One fit of a parsed request with its counter and template cost, to a budget."""
+
+
+def _fit_and_tell(fit: Callable[..., wire.Fitted], budget: Budget) -> wire.Fitted:
+    """Fit (unchanged up to what the budget admits, else cut to its tokens), and build the report's
+    removal rows where the fit runs: for a big request that is the worker thread, and thousands of
+    rows built on the event loop would stall it."""
+    fitted = fit(budget.tokens, admit=budget.admits)
     fitted.report.removal_rows()
     return fitted
 
@@ -201,8 +208,6 @@ class Fitter:
         self.store = store
         self.plans = SizedLRU(settings.conversations, PLAN_BYTES, lambda key, plan: len(key) + plan.footprint)
         """Each conversation's last `Plan` (by `wire.Chat.key`): the next turn evicts the same units."""
-        self.model_files = SizedLRU(256, 1 << 20, lambda key, path: len(key[1]) + len(path or ""))
-        """(Ollama URL, model) -> the file its Modelfile's FROM names, or None."""
         self.windows = BackendWindows(services.fetch)
         self.estimate = EstimateCounter()
         self.calibration = Calibration()
@@ -260,19 +265,19 @@ class Fitter:
         try:
             fitted = await self._compact(parsed, budget, state.backend, big, guard=_uncapped(state))
         except BudgetTooSmall as e:
-            return UNCHANGED if policy == "off" else self._refuse(state, budget.impossible(e))
+            return UNCHANGED if policy == "off" else self._refuse(state, budget.impossible(e), e.counter)
         report = fitted.report
         self.stats.add("original_tokens", report.original_tokens)
         key = calibration_key(state.backend, parsed.params.model)
         if report.counter == "calibrated":
             state.calibration = (key, self.calibration.factor(key))
-        state.bounds = EXACT_BOUNDS if report.exact else self.calibration.bounds(key)
+        state.bounds = self._bounds(parsed, report, key)
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
             state.observed, state.sent_tokens, state.uncuttable = report, report.original_tokens, said
             return UNCHANGED
         if policy == "strict" and report.compacted:
-            return self._refuse(state, budget.refusal(report.original_tokens))
+            return self._refuse(state, budget.refusal(report.original_tokens), report.counter)
         if self.summarizer is not None and isinstance(parsed, wire.Chat) and report.evicted_tokens:
             fitted = await self._summarized(state, parsed, fitted, budget, big)
             report = fitted.report
@@ -307,11 +312,25 @@ class Fitter:
             window = None
         window = window or self.settings.default_ctx
         bound = len(raw) + TEMPLATE_ALLOWANCE + MESSAGE_ALLOWANCE * raw.count(b'"role"')
-        floor = self.budgeter.floor(window)
-        if bound > floor:
+        admits = self.budgeter.admits(window)
+        if bound > admits:
             return None
         note = f"fits by its size: at most {bound} tokens ({len(raw)} bytes and the template's allowance)"
-        return Report(False, "none", bound, bound, floor, counter="size", window=window, notes=[note])
+        return Report(False, "none", bound, bound, admits, counter="size", window=window, notes=[note])
+
+    def _bounds(self, parsed: wire.Chat | wire.Prompt, report: Report, key: str) -> tuple[float, float]:
+        """How far the true size of what is sent can be from our count of it, for the verdict.
+
+        A count of each text is exact for the texts, not for how the server renders them: a
+        template may leave the tool definitions out (SmolLM2's does) and spend fewer tokens per
+        message than we allow. So the low bound leaves those out: what was surely sent is the
+        rest. Only the server's count of the whole request is exact as a whole."""
+        low, high = EXACT_BOUNDS if report.exact else self.calibration.bounds(key)
+        if report.counter == "backend" or not isinstance(parsed, wire.Chat) or report.final_tokens <= 0:
+            return low, high
+        conversation = parsed.conversation
+        rendered_maybe = self.estimate.tools(conversation.tools) + len(conversation.messages) * self.estimate.message_overhead
+        return low * max(report.final_tokens - rendered_maybe, 0) / report.final_tokens, high
 
     def _forbid_truncation(
         self, route: wire.Route, parsed: wire.Chat | wire.Prompt, report: Report, budget: Budget, bounds: tuple[float, float]
@@ -329,8 +348,14 @@ class Fitter:
             and bool(parsed.conversation.messages if isinstance(parsed, wire.Chat) else parsed.prompt)  # a load request has nothing to cut
         )
 
-    def _refuse(self, state: FlowState, overflow: wire.Overflow) -> Refuse:
-        report = Report(False, "refused", overflow.required, overflow.required, overflow.budget, window=overflow.window)
+    def _refuse(self, state: FlowState, overflow: wire.Overflow, counter: str) -> Refuse:
+        """Answer in the caller's convention, with one set of numbers everywhere: the request's
+        size, what the least of it needs, and the budget, as the counter that decided counted them."""
+        original = overflow.original if overflow.original is not None else overflow.required
+        report = Report(
+            False, "refused", original, 0, overflow.budget, counter=counter, exact=counter in EXACT_COUNTERS,
+            window=overflow.window, required_tokens=overflow.required,
+        )
         self._keep(state, report)
         state.local = True
         logger.info("%s refused: %s", state.route.name, overflow.message)
@@ -393,39 +418,50 @@ class Fitter:
         return calibrated, 0
 
     async def _ollama_model_file(self, backend: wire.Backend, model: str) -> str | None:
-        """The model's GGUF blob, when Ollama's Modelfile names one (asked once per model; the
-        services say whether this machine can read it)."""
-        key = (backend.url, model)
-        if key not in self.model_files:
-            show = await self.services.fetch("POST", backend.url + "/api/show", {"model": model}) if model else None
-            self.model_files.put(key, ollama_model_file(show))
-        return self.model_files.get(key)
+        """The model's GGUF blob, when Ollama's Modelfile names one (the services say whether this
+        machine can read it)."""
+        show = await self.windows.show(backend, model)
+        return show.model_file if show is not None else None
+
+    async def _exact_total(
+        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, sent: Mapping[str, Any], big: bool
+    ) -> int | None:
+        """llama-server's own count of a whole chat as it renders it (template, system blocks and
+        tools included); None where there is none (other backends, raw prompts, a failed call)."""
+        if backend.kind != wire.Kind.LLAMACPP or not isinstance(parsed, wire.Chat):
+            return None
+        path, counted = parsed.counted(sent)
+        return await self.services.counting.total(backend.url, counted, path=path, big=big)
 
     async def _verified(
-        self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend, big: bool, **fit: Any
+        self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend, big: bool, fit: Fit
     ) -> wire.Fitted:
-        """Check a llama-server chat against the server's exact count; refit if it is over.
+        """Check a compacted llama-server chat against the server's exact count; refit if it is over.
 
-        Our per-text counts are exact, but a shrunk text is estimated and a text can tokenize one
-        token differently inside the template: the server's total for the whole request is the
-        truth. A few rounds at most; each one tightens the budget by what the last one missed.
+        A shrunk text is estimated, and a text can tokenize a token differently inside the
+        template: the server's total for the whole request is the truth. A few rounds at most, each
+        one tightening the budget by what our count of the last one missed. A refit that cannot
+        keep what must be kept under the tightened budget is refused with numbers against the
+        budget the client is told.
         """
-        if fitted.report.counter != "backend" or not isinstance(parsed, wire.Chat):
-            return fitted
+        tightened = budget
         for _ in range(VERIFY_ROUNDS):
             sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
-            path, counted = parsed.counted(sent)
-            total = await self.services.counting.total(backend.url, counted, path=path, big=big)
+            total = await self._exact_total(backend, parsed, sent, big)
             if total is None:
                 fitted.report.exact = False
                 return fitted
-            if total <= budget.tokens:
+            if total <= (budget.tokens if fitted.body is not None else budget.admits):
                 fitted.report.final_tokens = total
                 if fitted.body is None:
                     fitted.report.original_tokens = total
                 return fitted
-            budget = Budget(budget.window, budget.reserve, budget.margin + total - budget.tokens)
-            fitted = await self._compact(parsed, budget, backend, big, verify=False, **fit)
+            miss = max(total - fitted.report.final_tokens, 1)
+            tightened = Budget(budget.window, budget.reserve, tightened.margin + miss)
+            try:
+                fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, tightened))
+            except BudgetTooSmall as e:
+                raise e.rescaled(budget.tokens) from None
         fitted.report.exact = False
         fitted.report.notes.append("the server's count could not be confirmed within the budget")
         return fitted
@@ -436,30 +472,42 @@ class Fitter:
         budget: Budget,
         backend: wire.Backend,
         big: bool,
-        verify: bool = True,
         digests: Mapping[str, str] | None = None,
         previous: Plan | None = None,
         guard: bool = False,
     ) -> wire.Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big.
 
+        Where the server counts whole requests (llama-server's chats), the decision rests on that
+        count: a request it would serve whole goes out unchanged, and otherwise the difference
+        between its count and ours is the template's real cost (a template that renders no tools
+        makes it negative), so what must be kept is priced as the server prices it.
+
         With `guard` (a route that cannot ask Ollama to refuse instead of cutting), an inexact
         count gets a budget its upper error bound still fits in, where what must be kept allows
-        it: a cut there cannot be undone, and the calibration soon narrows the bound."""
+        it: a cut there cannot be undone."""
         counter, fixed = await self.counter_for(backend, parsed, budget.tokens, big)
+        # an exact counter is only fetched for a request that may not fit: ask for the whole count too
+        whole = await self._exact_total(backend, parsed, parsed.body, big) if counter.exact else None
+        if whole is not None:
+            if whole <= budget.admits:
+                as_sent = Report(False, "none", whole, whole, budget.admits, counter="backend", exact=True, window=budget.window)
+                return wire.Fitted(None, as_sent)
+            fixed += whole - await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
         guarded = budget
         if guard and not counter.exact:
-            guarded = budget.within(self.calibration.bounds(calibration_key(backend, parsed.params.model))[1])
+            guarded = budget.within(self.calibration.guard(calibration_key(backend, parsed.params.model)))
         turns: dict[str, Any] = {}  # what only a chat has: turns, a last plan, holes to put digests in
         if isinstance(parsed, wire.Chat):
             previous = previous or self.plans.get(parsed.key)
             turns = {"keep_recent": self.settings.keep_recent, "previous": previous, "digests": digests}
-        fit = functools.partial(_fit_and_tell, functools.partial(parsed.fit, counter=counter, fixed_tokens=fixed, **turns))
+        fit = functools.partial(parsed.fit, counter=counter, fixed_tokens=fixed, **turns)
         while True:
             try:
-                fitted = await off_loop(big, functools.partial(fit, guarded.tokens))
+                fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, guarded))
                 break
             except BudgetTooSmall as e:
+                e.counter = "backend" if whole is not None else counter.name
                 if guarded == budget:
                     raise
                 # what must be kept needs more than the guard leaves: as close to the guard as it
@@ -472,9 +520,14 @@ class Fitter:
                 f"budget {guarded.tokens} of {budget.tokens}: the count is an estimate, and this route cannot ask "
                 "Ollama to refuse instead of cutting"
             )
-        if not verify:
+        if whole is None:
             return fitted
-        return await self._verified(parsed, fitted, budget, backend, big, digests=digests, previous=previous)
+        fitted.report.counter, fitted.report.original_tokens = "backend", whole
+        try:
+            return await self._verified(parsed, fitted, budget, backend, big, fit)
+        except BudgetTooSmall as e:
+            e.counter = "backend"
+            raise
 
     # -- digests of what was evicted ------------------------------------------------------------
 
@@ -557,7 +610,7 @@ class Fitter:
         try:
             fitted = await self._compact(parsed, budget, state.backend, big)
         except BudgetTooSmall as e:
-            return self._refuse(state, budget.impossible(e))
+            return self._refuse(state, budget.impossible(e), e.counter)
         if fitted.body is None:
             return None
         body = fitted.body
@@ -593,8 +646,10 @@ class Fitter:
 
         Ollama evaluating clearly fewer tokens than it was sent means it cut the prompt in silence:
         that is said in the report, the log and the metrics, under every policy. The same count
-        teaches the calibrated counter. Under policy off nothing is put on the wire (None). A count
-        the final record lacks may have come earlier in the stream (`counted`).
+        teaches the calibrated counter. Under policy off the answer is passed on as it came (None)
+        unless the server cut it: then the report goes on the wire all the same, in the
+        body or the stream's final record, so that no cut is silent under any policy. A count the
+        final record lacks may have come earlier in the stream (`counted`).
         """
         report = state.watched
         evaluated = state.route.evaluated(final) if isinstance(final, dict) else None
@@ -628,4 +683,4 @@ class Fitter:
             state.calibration = None
             whole = verdict.evaluation is Evaluation.WHOLE
             self.calibration.observe(key, round(sent / factor), evaluated, whole=whole)
-        return report.to_json() if on_wire else None
+        return report.to_json() if on_wire or report.upstream_truncated is not None else None

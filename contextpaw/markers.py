@@ -31,7 +31,7 @@ def hole_text(kinds: Mapping[str, int], tokens: int, marker_id: str, digest: str
     what = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in sorted(kinds.items()))
     return (
         f"{MARKER_PREFIX} {count} earlier message{'s' if count > 1 else ''} ({what}, "
-        f"{tokens:,} tokens) were removed here to fit the context window. That content is no "
+        f"{tokens:,} tokens) {'were' if count > 1 else 'was'} removed here to fit the context window. That content is no "
         f"longer visible to you: do not guess or invent what it said. If you need it, run the tool "
         f"again or ask for it (retrieval id {marker_id}).]"
     ) + (f"\n[ContextPaw summary of the removed messages (a digest, not the original text):\n{digest}\n]" if digest else "")

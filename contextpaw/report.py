@@ -32,9 +32,10 @@ class Removal:
 class Report:
     compacted: bool
     strategy: str
-    """none | evict | shrink | evict+shrink | head_tail | refused | passthrough"""
+    """none | evict | shrink | evict+shrink | head_tail | refused"""
     original_tokens: int
     final_tokens: int
+    """What was sent (0 for a refusal: nothing was)."""
     budget: int
     counter: str = "estimate"
     exact: bool = False
@@ -50,6 +51,8 @@ class Report:
     upstream_truncation_possible: Truncation | None = None
     """Set when the numbers cannot tell whether the server cut the prompt (an estimated count of a
     request ContextPaw did not change, near the window): said, never claimed."""
+    required_tokens: int | None = None
+    """For a refusal: what the least that may be sent would need (the whole request under strict)."""
     evicted: dict[str, Any] = field(default_factory=dict, repr=False)
     """marker id -> the content removed under it (messages or text), verbatim."""
     _rows: tuple[list[Removal], int, list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
@@ -69,10 +72,10 @@ class Report:
                 value = list(self.removal_rows())
             elif name in ("markers", "notes"):
                 value = list(value)
-            elif name in ("upstream_truncated", "upstream_truncation_possible"):
+            elif name in ("upstream_truncated", "upstream_truncation_possible", "required_tokens"):
                 if value is None:
                     continue
-                value = asdict(value)
+                value = asdict(value) if isinstance(value, Truncation) else value
             out[name] = value
         out["evicted_tokens"] = self.evicted_tokens
         return out
@@ -95,6 +98,8 @@ class Report:
                 "X-ContextPaw-Evicted-Tokens": str(self.evicted_tokens),
                 "X-ContextPaw-Budget": str(self.budget),
             }
+        if self.required_tokens is not None:
+            out["X-ContextPaw-Required-Tokens"] = str(self.required_tokens)
         if self.recovered_from_upstream_400:
             out["X-ContextPaw-Recovered"] = "upstream-400"
         return out

@@ -2,8 +2,8 @@
 
 The engine asks a counter for the cost of text, of a message (its text, images and the template's
 per-message overhead) and of the tool definitions. Counters here are pure and synchronous; counts that
-need the network (a backend's own tokenizer endpoint) are fetched by the shell and handed in as a
-`KnownCounts` layer, so the engine never does I/O.
+need the network (a backend's own tokenizer endpoint) are fetched by the shell beforehand and handed
+in as a `counting.BackendCounter`, so the engine never does I/O.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from contextpaw.conversation import Message
+
+EXACT_COUNTERS = frozenset({"backend", "tokenizer"})
+"""Counter names whose counts of a text are the model's own."""
 
 MESSAGE_OVERHEAD = 5
 """Template tokens around one message (ChatML spends 4-5: role header, separators, end token)."""

@@ -1,10 +1,17 @@
 """The budget: how many prompt tokens a request may send.
 
-budget = window - output reserve - template margin. The window is what the request asks for
-(Ollama's `num_ctx`), else what the backend reports, else the configured default; the reserve is the
-answer length the request asks for, else a default, never more than half the window so that a huge
-`max_tokens` cannot leave the prompt nothing. Window discovery is a `WindowSource`; `BackendWindows`
-asks the backend (`/props`, `/api/ps`, `/api/show`) through a fetch function the shell hands in.
+Two numbers, as the backends themselves decide. A prompt of up to `admits` tokens (the window less
+the template margin) goes out unchanged: neither llama-server nor Ollama holds the answer's length
+back from the prompt; they serve a prompt that fits and stop the answer when the window is full. A
+prompt that must be cut anyway is cut to `tokens` (the window less room for a real answer and the
+margin): the reserve is the smaller of what the request caps (`max_tokens`, `num_predict`) and the
+`contextpaw_output_reserve` option, and never more than half the window, so Claude Code's
+`max_tokens: 32000` takes no more than anyone's.
+
+The window is what the request asks for (Ollama's `num_ctx`), capped where the server caps it (the
+model's trained length from `/api/show`), else what the backend reports, else the configured
+default. Window discovery is a `WindowSource`; `BackendWindows` asks the backend (`/props`,
+`/api/ps`, `/api/show`) through a fetch function the shell hands in.
 """
 
 from __future__ import annotations
@@ -31,7 +38,13 @@ class Budget:
 
     @property
     def tokens(self) -> int:
+        """What a request that must be cut is cut to: room is left for the answer."""
         return max(self.window - self.reserve - self.margin, 0)
+
+    @property
+    def admits(self) -> int:
+        """The largest prompt that goes out unchanged: what the backend would serve whole."""
+        return max(self.window - self.margin, 0)
 
     def within(self, ratio: float) -> Budget:
         """The budget a count that may be `ratio` times too low still fits in."""
@@ -45,18 +58,22 @@ class Budget:
 
     def refusal(self, required: int) -> Overflow:
         """Policy strict: the request would have to be compacted."""
-        cause = f"the request needs {required} tokens but only {self.tokens} fit, and policy strict refuses to compact it"
-        return Overflow(required, self.tokens, self.window, cause)
+        cause = f"the request needs {required} tokens but only {self.admits} fit, and policy strict refuses to compact it"
+        return Overflow(required, self.admits, self.window, cause, required)
 
     def impossible(self, error: BudgetTooSmall) -> Overflow:
         """What must be kept does not fit, so no compaction can help."""
-        return Overflow(error.required, self.tokens, self.window, str(error))
+        error = error.rescaled(self.tokens) if error.budget != self.tokens else error
+        return Overflow(error.required, self.tokens, self.window, str(error), error.original)
 
 
 class WindowSource(Protocol):
-    """Where a backend's window comes from when the request does not name one."""
+    """Where a backend's window comes from when the request does not name one, and the cap the
+    server puts on a window the request names."""
 
     async def window(self, backend: Backend, model: str) -> int | None: ...
+
+    async def trained(self, backend: Backend, model: str) -> int | None: ...
 
 
 class NoDiscovery:
@@ -64,6 +81,27 @@ class NoDiscovery:
 
     async def window(self, backend: Backend, model: str) -> int | None:
         return None
+
+    async def trained(self, backend: Backend, model: str) -> int | None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class OllamaShow:
+    """What `/api/show` says of a model that sizing and counting need (the answer itself can be
+    hundreds of KB: template, license, tokenizer)."""
+
+    num_ctx: int | None
+    """The Modelfile's `PARAMETER num_ctx`."""
+    trained: int | None
+    """`<arch>.context_length`: Ollama caps every window there, a request's `num_ctx` included."""
+    model_file: str | None
+    """What the Modelfile's FROM names (a GGUF blob path, or a model name)."""
+
+    @classmethod
+    def read(cls, show: Any) -> OllamaShow:
+        configured, trained = ollama_show_windows(show)
+        return cls(configured, trained, ollama_model_file(show))
 
 
 Fetch = Callable[[str, str, dict[str, Any] | None], Awaitable[Any]]
@@ -104,38 +142,61 @@ class BackendWindows:
         self.miss_ttl = miss_ttl
         self.clock = clock
         self.ollama_default = ollama_default
-        self.known = SizedLRU(MAX_MODELS, MAX_NAME_BYTES, lambda key, _: len(key[0]) + len(key[1]) + 64)
-        """(backend URL, model) -> (when, the window or None); bounded, since model names are the client's."""
-        self._asking: dict[tuple[str, str], asyncio.Task[int | None]] = {}
+        self.known = SizedLRU(MAX_MODELS, MAX_NAME_BYTES, lambda key, _: len(key[1]) + len(key[2]) + 64)
+        """(what, backend URL, model) -> (when, the answer or None); bounded, since model names are
+        the client's. `what` is "window" (for requests without a window of their own) or "show"
+        (Ollama's `/api/show`, read into an `OllamaShow`)."""
+        self._asking: dict[tuple[str, str, str], asyncio.Task[Any]] = {}
         """Lookups under way: concurrent first requests for a model share one."""
 
     async def window(self, backend: Backend, model: str) -> int | None:
-        key = (backend.url, model)
-        cached = self.known.get(key)
-        if cached is not None and self.clock() - cached[0] < (self.ttl if cached[1] is not None else self.miss_ttl):
-            return cached[1]
+        lookup = self._llamacpp if backend.kind == Kind.LLAMACPP else functools.partial(self._ollama, model=model)
+        return await self._once(("window", backend.url, model), functools.partial(lookup, backend))
+
+    async def show(self, backend: Backend, model: str) -> OllamaShow | None:
+        """Ollama's `/api/show` for `model`, read once per `ttl`."""
+        if not model or backend.kind != Kind.OLLAMA:
+            return None
+
+        async def ask() -> OllamaShow | None:
+            answer = await self.fetch("POST", backend.url + "/api/show", {"model": model})
+            return OllamaShow.read(answer) if answer is not None else None
+
+        return await self._once(("show", backend.url, model), ask)
+
+    async def trained(self, backend: Backend, model: str) -> int | None:
+        show = await self.show(backend, model)
+        return show.trained if show is not None else None
+
+    async def _once(self, key: tuple[str, str, str], lookup: Callable[[], Awaitable[Any]]) -> Any:
+        """The cached answer, or one lookup shared by everyone who asks meanwhile."""
+        known, value = self._cached(key)
+        if known:
+            return value
         task = self._asking.get(key)
         if task is None:
-            lookup = self._llamacpp(backend) if backend.kind == Kind.LLAMACPP else self._ollama(backend, model)
-            task = self._asking[key] = asyncio.ensure_future(lookup)
+            task = self._asking[key] = asyncio.ensure_future(lookup())
             task.add_done_callback(functools.partial(self._found, key))
         return await asyncio.shield(task)  # a request that goes away leaves the lookup to the others
 
     def cached(self, backend: Backend, model: str) -> tuple[bool, int | None]:
         """(whether it is known now, the window or None for a miss), without asking anything."""
-        cached = self.known.get((backend.url, model))
+        return self._cached(("window", backend.url, model))
+
+    def _cached(self, key: tuple[str, str, str]) -> tuple[bool, Any]:
+        cached = self.known.get(key)
         if cached is None or self.clock() - cached[0] >= (self.ttl if cached[1] is not None else self.miss_ttl):
             return False, None
         return True, cached[1]
 
-    def _found(self, key: tuple[str, str], task: asyncio.Task[int | None]) -> None:
+    def _found(self, key: tuple[str, str, str], task: asyncio.Task[Any]) -> None:
         del self._asking[key]
         if not task.cancelled() and task.exception() is None:
             self.known.put(key, (self.clock(), task.result()))
 
     def learn(self, backend: Backend, model: str, window: int) -> None:
         """A window the server itself named for requests without `num_ctx` (the `n_ctx` of its 400)."""
-        self.known.put((backend.url, model), (self.clock(), window))
+        self.known.put(("window", backend.url, model), (self.clock(), window))
 
     async def _llamacpp(self, backend: Backend) -> int | None:
         return llamacpp_window(await self.fetch("GET", backend.url + "/props", None))
@@ -143,7 +204,8 @@ class BackendWindows:
     async def _ollama(self, backend: Backend, model: str) -> int | None:
         if not model:
             return None
-        configured, trained = ollama_show_windows(await self.fetch("POST", backend.url + "/api/show", {"model": model}))
+        show = await self.show(backend, model) or OllamaShow(None, None, None)
+        configured, trained = show.num_ctx, show.trained
         if configured is None and self.ollama_default:
             configured = self.ollama_default
         if configured is not None:
@@ -209,18 +271,21 @@ class Budgeter:
         self.margin = margin
         self.source: WindowSource = source or NoDiscovery()
 
-    def floor(self, window: int) -> int:
-        """The least budget any request gets in `window`, whatever answer length it asks for."""
-        return Budget(window, window // 2, min(self.margin, window // 8)).tokens
+    def admits(self, window: int) -> int:
+        """The largest prompt that goes out unchanged in `window`, whatever answer length it asks for."""
+        return Budget(window, 0, min(self.margin, window // 8)).admits
 
     async def budget(self, backend: Backend, params: Params) -> Budget:
-        window = params.num_ctx or await self.source.window(backend, params.model) or self.default_ctx
-        return self.for_window(window, params)
+        if params.num_ctx is not None:
+            trained = await self.source.trained(backend, params.model)
+            return self.for_window(min(params.num_ctx, trained) if trained else params.num_ctx, params)
+        return self.for_window(await self.source.window(backend, params.model) or self.default_ctx, params)
 
     def for_window(self, window: int, params: Params) -> Budget:
-        """The answer's reserve takes at most half the window, the margin at most an eighth: a tiny
-        window (`num_ctx` 128 and below) still holds a short prompt."""
-        reserve = min(params.max_output or self.reserve, window // 2)
+        """The answer's reserve is the smaller of the request's cap and the configured reserve, and
+        at most half the window; the margin at most an eighth: a tiny window (`num_ctx` 128 and
+        below) still holds a short prompt."""
+        reserve = min(params.max_output or self.reserve, self.reserve, window // 2)
         return Budget(window, reserve, min(self.margin, window // 8))
 
     def after_upstream_overflow(self, error: UpstreamOverflow, counted: int, params: Params) -> Budget:

@@ -210,10 +210,18 @@ async def test_a_cut_ollama_made_is_flagged_and_a_whole_evaluation_is_not() -> N
     assert f.stats.counts["upstream_truncated"] == 1
 
 
-async def test_under_policy_off_the_report_is_checked_but_never_put_on_the_wire() -> None:
+async def test_under_policy_off_a_whole_evaluation_is_passed_on_as_it_came() -> None:
     f, s = fitter(policy="off"), state(chat(turns=1))
     await f.fit(s)
-    assert f.final_report(s, {"done": True, "prompt_eval_count": 10}) is None
+    assert s.observed is not None
+    assert f.final_report(s, {"done": True, "prompt_eval_count": s.observed.final_tokens}) is None
+
+
+async def test_under_policy_off_a_cut_puts_the_report_on_the_wire_all_the_same() -> None:
+    f, s = fitter(policy="off"), state(chat(turns=1))
+    await f.fit(s)
+    value = f.final_report(s, {"done": True, "prompt_eval_count": 10})
+    assert value is not None and value["upstream_truncated"]["evaluated_tokens"] == 10
 
 
 async def test_a_small_llama_server_request_is_counted_without_asking_the_server() -> None:
@@ -339,7 +347,7 @@ async def test_a_small_request_is_proved_to_fit_by_its_size_without_being_parsed
     "body",
     [
         {"model": "m", "messages": [{"role": "user", "content": "hello"}], "options": {"num_ctx": 64}},  # its own window
-        {"model": "m", "messages": [{"role": "user", "content": "x " * 900}]},  # near a 4096 window's floor
+        {"model": "m", "messages": [{"role": "user", "content": "x " * 1900}]},  # near what a 4096 window admits
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"model": "other"}]},  # two "model"s
     ],
 )

@@ -208,8 +208,16 @@ async def test_budget_prefers_the_request_over_the_default() -> None:
     assert (await BUDGETER.budget(backend, Params("m", True))).window == 4096
 
 
-def test_a_huge_answer_limit_takes_at_most_half_the_window() -> None:
-    assert BUDGETER.for_window(4096, Params("m", False, max_output=100_000)).reserve == 2048
+def test_a_huge_answer_limit_reserves_no_more_than_the_configured_reserve() -> None:
+    # Claude Code and opencode send max_tokens 32000: that is a cap on the answer, not a reservation
+    assert BUDGETER.for_window(12000, Params("m", True, max_output=32000)).reserve == 1024
+    assert BUDGETER.for_window(1024, Params("m", False, max_output=100_000)).reserve == 512
+
+
+def test_a_prompt_the_backend_serves_whole_is_admitted_whatever_answer_length_it_asks_for() -> None:
+    budget = BUDGETER.for_window(8192, Params("m", True, max_output=32000))
+    assert budget.admits == 8192 - 64  # the backends hold nothing back for max_tokens
+    assert budget.tokens == 8192 - 1024 - 64  # but a prompt that must be cut anyway leaves room for an answer
 
 
 def test_retry_budget_shrinks_when_the_backend_counted_more_than_we_did() -> None:
@@ -223,7 +231,8 @@ def test_retry_budget_shrinks_when_the_backend_counted_more_than_we_did() -> Non
 def test_refusals_carry_the_budget_numbers() -> None:
     budget = BUDGETER.for_window(4096, Params("m", False, max_output=96))
     strict = budget.refusal(9000)
-    assert (strict.required, strict.budget, strict.window) == (9000, 4096 - 96 - 64, 4096)
+    # strict refuses what the backend would not serve whole: the answer's reserve is not held back
+    assert (strict.required, strict.budget, strict.window) == (9000, 4096 - 64, 4096)
     assert "policy strict" in strict.message
     impossible = budget.impossible(BudgetTooSmall(5000, budget.tokens, "the system prompt"))
     assert impossible.required == 5000 and "the system prompt need 5000" in impossible.message

@@ -142,6 +142,7 @@ class Chat:
         previous: Plan | None,
         fixed_tokens: int = 0,
         digests: Mapping[str, str] | None = None,
+        admit: int | None = None,
     ) -> Fitted:
         result = compact_chat(
             self.conversation,
@@ -151,9 +152,16 @@ class Chat:
             previous=previous,
             fixed_tokens=fixed_tokens + (counter.text(self.fixed_text) if self.fixed_text else 0),
             digests=digests,
+            admit=admit,
         )
         body = None if result.messages is None else write(self.body, messages=result.messages)
         return Fitted(body, result.report, result.plan)
+
+    def tokens(self, counter: Counter, fixed_tokens: int = 0) -> int:
+        """The whole request as `counter` counts it, as `fit` does before cutting anything."""
+        conversation = self.conversation
+        fixed = fixed_tokens + (counter.text(self.fixed_text) if self.fixed_text else 0) + counter.tools(conversation.tools)
+        return fixed + sum(counter.message(m) for m in conversation.messages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +181,9 @@ class Prompt:
     def texts(self) -> list[str]:
         return [self.prompt, self.fixed_text]
 
-    def fit(self, budget: int, counter: Counter, *, fixed_tokens: int = 0) -> Fitted:
+    def fit(self, budget: int, counter: Counter, *, fixed_tokens: int = 0, admit: int | None = None) -> Fitted:
         fixed = fixed_tokens + counter.text(self.fixed_text) + self.images * counter.image_tokens
-        result = compact_prompt(self.prompt, budget, counter, fixed_tokens=fixed)
+        result = compact_prompt(self.prompt, budget, counter, fixed_tokens=fixed, admit=admit)
         return Fitted(None if result.prompt is None else write(self.body, prompt=result.prompt), result.report)
 
 
@@ -188,6 +196,8 @@ class Overflow:
     window: int
     cause: str
     """A sentence with the numbers: why the request cannot be sent as it is."""
+    original: int | None = None
+    """The whole request's size, when it was counted (for a strict refusal it is `required`)."""
 
     @property
     def message(self) -> str:
