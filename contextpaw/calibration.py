@@ -27,9 +27,6 @@ MAX_KEYS = 256
 """(backend kind, model) pairs whose calibration is kept."""
 MIN_SAMPLE_TOKENS = 200
 SAFETY = 1.03
-GUARD_SAMPLES = 3
-GUARD_CALIBRATED = 1.1
-"""With this many samples learned, a calibrated count is trusted for fitting to within this ratio."""
 OUTLIER = 2.5
 """A ratio this many times the median of the window is refused as an outlier."""
 
@@ -82,17 +79,6 @@ class Calibration:
         learning sharpens the count but never narrows what it may be off by."""
         factor = self.factor(key)
         return ESTIMATE_BOUNDS[0] / factor, ESTIMATE_BOUNDS[1] / factor
-
-    def guard(self, key: str) -> float:
-        """How far a calibrated count may be too low, for fitting where a cut cannot be undone.
-
-        Not the verdict's bound: once a few samples were learned, the factor is already the largest
-        ratio seen (with a margin), so the estimate's full width is no reason to evict what the
-        calibrated count shows fits. Before that, the estimate's own upper bound."""
-        ratios = self.ratios.get(key)
-        if ratios is not None and len(ratios) >= GUARD_SAMPLES:
-            return GUARD_CALIBRATED
-        return ESTIMATE_BOUNDS[1] / self.factor(key)
 
     def observe(self, key: str, estimated: int, reported: int | None, *, whole: bool, cached: bool = False) -> Verdict:
         """Learn from one response; `estimated` is the base counter's count of what was sent, and

@@ -51,7 +51,7 @@ turns then append to the cached prefix instead of each cutting it anew."""
 MARKER_SLACK = 4
 """Tokens allowed for a marker's real id tokenizing differently from the placeholder it was sized with."""
 
-SHRINK_ROUNDS = 4
+SHRINK_ROUNDS = 8
 """Passes over the protected messages before a fit is given up as impossible."""
 
 PLACEHOLDER_ID = "cp-" + "0" * 12
@@ -228,7 +228,7 @@ class _ChatCompaction:
         report = _as_sent(self.fixed + self.kept, self.budget, self.counter)
         pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
         if pinned > self.budget:
-            raise BudgetTooSmall(pinned, self.budget, "the system prompt and tool definitions", report.original_tokens, self.counter)
+            raise self.too_small("the system prompt and tool definitions")
 
         sticky = {u for u in self.evictable if u.key in self.previous.evicted}
         for unit in sticky:
@@ -366,9 +366,24 @@ class _ChatCompaction:
             if not gave:
                 break
         if self.total() > self.budget:
-            raise BudgetTooSmall(
-                self.total(), self.budget, "the task, the recent messages and the markers", self.fixed + sum(self.cost), self.counter
-            )
+            self.least()  # the last resort: what the rounds did not reach may still fit
+        if self.total() > self.budget:
+            raise self.too_small("the task, the recent messages and the markers")
+
+    def least(self) -> None:
+        """Cut to the least this request can be: everything evictable gone, every protected message
+        at its floor."""
+        for unit in self.evictable:
+            if unit not in self.evicted:
+                self.evict(unit)
+        for i in (i for u in self.protected for i in u.indices if self.msgs[i].content_text):
+            while self.shrink(i, self.size(i)):
+                pass
+
+    def too_small(self, what: str) -> BudgetTooSmall:
+        """The refusal, naming the least this request can be cut to, so a budget of that much fits it."""
+        self.least()
+        return BudgetTooSmall(self.total(), self.budget, what, self.fixed + sum(self.cost), self.counter)
 
     def shrink(self, i: int, over: int) -> bool:
         """Cut message `i`'s text middle-out by `over` more tokens (to no less than the floor);
@@ -381,8 +396,8 @@ class _ChatCompaction:
         floor = SHRINK_FLOOR + self.counter.text(elision_text(own, text.count("\n"), PLACEHOLDER_ID))
         target = max(floor, now - over)
         remembered = self.previous.shrunk.get(self.unit_of[i].key)
-        if current is None and remembered is not None and floor <= remembered.target <= target:
-            cut = remembered  # the same cut as last turn: the same text, the same cache
+        if current is None and remembered is not None and self.counter.text(remembered.apply(text, PLACEHOLDER_ID)) <= target:
+            cut = remembered  # the same cut as last turn, while it fits: the same text, the same cache
         elif target >= now:
             return False
         else:

@@ -265,7 +265,12 @@ class Fitter:
         try:
             fitted = await self._compact(parsed, budget, state.backend, big, guard=_uncapped(state))
         except BudgetTooSmall as e:
-            return UNCHANGED if policy == "off" else self._refuse(state, budget.impossible(e), e.counter)
+            if policy != "off":
+                return self._refuse(state, budget.impossible(e), e.counter)
+            # nothing would fit, and it goes as it came: the verdict still needs its size
+            size = e.original if e.original is not None else e.required
+            as_sent = Report(False, "none", size, size, budget.admits, counter=e.counter, exact=e.counter in EXACT_COUNTERS, window=budget.window)
+            fitted = wire.Fitted(None, as_sent)
         report = fitted.report
         self.stats.add("original_tokens", report.original_tokens)
         key = calibration_key(state.backend, parsed.params.model)
@@ -496,7 +501,7 @@ class Fitter:
             fixed += whole - await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
         guarded = budget
         if guard and not counter.exact:
-            guarded = budget.within(self.calibration.guard(calibration_key(backend, parsed.params.model)))
+            guarded = budget.within(self.calibration.bounds(calibration_key(backend, parsed.params.model))[1])
         turns: dict[str, Any] = {}  # what only a chat has: turns, a last plan, holes to put digests in
         if isinstance(parsed, wire.Chat):
             previous = previous or self.plans.get(parsed.key)

@@ -428,3 +428,114 @@ def test_room_whole_units_cannot_use_is_filled_with_a_shrunk_one(budget):
     result = compact_chat(Conversation.from_wire(msgs), budget, COUNTER)
     assert 0.95 * budget <= result.report.final_tokens <= budget
     check_pairing(result.messages)
+
+
+# -- a fit never ends a few tokens short; cuts and markers read the same next turn ------------------
+
+
+class JoinedTextCounter(EstimateCounter):
+    """Counts texts it was shown exactly (as llama-server's per-text counts are) and any other text
+    at a denser rate, as `BackendCounter` estimates a text it has not seen: a message whose parts
+    are joined, or whose content was shrunk, costs more than its parts did. A message's cost then
+    does not fall as far as its shrunk text's, which a single shrinking pass assumes it does."""
+
+    def __init__(self, seen: set[str]) -> None:
+        super().__init__(4.0)
+        self.seen = seen
+        self.dense = EstimateCounter(2.5)
+
+    def text(self, text: str) -> int:
+        return super().text(text) if text in self.seen else self.dense.text(text)
+
+
+@st.composite
+def recent_heavy(draw: st.DrawFn) -> list[dict]:
+    """A task, a short history, and recent messages of several text parts, one of them huge."""
+    line = draw(st.sampled_from(["log line 42 ok", "def f(x): return x", "データ 12", "{\"k\": [1, 2]}"]))
+    msgs: list[dict] = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "TASK: fix it"}]
+    for n in range(draw(st.integers(0, 6))):
+        msgs.append({"role": "assistant" if n % 2 == 0 else "user", "content": f"turn {n} " * draw(st.integers(1, 200))})
+    for _ in range(draw(st.integers(1, 4))):
+        parts = [{"type": "text", "text": (line + "\n") * draw(st.integers(1, 800))} for _ in range(draw(st.integers(1, 3)))]
+        msgs.append({"role": "user", "content": parts})
+        msgs.append({"role": "assistant", "content": "ok " * draw(st.integers(1, 50))})
+    msgs.append({"role": "user", "content": [{"type": "text", "text": (line + "\n") * draw(st.integers(1, 1500))}]})
+    return msgs
+
+
+def seen_texts(msgs: list[dict]) -> set[str]:
+    parsed = [Message.from_wire(m) for m in msgs]
+    return {t for m in parsed for t in (m.text, m.content_text)}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recent_heavy(), st.floats(0.02, 0.9), st.integers(1, 6))
+def test_a_refusal_names_a_need_that_would_fit_and_every_fit_is_within_the_budget(msgs, fraction, keep_recent):
+    counter = JoinedTextCounter(seen_texts(msgs))
+    conv = Conversation.from_wire(msgs)
+    budget = max(1, int(sum(counter.message(m) for m in conv.messages) * fraction))
+    try:
+        result = compact_chat(conv, budget, counter, keep_recent=keep_recent)
+    except BudgetTooSmall as e:
+        assert e.required > budget
+        # no refusal a little more shrinking would have avoided: the need it names is enough
+        enough = compact_chat(conv, e.required, counter, keep_recent=keep_recent)
+        assert enough.report.final_tokens <= e.required
+        return
+    assert result.report.final_tokens <= budget
+
+
+def grow(msgs: list[dict], t: int) -> list[dict]:
+    return msgs[:-1] + [
+        {"role": "assistant", "content": f"step {t}"},
+        {"role": "user", "content": "Status?"},
+    ]
+
+
+def test_a_shrunk_message_is_cut_at_the_same_characters_next_turn_though_the_count_moved():
+    """Calibration moves between turns; a cut kept by its token target would land a line earlier
+    or later, and the server would evaluate everything after it again."""
+    msgs = agent_loop(12, dump_lines=40)
+    msgs.insert(-1, {"role": "assistant", "content": None, "tool_calls": [{"id": "big", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]})
+    msgs.insert(-1, {"role": "tool", "tool_call_id": "big", "content": "".join(f"log line {n}\n" for n in range(6000))})
+    turn1 = compact_chat(Conversation.from_wire(msgs), 5000, COUNTER, keep_recent=6)
+    moved = EstimateCounter(3.4)  # the next turn's counter counts about 6 % less: the old cut still fits
+    turn2 = compact_chat(Conversation.from_wire(grow(msgs, 1)), 5000, moved, keep_recent=6, previous=turn1.plan)
+    big1 = next(m for m in turn1.messages if m.get("tool_call_id") == "big")
+    big2 = next(m for m in turn2.messages if m.get("tool_call_id") == "big")
+    assert MARKER_PREFIX in big1["content"] and big2["content"] == big1["content"]
+    assert turn2.report.final_tokens <= 5000
+
+
+def test_a_markers_text_is_written_once_and_reused_byte_for_byte_while_the_count_moves():
+    msgs = agent_loop(30, dump_lines=20)
+    budget = int(sent_tokens(msgs, None) * 0.5)
+    turn1 = compact_chat(Conversation.from_wire(msgs), budget, COUNTER)
+    turn2 = compact_chat(Conversation.from_wire(grow(msgs, 1)), budget, EstimateCounter(3.4), previous=turn1.plan)
+    first_marker = next(i for i, m in enumerate(turn1.messages) if MARKER_PREFIX in json.dumps(m))
+    assert turn2.messages[: first_marker + 1] == turn1.messages[: first_marker + 1]
+    assert turn1.plan.notes and set(turn1.plan.notes) <= set(turn2.plan.notes)
+
+
+def test_one_removed_message_is_said_in_the_singular():
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "TASK"},
+        {"role": "assistant", "content": "", "thinking": "old " * 2000},  # nothing to shrink: it goes whole
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+        {"role": "user", "content": "now?"},
+    ]
+    result = compact_chat(Conversation.from_wire(msgs), 300, COUNTER, keep_recent=5)
+    assert "1 earlier message (1 assistant message, " in json.dumps(result.messages) and ") was removed here" in json.dumps(result.messages)
+
+
+def test_a_conversation_the_backend_admits_whole_is_not_cut_to_leave_room_for_the_answer():
+    msgs = agent_loop(10, dump_lines=20)
+    total = sent_tokens(msgs, None)
+    result = compact_chat(Conversation.from_wire(msgs), total - 500, COUNTER, admit=total)
+    assert result.messages is None and result.report.budget == total
+    cut = compact_chat(Conversation.from_wire(msgs), total - 500, COUNTER, admit=total - 1)
+    assert cut.messages is not None and cut.report.final_tokens <= total - 500

@@ -366,3 +366,172 @@ async def test_with_discovery_a_window_not_known_yet_takes_the_full_path() -> No
     again = state({"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": False}, OPENAI, OLLAMA)
     await f.fit(again)
     assert again.report is not None and again.report.counter == "size", "the first request's lookup is cached"
+
+
+# -- serve what the backend serves: the whole-request count decides --------------------------------
+
+
+def tokens_of(text: str) -> int:
+    return (len(text.encode()) + 3) // 4
+
+
+class ToolBlindCounting:
+    """A llama-server whose chat template renders no tool definitions (SmolLM2's does not): each
+    text counts a token per 4 bytes, and its count of a whole request leaves the tools out. The
+    whole counts of bodies holding `costly` are `extra` tokens higher than the parts suggest (a
+    text tokenizes differently inside the template)."""
+
+    def __init__(self, costly: str = "\x00", extra: int = 0) -> None:
+        self.totals = 0
+        self.costly, self.extra = costly, extra
+
+    async def counter(
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
+    ) -> tuple[Counter, int] | None:
+        from contextpaw.counting import BackendCounter
+
+        return BackendCounter({t: tokens_of(t) for t in texts if t}, fallback, per_message=4), 8
+
+    async def total(self, base_url: str, body: Mapping[str, Any], path: str = "", big: bool = False) -> int | None:
+        from contextpaw.conversation import Message
+        from contextpaw.wire.anthropic import system_text
+
+        self.totals += 1
+        messages = [Message.from_wire(m) for m in body.get("messages", [])]
+        whole = 8 + tokens_of(system_text(body.get("system"))) + sum(4 + tokens_of(m.text) for m in messages)
+        return whole + (self.extra if self.costly in json.dumps(body) else 0)
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def with_counting(f: Fitter, counting: Any) -> Fitter:
+    f.services.counting = counting
+    return f
+
+
+TOOLS = [{"name": f"tool{n}", "description": "does things " * 220, "input_schema": {"type": "object", "properties": {}}} for n in range(12)]
+
+
+def claude_code(history: int = 0) -> dict[str, Any]:
+    """Claude Code's first request, shaped as recorded: three system blocks, an environment block
+    as a system message inside `messages`, 12 tools, max_tokens 32000."""
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "say hi"}]},
+        {"role": "system", "content": [{"type": "text", "text": "<env>\n" + "cwd: /work\n" * 800 + "</env>", "cache_control": {"type": "ephemeral"}}]},
+    ]
+    for n in range(history):
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": f"step {n} " + "output line\n" * 300}]})
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"go on {n}"}]})
+    system = [{"type": "text", "text": "You are Claude Code. " * 20}, {"type": "text", "text": "Rules. " * 400, "cache_control": {"type": "ephemeral"}}]
+    return {"model": "m", "max_tokens": 32000, "stream": True, "system": system, "messages": messages, "tools": TOOLS}
+
+
+async def test_a_request_llama_server_would_serve_whole_is_forwarded_though_our_per_text_count_overflows() -> None:
+    """Claude Code's "say hi" on `-c 8192`: counted text by text (tools as JSON) it needs more
+    than the window, but the server renders no tools and serves it whole."""
+    f = with_counting(fitter(default_ctx=8192, discover_window=False), ToolBlindCounting())
+    s = state(claude_code(), MESSAGES, LLAMACPP)
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is not None and not s.report.compacted and s.report.counter == "backend" and s.report.exact
+    parsed = MESSAGES.read(s.original)
+    counter, fixed = await f.services.counting.counter("", parsed.texts, f.estimate, chat=True, has_system=True)
+    assert s.report.original_tokens < 8192 - 64 < parsed.tokens(counter, fixed), "text by text it would not fit"
+
+
+async def test_an_overflowing_request_is_fitted_as_the_server_counts_it_not_refused_for_its_tools() -> None:
+    f = with_counting(fitter(default_ctx=12000, discover_window=False), ToolBlindCounting())
+    s = state(claude_code(history=20), MESSAGES, LLAMACPP)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted and decision.body is not None
+    report = s.report
+    assert report is not None and report.counter == "backend" and report.exact
+    assert report.budget == 12000 - 1024 - 64, "max_tokens 32000 reserves no more than the configured reserve"
+    assert report.final_tokens <= report.budget < report.original_tokens
+    assert await f.services.counting.total("", json.loads(decision.body)) == report.final_tokens
+
+
+async def test_a_fit_the_servers_count_finds_a_few_tokens_over_is_cut_further_not_refused() -> None:
+    """opencode's case: the exact re-check lands a fit over the budget; shrinking a little more
+    fits, so there is no 413."""
+    body = {
+        "model": "m", "max_tokens": 32000, "stream": True,
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "You are opencode."}]},
+            {"role": "user", "content": [{"type": "text", "text": "read the log"}]},
+            {"role": "user", "content": [{"type": "text", "text": "log line\n" * 6000}]},
+        ],
+        "tools": [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}],
+    }  # fmt: skip
+    f = with_counting(fitter(default_ctx=12000, discover_window=False), ToolBlindCounting(costly="[ContextPaw:", extra=40))
+    s = state(body, OPENAI, LLAMACPP)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted, s.report
+    assert s.report is not None and s.report.final_tokens <= s.report.budget and s.report.exact
+
+
+async def test_a_refusal_states_one_set_of_numbers_in_its_message_body_and_headers() -> None:
+    body = claude_code()
+    body["system"] = [{"type": "text", "text": "Rules. " * 12000}]
+    f = with_counting(fitter(default_ctx=8192, discover_window=False), ToolBlindCounting())
+    s = state(body, MESSAGES, LLAMACPP)
+    decision = await f.fit(s)
+    assert isinstance(decision, Refuse) and decision.status == 400
+    answer = json.loads(decision.body)
+    report = answer["contextpaw"]
+    need, budget = (int(n) for n in answer["error"]["message"].removeprefix("prompt is too long: ").split(" tokens > ")[0:1] + [answer["error"]["message"].split(" > ")[1].split()[0]])
+    assert (need, budget) == (report["required_tokens"], report["budget"])
+    assert s.headers["X-ContextPaw-Budget"] == str(budget) and s.headers["X-ContextPaw-Required-Tokens"] == str(need)
+    assert report["original_tokens"] > report["final_tokens"] == 0 and report["counter"] == "backend" and report["exact"]
+    assert report["original_tokens"] == await f.services.counting.total("", body)
+
+
+# -- the window is the one the server uses -----------------------------------------------------------
+
+
+class ShowingServices(FakeServices):
+    """An Ollama whose model was trained for 1024 tokens: it caps every window there."""
+
+    async def fetch(self, method: str, url: str, body: dict[str, Any] | None) -> Any:
+        self.fetched.append((method, url))
+        if url.endswith("/api/show"):
+            return {"model_info": {"general.architecture": "llama", "llama.context_length": 1024}, "parameters": ""}
+        return None
+
+
+def showing(**settings: Any) -> Fitter:
+    f = fitter(**settings)
+    f.services = ShowingServices()
+    f.windows.fetch = f.services.fetch
+    f.configure(f.settings)
+    return f
+
+
+async def test_a_num_ctx_above_the_trained_length_is_fitted_to_the_trained_length() -> None:
+    """aider asks for 1.25 x its count + 8192, whatever the model was trained for."""
+    f, s = showing(), state(chat(turns=3, num_ctx=12000))
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted
+    assert s.report is not None and s.report.window == 1024 and s.report.final_tokens <= s.report.budget < 1024
+
+
+async def test_under_policy_off_a_cut_at_the_trained_length_is_flagged() -> None:
+    f, s = showing(policy="off"), state(chat(turns=3, num_ctx=12000))
+    assert await f.fit(s) == UNCHANGED
+    value = f.final_report(s, {"done": True, "prompt_eval_count": 321})
+    assert s.observed is not None and s.observed.window == 1024
+    assert value is not None and value["upstream_truncated"]["num_ctx"] == 1024
+
+
+# -- a verdict never takes an estimate of the rendered prompt for a lower bound ----------------------
+
+
+async def test_a_whole_evaluation_of_a_template_that_renders_no_tools_is_not_called_a_cut() -> None:
+    route = wire.route_for(wire.Kind.OLLAMA, "POST", "/v1/messages")
+    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hello " * 150}], "tools": TOOLS}
+    f, s = fitter(policy="off", default_ctx=4096), state(body, route, OLLAMA)
+    await f.fit(s)
+    assert s.observed is not None and s.sent_tokens is not None
+    rendered = 200  # the message alone: the template left the tools out
+    f.final_report(s, {"type": "message_delta", "usage": {"input_tokens": rendered, "output_tokens": 3}}, rendered)
+    assert s.observed.upstream_truncated is None

@@ -16,23 +16,27 @@ from support.backends import Backend, start_module
 
 SERVER_DEFAULT = 2048
 """The fake's window for requests without num_ctx; ContextPaw is not told (its default is 4096)."""
+TRAINED = 2048
+"""The model's trained length: the server caps any window there, the client's num_ctx included."""
+OVERSIZED = 4 * TRAINED
+"""What aider asks for (1.25 x its count + 8192): more than the model was trained for."""
 
 
 @pytest.fixture(scope="module")
 def cutting(workdir: Path) -> Iterator[Backend]:
-    args = ["--n-ctx", str(SERVER_DEFAULT), "--model", "fake"]
+    args = ["--n-ctx", str(SERVER_DEFAULT), "--train-ctx", str(TRAINED), "--model", "fake"]
     with start_module("support.fake_ollama", args, "/", workdir / "never-silent-ollama.log") as backend:
         yield backend
 
 
 @pytest.fixture(scope="module")
 def outcomes(cutting: Backend, tmp_path_factory: pytest.TempPathFactory) -> list[matrix.Outcome]:
-    cases = list(matrix.cases(shapes=("dense", "tools"), sizes=(300, 3000)))
+    cases = list(matrix.cases(shapes=("dense", "tools"), sizes=(300, 3000), windows=(None, OVERSIZED)))
     return matrix.measure(cutting.url, "fake", tmp_path_factory.mktemp("never-silent"), cases, [])
 
 
 def test_no_cut_is_missed_and_no_whole_evaluation_is_flagged(outcomes: list[matrix.Outcome]) -> None:
-    assert len(outcomes) >= 240
+    assert len(outcomes) >= 336
     assert [o.case for o in outcomes if o.missed] == []
     assert [o.case for o in outcomes if o.false_alarm] == []
     assert sum(o.cut for o in outcomes) > 0, "the matrix must contain cuts to catch"
@@ -56,3 +60,17 @@ def test_cold_v1_requests_are_fitted_to_the_servers_own_default(outcomes: list[m
     """Cold, ContextPaw would assume 4096; the server uses 2048 for /v1 and must not cut."""
     cold_v1 = [o for o in outcomes if o.case.cold and o.case.route.startswith("/v1") and o.case.policy == "compact"]
     assert cold_v1 and not any(o.cut for o in cold_v1) and all(o.status == 200 for o in cold_v1)
+
+
+def test_a_cut_is_told_to_the_client_under_every_policy_streamed_or_not(outcomes: list[matrix.Outcome]) -> None:
+    """Under policy off a stream's headers are gone before the count arrives: the final record says it."""
+    streamed_off = [o for o in outcomes if o.cut and o.case.stream and o.case.policy == "off"]
+    assert streamed_off, "the matrix must hold streamed cuts under policy off"
+    assert any(o.told for o in streamed_off)
+    assert [o.case for o in outcomes if o.cut and not (o.told or o.warned)] == []
+
+
+def test_a_window_above_the_trained_length_is_fitted_to_what_the_server_uses(outcomes: list[matrix.Outcome]) -> None:
+    oversized = [o for o in outcomes if o.case.num_ctx == OVERSIZED]
+    assert oversized and not any(o.cut for o in oversized if o.case.policy != "off")
+    assert all(o.told for o in oversized if o.cut)

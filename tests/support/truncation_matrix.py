@@ -3,9 +3,13 @@ an Ollama (the fake, or the simulator on a real llama-server), each checked agai
 own record of whether it cut the prompt (`GET /_fake/last`).
 
 A response is *flagged* when ContextPaw's `upstream_truncated` count went up for it (that count
-moves under every policy, streamed or not), and *warned* when `upstream_truncation_possible` did
-(the numbers could not tell); *missed* when the backend cut it and it was neither; *false* when it
-was flagged and the backend evaluated it whole. Used by
+moves under every policy, streamed or not), *told* when the client itself received the flag (the
+`X-ContextPaw-Upstream-Truncated` header, or `upstream_truncated` in the body or the stream's
+final record), and *warned* when `upstream_truncation_possible` went up (the numbers could not
+tell: counted apart, never as a flag); *missed* when the backend cut it and the client was neither
+told nor warned; *false* when it was flagged or told and the backend evaluated it whole. A case may
+ask for a window above the model's trained length (`num_ctx`, on the native routes), as aider does:
+the server caps it, and so must the verdict. Used by
 `scripts/measure_truncation.py` (the whole matrix) and by the tests (a slice of it).
 """
 
@@ -38,6 +42,8 @@ class Case:
     stream: bool
     shape: str
     words: int
+    num_ctx: int | None = None
+    """The window the client asks for (`options.num_ctx`, native routes only), or None."""
 
 
 @dataclass(frozen=True)
@@ -49,14 +55,16 @@ class Outcome:
     flagged: bool
     warned: bool
     recalled: bool
+    told: bool = False
+    """The client received the flag, in a header, the body or the stream's final record."""
 
     @property
     def missed(self) -> bool:
-        return self.cut and not self.flagged and not self.warned
+        return self.cut and not self.told and not self.warned
 
     @property
     def false_alarm(self) -> bool:
-        return self.flagged and not self.cut
+        return (self.flagged or self.told) and not self.cut
 
 
 def filler(shape: str, words: int, rng: random.Random) -> str:
@@ -111,7 +119,7 @@ def body(case: Case, model: str, seed: int = 0) -> dict:
         return common | anthropic_body(chunks, case.shape == "tools")
     if case.route in ("/api/generate", "/v1/completions"):
         prompt = f"{SYSTEM}\n\n{middle}\n\n{QUESTION}"
-        return common | ({"prompt": prompt, "max_tokens": 8} if case.route.startswith("/v1") else {"prompt": prompt, "options": {"num_predict": 8}})
+        return common | ({"prompt": prompt, "max_tokens": 8} if case.route.startswith("/v1") else {"prompt": prompt, "options": options(case)})
     messages: list[dict] = [{"role": "system", "content": SYSTEM}]
     for i, chunk in enumerate(chunks):
         if case.shape == "tools":
@@ -124,8 +132,12 @@ def body(case: Case, model: str, seed: int = 0) -> dict:
         else:
             messages += [{"role": "user", "content": f"Note {i}: {chunk}"}, {"role": "assistant", "content": "Noted."}]
     messages.append({"role": "user", "content": QUESTION})
-    extra = {"max_tokens": 8} if case.route.startswith("/v1") else {"options": {"num_predict": 8}}
+    extra = {"max_tokens": 8} if case.route.startswith("/v1") else {"options": options(case)}
     return common | {"messages": messages} | extra
+
+
+def options(case: Case) -> dict:
+    return {"num_predict": 8} | ({"num_ctx": case.num_ctx} if case.num_ctx else {})
 
 
 def answer_text(route: str, stream: bool, text: str) -> str:
@@ -160,7 +172,8 @@ def run(case: Case, proxy: str, backend: str, model: str, seed: int = 0) -> Outc
     cut = bool(last and last["cut"])
     after = truncation_counts(proxy)
     recalled = response.status_code == 200 and SECRET in answer_text(case.route, case.stream, response.text).lower()
-    return Outcome(case, response.status_code, cut, after[0] > before[0], after[1] > before[1], recalled)
+    told = "X-ContextPaw-Upstream-Truncated" in response.headers or '"upstream_truncated"' in response.text
+    return Outcome(case, response.status_code, cut, after[0] > before[0], after[1] > before[1], recalled, told)
 
 
 def unload(backend: str, model: str) -> None:
@@ -168,9 +181,16 @@ def unload(backend: str, model: str) -> None:
     httpx.post(f"{backend}/api/generate", json={"model": model, "keep_alive": 0}, timeout=60)
 
 
-def cases(routes=ROUTES, policies=POLICIES, shapes=SHAPES, sizes=(300, 1500, 4000), streams=(False, True)) -> Iterator[Case]:
-    for route, policy, cold, stream, shape, words in itertools.product(routes, policies, (True, False), streams, shapes, sizes):
-        yield Case(route, policy, cold, stream, shape, words)
+def cases(
+    routes=ROUTES, policies=POLICIES, shapes=SHAPES, sizes=(300, 1500, 4000), streams=(False, True), windows=(None,)
+) -> Iterator[Case]:
+    """Every combination; a window of the client's own (`windows` other than None) only where the
+    route can carry one."""
+    for route, policy, cold, stream, shape, words, num_ctx in itertools.product(
+        routes, policies, (True, False), streams, shapes, sizes, windows
+    ):
+        if num_ctx is None or route.startswith("/api/"):
+            yield Case(route, policy, cold, stream, shape, words, num_ctx)
 
 
 def measure(
