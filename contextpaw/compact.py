@@ -483,14 +483,14 @@ class _ChatCompaction:
                 role = marker_role(
                     out[-1].speaker if out else None, self.msgs[after].speaker if after < len(self.msgs) else None
                 )
-                if role is not None:
-                    out.append(Message.from_wire({"role": role, "content": note}))
-                    final += self.counter.message(out[-1])
-                elif after < len(self.msgs):
+                if role is None and after < len(self.msgs) and self.msgs[after].foldable:
                     pending_fold = note
-                else:
+                elif role is None and after == len(self.msgs) and out[-1].foldable:
                     out[-1] = fold(out[-1], note)
                     final += self.folded_cost(note)
+                else:  # a role of its own, or next to items that hold no text (a Responses call)
+                    out.append(Message.from_wire({"role": role or "user", "content": note}))
+                    final += self.counter.message(out[-1])
                 i = after
                 continue
             if i in self.shrunk:

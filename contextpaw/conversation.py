@@ -5,7 +5,11 @@ Ollama `/api/chat` and OpenAI `/v1/chat/completions` messages share one shape wi
 Anthropic's `/v1/messages` puts everything in content blocks: a `tool_use` block in an assistant
 message is a call, and the user message after it answers with `tool_result` blocks; such a message is
 read as a tool result (role `tool`), so pairing and markers treat it as the other dialects' tool
-messages. A `Message` keeps the wire object it came from untouched in `raw`; a kept message is
+messages. OpenAI's Responses API (`/v1/responses`) sends typed items instead of messages: a
+`function_call` (or `custom_tool_call`) item is read as an assistant's call, its `*_output` item as
+the tool result that answers it by `call_id`, a `reasoning` item as part of the turn it precedes,
+and an item of a type not known here as something to keep as it is (never evicted, never cut).
+A `Message` keeps the wire object it came from untouched in `raw`; a kept message is
 written back from `raw`, so nothing unknown is lost. The derived fields exist only so the engine can
 count and pair.
 """
@@ -18,8 +22,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PINNED_ROLES = frozenset({"system", "developer"})
-"""Roles that are never touched: the operator's instructions."""
+KEPT_ITEM = "item"
+"""The role given to a Responses item of a type not known here: kept as sent."""
+PINNED_ROLES = frozenset({"system", "developer", KEPT_ITEM})
+"""Roles that are never touched: the operator's instructions, and items not understood."""
+REASONING = "reasoning"
+"""A Responses `reasoning` item: it belongs to the turn it precedes, and goes with it."""
+CALL_ITEMS = frozenset({"function_call", "custom_tool_call"})
+OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output"})
+"""Responses items that call a tool, and those that carry its output (in `output`), paired by `call_id`."""
 
 _REASONING_FIELDS = ("thinking", "reasoning_content", "reasoning")
 CALL_BLOCKS = frozenset({"tool_use", "server_tool_use"})
@@ -45,6 +56,9 @@ class Message:
     def from_wire(cls, raw: Mapping[str, Any]) -> Message:
         if not isinstance(raw, Mapping):
             raise ValueError(f"a message must be a JSON object, not {type(raw).__name__}")
+        kind = raw.get("type")
+        if isinstance(kind, str) and kind != "message":
+            return _item(raw, kind)
         role = raw.get("role")
         if not isinstance(role, str):
             raise ValueError(f"a message role must be a string, not {role!r}")
@@ -87,8 +101,14 @@ class Message:
     @property
     def speaker(self) -> str:
         """The role as the wire spells it, which templates and APIs check alternation on: an
-        Anthropic tool result is a user message there, though compaction reads it as a tool result."""
-        return str(self.raw["role"])
+        Anthropic tool result is a user message there, though compaction reads it as a tool result.
+        A Responses item without a role speaks as what it is read as."""
+        return str(self.raw.get("role") or ("assistant" if self.role == REASONING else self.role))
+
+    @property
+    def foldable(self) -> bool:
+        """Whether a marker can be put at the start of this message's text (a call item has none)."""
+        return "content" in self.raw or self.raw.get("type") in OUTPUT_ITEMS
 
     def with_content(self, text: str) -> Message:
         """A copy whose main text is replaced (used by shrinking and marker folding).
@@ -99,7 +119,8 @@ class Message:
         (Anthropic refuses text before them).
         """
         raw = dict(self.raw)
-        content = raw.get("content")
+        field = "output" if raw.get("type") in OUTPUT_ITEMS else "content"
+        content = raw.get(field)
         if isinstance(content, list):
             content = list(content)
             slots = _text_slots(content)
@@ -110,15 +131,16 @@ class Message:
                 content.append({"type": "text", "text": text})
             else:
                 content.insert(0, {"type": "text", "text": text})
-            raw["content"] = content
+            raw[field] = content
         else:
-            raw["content"] = text
+            raw[field] = text
         return Message.from_wire(raw)
 
     @property
     def content_text(self) -> str:
-        """The text that shrinking may cut: string content, or the largest text in a content list."""
-        content = self.raw.get("content")
+        """The text that shrinking may cut: string content, or the largest text in a content list
+        (a Responses tool output's `output`)."""
+        content = self.raw.get("output" if self.raw.get("type") in OUTPUT_ITEMS else "content")
         if isinstance(content, str):
             return content
         if isinstance(content, list):
@@ -163,8 +185,25 @@ def _replaced(part: Mapping[str, Any], inner: int | None, text: str) -> dict[str
     return {**part, "content": subs}
 
 
+def _item(raw: Mapping[str, Any], kind: str) -> Message:
+    """A Responses input item that is not a message, read as the message it stands for."""
+    call_id = raw.get("call_id")
+    call_id = call_id if isinstance(call_id, str) else None
+    if kind in CALL_ITEMS:
+        arguments = raw.get("arguments", raw.get("input"))
+        text = f"{raw.get('name', '')} {arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}"
+        return Message(raw, "assistant", text, 0, (call_id or "#0",))
+    if kind in OUTPUT_ITEMS:
+        parts: list[str] = []
+        images = _collect_content(raw.get("output"), parts)
+        return Message(raw, "tool", "\n".join(parts), images, answers=call_id)
+    if kind == REASONING:
+        return Message(raw, REASONING, json.dumps(raw, ensure_ascii=False), 0)
+    return Message(raw, KEPT_ITEM, json.dumps(raw, ensure_ascii=False), 0)
+
+
 def _part_text(part: Any) -> str | None:
-    if isinstance(part, Mapping) and part.get("type") in ("text", "input_text"):
+    if isinstance(part, Mapping) and part.get("type") in ("text", "input_text", "output_text"):
         text = part.get("text")
         return text if isinstance(text, str) else None
     return None
@@ -291,6 +330,13 @@ class Conversation:
             else:
                 owner[i] = i
                 positional_head = None
+        following: int | None = None  # a reasoning item joins the unit of the item after it
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i].role == REASONING:
+                if following is not None:
+                    owner[i] = owner[following]
+            else:
+                following = i
         grouped: dict[int, list[int]] = {}
         for i in range(len(self.messages)):
             grouped.setdefault(owner[i], []).append(i)

@@ -258,6 +258,10 @@ class Fitter:
         big = is_big(state.original)
         try:
             parsed = await off_loop(big, functools.partial(state.route.read, state.original))
+        except wire.NotFittable as e:
+            logger.info("%s forwarded as is: %s", state.route.name, e)
+            self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=[f"not fitted: {e}"]))
+            return UNCHANGED
         except wire.NotCompactable as e:
             logger.debug("%s forwarded as is: %s", state.path, e)
             return UNCHANGED
@@ -582,7 +586,9 @@ class Fitter:
     # -- the rescue after an upstream overflow -------------------------------------------------
 
     def may_rescue(self, state: FlowState) -> bool:
-        return state.report is not None and self.settings.policy == "compact" and state.rescues < MAX_RESCUES
+        """Whether an overflow the backend answers is ours to answer: retried while rounds are
+        left, then refused in the caller's shape."""
+        return state.report is not None and self.settings.policy == "compact" and not state.local and state.rescues <= MAX_RESCUES
 
     async def rescue(self, state: FlowState, status: int, answer: bytes) -> bytes | Refuse | None:
         """After the backend refused what was sent as too long: the body to send instead, compacted
@@ -591,6 +597,12 @@ class Fitter:
         overflow = wire.upstream_overflow(status, answer)
         if overflow is None or not self.may_rescue(state):
             return None
+        assert state.report is not None
+        if state.rescues >= MAX_RESCUES:  # out of rounds: the client gets its own API's overflow error
+            sent = state.sent_tokens if state.sent_tokens is not None else state.report.final_tokens
+            cause = f"the backend refused the request {state.rescues + 1} times as longer than its {overflow.n_ctx}-token window"
+            shortfall = wire.Overflow(overflow.n_prompt_tokens, overflow.n_ctx, overflow.n_ctx, cause, sent)
+            return self._refuse(state, shortfall, "backend")
         try:
             return await self._refit(state, overflow)
         except Exception as e:  # fail open: the backend's answer goes to the client as it was

@@ -187,8 +187,29 @@ async def test_the_rescue_rounds_are_bounded() -> None:
     f, s = fitter(), state(chat(num_ctx=8192))
     await f.fit(s)
     for _ in range(MAX_RESCUES):
-        assert await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192)) is not None
-    assert await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192)) is None
+        assert isinstance(await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192)), bytes)
+    # out of rounds: the client gets its own API's overflow error, never the backend's raw one
+    refusal = await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192))
+    assert isinstance(refusal, Refuse) and "refused the request 4 times" in json.loads(refusal.body)["error"]
+    assert not f.may_rescue(s) and await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192)) is None
+
+
+async def test_an_exhausted_rescue_on_an_openai_route_is_openais_overflow_error() -> None:
+    f, s = fitter(default_ctx=8192), state({"model": "m", "messages": chat()["messages"]}, OPENAI, LLAMACPP)
+    await f.fit(s)
+    for _ in range(MAX_RESCUES):
+        await f.rescue(s, 400, overflow_400(9000, 8192))
+    refusal = await f.rescue(s, 400, overflow_400(9000, 8192))
+    assert isinstance(refusal, Refuse) and refusal.status == 400
+    assert json.loads(refusal.body)["error"]["code"] == "context_length_exceeded"
+
+
+async def test_a_responses_request_with_server_side_history_is_forwarded_with_a_note() -> None:
+    route = wire.route_for(wire.Kind.LLAMACPP, "POST", "/v1/responses")
+    f, s = fitter(), state({"model": "m", "previous_response_id": "resp_1", "input": "go on"}, route, LLAMACPP)
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is not None and "previous_response_id" in s.report.notes[0]
+    assert s.headers["X-ContextPaw-Compacted"] == "false"
 
 
 async def test_an_answer_that_is_not_an_overflow_is_not_rescued() -> None:

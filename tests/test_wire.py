@@ -10,7 +10,7 @@ from contextpaw import wire
 from contextpaw.compact import BudgetTooSmall
 from contextpaw.tokens import EstimateCounter
 from contextpaw.windows import Budgeter
-from contextpaw.wire import Kind, NotCompactable, Overflow, Params, UpstreamOverflow, llamacpp, ollama, openai
+from contextpaw.wire import Kind, NotCompactable, Overflow, Params, UpstreamOverflow, llamacpp, ollama, openai, responses
 
 COUNTER = EstimateCounter()
 
@@ -122,9 +122,13 @@ def test_ollama_refusal_is_one_sentence_with_the_numbers() -> None:
     assert body["contextpaw"] == {"compacted": False}
 
 
-def test_openai_refusal_uses_the_context_length_code() -> None:
-    error = openai.CHAT.refusal(OVERFLOW, {})["error"]
-    assert error["type"] == "context_overflow" and error["code"] == "context_length_exceeded"
+@pytest.mark.parametrize(("route", "param"), [(openai.CHAT, "messages"), (openai.COMPLETIONS, "prompt"), (responses.RESPONSES, "input")])
+def test_every_openai_route_refuses_as_openai_does_an_overlong_prompt(route: wire.Route, param: str) -> None:
+    """A 400 invalid_request_error with code context_length_exceeded: what Codex and the SDKs'
+    users recognise as "the context was too long" (a 413 reads to them as a size limit)."""
+    error = route.refusal(OVERFLOW, {})["error"]
+    assert route.refusal_status == 400
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded", param)
     assert (error["n_prompt_tokens"], error["budget"], error["num_ctx"]) == (5000, 3000, 4096)
 
 

@@ -38,6 +38,11 @@ class NotCompactable(ValueError):
     """
 
 
+class NotFittable(NotCompactable):
+    """A request ContextPaw understands but may not fit (its history lives on the server): it is
+    forwarded untouched, and the report says why."""
+
+
 def int_field(container: Any, *names: str) -> int | None:
     """The first of `names` in `container` that holds an integer (bools are not integers)."""
     if not isinstance(container, Mapping):
@@ -104,6 +109,8 @@ class Chat:
     """A system prompt sent beside the messages (Anthropic's `system`): counted, never cut."""
     exact_count: tuple[str, tuple[str, ...]] = ("/v1/chat/completions/input_tokens", ("messages", "tools"))
     """Where llama-server counts a whole request in this API, and the fields it reads."""
+    field: str = "messages"
+    """The body's field that holds the conversation (the Responses API's is `input`)."""
 
     def counted(self, sent: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         """(path, body) that asks llama-server for the exact size of `sent`, a body in this API."""
@@ -154,7 +161,7 @@ class Chat:
             digests=digests,
             admit=admit,
         )
-        body = None if result.messages is None else write(self.body, messages=result.messages)
+        body = None if result.messages is None else write(self.body, **{self.field: result.messages})
         return Fitted(body, result.report, result.plan)
 
     def tokens(self, counter: Counter, fixed_tokens: int = 0) -> int:
@@ -347,14 +354,16 @@ def _plain(path: str) -> str:
 
 
 # The API modules build their routes from the types above, so they are imported last.
-from contextpaw.wire import anthropic, llamacpp, ollama, openai  # noqa: E402
+from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses  # noqa: E402
 
 _OPENAI = {
     "/v1/chat/completions": openai.CHAT,
     "/v1/completions": openai.COMPLETIONS,
+    "/v1/responses": responses.RESPONSES,
     "/v1/messages": anthropic.MESSAGES,
 }
-"""The routes both backends serve the same way (`/v1/messages/count_tokens` passes through)."""
+"""The routes both backends serve the same way (`/v1/messages/count_tokens` and
+`/v1/responses/input_tokens` pass through)."""
 _ROUTES: dict[Kind, dict[str, Route]] = {
     Kind.OLLAMA: _OPENAI | {"/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE},
     Kind.LLAMACPP: _OPENAI

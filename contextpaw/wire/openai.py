@@ -2,12 +2,14 @@
 
 Streams are SSE ending with `data: [DONE]`; `stream` defaults to false. The request cannot name a
 window, only the answer length. Errors are `{"error": {"message", "type", "code", ...}}`, the shape
-OpenAI clients raise from; a refusal uses OpenAI's own `context_length_exceeded` code.
+OpenAI clients raise from. A refusal is OpenAI's own answer to an overlong prompt, a 400
+`invalid_request_error` with code `context_length_exceeded`: Codex, the SDKs' users and
+LangChain-style trimmers react to that code, where a 413 reads as a size limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
@@ -31,19 +33,26 @@ def _completion(body: dict[str, Any]) -> Prompt:
     return Prompt(body, prompt, answer_params(body, *MAX_OUTPUT_FIELDS))
 
 
-def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "error": {
+REFUSAL_STATUS = 400
+
+
+def refusal(param: str) -> Callable[[Overflow, dict[str, Any]], dict[str, Any]]:
+    """OpenAI's overflow error naming `param` (the field that holds the prompt), ContextPaw's
+    numbers and report beside it."""
+
+    def refuse(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
+        error = {
             "message": overflow.message,
-            "type": "context_overflow",
-            "param": "messages",
+            "type": "invalid_request_error",
+            "param": param,
             "code": "context_length_exceeded",
             "n_prompt_tokens": overflow.required,
             "budget": overflow.budget,
             "num_ctx": overflow.window,
-        },
-        "contextpaw": report,
-    }
+        }
+        return {"error": error, "contextpaw": report}
+
+    return refuse
 
 
 PROXY_CODES = {
@@ -55,7 +64,7 @@ PROXY_CODES = {
 }
 
 
-def _proxy_error(reason: str, status: int) -> dict[str, Any]:
+def proxy_error(reason: str, status: int) -> dict[str, Any]:
     kind = "invalid_request_error" if status < 500 else "api_error"
     return {"error": {"message": reason, "type": kind, "param": None, "code": PROXY_CODES.get(status, "backend_unreachable")}}
 
@@ -68,5 +77,7 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return not choices or any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
 
 
-CHAT = Route("openai.chat", _chat, _refusal, _proxy_error, "sse", _is_final)
-COMPLETIONS = Route("openai.completions", _completion, _refusal, _proxy_error, "sse", _is_final)
+CHAT = Route("openai.chat", _chat, refusal("messages"), proxy_error, "sse", _is_final, refusal_status=REFUSAL_STATUS)
+COMPLETIONS = Route(
+    "openai.completions", _completion, refusal("prompt"), proxy_error, "sse", _is_final, refusal_status=REFUSAL_STATUS
+)
