@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from contextpaw import wire
 from contextpaw.compact import BudgetTooSmall
+from contextpaw.markers import MARKER_PREFIX
 from contextpaw.tokens import EstimateCounter
 from contextpaw.windows import Budgeter
 from contextpaw.wire import Kind, NotCompactable, Overflow, Params, UpstreamOverflow, llamacpp, ollama, openai, responses
@@ -246,3 +248,65 @@ def test_refusals_carry_the_budget_numbers() -> None:
 def test_a_window_of_zero_or_less_is_no_window(num_ctx: int) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "options": {"num_ctx": num_ctx}}
     assert wire.ROUTES["ollama.chat"].read(json.dumps(body).encode()).params.num_ctx is None
+
+
+# -- the Responses API -----------------------------------------------------------------------------
+
+RESPONSES = responses.RESPONSES
+
+
+def codex_session(calls: int = 12) -> dict[str, Any]:
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the test."}]},
+    ]
+    for i in range(calls):
+        items.append({"type": "reasoning", "id": f"rs_{i}", "summary": [], "encrypted_content": f"opaque-{i}"})
+        items.append({"type": "function_call", "call_id": f"call_{i}", "name": "shell", "arguments": json.dumps({"cmd": f"cat f{i}"})})
+        items.append({"type": "function_call_output", "call_id": f"call_{i}", "output": f"file {i}\n" + "line of output\n" * (40 + 30 * (i % 3))})
+    items.append({"type": "web_search_call", "id": "ws_1", "status": "completed"})
+    items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Status?"}]})
+    return {"model": "m", "instructions": "Be brief.", "input": items, "tools": [{"type": "function", "name": "shell"}], "stream": True}
+
+
+def test_a_responses_session_is_cut_by_whole_turns_and_what_it_does_not_know_is_kept() -> None:
+    body = codex_session()
+    parsed = RESPONSES.read(json.dumps(body).encode())
+    fitted = parsed.fit(1500, EstimateCounter(), keep_recent=2, previous=None)
+    assert fitted.body is not None and fitted.report.compacted
+    sent = json.loads(fitted.body)
+    assert sent["instructions"] == "Be brief." and sent["tools"] == body["tools"]
+    items = sent["input"]
+    assert items[:2] == body["input"][:2], "the developer message and the task stay at the head"
+    calls = {i["call_id"] for i in items if i.get("type") == "function_call"}
+    outputs = {i["call_id"] for i in items if i.get("type") == "function_call_output"}
+    assert calls == outputs and len(calls) < 12, "a call and its output go together"
+    for a, b in zip(items, items[1:]):
+        if a.get("type") == "reasoning":
+            assert b.get("type") == "function_call" and b["call_id"] == a["id"].replace("rs_", "call_"), "reasoning stays with its turn"
+    assert body["input"][-2] in items, "an item of a type not known here is kept as sent"
+    assert any(MARKER_PREFIX in json.dumps(i) for i in items if i.get("role") in ("user", "assistant"))
+
+
+def test_a_huge_recent_tool_output_is_shrunk_inside_its_output() -> None:
+    body = codex_session(calls=2)
+    body["input"][-3]["output"] = "".join(f"row {n}\n" for n in range(20_000))
+    fitted = RESPONSES.read(json.dumps(body).encode()).fit(3000, EstimateCounter(), keep_recent=4, previous=None)
+    assert fitted.body is not None
+    output = next(i for i in json.loads(fitted.body)["input"] if i.get("call_id") == "call_1" and i["type"] == "function_call_output")
+    assert output["output"].startswith("row 0\n") and output["output"].endswith("row 19999\n") and MARKER_PREFIX in output["output"]
+    assert any(r.action == "shrunk" for r in fitted.report.removals)
+
+
+def test_a_responses_input_given_as_a_string_is_the_users_message() -> None:
+    parsed = RESPONSES.read(json.dumps({"model": "m", "input": "hello " * 4000, "max_output_tokens": 50}).encode())
+    assert [m.role for m in parsed.conversation.messages] == ["user"] and parsed.params.max_output == 50
+    fitted = parsed.fit(500, EstimateCounter(), keep_recent=4, previous=None)
+    assert fitted.body is not None and json.loads(fitted.body)["input"][0]["role"] == "user"
+
+
+def test_the_prompt_size_is_read_from_the_response_and_from_response_completed() -> None:
+    assert RESPONSES.evaluated({"object": "response", "usage": {"input_tokens": 812, "output_tokens": 3}}) == 812
+    completed = {"type": "response.completed", "response": {"usage": {"input_tokens": 900}}}
+    assert RESPONSES.is_final(completed) and RESPONSES.evaluated(completed) == 900
+    assert not RESPONSES.is_final({"type": "response.output_text.delta", "delta": "x"})
