@@ -4,7 +4,8 @@ It reproduces what a proxy depends on: the per-slot window with the exact
 ``exceed_context_size_error`` 400 (also for ``stream:true``), token counts that agree across
 ``/tokenize``, ``/apply-template``, ``/v1/chat/completions/input_tokens``, ``usage`` and the error,
 a prefix cache per slot (``timings.cache_n``), generation capped by the room left in the window,
-and the three response formats with their streams. The model is :func:`scripted_reply`.
+and the response formats with their streams (native, ``/v1/completions``, chat, Anthropic's
+``/v1/messages`` and OpenAI's Responses API ``/v1/responses``). The model is :func:`scripted_reply`.
 
 Tokenizer: ``<s> </s> <|im_start|> <|im_end|>`` are single special tokens (ids 1-4) when
 ``parse_special``; the rest splits as ``\\s*\\S+|\\s+\\Z`` (a word with its leading white space, and
@@ -86,12 +87,19 @@ def _text(content: Any) -> str:
     return content or ""
 
 
+def _role(message: dict[str, Any]) -> str:
+    """The role the template sees: llama-server's chat parsing turns ``developer`` into ``system``
+    (seen on the real server's ``/apply-template``)."""
+    role = message["role"]
+    return "system" if role == "developer" else role
+
+
 def render_chatml(body: dict[str, Any]) -> str:
     """The fake's chat template; tools become one system preamble, as llamacpp.md §5 specifies."""
     messages = list(body["messages"])
     if body.get("tools"):
         messages.insert(0, {"role": "system", "content": json.dumps(body["tools"])})
-    prompt = "".join(f"<|im_start|>{m['role']}\n{_text(m.get('content'))}<|im_end|>\n" for m in messages)
+    prompt = "".join(f"<|im_start|>{_role(m)}\n{_text(m.get('content'))}<|im_end|>\n" for m in messages)
     if body.get("add_generation_prompt", True):
         prompt += "<|im_start|>assistant\n"
     return prompt
@@ -104,6 +112,151 @@ class RequestError(Exception):
         super().__init__(message)
         self.body = {"error": {"code": status, "message": message, "type": kind}}
         self.status = status
+
+
+# --- OpenAI's Responses API, converted to a chat request -----------------------------------------
+#
+# As llama-server's server_chat_convert_responses_to_chatcmpl() (tools/server/server-chat.cpp) does,
+# with its error messages; each was checked against the real server (build 11434). Unlike OpenAI,
+# an item of an unknown type is a 400, not ignored, and so is a shorthand assistant message
+# without ``"type": "message"``.
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(400, message, "invalid_request_error")
+
+
+def _is(item: Any, key: str, kind: type) -> bool:
+    return isinstance(item, dict) and isinstance(item.get(key), kind)
+
+
+def _input_parts(parts: list[Any]) -> list[dict[str, Any]]:
+    """A user, system or developer message's parts as chat content parts."""
+    converted = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_text":
+            if "text" not in part:
+                raise _invalid("'Input text' requires 'text'")
+            converted.append({"text": part["text"], "type": "text"})
+        elif kind == "input_image":
+            if "image_url" not in part:
+                raise _invalid("'image_url' is required")
+            converted.append({"image_url": {"url": part["image_url"]}, "type": "image_url"})
+        elif kind == "input_file":
+            raise _invalid("'input_file' is not supported by llamacpp at this moment")
+        else:
+            raise _invalid("'type' must be one of 'input_text', 'input_image', or 'input_file'")
+    return converted
+
+
+def _output_parts(content: Any) -> list[dict[str, Any]]:
+    """An assistant message's parts (``output_text``, ``input_text`` or ``refusal``) as chat parts."""
+    if isinstance(content, str):
+        return [{"text": content, "type": "text"}]
+    converted = []
+    for part in content if isinstance(content, list) else []:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("output_text", "input_text"):
+            if not _is(part, "text", str):
+                raise _invalid("'Output text' requires 'text'")
+            converted.append({"text": part["text"], "type": "text"})
+        elif kind == "refusal":
+            if not _is(part, "refusal", str):
+                raise _invalid("'Refusal' requires 'refusal'")
+            converted.append({"refusal": part["refusal"], "type": "refusal"})
+        else:
+            raise _invalid("'type' must be one of 'output_text' or 'refusal'")
+    return converted
+
+
+def _input_item(messages: list[dict[str, Any]], item: Any) -> None:
+    """Append one input item to the chat ``messages``; an assistant item right after an assistant
+    message (a function call, a reasoning item, more text) is merged into it."""
+    merge = bool(messages) and messages[-1].get("role") == "assistant"
+    if _is(item, "content", str):
+        item = {**item, "content": [{"text": item["content"], "type": "input_text"}]}
+    kind = item.get("type") if isinstance(item, dict) else None
+    if _is(item, "content", list) and _is(item, "role", str) and item["role"] in ("user", "system", "developer"):
+        message = {k: v for k, v in item.items() if k not in ("type", "status")}
+        messages.append({**message, "content": _input_parts(item["content"])})
+    elif _is(item, "role", str) and item["role"] == "assistant" and kind == "message":
+        parts = _output_parts(item.get("content"))
+        if merge:
+            previous = messages[-1]
+            previous["content"] = [*(previous["content"] if isinstance(previous.get("content"), list) else []), *parts]
+        else:
+            messages.append({**{k: v for k, v in item.items() if k not in ("type", "status")}, "content": parts})
+    elif kind == "function_call" and all(_is(item, key, str) for key in ("arguments", "call_id", "name")):
+        call = {"function": {"arguments": item["arguments"], "name": item["name"]}, "id": item["call_id"], "type": "function"}
+        if merge:
+            previous = messages[-1]
+            previous["tool_calls"] = [*(previous["tool_calls"] if isinstance(previous.get("tool_calls"), list) else []), call]
+        else:
+            messages.append({"role": "assistant", "tool_calls": [call]})
+    elif kind == "function_call_output" and _is(item, "call_id", str) and isinstance(item.get("output"), str | list):
+        output = item["output"]
+        if isinstance(output, list):
+            if not all(isinstance(part, dict) and part.get("type") == "input_text" for part in output):
+                raise _invalid("Output of tool call should be 'Input text'")
+            output = [{**part, "type": "text"} for part in output]
+        messages.append({"content": output, "role": "tool", "tool_call_id": item["call_id"]})
+    elif kind == "reasoning" and _is(item, "summary", list):
+        content = item.get("content")
+        if not isinstance(content, list):
+            raise _invalid("item['content'] is not an array")
+        if not content:
+            raise _invalid("item['content'] is empty")
+        if not _is(content[0], "text", str):
+            raise _invalid("item['content']['text'] is not a string")
+        if merge:
+            messages[-1]["reasoning_content"] = content[0]["text"]
+        else:
+            messages.append({"role": "assistant", "content": [], "reasoning_content": content[0]["text"]})
+    else:
+        raise _invalid("Cannot determine type of 'item'")
+
+
+def responses_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API request as the chat request llama-server turns it into: ``instructions``
+    first as a system message, then the ``input`` string or items; function tools only (with
+    ``strict`` defaulting to true), ``max_output_tokens`` as ``max_tokens``, ``reasoning.effort``
+    as ``reasoning_effort``. Every other field passes through to the chat path."""
+    if "input" not in body:
+        raise _invalid("'input' is required")
+    previous = body.get("previous_response_id")
+    if isinstance(previous, str) and previous:
+        raise _invalid("llama.cpp does not support 'previous_response_id'.")
+    chat = {k: v for k, v in body.items() if k not in ("input", "instructions", "tools", "max_output_tokens", "reasoning")}
+    messages: list[dict[str, Any]] = []
+    if "instructions" in body:
+        instructions = body["instructions"]
+        messages.append({"role": "system", "content": instructions if isinstance(instructions, str) else ""})
+    items = body["input"]
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for item in items:
+            _input_item(messages, item)
+    else:
+        raise _invalid("'input' must be a string or array of objects")
+    chat["messages"] = messages
+    if "tools" in body:
+        if not isinstance(body["tools"], list):
+            raise _invalid("'tools' must be an array of objects")
+        functions = [
+            {"type": "function", "function": {"strict": True, **{k: v for k, v in tool.items() if k != "type"}}}
+            for tool in body["tools"]
+            if isinstance(tool, dict) and tool.get("type") == "function"  # others are skipped with a warning
+        ]
+        if functions:
+            chat["tools"] = functions
+    if "max_output_tokens" in body:
+        chat["max_tokens"] = body["max_output_tokens"]
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and "effort" in reasoning:
+        chat["reasoning_effort"] = reasoning["effort"]
+    return chat
 
 
 def _json(value: Any, status: int = 200) -> web.Response:
@@ -400,9 +553,101 @@ class MessagesFormat(ResponseFormat):
         return self._message([{"type": "text", "text": done.content}], done, done.n_prompt, done.n_cached)
 
 
+class ResponsesFormat(ResponseFormat):
+    """``/v1/responses`` (``to_json_oaicompat_resp[_stream]`` in server-task.cpp, and the real
+    server's bytes): named events whose ``event:`` is the data's ``type``, and no ``[DONE]``.
+
+    As the real server sends them, the events carry no ``sequence_number``, ``output_index`` or
+    ``content_index``, ``response.created`` and ``response.in_progress`` hold only ``id``,
+    ``object`` and ``status``, the final ``response.completed`` holds the whole response with
+    ``usage`` (and ``timings`` beside it), and the buffered body has no ``timings``. The openai
+    SDK's typed events parse, but its ``responses.stream()`` helper fails on the missing indices.
+    """
+
+    done_marker = False
+    named_events = True
+
+    def __init__(self, model: str, completion_id: str, body: dict[str, Any]) -> None:
+        super().__init__(model, completion_id, body)
+        number = completion_id.rsplit("-", 1)[-1]
+        self.id = f"resp_{number}"
+        self.message_id = f"msg_{number}"
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"type": kind, "response": {"id": self.id, "object": "response", "status": "in_progress"}}
+
+    def _start(self) -> list[dict[str, Any]]:
+        return [
+            self._head("response.created"),
+            self._head("response.in_progress"),
+            {
+                "type": "response.output_item.added",
+                "item": {"content": [], "id": self.message_id, "role": "assistant", "status": "in_progress", "type": "message"},
+            },
+            {"type": "response.content_part.added", "item_id": self.message_id, "part": {"type": "output_text", "text": ""}},
+        ]
+
+    @staticmethod
+    def usage(done: Completion) -> dict[str, Any]:
+        n = len(done.pieces)
+        return {
+            "input_tokens": done.n_prompt,
+            "output_tokens": n,
+            "total_tokens": n + done.n_prompt,
+            "input_tokens_details": {"cached_tokens": done.n_cached},
+        }
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+
+    def partial(self, piece: str, token: int, decoded: int, n_prompt: int) -> list[dict[str, Any]]:
+        start = self._start() if decoded == 1 else []
+        return [*start, {"type": "response.output_text.delta", "item_id": self.message_id, "delta": piece}]
+
+    def final_events(self, done: Completion) -> list[dict[str, Any]]:
+        events = [] if done.pieces else self._start()[:2]
+        output = []
+        if done.content:
+            part = self._part(done.content)
+            item = {"type": "message", "status": "completed", "id": self.message_id, "content": [part], "role": "assistant"}
+            events += [
+                {"type": "response.output_text.done", "item_id": self.message_id, "text": done.content},
+                {"type": "response.content_part.done", "item_id": self.message_id, "part": part},
+                {"type": "response.output_item.done", "item": item},
+            ]
+            output.append(item)
+        response = {
+            "id": self.id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "completed",
+            "model": self.model,
+            "output": output,
+            "usage": self.usage(done),
+        }
+        return [*events, {"type": "response.completed", "response": response, "timings": done.timings()}]
+
+    def whole(self, done: Completion) -> dict[str, Any]:
+        now = int(time.time())
+        item = {"content": [self._part(done.content)], "id": self.message_id, "role": "assistant", "status": "completed", "type": "message"}
+        return {
+            "completed_at": now,
+            "created_at": now,
+            "id": self.id,
+            "model": self.model,
+            "object": "response",
+            "output": [item] if done.content else [],
+            "status": "completed",
+            "usage": self.usage(done),
+        }
+
+
 def _n_predict(body: dict[str, Any]) -> int:
-    """The first non-null of ``n_predict``, ``max_completion_tokens``, ``max_tokens``; -1 if none."""
-    value = next((body[k] for k in ("n_predict", "max_completion_tokens", "max_tokens") if body.get(k) is not None), -1)
+    """The first integer of ``n_predict``, ``max_completion_tokens``, ``max_tokens``; -1 if none (the
+    server's ``json_value`` takes a value of the wrong type as absent)."""
+    keys = ("n_predict", "max_completion_tokens", "max_tokens")
+    value = next((body[k] for k in keys if isinstance(body.get(k), int) and not isinstance(body[k], bool)), -1)
     if value < -1:
         raise RequestError(
             400,
@@ -522,6 +767,12 @@ class FakeLlamaServer:
         count = len(self.tokenizer.tokenize(prompt, add_special=True))
         return _json({"input_tokens": count, "object": "response.input_tokens"})
 
+    async def responses_input_tokens(self, request: web.Request) -> web.Response:
+        """``/v1/responses/input_tokens``: exactly what ``/v1/responses`` would evaluate."""
+        prompt = self.chat_prompt(responses_chat(await self.body(request)))
+        count = len(self.tokenizer.tokenize(prompt, add_special=True))
+        return _json({"input_tokens": count, "object": "response.input_tokens"})
+
     def messages_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """An Anthropic request as the chat request the server converts it to."""
         if not isinstance(body.get("messages"), list):
@@ -551,6 +802,11 @@ class FakeLlamaServer:
         body = self.messages_body(await self.body(request))
         tokens = self.tokenizer.tokenize(self.chat_prompt(body), add_special=True)
         return await self.generate(request, body, tokens, MessagesFormat)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        body = responses_chat(await self.body(request))
+        tokens = self.tokenizer.tokenize(self.chat_prompt(body), add_special=True)
+        return await self.generate(request, body, tokens, ResponsesFormat)
 
     async def generate(
         self, request: web.Request, body: dict[str, Any], tokens: list[int], kind: type[ResponseFormat]
@@ -635,6 +891,10 @@ def fake_llamacpp_app(settings: LlamaSettings = LlamaSettings()) -> web.Applicat
         "/chat/completions": server.chat_completion,
         "/v1/messages": server.messages,
         "/v1/messages/count_tokens": server.count_tokens,
+        "/v1/responses": server.responses,
+        "/responses": server.responses,
+        "/v1/responses/input_tokens": server.responses_input_tokens,
+        "/responses/input_tokens": server.responses_input_tokens,
     }
     return application([routing_errors(_not_found, _not_found), _request_errors], gets, posts)
 

@@ -4,12 +4,15 @@ that :mod:`support.ollama_sim` puts on a real llama-server.
 One surface, two engines. :class:`OllamaServer` owns everything Ollama decides itself: num_ctx
 resolution, the loaded runner and ``keep_alive``, message-level truncation (whole messages,
 oldest first, system messages re-collected to the front), the token-level middle cut that keeps
-``num_keep`` (+BOS) tokens and the tail, the 400s, and the native and ``/v1`` wire formats. An
+``num_keep`` (+BOS) tokens and the tail, the 400s, and the native and ``/v1`` wire formats (chat,
+completions, the Responses API ``/v1/responses``, Anthropic's ``/v1/messages``). An
 :class:`Engine` renders, tokenizes and generates. :class:`WhitespaceEngine` is Ollama's own test
 double: whitespace tokens, the ``<|role|> content`` template, and :func:`common.scripted_reply` as model.
 
 Not imitated: the Modelfile (SYSTEM, MESSAGEs, PARAMETERs), images, thinking, ``_debug_render_only``,
-the Host-header 403, the queue-full 503, the ``legacy`` profile, the ``context`` request field.
+the Host-header 403, the queue-full 503, the ``legacy`` profile, the ``context`` request field,
+tool calls in the model's output (so no ``function_call`` output items), the built-in web and file
+search tools of ``/v1/responses``.
 
 Run: ``PYTHONPATH=tests python -m support.fake_ollama --port 11434 --n-ctx 4096``.
 """
@@ -23,6 +26,7 @@ import itertools
 import json
 import re
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -387,6 +391,184 @@ class AnthropicCodec:
         return common.named_sse(common.anthropic_error(500, message))
 
 
+class ResponsesCodec:
+    """``/v1/responses`` (Ollama's openai/responses.go and middleware/openai.go): named SSE events,
+    ``event: TYPE`` then the data, which Go marshals from maps, so every object's keys are sorted;
+    each event has a ``sequence_number`` from 0, and ``output_index``/``content_index`` where
+    OpenAI has them. ``response.created`` and ``response.in_progress`` go out with the first piece
+    and carry the whole (echoed) response object; ``response.completed`` adds the output and the
+    usage, ``input_tokens`` being ``prompt_eval_count``: what is left after the cut. The buffered
+    body is Go's struct, in field order, ending in a newline. No ``[DONE]``; a failure mid-stream
+    ends it with nothing more (the error line decodes as an empty chat chunk)."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, model: str, body: dict[str, Any]) -> None:
+        self._model = model
+        self._body = body
+        self._id = f"resp_{uuid.uuid4()}"
+        self._item_id = f"msg_{str(uuid.uuid4())[:8]}"
+        self._sequence = itertools.count()
+        self._opened = False
+        self._text_started = False
+
+    # -- what the request echoes -------------------------------------------------------------
+
+    def _instructions(self) -> str | None:
+        return self._body.get("instructions") or None
+
+    def _format(self) -> dict[str, Any]:
+        text = self._body.get("text")
+        form = text.get("format") if isinstance(text, dict) else None
+        if not isinstance(form, dict):
+            return {"type": "text"}
+        keys = ("type", "name", "schema", "strict")
+        return {"type": form.get("type", ""), **{k: form[k] for k in keys[1:] if form.get(k) not in (None, "")}}
+
+    def _reasoning(self) -> dict[str, Any] | None:
+        reasoning = self._body.get("reasoning") if isinstance(self._body.get("reasoning"), dict) else {}
+        effort, summary = reasoning.get("effort") or None, reasoning.get("summary") or None
+        return None if effort is None and summary is None else {"effort": effort, "summary": summary}
+
+    def _tools(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "type": t.get("type", ""),
+                "name": t.get("name", ""),
+                "description": t.get("description"),
+                "strict": t.get("strict"),
+                "parameters": _go_map(t.get("parameters")),
+            }
+            for t in self._body.get("tools") or []
+            if isinstance(t, dict)
+        ]
+
+    def _object(self, status: str, output: list[Any] | None, usage: dict[str, Any] | None) -> dict[str, Any]:
+        """``buildResponseObject``: the response as the stream events carry it."""
+        return {
+            "id": self._id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "completed_at": None,
+            "status": status,
+            "incomplete_details": None,
+            "model": self._model,
+            "previous_response_id": None,
+            "instructions": self._instructions(),
+            "output": output,
+            "error": None,
+            "tools": self._tools(),
+            "tool_choice": "auto",
+            "truncation": self._body.get("truncation") or "disabled",
+            "parallel_tool_calls": True,
+            "text": {"format": self._format()},
+            "top_p": _go_number(self._body.get("top_p", 1.0)),
+            "presence_penalty": 0,
+            "frequency_penalty": 0,
+            "top_logprobs": 0,
+            "temperature": _go_number(self._body.get("temperature", 1.0)),
+            "reasoning": self._reasoning(),
+            "usage": usage,
+            "max_output_tokens": self._body.get("max_output_tokens"),
+            "max_tool_calls": None,
+            "store": False,
+            "background": bool(self._body.get("background")),
+            "service_tier": "default",
+            "metadata": {},
+            "safety_identifier": None,
+            "prompt_cache_key": None,
+        }
+
+    @staticmethod
+    def _usage(finish: Finish) -> dict[str, Any]:
+        prompt, completion = finish.prompt_eval_count, finish.eval_count
+        return {
+            "input_tokens": prompt,
+            "output_tokens": completion,
+            "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _message(self, text: str) -> dict[str, Any]:
+        return {"id": self._item_id, "type": "message", "status": "completed", "role": "assistant", "content": [self._part(text)]}
+
+    # -- the stream --------------------------------------------------------------------------
+
+    def _event(self, kind: str, data: dict[str, Any]) -> bytes:
+        data = {**data, "type": kind, "sequence_number": next(self._sequence)}
+        return f"event: {kind}\ndata: {go_json(_go_map(data))}\n\n".encode()
+
+    def _open(self) -> list[bytes]:
+        if self._opened:
+            return []
+        self._opened = True
+        return [
+            self._event("response.created", {"response": self._object("in_progress", [], None)}),
+            self._event("response.in_progress", {"response": self._object("in_progress", [], None)}),
+        ]
+
+    def partial(self, piece: str, first: bool) -> list[bytes]:
+        events = self._open()
+        if not self._text_started:
+            self._text_started = True
+            item = {"id": self._item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            events += [
+                self._event("response.output_item.added", {"output_index": 0, "item": item}),
+                self._event(
+                    "response.content_part.added",
+                    {"item_id": self._item_id, "output_index": 0, "content_index": 0, "part": self._part("")},
+                ),
+            ]
+        delta = {"item_id": self._item_id, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": []}
+        return [*events, self._event("response.output_text.delta", delta)]
+
+    async def final(self, text: str, finish: Finish) -> list[bytes]:
+        events = self._open()
+        output = None
+        if self._text_started:
+            where = {"item_id": self._item_id, "output_index": 0, "content_index": 0}
+            events += [
+                self._event("response.output_text.done", {**where, "text": text, "logprobs": []}),
+                self._event("response.content_part.done", {**where, "part": self._part(text)}),
+                self._event("response.output_item.done", {"output_index": 0, "item": self._message(text)}),
+            ]
+            output = [self._message(text)]
+        response = {**self._object("completed", output, self._usage(finish)), "completed_at": int(time.time())}
+        return [*events, self._event("response.completed", {"response": response})]
+
+    async def whole(self, text: str, finish: Finish) -> web.Response:
+        """``ToResponse``: the struct's field order; a message item even when the text is empty."""
+        now = int(time.time())
+        body = {
+            **self._object("completed", [self._message(text)], self._usage(finish)),
+            "completed_at": now,
+            "reasoning": {k: v for k, v in (self._reasoning() or {}).items() if v is not None} or None,
+        }
+        return web.Response(text=go_json(body) + "\n", headers={"Content-Type": "application/json"})
+
+    def failure(self, message: str) -> bytes:
+        return b""
+
+
+def _go_map(value: Any) -> Any:
+    """``value`` with every object's keys sorted, as Go's encoding/json writes a ``map[string]any``."""
+    if isinstance(value, dict):
+        return {key: _go_map(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_go_map(item) for item in value]
+    return value
+
+
+def _go_number(value: Any) -> Any:
+    """A float64 as Go prints it: integral values without a fraction (``1``, not ``1.0``)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _sse(value: Any) -> bytes:
     return f"data: {go_json(value)}\n\n".encode()
 
@@ -681,6 +863,31 @@ class OllamaServer:
         options |= {ours: body[theirs] for theirs, ours in renamed.items() if body.get(theirs) is not None}
         return Request(model, messages, prompt, body.get("tools"), options, True, None, None, native_chat)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API over the chat pipeline (v0.13.3+): stateless, and like the other
+        ``/v1`` routes it takes no ``options``, so the prompt is cut to the default window in
+        silence (``/_fake/last`` records it). ``previous_response_id``, ``truncation``, ``store``
+        and ``include`` are not fields of Ollama's request type: Go drops them unread, so a
+        ``previous_response_id`` is ignored rather than refused, and ``truncation`` is only echoed."""
+        body = await self.body(request)
+        _check_go_types(body)
+        model = self.model(body)
+        if body.get("background") is True:
+            raise OllamaError(
+                400, "background mode is not supported for local models; use a cloud model or omit the background field"
+            )
+        messages, tools = responses_messages(body)
+        options: dict[str, Any] = {"temperature": body.get("temperature", 1.0)}
+        options |= {"top_p": body["top_p"]} if body.get("top_p") is not None else {}
+        options |= {"num_predict": body["max_output_tokens"]} if body.get("max_output_tokens") is not None else {}
+        codec = ResponsesCodec(model, body)
+        stream = body.get("stream") is True
+        if not messages:  # Ollama's chat handler only loads the model: done_reason "load", no metrics
+            self.load(self.num_ctx({}), None)
+            return await self.respond(request, stream, _loaded(), codec)
+        _, pieces = await self.run(Request(model, messages, "", tools, options, True, None, None, self.settings.native))
+        return await self.respond(request, stream, pieces, codec)
+
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's API over the chat pipeline: no num_ctx, truncate or keep_alive get through,
         so an overflow is cut to the loaded (or default) window in silence."""
@@ -830,6 +1037,139 @@ def _from_openai_message(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [converted]
 
 
+async def _loaded() -> AsyncGenerator[str | Finish]:
+    yield Finish("load", 0, 0, 0, 0)
+
+
+# The Responses request's typed fields (Ollama's ResponsesRequest): a value of another JSON type is
+# gin's binding error, a 400. Fields it does not declare are dropped unread.
+_GO_FIELDS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "model": ("string", (str,)),
+    "background": ("bool", (bool,)),
+    "include": ("[]string", (list,)),
+    "instructions": ("string", (str,)),
+    "max_output_tokens": ("int", (int,)),
+    "reasoning": ("openai.ResponsesReasoning", (dict,)),
+    "temperature": ("float64", (int, float)),
+    "text": ("openai.ResponsesText", (dict,)),
+    "top_p": ("float64", (int, float)),
+    "truncation": ("string", (str,)),
+    "tools": ("[]openai.ResponsesTool", (list,)),
+    "stream": ("bool", (bool,)),
+}
+_JSON_KINDS = {bool: "bool", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+
+
+def _check_go_types(body: dict[str, Any]) -> None:
+    for field, (go_type, kinds) in _GO_FIELDS.items():
+        value = body.get(field)
+        wrong_bool = isinstance(value, bool) and bool not in kinds
+        if value is not None and (wrong_bool or not isinstance(value, kinds)):
+            kind = _JSON_KINDS.get(type(value), "value")
+            raise OllamaError(400, f"json: cannot unmarshal {kind} into Go struct field ResponsesRequest.{field} of type {go_type}")
+    for tool in body.get("tools") or []:
+        if not isinstance(tool, dict):
+            raise OllamaError(400, f"json: cannot unmarshal {_JSON_KINDS.get(type(tool), 'value')} into Go struct field "
+                              "ResponsesRequest.tools of type openai.ResponsesTool")  # fmt: skip
+
+
+REASONING_EFFORTS = ("none", "low", "medium", "high", "max")
+
+
+def _responses_content(parts: Any, where: str, field: str = "content") -> tuple[str, list[Any]]:
+    """Responses content parts as Ollama's text (the text parts joined) and images; a file is a
+    400, and so is a part type it does not know."""
+    if isinstance(parts, str):
+        return parts, []
+    text, images = "", []
+    for index, part in enumerate(parts or []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text"):
+            text += part.get("text") or ""
+        elif kind == "input_image":
+            if part.get("image_url"):
+                images.append(part["image_url"])
+        elif kind == "input_file":
+            raise OllamaError(400, "file inputs are not currently supported")
+        else:
+            raise OllamaError(400, f"{where}{field}[{index}]: unknown content type: {kind or ''}")
+    return text, images
+
+
+def responses_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A Responses request as Ollama's chat messages and tools (``FromResponsesRequest``):
+    ``instructions`` as a system message, then the input string or items. A reasoning item's
+    ``encrypted_content`` becomes the thinking of the next assistant message; a function call joins
+    the assistant message before it; an item whose type Ollama does not know is a 400."""
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str) and body["instructions"]:
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        if items:
+            messages.append({"role": "user", "content": items})
+        items = []
+    elif items is not None and not isinstance(items, list):
+        raise OllamaError(400, "input must be a string or array: json: cannot unmarshal into Go value of type []json.RawMessage")
+    thinking = ""
+    for index, item in enumerate(items or []):
+        where = f"input[{index}]: "
+        item = item if isinstance(item, dict) else {}
+        kind = item.get("type") or ("message" if item.get("role") else "")
+        if kind == "reasoning":
+            thinking = item.get("encrypted_content") or ""
+        elif kind == "message":
+            content, images = _responses_content(item.get("content"), where)
+            message: dict[str, Any] = {"role": item.get("role", ""), "content": content}
+            if images:
+                message["images"] = images
+            if message["role"] == "assistant" and thinking:
+                message["thinking"], thinking = thinking, ""
+            messages.append(message)
+        elif kind == "function_call":
+            try:
+                arguments = json.loads(item["arguments"]) if item.get("arguments") else {}
+            except ValueError as error:
+                raise OllamaError(400, f"failed to parse function call arguments: {error}") from None
+            if not isinstance(arguments, dict):
+                raise OllamaError(400, "failed to parse function call arguments: not a JSON object")
+            call = {"id": item.get("call_id", ""), "function": {"name": item.get("name", ""), "arguments": arguments}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1]["tool_calls"] = [*messages[-1].get("tool_calls", []), call]
+                target = messages[-1]
+            else:
+                target = {"role": "assistant", "content": "", "tool_calls": [call]}
+                messages.append(target)
+            if thinking:
+                target["thinking"], thinking = thinking, ""
+        elif kind == "function_call_output":
+            content, images = _responses_content(item.get("output"), where, "output")
+            message = {"role": "tool", "content": content, "tool_call_id": item.get("call_id", "")}
+            if images:
+                message["images"] = images
+            messages.append(message)
+        elif kind:
+            raise OllamaError(400, f"{where}unknown input item type: {json.dumps(kind)}")
+        else:
+            raise OllamaError(400, f"{where}input item missing required 'type' field")
+    if thinking:
+        messages.append({"role": "assistant", "content": "", "thinking": thinking})
+    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
+    if effort and effort not in REASONING_EFFORTS:
+        raise OllamaError(
+            400, f'invalid reasoning value: "{effort}" (must be "high", "medium", "low", "max", or "none")'
+        )
+    tools = [
+        {
+            "type": t.get("type", ""),
+            "function": {"name": t.get("name", ""), "description": t.get("description") or "", "parameters": t.get("parameters")},
+        }
+        for t in body.get("tools") or []
+        if isinstance(t, dict)
+    ]
+    return messages, tools or None
+
+
 @web.middleware
 async def _ollama_errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
     """Native routes answer ``{"error": message}``; the ``/v1`` layer wraps it OpenAI's way."""
@@ -862,6 +1202,7 @@ def ollama_app(settings: OllamaSettings, engine: Engine) -> web.Application:
         "/api/show": server.show,
         "/v1/chat/completions": server.openai_chat,
         "/v1/completions": server.openai_completion,
+        "/v1/responses": server.responses,
         "/v1/messages": server.messages,
         "/v1/messages/count_tokens": server.count_tokens,
     }

@@ -224,3 +224,131 @@ def test_hang_mid_stream() -> None:
             with pytest.raises(httpx.ReadTimeout):
                 received.extend(response.iter_lines())
     assert [json.loads(line)["message"]["content"] for line in received] == ["Hello"]
+
+
+# --- OpenAI's Responses API (/v1/responses), as Ollama serves it (v0.13.3+) --------------------
+
+ASKED = f"SECRET=kiwi {QUESTION}"
+LONG = f"{filler(3)} SECRET=kiwi {filler(200)} {QUESTION}"  # 208 tokens in a 64-token window
+
+
+@pytest.fixture
+def oai(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def last(url: str) -> dict:
+    return httpx.get(f"{url}/_fake/last").json()
+
+
+def test_responses_with_the_openai_client(oai: openai.OpenAI, url: str) -> None:
+    response = oai.responses.create(model=MODEL, instructions="Be brief.", input=ASKED, temperature=0)
+    assert response.object == "response" and response.status == "completed" and response.model == MODEL
+    assert response.output_text == "The secret is kiwi."
+    assert response.instructions == "Be brief." and response.truncation == "disabled" and response.store is False
+    assert response.usage is not None and response.usage.output_tokens == 4
+    assert response.usage.input_tokens == 1 + 3 + 6 + 1 == last(url)["kept_tokens"]  # BOS, two messages, prompt
+    assert last(url)["cut"] is False
+
+
+def test_responses_stream_with_the_openai_client(oai: openai.OpenAI) -> None:
+    events = list(oai.responses.create(model=MODEL, input=ASKED, stream=True))
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 4,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    completed = events[-1]
+    assert completed.type == "response.completed" and completed.response.output_text == "The secret is kiwi."
+    assert completed.response.usage is not None and completed.response.usage.input_tokens == 1 + 6 + 1
+
+
+def test_responses_stream_helper_accumulates_ollamas_events(oai: openai.OpenAI) -> None:
+    with oai.responses.stream(model=MODEL, input=ASKED) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == "The secret is kiwi."
+
+
+def test_responses_stream_wire_format_is_gos(url: str) -> None:
+    response = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": ASKED, "stream": True})
+    assert response.headers["content-type"] == "text/event-stream"
+    records = [record for record in response.text.split("\n\n") if record]
+    for record in records:
+        name, data = record.split("\n")
+        keys = list(json.loads(data.removeprefix("data: ")))
+        assert keys == sorted(keys)  # Go marshals the event maps with their keys sorted
+        assert json.loads(data.removeprefix("data: "))["type"] == name.removeprefix("event: ")
+    assert "[DONE]" not in response.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_overflow_is_cut_in_silence(oai: openai.OpenAI, url: str, stream: bool) -> None:
+    """No options get through, so not even num_ctx: the default window, and the middle cut."""
+    extra = {"options": {"num_ctx": 4096}}  # not a field of Ollama's Responses request: dropped unread
+    if stream:
+        events = list(oai.responses.create(model=MODEL, input=LONG, stream=True, extra_body=extra))
+        assert events[-1].type == "response.completed"
+        response = events[-1].response
+    else:
+        response = oai.responses.create(model=MODEL, input=LONG, extra_body=extra)
+    assert response.status == "completed" and response.output_text == "I do not know the secret."
+    assert last(url) == {"cut": True, "sent_tokens": 1 + 1 + 208 + 1, "kept_tokens": 35, "num_ctx": NUM_CTX}
+    assert response.usage is not None and response.usage.input_tokens == 35  # counted after the cut
+
+
+def test_responses_input_items_render_as_chat_messages(oai: openai.OpenAI, url: str) -> None:
+    """Message items of each role, a function call merged into the assistant turn before it, its
+    output as a tool message, a reasoning item (its encrypted_content the next turn's thinking)."""
+    items = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"role": "user", "content": "weather in Oslo?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "look it up"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city":"Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "sunny"}]},
+    ]
+    chat = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": "Checking.",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    response = oai.responses.create(model=MODEL, input=items)  # type: ignore[arg-type]
+    completion = oai.chat.completions.create(model=MODEL, messages=chat)  # type: ignore[arg-type]
+    assert response.usage is not None and completion.usage is not None
+    assert response.usage.input_tokens == completion.usage.prompt_tokens
+
+
+def test_responses_is_stateless_and_ignores_previous_response_id(oai: openai.OpenAI) -> None:
+    """``previous_response_id`` is not a field of Ollama's request type, so Go drops it: the
+    request runs on its own input, with no 400 and no trace of the missing history."""
+    alone = oai.responses.create(model=MODEL, input=ASKED)
+    chained = oai.responses.create(model=MODEL, input=ASKED, previous_response_id=alone.id)
+    assert chained.status == "completed" and chained.previous_response_id is None
+    assert chained.usage is not None and alone.usage is not None
+    assert chained.usage.input_tokens == alone.usage.input_tokens
+
+
+def test_responses_errors_are_openais(oai: openai.OpenAI, url: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        oai.responses.create(model=MODEL, input=[{"type": "web_search_call", "id": "ws_1"}])  # type: ignore[list-item]
+    assert raised.value.body == {
+        "message": 'input[0]: unknown input item type: "web_search_call"',
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="other", input="hi")
+    counted = httpx.post(f"{url}/v1/responses/input_tokens", json={"model": MODEL, "input": "hi"})
+    assert (counted.status_code, counted.text) == (404, "404 page not found")  # Ollama has no count route
