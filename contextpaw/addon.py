@@ -83,7 +83,7 @@ class Compactor:
     def load(self, loader: Any) -> None:
         add, d = loader.add_option, FitSettings()
         add("contextpaw_policy", str, d.policy,
-            "compact: fit overflowing requests and report it; strict: refuse them with 413; off: pass through.",
+            "compact: fit overflowing requests and report it; strict: refuse them in the API's own overflow error; off: pass through.",
             choices=POLICIES)
         add("contextpaw_keep_recent", int, d.keep_recent, "Most recent messages that are never evicted.")
         add("contextpaw_default_ctx", int, d.default_ctx, "Context window when neither the request nor the backend says.")
@@ -242,7 +242,7 @@ class Compactor:
         """The retry's answer is in: say whether it recovered; mitmweb shows what was sent last."""
         assert flow.response is not None and state.report is not None
         if state.local:  # nothing that must be kept fits the window the backend named
-            flag(flow, REFUSED_MARK, f"refused 413 after the backend's overflow: {state.report.summary()}")
+            flag(flow, REFUSED_MARK, f"refused {flow.response.status_code} after the backend's overflow: {state.report.summary()}")
             return
         self.fitter.settle_rescue(state, flow.response.status_code, ERROR_HEADER in flow.response.headers)
         flag(flow, COMPACTED_MARK, state.report.summary(), replace=True)

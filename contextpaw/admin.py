@@ -31,7 +31,7 @@ JSON = "application/json"
 COUNTS = {
     "requests": "Requests on a compactable route",
     "compacted": "Requests compacted to fit the window",
-    "refused": "Requests refused with 413",
+    "refused": "Requests refused in their API's overflow error (413, or 400 where the API says so)",
     "retried_400": "Upstream context-overflow 400s retried after compacting",
     "recovered_400": "Retries after an upstream 400 that succeeded",
     "errors": "Internal errors that failed open",

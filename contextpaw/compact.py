@@ -6,7 +6,7 @@ budget, a counter and the previous turn's `Plan`, and gets back what to send, a 
 
 Rules, in order of precedence:
 1. System/developer messages and tool definitions are never touched. If they alone exceed the
-   budget, `BudgetTooSmall` is raised (the shell answers 413): nothing else could help.
+   budget, `BudgetTooSmall` is raised (the shell refuses in the API's own error): nothing else could help.
 2. The task (first user message), the current request (last user message) and the last
    `keep_recent` messages are never deleted. Tool units
    (a call and all of its results) are kept or evicted whole.

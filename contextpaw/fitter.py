@@ -311,8 +311,8 @@ class Fitter:
         whose window is not known yet takes the full path.
         """
         raw = state.original
-        if len(raw) > SIZE_PROOF_BYTES or b'"num_ctx"' in raw or (model := wire.model_of(raw)) is None:
-            return None  # a window of its own, or a model name that cannot be read at once
+        if len(raw) > SIZE_PROOF_BYTES or b'"num_ctx"' in raw or b'"previous_response_id"' in raw or (model := wire.model_of(raw)) is None:
+            return None  # a window of its own, history kept by the server, or a model name that cannot be read at once
         if self.settings.discover_window:
             known, window = self.windows.cached(state.backend, model)
             if not known:
@@ -592,7 +592,7 @@ class Fitter:
 
     async def rescue(self, state: FlowState, status: int, answer: bytes) -> bytes | Refuse | None:
         """After the backend refused what was sent as too long: the body to send instead, compacted
-        to what the server said of that body; a 413 in the caller's shape when nothing that must
+        to what the server said of that body; a refusal in the caller's shape when nothing that must
         be kept fits; None to pass its answer on. Never raises (fail open, said in a header)."""
         overflow = wire.upstream_overflow(status, answer)
         if overflow is None or not self.may_rescue(state):
@@ -602,6 +602,7 @@ class Fitter:
             sent = state.sent_tokens if state.sent_tokens is not None else state.report.final_tokens
             cause = f"the backend refused the request {state.rescues + 1} times as longer than its {overflow.n_ctx}-token window"
             shortfall = wire.Overflow(overflow.n_prompt_tokens, overflow.n_ctx, overflow.n_ctx, cause, sent)
+            logger.warning("%s: %s; answered with the API's own overflow error", state.path, cause)
             return self._refuse(state, shortfall, "backend")
         try:
             return await self._refit(state, overflow)

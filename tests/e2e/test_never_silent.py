@@ -73,4 +73,7 @@ def test_a_cut_is_told_to_the_client_under_every_policy_streamed_or_not(outcomes
 def test_a_window_above_the_trained_length_is_fitted_to_what_the_server_uses(outcomes: list[matrix.Outcome]) -> None:
     oversized = [o for o in outcomes if o.case.num_ctx == OVERSIZED]
     assert oversized and not any(o.cut for o in oversized if o.case.policy != "off")
-    assert all(o.told for o in oversized if o.cut)
+    # under policy off the fake's tokenizer is out of reach: a cut is certain where the count says
+    # so (a raw prompt's), and said to be possible where whole messages went (a chat's)
+    cut = [o for o in oversized if o.cut]
+    assert cut and all(o.told or o.warned for o in cut) and any(o.told for o in cut)

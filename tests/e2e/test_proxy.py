@@ -165,11 +165,11 @@ def test_strict_gives_ollama_clients_a_413_with_the_numbers(strict: Proxy) -> No
 
 @pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
 def test_strict_gives_openai_clients_context_length_exceeded(strict: Proxy, backend: str) -> None:
-    with pytest.raises(openai.APIStatusError) as refused:
+    with pytest.raises(openai.BadRequestError) as refused:  # OpenAI's own answer to an overlong prompt
         openai_at(getattr(strict, backend)).chat.completions.create(model="fake", messages=overflowing(), max_tokens=16)
-    assert refused.value.status_code == 413
+    assert refused.value.status_code == 400 and refused.value.code == "context_length_exceeded"
     error = refused.value.response.json()["error"]
-    assert (error["type"], error["code"], error["num_ctx"]) == ("context_overflow", "context_length_exceeded", N_CTX)
+    assert (error["type"], error["param"], error["num_ctx"]) == ("invalid_request_error", "messages", N_CTX)
     assert error["n_prompt_tokens"] > error["budget"] == N_CTX - 64  # what the server would admit: max_tokens reserves nothing
 
 

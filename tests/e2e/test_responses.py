@@ -30,7 +30,7 @@ def session(calls: int = 6) -> list[dict[str, Any]]:
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Read the files."}]},
     ]
     for i in range(calls):
-        items.append({"type": "reasoning", "id": f"rs_{i}", "summary": [], "encrypted_content": f"opaque-{i}"})
+        items.append({"type": "reasoning", "id": f"rs_{i}", "summary": [], "content": [{"type": "reasoning_text", "text": f"I should read f{i}."}]})
         items.append({"type": "function_call", "call_id": f"call_{i}", "name": "shell", "arguments": json.dumps({"cmd": f"cat f{i}"})})
         items.append({"type": "function_call_output", "call_id": f"call_{i}", "output": f"file {i}: " + "lorem ipsum " * 120})
     items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]})

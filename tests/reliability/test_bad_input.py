@@ -17,6 +17,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from contextpaw import wire
 from mitmproxy import http
 from mitmproxy.net import encoding
 
@@ -70,9 +72,10 @@ def check(runner: Any, kit: Any, port: int, path: str, raw: bytes, headers: dict
     assert h.stats["errors"] == before["errors"], f"internal error on {raw[:200]!r}: {said}"
     assert "X-ContextPaw-Error" not in said
     if flow.response is not None:
-        # The only answer of its own allowed under the compact policy: a 413 for a request whose
-        # pinned part alone exceeds the window (a refusal in the API's shape, not an error).
-        assert flow.response.status_code == 413, flow.response.content[:300]
+        # The only answer of its own allowed under the compact policy: a refusal for a request whose
+        # pinned part alone exceeds the window, in the API's own shape and status (not an error).
+        route = wire.route_for(wire.Kind.OLLAMA, "POST", path) or wire.route_for(wire.Kind.LLAMACPP, "POST", path)
+        assert route is not None and flow.response.status_code == route.refusal_status, flow.response.content[:300]
         assert "error" in json.loads(flow.response.content)
         return "refused"
     if flow.request.raw_content == raw:

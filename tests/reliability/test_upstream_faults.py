@@ -163,7 +163,8 @@ OVERFLOW = {"X-Fault-Prompt-Tokens": "1100"}
 def test_a_repeated_overflow_400_is_retried_a_bounded_number_of_times(proxy: Any, fault_server: Any, kit: Any, cases: Any) -> None:
     """The backend says 'too long' to the request and to every compacted retry: each retry is
     smaller than the last, there are at most MAX_RESCUES, and the client gets an answer in its API's
-    shape (the backend's last 400, or a 413 when nothing that must be kept fits)."""
+    shape: OpenAI's 400 `context_length_exceeded` once the rounds run out, never the backend's raw
+    error on an OpenAI route."""
     before = stats_of(proxy, kit)
     body = {"model": "fault", "messages": [{"role": "system", "content": "Be brief."}]
             + [{"role": "user" if i % 2 else "assistant", "content": f"turn {i} " + "a " * 60} for i in range(12)]
@@ -177,7 +178,7 @@ def test_a_repeated_overflow_400_is_retried_a_bounded_number_of_times(proxy: Any
     sizes = [len(h.body) for h in hits]
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes), "each retry is smaller"
     answer = json.loads(data)
-    assert status in (400, 413) and answer["error"]["type"] in ("exceed_context_size_error", "context_overflow")
+    assert status == 400 and (answer["error"]["type"], answer["error"]["code"]) == ("invalid_request_error", "context_length_exceeded")
     assert answer["contextpaw"]["recovered_from_upstream_400"] is False
     after = stats_of(proxy, kit)
     assert after["retried_400"] == before["retried_400"] + len(hits) - 1
