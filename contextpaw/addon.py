@@ -88,7 +88,8 @@ class Compactor:
         add("contextpaw_keep_recent", int, d.keep_recent, "Most recent messages that are never evicted.")
         add("contextpaw_default_ctx", int, d.default_ctx, "Context window when neither the request nor the backend says.")
         add("contextpaw_output_reserve", int, d.output_reserve,
-            "Tokens kept for the answer when the request sets no limit (at most half the window).")
+            "Tokens left for the answer when a request must be cut anyway (the smaller of this and the request's own "
+            "cap, at most half the window); a request the backend would serve whole is never cut to make this room.")
         add("contextpaw_margin", int, d.margin, "Tokens kept for the chat template and counting error.")
         add("contextpaw_conversations", int, d.conversations, "Conversations whose eviction plan is remembered (LRU).")
         add("contextpaw_evicted_items", int, d.evicted_items, "Evicted contents kept for /contextpaw/evicted/<id>.")
