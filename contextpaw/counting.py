@@ -87,10 +87,13 @@ FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, Valu
 
 
 JSON_HEADERS = {"Content-Type": JSON_TYPE}
-COUNTS_IN_FLIGHT = 8
+COUNTS_IN_FLIGHT = 2
 """`/tokenize` calls open at once. A first big request has hundreds of new texts: all at once (a
 task and a connection each) they would fill the event loop's queue, and every other client's
-request would wait behind them."""
+request would wait behind them. And llama-server answers on a pool of `n_parallel + 2` HTTP
+threads by default (3 with `-np 1`), each held by an open keep-alive connection: a ninth of Codex's
+texts waited 5 s for a thread there, past the call's timeout, and the whole count fell back to the
+estimate. Two leave a thread for the request itself."""
 
 
 class LlamaCppCounting:

@@ -395,19 +395,26 @@ class Fitter:
 
     # -- counting -------------------------------------------------------------------------------
 
+    def _calibrated(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt) -> Counter:
+        return self.calibration.counter(calibration_key(backend, parsed.params.model), self.estimate)
+
+    async def _small(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int, big: bool) -> bool:
+        """Whether the estimate puts the request at under half the `budget`: then it cannot
+        overflow even if the estimate is off by two, and is not worth a call to the backend."""
+        return await off_loop(big, functools.partial(_rough, parsed, self._calibrated(backend, parsed))) <= budget // 2
+
     async def counter_for(
-        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int | None = None, big: bool = False
+        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, small: bool = False, big: bool = False
     ) -> tuple[Counter, int]:
         """The best counter for this request, and the template's fixed cost when it is known.
 
         Best source first: a tokenizer file the operator named; llama-server's own tokenizer and
-        template; the tokenizer in the GGUF file Ollama names for the model; the calibrated estimate.
-        A request the estimate puts at under half the `budget` cannot overflow even if the estimate
-        is off by two, so it is not worth a call to the backend: the estimate counts it.
+        template; the tokenizer in the GGUF file Ollama names for the model; the calibrated estimate,
+        which alone counts a `small` request.
         """
         model = parsed.params.model
-        calibrated = self.calibration.counter(calibration_key(backend, model), self.estimate)
-        if budget is not None and await off_loop(big, functools.partial(_rough, parsed, calibrated)) <= budget // 2:
+        calibrated = self._calibrated(backend, parsed)
+        if small:
             return calibrated, 0
         if self.settings.tokenizer:
             named = await self.services.tokenizer(self.settings.tokenizer)
@@ -495,9 +502,11 @@ class Fitter:
         With `guard` (a route that cannot ask Ollama to refuse instead of cutting), an inexact
         count gets a budget its upper error bound still fits in, where what must be kept allows
         it: a cut there cannot be undone."""
-        counter, fixed = await self.counter_for(backend, parsed, budget.tokens, big)
-        # an exact counter is only fetched for a request that may not fit: ask for the whole count too
-        whole = await self._exact_total(backend, parsed, parsed.body, big) if counter.exact else None
+        small = await self._small(backend, parsed, budget.tokens, big)
+        counter, fixed = await self.counter_for(backend, parsed, small, big)
+        # a request that may not fit is counted whole where the server can (even when its per-text
+        # counting failed: the whole count is one call, and the decision rests on it)
+        whole = None if small else await self._exact_total(backend, parsed, parsed.body, big)
         if whole is not None:
             if whole <= budget.admits:
                 as_sent = Report(False, "none", whole, whole, budget.admits, counter="backend", exact=True, window=budget.window)
