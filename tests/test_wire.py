@@ -261,7 +261,7 @@ def codex_session(calls: int = 12) -> dict[str, Any]:
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the test."}]},
     ]
     for i in range(calls):
-        items.append({"type": "reasoning", "id": f"rs_{i}", "summary": [], "encrypted_content": f"opaque-{i}"})
+        items.append({"type": "reasoning", "id": f"rs_{i}", "summary": [], "content": [{"type": "reasoning_text", "text": f"I should read f{i}."}]})
         items.append({"type": "function_call", "call_id": f"call_{i}", "name": "shell", "arguments": json.dumps({"cmd": f"cat f{i}"})})
         items.append({"type": "function_call_output", "call_id": f"call_{i}", "output": f"file {i}\n" + "line of output\n" * (40 + 30 * (i % 3))})
     items.append({"type": "web_search_call", "id": "ws_1", "status": "completed"})

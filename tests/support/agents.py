@@ -7,8 +7,11 @@ there), telemetry, update checks and every other outbound call turned off, and s
 when ``timeout`` runs out. It returns an :class:`AgentRun`: the exit code, stdout, stderr and what
 the CLI printed as JSON, parsed.
 
-What each one sends and how it reacts to an overflow: shared/reference/agents.md, and the requests
-recorded in tests/agents/fixtures/ (re-recorded by the agent tests on every run).
+What each one sends and how it reacts to an overflow: shared/reference/agents.md, and one request per
+client recorded in tests/agents/fixtures/, which the agent tests compare with what the client sends
+now (:func:`check_recorded`; ``CONTEXTPAW_RECORD_AGENTS=1`` records them anew). Below the ``run_*``
+functions: :func:`start_contextpaw_stack`, the client -> recorder -> ContextPaw -> recorder -> backend
+chain the tests run them through (the recorder is :mod:`support.recorder`).
 """
 
 from __future__ import annotations
@@ -130,6 +133,10 @@ def run_process(
         os.killpg(process.pid, signal.SIGKILL)
         out, err = process.communicate()
         code = None
+    try:  # whatever it left running in its group (language servers, watchers) goes with it
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     return code, out, err, time.monotonic() - started
 
 
@@ -241,6 +248,7 @@ AIDER_ENV = {
     "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # it still tries the download once (agents.md); harmless offline
     "LITELLM_TELEMETRY": "False",
     "OLLAMA_API_KEY": "",
+    "PYTHONUNBUFFERED": "1",  # what it printed survives a stop at the timeout
 }
 _TOKENS = re.compile(r"Tokens: ([\d.]+k?) sent, ([\d.]+k?) received")
 
@@ -273,9 +281,10 @@ def run_codex(
     binary: Path, base_url: str, prompt: str, *, home: Path, model: str = "fake-model", cwd: Path | None = None,
     timeout: float = 120,
 ) -> AgentRun:  # fmt: skip
-    """``codex exec --json --skip-git-repo-check PROMPT`` with a ``local`` provider in
-    ``$CODEX_HOME/config.toml`` (``wire_api = "responses"``: Codex calls only ``/v1/responses``).
-    ``result`` is the list of JSON events it printed."""
+    """``codex exec --json --skip-git-repo-check -`` with the prompt on stdin (a long one does not
+    fit in one argv string) and a ``local`` provider in ``$CODEX_HOME/config.toml`` (``wire_api =
+    "responses"``: Codex calls only ``/v1/responses``). ``result`` is the list of JSON events it
+    printed."""
     cwd = cwd or home / "work"
     cwd.mkdir(parents=True, exist_ok=True)
     codex_home = home / ".codex"
@@ -286,8 +295,8 @@ def run_codex(
         "request_max_retries = 0\nstream_max_retries = 0\n\n[analytics]\nenabled = false\n"
     )
     env = scratch_env(home, {"CODEX_HOME": str(codex_home), "LOCAL_KEY": "local"})
-    argv = [str(binary), "exec", "--json", "--skip-git-repo-check", prompt]
-    code, out, err, seconds = run_process(argv, env, cwd, timeout)
+    argv = [str(binary), "exec", "--json", "--skip-git-repo-check", "-"]
+    code, out, err, seconds = run_process(argv, env, cwd, timeout, stdin=prompt)
     events = [e for e in (_json_or_none(line) for line in out.splitlines() if line.strip()) if isinstance(e, dict)]
     return AgentRun(argv, code, out, err, events, seconds, home)
 
