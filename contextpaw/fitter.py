@@ -682,7 +682,7 @@ class Fitter:
         evaluated = state.route.evaluated(final) if isinstance(final, dict) else None
         evaluated = counted if evaluated is None else evaluated
         on_wire = state.report is not None
-        answered = isinstance(final, dict) and "error" not in final
+        answered = isinstance(final, dict) and not final.get("error")  # a Responses body says "error": null
         if report is None or state.sent_tokens is None or not answered:
             return state.report.to_json() if state.report is not None else None
         sent = state.sent_tokens

@@ -556,3 +556,14 @@ async def test_a_whole_evaluation_of_a_template_that_renders_no_tools_is_not_cal
     rendered = 200  # the message alone: the template left the tools out
     f.final_report(s, {"type": "message_delta", "usage": {"input_tokens": rendered, "output_tokens": 3}}, rendered)
     assert s.observed.upstream_truncated is None
+
+
+async def test_a_responses_body_that_says_error_null_is_judged_like_any_answer() -> None:
+    """The Responses API's answer carries `"error": null`: that is an answer, and a cut there is said."""
+    route = wire.route_for(wire.Kind.OLLAMA, "POST", "/v1/responses")
+    body = {"model": "m", "input": [{"role": "user", "content": f"note {i} " + "word " * 300} for i in range(8)]}
+    f, s = fitter(policy="off", default_ctx=2048), state(body, route, OLLAMA)
+    await f.fit(s)
+    value = f.final_report(s, {"object": "response", "error": None, "usage": {"input_tokens": 1024}})
+    assert s.observed is not None and (s.observed.upstream_truncated or s.observed.upstream_truncation_possible)
+    assert value is None or "upstream_truncated" in value

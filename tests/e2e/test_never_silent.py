@@ -36,7 +36,7 @@ def outcomes(cutting: Backend, tmp_path_factory: pytest.TempPathFactory) -> list
 
 
 def test_no_cut_is_missed_and_no_whole_evaluation_is_flagged(outcomes: list[matrix.Outcome]) -> None:
-    assert len(outcomes) >= 336
+    assert len(outcomes) >= 384
     assert [o.case for o in outcomes if o.missed] == []
     assert [o.case for o in outcomes if o.false_alarm] == []
     assert sum(o.cut for o in outcomes) > 0, "the matrix must contain cuts to catch"

@@ -26,7 +26,7 @@ import httpx
 
 from .backends import Backend, start_proxy
 
-ROUTES = ("/api/chat", "/api/generate", "/v1/chat/completions", "/v1/completions", "/v1/messages")
+ROUTES = ("/api/chat", "/api/generate", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 POLICIES = ("compact", "strict", "off")
 SHAPES = ("dense", "code", "logs", "multilingual", "tools")
 SECRET = "kiwi"
@@ -108,6 +108,25 @@ def anthropic_body(chunks: list[str], tools: bool) -> dict:
     return {"system": SYSTEM, "messages": messages, "max_tokens": 8}
 
 
+def responses_body(chunks: list[str], tools: bool) -> dict:
+    """The case in the Responses API's shape, as Codex sends it: `instructions` beside the input,
+    message items with `input_text`, tool calls as `function_call` items answered by
+    `function_call_output` items."""
+    def said(role: str, text: str) -> dict:
+        return {"type": "message", "role": role, "content": [{"type": "input_text" if role == "user" else "output_text", "text": text}]}
+
+    items: list[dict] = []
+    for i, chunk in enumerate(chunks):
+        if tools:
+            items += [said("user", f"Look up part {i}."),
+                      {"type": "function_call", "call_id": f"call_{i}", "name": "search", "arguments": json.dumps({"q": f"part {i}"})},
+                      {"type": "function_call_output", "call_id": f"call_{i}", "output": chunk}]  # fmt: skip
+        else:
+            items += [said("user", f"Note {i}: {chunk}"), said("assistant", "Noted.")]
+    items.append(said("user", QUESTION))
+    return {"instructions": SYSTEM, "input": items, "max_output_tokens": 8}
+
+
 def body(case: Case, model: str, seed: int = 0) -> dict:
     """The request for a case: the fact up front, filler in the middle, the question last."""
     rng = random.Random(f"{case}-{seed}")
@@ -117,6 +136,8 @@ def body(case: Case, model: str, seed: int = 0) -> dict:
     chunks = [middle[i : i + step] for i in range(0, len(middle), step)]
     if case.route == "/v1/messages":
         return common | anthropic_body(chunks, case.shape == "tools")
+    if case.route == "/v1/responses":
+        return common | responses_body(chunks, case.shape == "tools")
     if case.route in ("/api/generate", "/v1/completions"):
         prompt = f"{SYSTEM}\n\n{middle}\n\n{QUESTION}"
         return common | ({"prompt": prompt, "max_tokens": 8} if case.route.startswith("/v1") else {"prompt": prompt, "options": options(case)})
@@ -148,12 +169,16 @@ def answer_text(route: str, stream: bool, text: str) -> str:
     for record in records if stream or not records else records[:1]:
         if record.get("type") == "content_block_delta":  # Anthropic's
             said.append(record["delta"].get("text") or "")
+        elif record.get("type") == "response.output_text.delta":  # the Responses API's stream
+            said.append(record.get("delta") or "")
+        elif record.get("object") == "response":  # a buffered Responses answer
+            said += [part.get("text") or "" for item in record.get("output") or [] for part in item.get("content") or []]
         elif record.get("type") == "message":
             said += [block.get("text") or "" for block in record.get("content") or []]
         elif isinstance(record.get("message"), dict) and "role" in record["message"]:
             said.append(record["message"].get("content") or "")
-        elif "response" in record:
-            said.append(record.get("response") or "")
+        elif isinstance(record.get("response"), str):  # Ollama's /api/generate
+            said.append(record["response"])
         for choice in record.get("choices") or []:
             said.append((choice.get("message") or choice.get("delta") or {}).get("content") or choice.get("text") or "")
     return "".join(said)
