@@ -540,12 +540,15 @@ class Fitter:
             )
         if whole is None:
             return fitted
-        fitted.report.counter, fitted.report.original_tokens = "backend", whole
         try:
-            return await self._verified(parsed, fitted, budget, backend, big, fit)
+            fitted = await self._verified(parsed, fitted, budget, backend, big, fit)
         except BudgetTooSmall as e:
             e.counter = "backend"
             raise
+        # a refit under a tightened budget is told against the budget the client is told
+        report = fitted.report
+        report.counter, report.original_tokens, report.window, report.budget = "backend", whole, budget.window, budget.tokens
+        return fitted
 
     # -- digests of what was evicted ------------------------------------------------------------
 

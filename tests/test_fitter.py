@@ -489,6 +489,8 @@ async def test_a_fit_the_servers_count_finds_a_few_tokens_over_is_cut_further_no
     decision = await f.fit(s)
     assert isinstance(decision, Forward) and decision.compacted, s.report
     assert s.report is not None and s.report.final_tokens <= s.report.budget and s.report.exact
+    # the refit's tightened budget stays internal: the client is told the budget and window it has
+    assert (s.report.budget, s.report.window) == (12000 - 1024 - 64, 12000)
 
 
 async def test_a_refusal_states_one_set_of_numbers_in_its_message_body_and_headers() -> None:

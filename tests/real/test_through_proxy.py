@@ -56,7 +56,7 @@ def openai_client(base_url: str) -> openai.OpenAI:
 def assert_compacted_within_budget(report: dict[str, Any] | None) -> None:
     assert report is not None, "no contextpaw report in the response"
     assert report["compacted"] is True
-    assert report["final_tokens"] <= report["budget"] < report["original_tokens"]
+    assert report["final_tokens"] <= report["budget"] < report["original_tokens"], json.dumps(report)
     assert report["evicted_tokens"] > 0 and report["markers"]
 
 
