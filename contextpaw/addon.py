@@ -32,7 +32,7 @@ from mitmproxy.proxy import mode_specs
 
 from contextpaw import logs
 from contextpaw import admin, wire
-from contextpaw.backends import Backends
+from contextpaw.backends import UNDECODED, Backends
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitter import FlowState, Fitter, Refuse
 from contextpaw.ledger import FailureLedger
@@ -156,8 +156,12 @@ class Compactor:
             return
         backend = await self.backends.backend_of(flow)
         route = backend and wire.route_for(backend.kind, flow.request.method, flow.request.path)
-        raw = flow.request.get_content(strict=False)
-        if backend is None or route is None or raw is None:
+        if backend is None or route is None:
+            return
+        if UNDECODED in flow.metadata or flow.request.headers.get("content-encoding", "identity").strip().lower() != "identity":
+            return  # still encoded (the backends addon decodes what it can, off the loop): never decoded here
+        raw = flow.request.raw_content
+        if raw is None:
             return
         state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"))
         self.states[flow] = state
@@ -181,6 +185,8 @@ class Compactor:
         response = flow.response
         assert response is not None
         state = self.states.get(flow)
+        if UNDECODED in flow.metadata:
+            response.headers["X-ContextPaw-Error"] = flow.metadata[UNDECODED]
         if state is not None:
             if response.headers.pop(RESCUED_HEADER, None) is not None:  # the relay's retry, or its refusal
                 self._settled(flow, state)

@@ -37,7 +37,7 @@ COUNTS = {
     "errors": "Internal errors that failed open",
     "unreachable": "Requests answered 502 because the backend did not answer",
     "too_large": "Requests answered 413 because the body was (or inflated to) over contextpaw_max_body_mb",
-    "bad_request": "Requests answered 400 because HTTP does not allow their target (a raw non-ASCII byte)",
+    "bad_request": "Requests answered 400 because HTTP does not allow their target (a raw non-ASCII byte), or 415 for a Content-Encoding ContextPaw cannot read",
     "upstream_errors": "Handled requests whose backend failed: 5xx, an answer that is not JSON, a reset or a timeout",
     "upstream_timeouts": "Handled requests whose backend fell silent past contextpaw_header_timeout or _idle_timeout",
     "original_tokens": "Prompt tokens as sent by clients, on compactable routes",

@@ -57,6 +57,14 @@ def model_request(flow: http.HTTPFlow) -> bool:
     return any(wire.route_for(kind, flow.request.method, flow.request.path) for kind in wire.Kind)
 
 
+UNDECODED = "contextpaw.undecoded"
+"""Flow metadata: why a compressed model request was forwarded as it came (said in X-ContextPaw-Error)."""
+
+
+def _encoding(flow: http.HTTPFlow) -> str:
+    return flow.request.headers.get("content-encoding", "").strip().lower()
+
+
 def _host_port(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
@@ -148,6 +156,9 @@ class Backends:
         if size > limit and model:
             reason = f"ContextPaw: the request body ({size:,} bytes) is over the limit of {limit:,} bytes (contextpaw_max_body_mb)"
             await self._refuse(flow, 413, reason, "too_large")
+        elif model and (encoding := _encoding(flow)) not in ("", "identity", *inflate.ENCODINGS):
+            reason = f"ContextPaw: the request body's Content-Encoding {encoding!r} is not one it can read; send {', '.join(inflate.ENCODINGS)} or none"
+            await self._refuse(flow, 415, reason, "bad_request")
         elif model and not await self._inflated(flow, limit):
             reason = f"ContextPaw: the request body inflates to more than the limit of {limit:,} bytes (contextpaw_max_body_mb)"
             await self._refuse(flow, 413, reason, "too_large")
@@ -163,8 +174,9 @@ class Backends:
     @staticmethod
     async def _inflated(flow: http.HTTPFlow, limit: int) -> bool:
         """Decode a compressed model request off the event loop, stopping at `limit` (False: over
-        it). It goes on decoded: a body that is not what its encoding says goes on as it came."""
-        encoding = flow.request.headers.get("content-encoding", "").strip().lower()
+        it). It goes on decoded: a body that is not what its encoding says goes on byte for byte,
+        with its Content-Encoding, and the answer says why (`UNDECODED`)."""
+        encoding = _encoding(flow)
         if encoding not in inflate.ENCODINGS:
             return True
         try:
@@ -173,6 +185,7 @@ class Backends:
             return False
         except ValueError as e:
             logger.info("%s: %s; forwarded as it came", flow.request.path, e)
+            flow.metadata[UNDECODED] = f"{e}; forwarded as it came, not fitted"
             return True
         del flow.request.headers["content-encoding"]
         flow.request.content = body

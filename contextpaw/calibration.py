@@ -28,7 +28,16 @@ MAX_KEYS = 256
 MIN_SAMPLE_TOKENS = 200
 SAFETY = 1.03
 OUTLIER = 2.5
-"""A ratio this many times the median of the window is refused as an outlier."""
+"""A ratio this many times the median of the window (or this many times below it) is refused as an outlier."""
+PHYSICAL = (0.1, 4.0)
+"""The ratios of reported to estimated tokens that text can have. The estimate counts a token per
+3.2 bytes: a token is at least one byte (3.2 times the estimate, and the template's few), and no
+tokenizer spends 32 bytes on one token of text (long runs of whitespace reach about 13). A count
+outside is not a count of what was sent: a backend that reports it lies, and is not learned from
+(servers have under-reported this way: ollama#16414, #2068)."""
+EARLY_SAMPLES = 3
+EARLY_RANGE = (0.5, 2.0)
+"""Until this many samples are learned, the factor stays within this range: no single sample moves it far."""
 
 
 
@@ -66,7 +75,10 @@ class Calibration:
 
     def factor(self, key: str) -> float:
         ratios = self.ratios.get(key)
-        return max(ratios) * SAFETY if ratios else 1.0
+        if not ratios:
+            return 1.0
+        factor = max(ratios) * SAFETY
+        return min(max(factor, EARLY_RANGE[0]), EARLY_RANGE[1]) if len(ratios) < EARLY_SAMPLES else factor
 
     def counter(self, key: str, base: Counter) -> CalibratedCounter:
         return CalibratedCounter(base, self.factor(key))
@@ -102,8 +114,11 @@ class Calibration:
             return Verdict(False, "too small to learn from")
         if not whole:
             return Verdict(False, "the server may have cut the prompt")
+        ratio = reported / estimated
+        if not PHYSICAL[0] <= ratio <= PHYSICAL[1]:
+            return Verdict(False, f"impossible count: {reported} tokens for text estimated at {estimated}")
         ratios = self.ratios.get(key)
-        if ratios and len(ratios) >= 3 and reported / estimated > OUTLIER * statistics.median(ratios):
+        if ratios and len(ratios) >= 3 and not 1 / OUTLIER <= ratio / statistics.median(ratios) <= OUTLIER:
             return Verdict(False, "outlier")
         return Verdict(True, "ok")
 

@@ -41,6 +41,8 @@ CALL_TIMEOUT_S = 3.0
 """llama-server counts on its HTTP threads, not its slots: even a busy one answers in milliseconds."""
 
 
+ALL = "*"
+"""The resting key for a whole server."""
 OPENAI_COUNT = "/v1/chat/completions/input_tokens"
 """Where llama-server counts a whole OpenAI chat (Anthropic's requests are counted at their own route)."""
 
@@ -120,14 +122,19 @@ class LlamaCppCounting:
         apart (a server without input_tokens can still tokenize)."""
 
     def _resting(self, base_url: str, what: str) -> bool:
-        return time.monotonic() < self._resting_until.get((base_url, what), -math.inf)
+        now, until = time.monotonic(), self._resting_until
+        return now < until.get((base_url, what), -math.inf) or now < until.get((base_url, ALL), -math.inf)
 
     def _failed(self, base_url: str, what: str, error: Exception) -> None:
-        """Rest after a failure: `retry_after` seconds, or an hour for an endpoint the server lacks."""
+        """Rest after a failure: `retry_after` seconds, or an hour for an endpoint the server lacks.
+        A server that did not answer rests whole (its other endpoints would hang the same way): one
+        timeout per request, not one per endpoint."""
         self.failures += 1
         missing = isinstance(error, aiohttp.ClientResponseError) and error.status in (404, 405, 501)
         rest = MISSING_REST_S if missing else self.retry_after
         self._resting_until[(base_url, what)] = time.monotonic() + rest
+        if not missing:
+            self._resting_until[(base_url, ALL)] = time.monotonic() + rest
         level = logging.INFO if missing else logging.WARNING
         log.log(level, "%s at %s failed (%s); not asked again for %gs", what, base_url, type(error).__name__, rest)
 

@@ -14,8 +14,10 @@ from typing import Any
 
 
 def encode(content: Any) -> bytes:
-    """What the store keeps and `/contextpaw/evicted/<id>` answers: the content as JSON."""
-    return json.dumps(content, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    """What the store keeps and `/contextpaw/evicted/<id>` answers: the content as JSON, valid
+    UTF-8 whatever it held (a lone surrogate, a JavaScript string cut inside an emoji, goes back
+    as the JSON escape it came in as)."""
+    return json.dumps(content, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
 class EvictedStore:

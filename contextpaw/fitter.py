@@ -712,5 +712,7 @@ class Fitter:
             key, factor = state.calibration
             state.calibration = None
             whole = verdict.evaluation is Evaluation.WHOLE
-            self.calibration.observe(key, round(sent / factor), evaluated, whole=whole)
+            learned = self.calibration.observe(key, round(sent / factor), evaluated, whole=whole)
+            if learned.reason.startswith("impossible"):
+                logger.warning("%s: %s; not learned from (the backend's count is evidence, not truth)", state.path, learned.reason)
         return report.to_json() if on_wire or report.upstream_truncated is not None else None

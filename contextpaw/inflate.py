@@ -2,13 +2,15 @@
 
 A 1.8 MB gzip body can inflate to 400 MB: the limit (`contextpaw_max_body_mb`) is on the inflated
 size, enforced while inflating, so a bomb stops at the limit instead of filling memory. Every
-encoding mitmproxy decodes is handled: gzip (and zlib), deflate (with or without its zlib header),
-br and zstd. Pure and blocking: the shell runs it in a worker thread (the decompressors release the
-GIL while they work).
+encoding mitmproxy decodes is handled: gzip (every member of a multi-member one), zlib, deflate
+(with or without its zlib header), br, zstd and bz2. A body that ends before its encoding says it
+does is not valid. Pure and blocking: the shell runs it in a worker thread (the decompressors
+release the GIL while they work).
 """
 
 from __future__ import annotations
 
+import bz2
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -21,8 +23,8 @@ except ImportError:  # pragma: no cover - mitmproxy depends on the backport belo
 
 STEP = 1 << 20
 """Output produced per step, so the limit is checked every megabyte."""
-ENCODINGS = ("gzip", "x-gzip", "deflate", "deflateraw", "br", "zstd")
-"""The `Content-Encoding`s inflated here (the keys of `_STEPS`)."""
+ENCODINGS = ("gzip", "x-gzip", "deflate", "deflateraw", "zlib", "br", "zstd", "bz2")
+"""The `Content-Encoding`s inflated here (the keys of `_STEPS`): all that mitmproxy decodes."""
 
 
 class TooLarge(Exception):
@@ -38,27 +40,49 @@ def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
             out += piece
             if len(out) > limit:
                 raise TooLarge(f"the body inflates to more than {limit:,} bytes")
-    except (zlib.error, brotli.error, zstd.ZstdError, EOFError) as e:
+    except (zlib.error, brotli.error, zstd.ZstdError, EOFError, OSError) as e:
         raise ValueError(f"the body is not valid {encoding}: {e}") from None
     return bytes(out)
 
 
-def _zlib(raw: bytes, wbits: int) -> Iterator[bytes]:
-    d = zlib.decompressobj(wbits)
+def _zlib(raw: bytes, wbits: int, members: bool = False) -> Iterator[bytes]:
+    """One zlib stream, or with `members` every gzip member in a row (RFC 1952 allows several)."""
     data = raw
-    while data and not d.eof:
-        yield d.decompress(data, STEP)
-        data = d.unconsumed_tail
-    yield d.flush()
+    while True:
+        d = zlib.decompressobj(wbits)
+        while data and not d.eof:
+            yield d.decompress(data, STEP)
+            data = d.unconsumed_tail
+        if not d.eof:
+            raise ValueError("the body ends before its compressed stream does")
+        yield d.flush()
+        data = d.unused_data
+        if not members or not data:
+            return
 
 
 def _gzip(raw: bytes) -> Iterator[bytes]:
-    return _zlib(raw, 47)  # gzip or zlib header, detected
+    return _zlib(raw, 47, members=True)  # gzip or zlib header, detected
 
 
 def _deflate(raw: bytes) -> Iterator[bytes]:
     """With its zlib header, or raw (servers send both)."""
     return _zlib(raw, 15 if raw[:1] and (raw[0] & 0x0F) == 8 and int.from_bytes(raw[:2]) % 31 == 0 else -15)
+
+
+def _bz2(raw: bytes) -> Iterator[bytes]:
+    data = raw
+    while data:  # one decompressor per stream
+        d = bz2.BZ2Decompressor()
+        piece = d.decompress(data, STEP)
+        while True:
+            yield piece
+            if d.eof or d.needs_input:
+                break
+            piece = d.decompress(b"", STEP)
+        if not d.eof:
+            raise ValueError("the bz2 body ends inside a stream")
+        data = d.unused_data
 
 
 def _brotli(raw: bytes) -> Iterator[bytes]:
@@ -87,5 +111,6 @@ def _zstd(raw: bytes) -> Iterator[bytes]:
 
 
 _STEPS: dict[str, Callable[[bytes], Iterator[bytes]]] = {
-    "gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "deflateraw": _deflate, "br": _brotli, "zstd": _zstd,
+    "gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "deflateraw": _deflate, "zlib": lambda raw: _zlib(raw, 15),
+    "br": _brotli, "zstd": _zstd, "bz2": _bz2,
 }  # fmt: skip

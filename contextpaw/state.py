@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
 import json
 import os
 import tempfile
@@ -55,6 +57,17 @@ class SizedLRU(LRU):
             self.bytes -= self._sizes.pop(old)
 
 
+def remove_leftovers(path: Path) -> int:
+    """Remove the temporary files that writes of `path` killed half-way left behind (a crash
+    between `mkstemp` and `replace`); how many went. Called once, when the file is taken up."""
+    removed = 0
+    for leftover in path.parent.glob(f"{glob.escape(path.name)}*.tmp"):
+        with contextlib.suppress(OSError):
+            leftover.unlink()
+            removed += 1
+    return removed
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Replace `path` with `text`: a crash leaves the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,6 +91,7 @@ class KeptCalibration:
         self.path = path
         self.every_s = every_s
         self._saved_at = 0.0
+        remove_leftovers(path)
 
     def restore(self, calibration: Any) -> bool | None:
         """Load into `calibration`; None when there is no file, False when it is damaged."""

@@ -34,7 +34,7 @@ import aiohttp
 
 from contextpaw import logs
 from contextpaw.conversation import Message
-from contextpaw.state import LRU, write_atomically
+from contextpaw.state import LRU, remove_leftovers, write_atomically
 from contextpaw.tokens import Counter
 
 log = logs.get(__name__)
@@ -338,6 +338,7 @@ class Summarizer:
         """model -> when its last call failed, and why."""
         self._stats = {"digests": 0, "calls": 0, "cache_hits": 0, "failures": 0, "seconds": 0.0}
         if state_path is not None:
+            remove_leftovers(state_path)
             self._load(state_path)
 
     async def digest(self, evicted: Evicted, *, model: SummaryModel, cap_tokens: int) -> DigestResult:

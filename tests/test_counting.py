@@ -106,7 +106,7 @@ def test_one_odd_sample_does_not_inflate_the_factor_forever():
     cal = Calibration(window=5)
     for _ in range(3):
         cal.observe("k", 1000, 1000, whole=True)
-    assert cal.observe("k", 1000, 9000, whole=True).reason == "outlier"
+    assert cal.observe("k", 1000, 3000, whole=True).reason == "outlier"  # possible text, but not this model
     cal.observe("k", 1000, 1400, whole=True)  # a real but high sample is learned ...
     assert cal.factor("k") == pytest.approx(1.4 * SAFETY)
     for _ in range(5):
@@ -183,10 +183,11 @@ async def test_a_hanging_tokenize_costs_one_timeout_then_rests_and_is_retried_la
         started = time.monotonic()
         assert await counting.counter(url, ["other text"], fallback, chat=False, has_system=False) is None
         assert time.monotonic() - started < 0.1 and len(hits) == 1, "a resting server is not asked"
-        assert await counting.total(url, {"messages": []}) is None and len(hits) == 2, "totals rest apart"
+        # a server that did not answer rests whole: its whole count would hang the same way
+        assert await counting.total(url, {"messages": []}) is None and len(hits) == 1, "one timeout, not one per endpoint"
         await asyncio.sleep(1.0)
         assert await counting.counter(url, ["again"], fallback, chat=False, has_system=False) is None
-        assert len(hits) == 3 and counting.stats()["failures"] == 3
+        assert len(hits) == 2 and counting.stats()["failures"] == 2
     await runner.cleanup()
 
 

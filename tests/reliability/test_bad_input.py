@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contextpaw import wire
+from contextpaw import inflate, wire
 from mitmproxy import http
 from mitmproxy.net import encoding
 
@@ -71,6 +71,11 @@ def check(runner: Any, kit: Any, port: int, path: str, raw: bytes, headers: dict
     said = state.headers if state is not None else {}
     assert h.stats["errors"] == before["errors"], f"internal error on {raw[:200]!r}: {said}"
     assert "X-ContextPaw-Error" not in said
+    if flow.response is not None and flow.response.status_code == 415:
+        # an encoding nobody can read: refused in the caller's shape, never decoded on the loop
+        assert (headers or {}).get("content-encoding", "").lower() not in ("", "identity", *inflate.ENCODINGS)
+        assert "error" in json.loads(flow.response.content)
+        return "refused"
     if flow.response is not None:
         # The only answer of its own allowed under the compact policy: a refusal for a request whose
         # pinned part alone exceeds the window, in the API's own shape and status (not an error).
