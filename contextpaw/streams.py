@@ -10,7 +10,10 @@ final-looking one follows: the report goes into the last of them. Token events a
 the client's first token is not delayed. The prompt size a server reports early in a stream
 (Anthropic's `message_start`) is remembered for the final record's check. The transformer is a
 mitmproxy stream callable: called per chunk and once with b"" at the end, it never returns b"" before
-that (an empty chunk would end a chunked body).
+that (an empty chunk would end a chunked body). A chunk is scanned for the record separator from
+where the last scan stopped, so a giant record costs its length once, not once per chunk; one past
+`MAX_RECORD` bytes is passed on as it comes, and the stream carries no report after it (said in the
+log).
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from contextpaw import logs
+
+logger = logs.get("contextpaw")
+
 REPORT_KEY = b"contextpaw"
+MAX_RECORD = 64 << 20
+"""A stream record longer than this is not held back to be read: it and the rest go on as they come."""
 DONE = b"data: [DONE]"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 
@@ -69,7 +78,9 @@ class StreamReport:
         self._sse = framing == "sse"
         self._is_final = is_final
         self._report = report
-        self._pending = b""
+        self._pending = bytearray()
+        self._scanned = 0
+        """How much of `_pending` holds no separator start (it is not searched again)."""
         self._held: bytes | None = None
         self._placed = False
         self._count = count
@@ -79,8 +90,18 @@ class StreamReport:
     def __call__(self, data: bytes) -> list[bytes]:
         if not data:
             return self._joined(self._finish())
+        if self._placed and not self._pending:
+            return [data]
         self._pending += data
-        *records, self._pending = self._pending.split(self._separator)
+        if self._pending.find(self._separator, self._scanned) == -1:
+            self._scanned = max(len(self._pending) - len(self._separator) + 1, 0)
+            if len(self._pending) <= MAX_RECORD:
+                return []
+            logger.warning("a stream record over %d bytes: passed on as it comes, without the report", MAX_RECORD)
+            out, self._placed = self._finish(), True
+            return self._joined(out)
+        *records, rest = bytes(self._pending).split(self._separator)
+        self._pending, self._scanned = bytearray(rest), 0
         out: list[bytes] = []
         for record in records:
             out += self._record(record + self._separator)
@@ -115,7 +136,7 @@ class StreamReport:
     def _finish(self) -> list[bytes]:
         out = [self._merge(self._held)] if self._held is not None else []
         self._held = None
-        rest, self._pending = self._pending, b""
+        rest, self._pending, self._scanned = bytes(self._pending), bytearray(), 0
         return out + ([rest] if rest else [])
 
     def _span(self, record: bytes) -> tuple[int, int] | None:

@@ -103,3 +103,25 @@ def test_buffered_json_keeps_its_bytes() -> None:
 def test_splice_adds_exactly_the_report(obj: dict) -> None:
     raw = json.dumps(obj).encode()
     assert json.loads(splice(raw, REPORT)) == {**obj, "contextpaw": {"compacted": True}}
+
+
+def test_a_giant_record_in_many_small_chunks_comes_out_whole_with_the_report_after_it() -> None:
+    """A record without a separator for megabytes: each chunk is searched from where the last
+    search stopped (the probe's 200 MB record was rescanned on every chunk), and a separator that
+    straddles two chunks is still found."""
+    giant = b'{"model":"m","message":{"role":"assistant","content":"' + b"x" * (4 << 20) + b'"},"done":false}\n'
+    body = giant + OLLAMA_STREAM
+    stream = StreamReport("ndjson", ollama.CHAT.is_final, REPORT)
+    out = b"".join(piece for i in range(0, len(body), 4093) for piece in stream(body[i : i + 4093])) + b"".join(stream(b""))
+    assert out.startswith(giant) and b'"contextpaw":{"compacted":true}' in out
+    assert out.replace(b',"contextpaw":{"compacted":true}', b"") == body
+
+
+def test_a_record_over_the_limit_goes_on_as_it_comes_without_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    from contextpaw import streams
+
+    monkeypatch.setattr(streams, "MAX_RECORD", 1 << 16)
+    body = b'{"message":{"content":"' + b"y" * (1 << 18) + b'"},"done":false}\n' + OLLAMA_STREAM
+    stream = StreamReport("ndjson", ollama.CHAT.is_final, REPORT)
+    out = b"".join(piece for i in range(0, len(body), 8192) for piece in stream(body[i : i + 8192])) + b"".join(stream(b""))
+    assert out == body
