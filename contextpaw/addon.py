@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 import hashlib
 import json
 import weakref
@@ -449,12 +450,14 @@ class AdminEndpoints:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if self.rewrites_host and isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):
-            if admin.is_admin(flow.request.path):
-                flow.metadata[CLIENT_HOST] = flow.request.host_header
+            flow.metadata[CLIENT_HOST] = flow.request.host_header
             flow.request.host_header = url.hostport(flow.request.scheme, flow.request.host, flow.request.port)
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response or flow.error or not flow.live or not admin.is_admin(flow.request.path):
+        if flow.response or flow.error or not flow.live:
+            return
+        if not admin.is_admin(flow.request.path):
+            self._check_host(flow)
             return
         if not self.backends.serves(flow):
             return
@@ -470,6 +473,20 @@ class AdminEndpoints:
         else:
             answer = admin.json_reply(403, {"error": "ContextPaw endpoints are for loopback clients naming a loopback host, or token holders"})
         reply(flow, answer.status, answer.body, answer.content_type)
+
+    def _check_host(self, flow: http.HTTPFlow) -> None:
+        """Keep the backends' own DNS-rebinding defence up: reverse mode gives the backend its own
+        Host, so Ollama's check would see a loopback name for every request. A loopback client
+        that named a Host Ollama would refuse (a page whose name resolves to 127.0.0.1) is answered
+        403 here, in its API's convention, as Ollama would have answered it."""
+        host = flow.metadata.get(CLIENT_HOST)
+        client = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        if CLIENT_HOST not in flow.metadata or not admin.loopback_address(client) or admin.local_host(host, socket.gethostname()):
+            return
+        reason = f"ContextPaw: the Host {host!r} does not name this machine; a page on another site cannot reach the backends"
+        reply(flow, 403, report_bytes(wire.proxy_error(None, flow.request.path, reason, 403)))
+        flag(flow, REFUSED_MARK, f"answered 403: Host {host!r} from a loopback client")
+        logger.warning("%s %s: answered 403: the Host %r does not name this machine", flow.request.method, flow.request.path, host)
 
     async def _health(self) -> dict[str, Any]:
         return {

@@ -120,6 +120,25 @@ def loopback_host(host: str | None) -> bool:
     return name == "localhost" or name.endswith(".localhost") or loopback_address(name)
 
 
+LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
+
+
+def local_host(host: str | None, hostname: str) -> bool:
+    """A Host header a local client may name for a backend: what Ollama's own check lets through
+    on a loopback listener (a loopback name, an IP address, this machine's `hostname`, or a name
+    under `.localhost`, `.local`, `.internal`). A DNS-rebinding page's own name is none of these."""
+    if not host:
+        return True  # HTTP/1.0 without a Host names nothing to rebind
+    name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.rstrip(".").lower()
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return loopback_host(host) or name == hostname.lower() or name.endswith(LOCAL_SUFFIXES)
+
+
 class Admin:
     def __init__(
         self,

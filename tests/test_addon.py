@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -501,3 +502,29 @@ def test_report_headers_replace_any_the_backend_sent_and_keep_the_rest() -> None
     assert response.headers.get_all("X-ContextPaw-Budget") == ["100"]
     assert response.headers["X-ContextPaw-Compacted"] == "true"
     assert response.headers["Server"] == "s" and response.headers["content-length"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("host", "client", "refused"),
+    [
+        ("attacker.example", "127.0.0.1", True),  # a page whose name resolves to the loopback
+        ("attacker.example:11434", "::1", True),
+        ("localhost:11434", "127.0.0.1", False),
+        ("127.0.0.1:11434", "127.0.0.1", False),
+        ("printer.local", "127.0.0.1", False),
+        (socket.gethostname(), "127.0.0.1", False),
+        ("attacker.example", "192.168.1.20", False),  # a listener the operator opened: their call
+    ],
+)
+async def test_a_backend_route_keeps_the_backends_own_host_check(proxy: Proxy, host: str, client: str, refused: bool) -> None:
+    """Reverse mode gives the backend its own Host, so Ollama's DNS-rebinding check would always
+    pass: a loopback client naming a Host Ollama would refuse is answered 403 here instead."""
+    proxy.admin.rewrites_host = True
+    flow = get("/api/tags")
+    flow.request.headers["Host"] = host
+    flow.client_conn.peername = (client, 50000)
+    flow.client_conn.proxy_mode = mode_specs.ProxyMode.parse("reverse:http://127.0.0.1:11435@127.0.0.1:0")
+    await proxy.send(flow)
+    assert (flow.response is not None and flow.response.status_code == 403) is refused
+    if refused:
+        assert "does not name this machine" in json.loads(flow.response.content)["error"]

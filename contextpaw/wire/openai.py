@@ -57,6 +57,7 @@ def refusal(param: str) -> Callable[[Overflow, dict[str, Any]], dict[str, Any]]:
 
 PROXY_CODES = {
     400: "invalid_request",
+    403: "forbidden",
     413: "request_too_large",
     431: "request_header_too_large",
     503: "backend_unavailable",
