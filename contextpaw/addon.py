@@ -31,11 +31,10 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.net.http import url
 from mitmproxy.proxy import mode_specs
 
-from contextpaw import logs
-from contextpaw import admin, wire
+from contextpaw import admin, inflate, logs, wire
 from contextpaw.backends import UNDECODED, Backends
 from contextpaw.evicted import EvictedStore
-from contextpaw.fitter import FlowState, Fitter, Refuse
+from contextpaw.fitter import OFFLOAD_BYTES, FlowState, Fitter, Refuse, off_loop
 from contextpaw.ledger import FailureLedger
 from contextpaw.relay import ERROR_HEADER, RESCUED_HEADER, Failure, Relay, Timeouts
 from contextpaw.headers import HOP_HEADERS
@@ -209,7 +208,9 @@ class Compactor:
         if state is None or state.watched is None or state.local or response.stream:
             return
         try:
-            content = response.content or b""
+            content = await self._answer(flow)
+            if content is None:
+                return  # it does not decode within the limit: passed on as it came, headers aside
             if self.fitter.may_rescue(state) and wire.upstream_overflow(response.status_code, content):
                 await self._rescue(flow, state)
                 assert flow.response is not None
@@ -217,7 +218,7 @@ class Compactor:
                 content = flow.response.content or b""  # the retry's answer
             elif response.status_code >= 500 and ERROR_HEADER not in response.headers:
                 self.ledger.failed(f"{flow.request.method} {flow.request.path}", f"the backend answered {response.status_code}")
-            self._report_in_body(flow, state, content)
+            await self._report_in_body(flow, state, content)
         except Exception as e:  # fail open: the client gets the backend's answer as it was
             logger.exception("ContextPaw failed on the response to %s; passing it through", flow.request.path)
             assert flow.response is not None
@@ -258,8 +259,31 @@ class Compactor:
         if state.sent is not None:
             flow.request.content = state.sent
 
-    def _report_in_body(self, flow: http.HTTPFlow, state: FlowState, content: bytes) -> None:
-        """Put the report into the answer (`content`, its body as read once)."""
+    async def _answer(self, flow: http.HTTPFlow) -> bytes | None:
+        """The answer's body, decoded. A compressed one is inflated off the event loop with the
+        request's limit (`contextpaw_max_body_mb`), and goes on decoded; one that does not decode
+        within it, or in an encoding not read here, is None (passed on as it came). mitmproxy's own
+        decoding would run on the loop, unbounded: a 0.5 MB gzip of 512 MB stalled every client."""
+        response = flow.response
+        assert response is not None
+        raw = response.raw_content or b""
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding in ("", "identity"):
+            return raw
+        if encoding not in inflate.ENCODINGS:
+            return None
+        try:
+            body = await asyncio.to_thread(inflate.inflate, raw, encoding, self.backends.settings.max_body_bytes)
+        except (inflate.TooLarge, ValueError) as e:
+            logger.warning("%s: the answer was passed on as it came, without the report: %s", flow.request.path, e)
+            return None
+        del response.headers["content-encoding"]
+        response.raw_content = body
+        return body
+
+    async def _report_in_body(self, flow: http.HTTPFlow, state: FlowState, content: bytes) -> None:
+        """Put the report into the answer (`content`, its body as read once); a big one is parsed
+        off the event loop."""
         response = flow.response
         assert response is not None
         if not content:
@@ -268,7 +292,7 @@ class Compactor:
             response.content = self._stream_report(flow, state).transform(content)
             return
         try:
-            answer = json.loads(content)
+            answer = await off_loop(len(content) > OFFLOAD_BYTES, functools.partial(json.loads, content))
         except ValueError:
             self.ledger.failed(f"{flow.request.method} {flow.request.path}", "the backend's answer is not JSON; passed through as it was")
             return

@@ -528,3 +528,29 @@ async def test_a_backend_route_keeps_the_backends_own_host_check(proxy: Proxy, h
     assert (flow.response is not None and flow.response.status_code == 403) is refused
     if refused:
         assert "does not name this machine" in json.loads(flow.response.content)["error"]
+
+
+def gzipped_answer(body: bytes) -> http.Response:
+    """An answer whose raw bytes are `body` gzipped (mitmproxy encodes what `make` is given)."""
+    return http.Response.make(200, body, {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+
+
+async def test_a_compressed_answer_is_inflated_off_the_loop_and_carries_the_report(proxy: Proxy) -> None:
+    flow = post("/api/chat", long_chat())
+    await proxy.send(flow)
+    response = await proxy.answer(flow, gzipped_answer(json.dumps({"done": True, "prompt_eval_count": 900}).encode()))
+    assert "content-encoding" not in response.headers
+    assert json.loads(response.raw_content)["contextpaw"]["compacted"] is True
+
+
+async def test_an_answer_that_inflates_past_the_limit_is_passed_on_as_it_came(proxy: Proxy) -> None:
+    """A 0.5 MB gzip that inflates to 512 MB stalled every client while mitmproxy decoded it on
+    the event loop; now it is inflated in a thread, stopped at the limit, and passed on untouched."""
+    proxy.tctx.configure(proxy.backends, contextpaw_max_body_mb=1)
+    flow = post("/api/chat", long_chat())
+    await proxy.send(flow)
+    bomb = gzipped_answer(b'{"done": true, "pad": "' + b" " * (4 << 20) + b'"}')
+    sent = bomb.raw_content
+    response = await proxy.answer(flow, bomb)
+    assert response.raw_content == sent and response.headers["content-encoding"] == "gzip"
+    assert response.headers["X-ContextPaw-Compacted"] == "true", "the headers still tell what was done"

@@ -378,7 +378,10 @@ def test_a_page_that_rebinds_its_name_to_the_loopback_cannot_read_the_admin_endp
     for path in ("/contextpaw/health", "/contextpaw/metrics", "/contextpaw/evicted/cp-0"):
         assert httpx.get(proxy.ollama + path, headers=forged, timeout=10).status_code == 403
     assert httpx.get(proxy.ollama + "/contextpaw/health", timeout=10).status_code == 200
-    assert httpx.get(proxy.ollama + "/api/version", headers=forged, timeout=10).status_code == 200, "the backend is still reached"
+    # nor the backends: reverse mode hands them their own Host, so ContextPaw keeps Ollama's check up
+    refused = httpx.get(proxy.ollama + "/api/version", headers=forged, timeout=10)
+    assert refused.status_code == 403 and "does not name this machine" in refused.json()["error"]
+    assert httpx.get(proxy.ollama + "/api/version", timeout=10).status_code == 200
 
 
 # -- compressed bodies ------------------------------------------------------------------------------
