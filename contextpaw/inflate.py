@@ -13,6 +13,7 @@ from __future__ import annotations
 import bz2
 import zlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import brotli
 
@@ -70,21 +71,6 @@ def _deflate(raw: bytes) -> Iterator[bytes]:
     return _zlib(raw, 15 if raw[:1] and (raw[0] & 0x0F) == 8 and int.from_bytes(raw[:2]) % 31 == 0 else -15)
 
 
-def _bz2(raw: bytes) -> Iterator[bytes]:
-    data = raw
-    while data:  # one decompressor per stream
-        d = bz2.BZ2Decompressor()
-        piece = d.decompress(data, STEP)
-        while True:
-            yield piece
-            if d.eof or d.needs_input:
-                break
-            piece = d.decompress(b"", STEP)
-        if not d.eof:
-            raise ValueError("the bz2 body ends inside a stream")
-        data = d.unused_data
-
-
 def _brotli(raw: bytes) -> Iterator[bytes]:
     d = brotli.Decompressor()
     piece = d.process(raw, output_buffer_limit=STEP)
@@ -95,10 +81,11 @@ def _brotli(raw: bytes) -> Iterator[bytes]:
         piece = d.process(b"", output_buffer_limit=STEP)
 
 
-def _zstd(raw: bytes) -> Iterator[bytes]:
+def _frames(raw: bytes, decompressor: Callable[[], Any], name: str) -> Iterator[bytes]:
+    """Frame after frame (zstd) or stream after stream (bz2), a new decompressor for each."""
     data = raw
-    while data:  # one decompressor per frame
-        d = zstd.ZstdDecompressor()
+    while data:
+        d = decompressor()
         piece = d.decompress(data, STEP)
         while True:
             yield piece
@@ -106,8 +93,16 @@ def _zstd(raw: bytes) -> Iterator[bytes]:
                 break
             piece = d.decompress(b"", STEP)
         if not d.eof:
-            raise ValueError("the zstd body ends inside a frame")
+            raise ValueError(f"the {name} body ends inside a frame")
         data = d.unused_data
+
+
+def _zstd(raw: bytes) -> Iterator[bytes]:
+    return _frames(raw, zstd.ZstdDecompressor, "zstd")
+
+
+def _bz2(raw: bytes) -> Iterator[bytes]:
+    return _frames(raw, bz2.BZ2Decompressor, "bz2")
 
 
 _STEPS: dict[str, Callable[[bytes], Iterator[bytes]]] = {

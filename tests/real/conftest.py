@@ -137,3 +137,22 @@ def rescue_proxy(small_llama_server: Backend, tmp_path_factory: pytest.TempPathF
     options = [f"contextpaw_llamacpp={small_llama_server.url}", "contextpaw_discover_window=false"]
     with start_proxy(small_llama_server.url, work / "conf", work / "mitmdump.log", options=options) as proxy:
         yield proxy.url
+
+
+AGENT_N_CTX = 8192
+SHORT_ANSWER = 'root ::= [A-Za-z ]{1,40} "."'
+"""The agents' tests keep each answer to a short sentence: this llama-server build does not clamp a
+request's max_tokens (Claude Code asks for 32,000) to `-n`, and SmolLM2 would write until the
+window is full."""
+
+
+@pytest.fixture(scope="module")
+def server_8192(real_backend: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    """A real llama-server with an 8,192-token window and the short-answer grammar, for the agent CLIs."""
+    binary, model = real_backend
+    work = tmp_path_factory.mktemp("llama-server-8192")
+    port = free_port()
+    argv = [str(binary), "-m", str(model), "-c", str(AGENT_N_CTX), "-np", "1", "--grammar", SHORT_ANSWER,
+            "--host", LOOPBACK, "--port", str(port)]  # fmt: skip
+    with start_process(argv, f"http://{LOOPBACK}:{port}", "/health", work / "llama-server.log", 120) as server:
+        yield server

@@ -23,31 +23,18 @@ from pathlib import Path
 import pytest
 
 from support.agents import Stack, body_changes, contextpaw_headers, describe, require_agents, run_claude, start_contextpaw_stack
-from support.backends import Backend, free_port, start_process
-from support.common import LOOPBACK
+from support.backends import Backend
 
 pytestmark = pytest.mark.real
 
 N_CTX = 8192
 MESSAGES = "/v1/messages"
-SHORT_ANSWER = 'root ::= [A-Za-z ]{1,40} "."'
 TURN_TIMEOUT = 300  # a turn prefills at most about 4,000 new tokens: 15-60 s on 2 cores, more under load
 
 
 @pytest.fixture(scope="module")
 def claude_code() -> Path:
     return require_agents("claude")["claude"]
-
-
-@pytest.fixture(scope="module")
-def server_8192(real_backend: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
-    binary, model = real_backend
-    work = tmp_path_factory.mktemp("llama-server-8192")
-    port = free_port()
-    argv = [str(binary), "-m", str(model), "-c", str(N_CTX), "-np", "1", "--grammar", SHORT_ANSWER, "--host", LOOPBACK,
-            "--port", str(port)]  # fmt: skip
-    with start_process(argv, f"http://{LOOPBACK}:{port}", "/health", work / "llama-server.log", 120) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

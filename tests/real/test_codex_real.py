@@ -16,14 +16,12 @@ from pathlib import Path
 import pytest
 
 from support.agents import Stack, contextpaw_headers, describe, require_agents, run_codex, start_contextpaw_stack
-from support.backends import Backend, free_port, start_process
-from support.common import LOOPBACK
+from support.backends import Backend
 
 pytestmark = pytest.mark.real
 
 N_CTX = 8192
 RESPONSES = "/v1/responses"
-SHORT_ANSWER = 'root ::= [A-Za-z ]{1,40} "."'
 TURN_TIMEOUT = 300  # a prefill of about 8,000 tokens: 15-60 s on 2 cores, more under load
 PASTED = "Here are my notes. " + " ".join(f"item {i} is ready." for i in range(1500)) + "\nSay hi."
 
@@ -33,20 +31,9 @@ def codex() -> Path:
     return require_agents("codex")["codex"]
 
 
-@pytest.fixture(scope="module")
-def server(real_backend: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
-    binary, model = real_backend
-    work = tmp_path_factory.mktemp("llama-server-codex")
-    port = free_port()
-    argv = [str(binary), "-m", str(model), "-c", str(N_CTX), "-np", "1", "--grammar", SHORT_ANSWER, "--host", LOOPBACK,
-            "--port", str(port)]  # fmt: skip
-    with start_process(argv, f"http://{LOOPBACK}:{port}", "/health", work / "llama-server.log", 120) as running:
-        yield running
-
-
 @pytest.fixture
-def through_contextpaw(server: Backend, tmp_path: Path) -> Iterator[Stack]:
-    running, stops = start_contextpaw_stack(tmp_path / "stack", server.url)
+def through_contextpaw(server_8192: Backend, tmp_path: Path) -> Iterator[Stack]:
+    running, stops = start_contextpaw_stack(tmp_path / "stack", server_8192.url)
     with stops:
         yield running
 
@@ -56,9 +43,9 @@ def failed(events: list[dict] | None) -> list[dict]:
 
 
 def test_an_overflowing_turn_is_refused_directly_and_answered_through_contextpaw(
-    codex: Path, server: Backend, through_contextpaw: Stack, tmp_path: Path
+    codex: Path, server_8192: Backend, through_contextpaw: Stack, tmp_path: Path
 ) -> None:
-    direct = run_codex(codex, server.url, PASTED, home=tmp_path / "direct", model="smollm2", timeout=TURN_TIMEOUT)
+    direct = run_codex(codex, server_8192.url, PASTED, home=tmp_path / "direct", model="smollm2", timeout=TURN_TIMEOUT)
     assert failed(direct.result), f"llama-server served the overflowing turn directly:\n{direct.describe()}"
     run = run_codex(codex, through_contextpaw.front, PASTED, home=tmp_path / "through", model="smollm2", timeout=TURN_TIMEOUT)
     sent = through_contextpaw.sent(RESPONSES)
