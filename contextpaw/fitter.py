@@ -51,6 +51,9 @@ PLAN_BYTES = 32 << 20
 """Memory the remembered conversation plans may hold together (besides `contextpaw_conversations`)."""
 SIZE_PROOF_BYTES = 64 * 1024
 """Bodies up to this size are first checked for fitting by their size alone (see `_fits_by_size`)."""
+UNPROVABLE = (b'"num_ctx"', b'"previous_response_id"', b"image")
+"""What a body's size cannot bound: a window of its own, history kept on the server, and images (a
+few bytes of base64 can cost hundreds of tokens)."""
 TEMPLATE_ALLOWANCE = 512
 MESSAGE_ALLOWANCE = 16
 """Tokens a chat template may add: once (a default system prompt, the generation prompt), and per message."""
@@ -311,8 +314,8 @@ class Fitter:
         whose window is not known yet takes the full path.
         """
         raw = state.original
-        if len(raw) > SIZE_PROOF_BYTES or b'"num_ctx"' in raw or b'"previous_response_id"' in raw or (model := wire.model_of(raw)) is None:
-            return None  # a window of its own, history kept by the server, or a model name that cannot be read at once
+        if len(raw) > SIZE_PROOF_BYTES or any(word in raw for word in UNPROVABLE) or (model := wire.model_of(raw)) is None:
+            return None  # a window of its own, history kept by the server, images, or a model name not read at once
         if self.settings.discover_window:
             known, window = self.windows.cached(state.backend, model)
             if not known:

@@ -35,6 +35,9 @@ class Budget:
     window: int
     reserve: int
     margin: int
+    limit: int | None = None
+    """What goes out unchanged when it is not the whole window less the margin (after the server
+    refused a request as too long, nothing goes out unchanged that is over `tokens`)."""
 
     @property
     def tokens(self) -> int:
@@ -44,7 +47,7 @@ class Budget:
     @property
     def admits(self) -> int:
         """The largest prompt that goes out unchanged: what the backend would serve whole."""
-        return max(self.window - self.margin, 0)
+        return self.limit if self.limit is not None else max(self.window - self.margin, 0)
 
     def within(self, ratio: float) -> Budget:
         """The budget a count that may be `ratio` times too low still fits in."""
@@ -296,6 +299,6 @@ class Budgeter:
         """
         budget = self.for_window(error.n_ctx, params)
         if error.n_prompt_tokens <= counted:
-            return budget
+            return Budget(budget.window, budget.reserve, budget.margin, budget.tokens)
         scaled = math.floor(budget.tokens * counted / error.n_prompt_tokens)
-        return Budget(budget.window, budget.reserve, budget.window - budget.reserve - scaled)
+        return Budget(budget.window, budget.reserve, budget.window - budget.reserve - scaled, scaled)

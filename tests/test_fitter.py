@@ -569,3 +569,18 @@ async def test_a_responses_body_that_says_error_null_is_judged_like_any_answer()
     value = f.final_report(s, {"object": "response", "error": None, "usage": {"input_tokens": 1024}})
     assert s.observed is not None and (s.observed.upstream_truncated or s.observed.upstream_truncation_possible)
     assert value is None or "upstream_truncated" in value
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": "what is this?", "images": ["iVBORw0KGgo="]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+    ],
+)
+async def test_a_request_with_an_image_is_never_proved_to_fit_by_its_size(message: dict[str, Any]) -> None:
+    """Twelve bytes of base64 can cost 768 tokens: a body's length bounds its text, not its images."""
+    f = fitter(discover_window=False, default_ctx=2048)
+    s = state({"model": "m", "messages": [message]}, CHAT, OLLAMA)
+    await f.fit(s)
+    assert s.report is not None and s.report.counter != "size"

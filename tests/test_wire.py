@@ -229,9 +229,18 @@ def test_a_prompt_the_backend_serves_whole_is_admitted_whatever_answer_length_it
 def test_retry_budget_shrinks_when_the_backend_counted_more_than_we_did() -> None:
     params = Params("m", False, max_output=100)
     plain = BUDGETER.for_window(256, params)
-    assert BUDGETER.after_upstream_overflow(UpstreamOverflow(300, 256), 400, params) == plain
+    same = BUDGETER.after_upstream_overflow(UpstreamOverflow(300, 256), 400, params)
+    assert (same.window, same.tokens) == (plain.window, plain.tokens)
     scaled = BUDGETER.after_upstream_overflow(UpstreamOverflow(600, 256), 300, params)
     assert scaled.window == 256 and scaled.tokens == plain.tokens // 2
+
+
+def test_after_the_server_refused_a_request_nothing_over_the_budget_goes_out_unchanged() -> None:
+    """The window less the margin admits a request unchanged, but not one the server just refused:
+    its retry is cut to the budget, whatever room the answer's reserve would leave."""
+    params = Params("m", False, max_output=512)
+    budget = BUDGETER.after_upstream_overflow(UpstreamOverflow(3000, 1024), 500, params)
+    assert budget.admits == budget.tokens < 500
 
 
 def test_refusals_carry_the_budget_numbers() -> None:
