@@ -452,6 +452,8 @@ class AdminEndpoints:
         self.services = services
         self.admin = admin.Admin(ledger.stats, store, self._health, runtime)
         self.rewrites_host = False
+        self.hostname = socket.gethostname()
+        """This machine's name, a Host a local client may name (read once, not per request)."""
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -505,7 +507,7 @@ class AdminEndpoints:
         403 here, in its API's convention, as Ollama would have answered it."""
         host = flow.metadata.get(CLIENT_HOST)
         client = flow.client_conn.peername[0] if flow.client_conn.peername else ""
-        if CLIENT_HOST not in flow.metadata or not admin.loopback_address(client) or admin.local_host(host, socket.gethostname()):
+        if CLIENT_HOST not in flow.metadata or not admin.loopback_address(client) or admin.local_host(host, self.hostname):
             return
         reason = f"ContextPaw: the Host {host!r} does not name this machine; a page on another site cannot reach the backends"
         reply(flow, 403, report_bytes(wire.proxy_error(None, flow.request.path, reason, 403)))

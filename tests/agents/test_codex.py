@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from support.agents import (
+    CODEX_VERSION,
     Stack,
     StartStack,
     body_changes,
@@ -27,7 +28,6 @@ from support.agents import (
 )
 from support.common import FIXED_REPLY
 
-CODEX_VERSION = "0.171.0"
 FIXTURES = Path(__file__).with_name("fixtures")
 RESPONSES = "/v1/responses"
 TURN_TIMEOUT = 90  # a turn against a fake takes about a second

@@ -25,6 +25,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SECRET_QUESTION = "What is the SECRET?"
 FIXED_REPLY = "Hello from the fake model."
+RESPONSES_STREAM_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    *["response.output_text.delta"] * 4,  # "The", " secret", " is", " kiwi."
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "response.completed",
+]
+"""The events both fakes stream on /v1/responses for the four-token answer to `SECRET=kiwi`, as the
+real servers order them."""
 _SECRET = re.compile(r"SECRET=([\w-]+)")
 
 

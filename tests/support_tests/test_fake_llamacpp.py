@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from support.common import FIXED_REPLY, Pacing, running
+from support.common import FIXED_REPLY, RESPONSES_STREAM_EVENTS, Pacing, running
 from support.fake_llamacpp import LlamaSettings, fake_llamacpp_app
 
 N_CTX = 64
@@ -180,17 +180,6 @@ def test_hang_mid_stream_after_some_tokens() -> None:
 # --- OpenAI's Responses API (/v1/responses), to the real server's conversion and bytes ----------
 
 ASKED = "SECRET=kiwi What is the SECRET?"
-STREAM_EVENTS = [
-    "response.created",
-    "response.in_progress",
-    "response.output_item.added",
-    "response.content_part.added",
-    *["response.output_text.delta"] * 4,  # "The", " secret", " is", " kiwi."
-    "response.output_text.done",
-    "response.content_part.done",
-    "response.output_item.done",
-    "response.completed",
-]
 
 
 def responses_count(url: str, body: dict) -> int:
@@ -283,7 +272,7 @@ def test_responses_with_the_openai_client(client: openai.OpenAI) -> None:
 
 def test_responses_stream_with_the_openai_client(client: openai.OpenAI) -> None:
     events = list(client.responses.create(model="any", input=ASKED, stream=True))
-    assert [event.type for event in events] == STREAM_EVENTS
+    assert [event.type for event in events] == RESPONSES_STREAM_EVENTS
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "The secret is kiwi."
     completed = events[-1]
     assert completed.type == "response.completed"

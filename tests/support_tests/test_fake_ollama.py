@@ -15,7 +15,7 @@ import ollama
 import openai
 import pytest
 
-from support.common import Pacing, running
+from support.common import RESPONSES_STREAM_EVENTS, Pacing, running
 from support.fake_ollama import OllamaSettings, fake_ollama_app
 
 NUM_CTX = 64
@@ -253,17 +253,7 @@ def test_responses_with_the_openai_client(oai: openai.OpenAI, url: str) -> None:
 
 def test_responses_stream_with_the_openai_client(oai: openai.OpenAI) -> None:
     events = list(oai.responses.create(model=MODEL, input=ASKED, stream=True))
-    assert [e.type for e in events] == [
-        "response.created",
-        "response.in_progress",
-        "response.output_item.added",
-        "response.content_part.added",
-        *["response.output_text.delta"] * 4,
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
-        "response.completed",
-    ]
+    assert [e.type for e in events] == RESPONSES_STREAM_EVENTS
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     completed = events[-1]
