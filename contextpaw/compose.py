@@ -14,6 +14,7 @@ from contextpaw.addon import AdminEndpoints, Compactor, Upstream
 from contextpaw.arbitration import Arbitration
 from contextpaw.runtime import Arbiter, ArbiterSettings
 from contextpaw.backends import Backends
+from contextpaw.deadlines import RequestDeadlines
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitter import Fitter
 from contextpaw.heap import StartupHeap
@@ -41,4 +42,4 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     upstream = Upstream(backends, fitter, states, ledger)
     backends.relay = upstream.relay
     endpoints = AdminEndpoints(backends, fitter, services, ledger, store, gpu.status)
-    return [StartupHeap(), gpu, endpoints, backends, compactor, upstream]
+    return [StartupHeap(), RequestDeadlines(), gpu, endpoints, backends, compactor, upstream]
