@@ -22,6 +22,7 @@ from contextpaw.relay import Relay
 from contextpaw.replies import REFUSED_MARK, flag, reply
 from contextpaw.session import PROBE_TIMEOUT_S, Session
 from contextpaw.settings import BackendSettings
+from contextpaw.state import InFlight
 from contextpaw.streams import report_bytes
 
 logger = logs.get("contextpaw")
@@ -70,6 +71,17 @@ def _host_port(url: str) -> tuple[str, int]:
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
+def scheme_conflict(configured: dict[tuple[str, int], wire.Backend], reverse_targets: dict[tuple[str, int], str]) -> str | None:
+    """A reverse mode that speaks another scheme to a configured backend than its option says
+    (a reverse spec without a scheme means https to mitmproxy): every request would fail."""
+    for address, url in reverse_targets.items():
+        backend = configured.get(address)
+        if backend is not None and urlsplit(url).scheme != urlsplit(backend.url).scheme:
+            return (f"--mode reverse:{url} (a reverse spec without a scheme is https) reaches the backend "
+                    f"contextpaw_{backend.kind} names {backend.url}; write --mode reverse:{backend.url}")  # fmt: skip
+    return None
+
+
 def relayable(target: bytes) -> bool:
     """Whether HTTP/1.1 allows this request target (visible ASCII only), so the relay can send it on."""
     return bool(target) and all(0x21 <= byte <= 0x7E for byte in target)
@@ -105,7 +117,7 @@ class Backends:
         self.relay: Relay | None = None
         """The relay that carries model requests (`Upstream`'s); it answers while it listens."""
         self._found: weakref.WeakKeyDictionary[http.HTTPFlow, wire.Backend | None] = weakref.WeakKeyDictionary()
-        self._probes: dict[tuple[str, int], asyncio.Task[wire.Backend | None]] = {}
+        self._probes = InFlight()
 
     def load(self, loader: Any) -> None:
         loader.add_option("contextpaw_ollama", Sequence[str], [], "Ollama backend URL (repeatable).")
@@ -124,13 +136,14 @@ class Backends:
                 if isinstance(mode, mode_specs.ReverseMode) and mode.scheme in ("http", "https"):
                     host, port = mode.address
                     self.reverse_targets[endpoint(host, port)] = f"{mode.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-        if not OPTIONS & updated:
-            return
-        try:
-            self.settings = BackendSettings.parse(ctx.options)
-        except ValueError as e:
-            raise exceptions.OptionsError(str(e)) from None
-        self.configured = {endpoint(b.host, b.port): b for b in self.settings.configured}
+        if OPTIONS & updated:
+            try:
+                self.settings = BackendSettings.parse(ctx.options)
+            except ValueError as e:
+                raise exceptions.OptionsError(str(e)) from None
+            self.configured = {endpoint(b.host, b.port): b for b in self.settings.configured}
+        if conflict := scheme_conflict(self.configured, self.reverse_targets):
+            raise exceptions.OptionsError(conflict)
 
     def running(self) -> None:
         """Ask the reverse-mode targets what they are at once, so health knows them before traffic."""
@@ -193,9 +206,11 @@ class Backends:
 
     async def _refuse(self, flow: http.HTTPFlow, status: int, reason: str, count: str) -> None:
         backend = await self.backend_of(flow)
-        reply(flow, status, report_bytes(wire.proxy_error(backend and backend.kind, flow.request.path, reason, status)))
+        kind = backend and backend.kind
+        reply(flow, status, report_bytes(wire.proxy_error(kind, flow.request.path, reason, status)))
         flag(flow, REFUSED_MARK, f"answered {status}: {reason.removeprefix('ContextPaw: ')}")
-        self.ledger.stats.add(count)
+        route = kind and wire.route_for(kind, flow.request.method, flow.request.path)
+        self.ledger.stats.add(count, where=self.ledger.stats.where(kind, route and route.name))
         logger.warning("%s %s: answered %d: %s", flow.request.method, flow.request.url, status, reason.removeprefix("ContextPaw: "))
 
     def relayed(self, flow: http.HTTPFlow) -> bool:
@@ -208,6 +223,13 @@ class Backends:
             and self.settings.relay and flow.request.scheme == "http" and flow.server_conn.via is None
             and (known or BACKEND_HEADER in flow.request.headers) and model_request(flow)
         )  # fmt: skip
+
+    def kind_at(self, target: str) -> wire.Kind | None:
+        """The kind of the backend at "host:port", where it is configured or was identified."""
+        host, _, port = target.rpartition(":")
+        address = endpoint(host, int(port)) if port.isdigit() else None
+        backend = self.configured.get(address) or self.probed.get(address) if address else None
+        return backend.kind if backend else None
 
     def serves(self, flow: http.HTTPFlow) -> bool:
         """Whether this flow goes to a backend rather than anywhere else a regular proxy reaches."""
@@ -258,10 +280,7 @@ class Backends:
 
     def _probe(self, address: tuple[str, int], url: str) -> asyncio.Task[wire.Backend | None]:
         """The one identification in flight for a target (a new one once the last has ended)."""
-        task = self._probes.get(address)
-        if task is None or task.done():
-            task = self._probes[address] = asyncio.get_running_loop().create_task(self._identified(address, url))
-        return task
+        return self._probes.task(address, functools.partial(self._identified, address, url))
 
     async def health(self) -> list[dict[str, Any]]:
         """Every configured backend and reverse-mode target, and whether each answers now. A target of

@@ -302,9 +302,6 @@ class Conversation:
     def from_wire(cls, messages: Iterable[Mapping[str, Any]], tools: Any = None) -> Conversation:
         return cls(tuple(Message.from_wire(m) for m in messages), tools)
 
-    def to_wire(self) -> list[Mapping[str, Any]]:
-        return [m.raw for m in self.messages]
-
     def units(self) -> list[Unit]:
         """Group messages into units, pairing tool results with the call that produced them.
 

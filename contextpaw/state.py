@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -11,7 +12,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -55,6 +56,38 @@ class SizedLRU(LRU):
         while len(self) > 1 and (len(self) > self.limit or self.bytes > self.max_bytes):
             old, _ = self.popitem(last=False)
             self.bytes -= self._sizes.pop(old)
+
+
+class InFlight:
+    """One task per key while it runs: whoever asks meanwhile shares it, so concurrent first
+    requests cost one lookup. `ended(key, task)` is told when a task ends, before it is forgotten."""
+
+    def __init__(self, ended: Callable[[Any, asyncio.Task[Any]], None] | None = None) -> None:
+        self.ended = ended
+        self._tasks: dict[Any, asyncio.Task[Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tasks
+
+    def task(self, key: Any, start: Callable[[], Awaitable[Any]]) -> asyncio.Task[Any]:
+        """The task under way for `key`, started now if there is none."""
+        task = self._tasks.get(key)
+        if task is None:
+            task = self._tasks[key] = asyncio.ensure_future(start())
+            task.add_done_callback(functools.partial(self._end, key))
+        return task
+
+    async def shared(self, key: Any, start: Callable[[], Awaitable[Any]]) -> Any:
+        """The task's result; a caller that goes away leaves the task to the others."""
+        return await asyncio.shield(self.task(key, start))
+
+    def _end(self, key: Any, task: asyncio.Task[Any]) -> None:
+        del self._tasks[key]
+        if self.ended is not None:
+            self.ended(key, task)
 
 
 def remove_leftovers(path: Path) -> int:

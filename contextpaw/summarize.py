@@ -22,6 +22,7 @@ are separate from `Summarizer`, which does the calls, and `ChatCompletions`, the
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import time
@@ -34,7 +35,7 @@ import aiohttp
 
 from contextpaw import logs
 from contextpaw.conversation import Message
-from contextpaw.state import LRU, remove_leftovers, write_atomically
+from contextpaw.state import LRU, InFlight, remove_leftovers, write_atomically
 from contextpaw.tokens import Counter
 
 log = logs.get(__name__)
@@ -331,7 +332,7 @@ class Summarizer:
         self._slots = asyncio.Semaphore(parallel)
         self._cache = LRU(max_entries)
         """call key -> answer"""
-        self._inflight: dict[str, asyncio.Future[str]] = {}
+        self._inflight = InFlight()
         self._save_lock = asyncio.Lock()
         self._dirty = False
         self._failed: dict[str, tuple[float, str]] = {}
@@ -404,17 +405,12 @@ class Summarizer:
             tally.hits += 1
             self._stats["cache_hits"] += 1
             return cached
-        shared = self._inflight.get(key)
-        if shared is None:
-            shared = asyncio.ensure_future(self._run(key, prompt, max_tokens, model))
-            self._inflight[key] = shared
-            shared.add_done_callback(lambda _: self._inflight.pop(key, None))
-            tally.calls += 1
-        else:
+        if key in self._inflight:
             tally.hits += 1
             self._stats["cache_hits"] += 1
-        # Shielded: a request that goes away must not cancel a call another request is waiting on.
-        return await asyncio.shield(shared)
+        else:
+            tally.calls += 1
+        return await self._inflight.shared(key, functools.partial(self._run, key, prompt, max_tokens, model))
 
     async def _run(self, key: str, prompt: str, max_tokens: int, model: SummaryModel) -> str:
         async with self._slots:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from contextpaw.compact import BudgetTooSmall
-from contextpaw.state import SizedLRU
-from contextpaw.wire import Backend, Kind, Overflow, Params, UpstreamOverflow
+from contextpaw.state import InFlight, SizedLRU
+from contextpaw.wire import Backend, Kind, Overflow, Params, UpstreamOverflow, positive
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +149,7 @@ class BackendWindows:
         """(what, backend URL, model) -> (when, the answer or None); bounded, since model names are
         the client's. `what` is "window" (for requests without a window of their own) or "show"
         (Ollama's `/api/show`, read into an `OllamaShow`)."""
-        self._asking: dict[tuple[str, str, str], asyncio.Task[Any]] = {}
+        self._asking = InFlight(self._found)
         """Lookups under way: concurrent first requests for a model share one."""
 
     async def window(self, backend: Backend, model: str) -> int | None:
@@ -176,11 +176,7 @@ class BackendWindows:
         known, value = self._cached(key)
         if known:
             return value
-        task = self._asking.get(key)
-        if task is None:
-            task = self._asking[key] = asyncio.ensure_future(lookup())
-            task.add_done_callback(functools.partial(self._found, key))
-        return await asyncio.shield(task)  # a request that goes away leaves the lookup to the others
+        return await self._asking.shared(key, lookup)
 
     def cached(self, backend: Backend, model: str) -> tuple[bool, int | None]:
         """(whether it is known now, the window or None for a miss), without asking anything."""
@@ -193,7 +189,6 @@ class BackendWindows:
         return True, cached[1]
 
     def _found(self, key: tuple[str, str, str], task: asyncio.Task[Any]) -> None:
-        del self._asking[key]
         if not task.cancelled() and task.exception() is None:
             self.known.put(key, (self.clock(), task.result()))
 
@@ -218,13 +213,9 @@ class BackendWindows:
         return ollama_loaded_window(await self.fetch("GET", backend.url + "/api/ps", None), model)
 
 
-def _positive(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
 def llamacpp_window(props: Any) -> int | None:
     settings = props.get("default_generation_settings") if isinstance(props, dict) else None
-    return _positive(settings.get("n_ctx")) if isinstance(settings, dict) else None
+    return positive(settings.get("n_ctx")) if isinstance(settings, dict) else None
 
 
 def _same_model(listed: str, asked: str) -> bool:
@@ -239,7 +230,7 @@ def ollama_loaded_window(ps: Any, model: str) -> int | None:
     models = ps.get("models") if isinstance(ps, dict) else None
     for entry in models if isinstance(models, list) else []:
         if isinstance(entry, dict) and _same_model(str(entry.get("name") or entry.get("model") or ""), model):
-            return _positive(entry.get("context_length"))
+            return positive(entry.get("context_length"))
     return None
 
 
@@ -264,7 +255,7 @@ def ollama_show_windows(show: Any) -> tuple[int | None, int | None]:
             configured = int(value.strip())
     info = show.get("model_info") if isinstance(show.get("model_info"), dict) else {}
     arch = info.get("general.architecture")
-    return configured, _positive(info.get(f"{arch}.context_length"))
+    return configured, positive(info.get(f"{arch}.context_length"))
 
 
 class Budgeter:

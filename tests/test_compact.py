@@ -353,7 +353,7 @@ def test_unknown_fields_images_and_ids_survive_a_round_trip():
         {"role": "user", "content": "x", "images": ["AAAA"]},
     ]
     conv = Conversation.from_wire(raw)
-    assert conv.to_wire() == raw and [len(u.indices) for u in conv.units()] == [1, 2, 1]
+    assert [m.raw for m in conv.messages] == raw and [len(u.indices) for u in conv.units()] == [1, 2, 1]
     assert conv.messages[0].images == 1 and conv.messages[3].images == 1
 
 

@@ -256,7 +256,7 @@ def test_refusals_carry_the_budget_numbers() -> None:
 @pytest.mark.parametrize("num_ctx", [0, -1, -4096])
 def test_a_window_of_zero_or_less_is_no_window(num_ctx: int) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "options": {"num_ctx": num_ctx}}
-    assert wire.ROUTES["ollama.chat"].read(json.dumps(body).encode()).params.num_ctx is None
+    assert wire.route_for(wire.Kind.OLLAMA, "POST", "/api/chat").read(json.dumps(body).encode()).params.num_ctx is None
 
 
 # -- the Responses API -----------------------------------------------------------------------------

@@ -54,10 +54,11 @@ def int_field(container: Any, *names: str) -> int | None:
     return None
 
 
-def positive(value: int | None) -> int | None:
-    """A window or answer length the request set, or None: zero and negative values (the 'unlimited'
-    spellings -1, -2, 0 of an answer length; a window of none) say nothing, the backend decides."""
-    return value if value is not None and value > 0 else None
+def positive(value: Any) -> int | None:
+    """A window or answer length the request or server set, or None: zero and negative values (the
+    'unlimited' spellings -1, -2, 0 of an answer length; a window of none) and what is not a whole
+    number say nothing, the backend decides."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def evaluated_tokens(record: Mapping[str, Any]) -> int | None:
@@ -369,4 +370,3 @@ _ROUTES: dict[Kind, dict[str, Route]] = {
     Kind.LLAMACPP: _OPENAI
     | {"/chat/completions": openai.CHAT, "/completion": llamacpp.COMPLETION, "/completions": llamacpp.COMPLETION},
 }
-ROUTES = {r.name: r for routes in _ROUTES.values() for r in routes.values()}
