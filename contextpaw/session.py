@@ -37,12 +37,11 @@ class Session:
             asyncio.get_running_loop().create_task(self._session.close())
             self._session = None
 
-    async def fetch(self, method: str, url: str, body: dict[str, Any] | None) -> Any:
-        """A JSON answer from a backend, or None: discovery is best-effort, never a reason to fail."""
+    async def fetch(self, method: str, url: str, body: dict[str, Any] | None, timeout: float = PROBE_TIMEOUT_S) -> Any:
+        """A JSON answer from a backend, or None: discovery is best-effort, never a reason to fail.
+        (`contextpaw doctor` waits longer: it may load a model.)"""
         try:
-            async with self.get().request(
-                method, url, json=body, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-            ) as resp:
+            async with self.get().request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 return await resp.json(content_type=None) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
