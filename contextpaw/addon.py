@@ -38,11 +38,11 @@ from contextpaw.fitter import OFFLOAD_BYTES, FlowState, Fitter, Refuse, off_loop
 from contextpaw.ledger import FailureLedger
 from contextpaw.relay import ERROR_HEADER, RESCUED_HEADER, Failure, Relay, Timeouts
 from contextpaw.headers import HOP_HEADERS
-from contextpaw.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply
+from contextpaw.replies import ADMIN_MARK, COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply
 from contextpaw.session import PROBE_TIMEOUT_S, HttpServices, Session
 from contextpaw.settings import POLICIES, FitSettings, at_least
 from contextpaw.state import LRU, KeptCalibration
-from contextpaw.streams import STREAM_TYPES, StreamReport, report_bytes, splice
+from contextpaw.streams import KEPT_STREAM, STREAM_TYPES, StreamReport, report_bytes, splice
 from contextpaw.summarize import Summarizer
 from contextpaw.views import ORIGINAL, REPORT
 
@@ -175,6 +175,7 @@ class Compactor:
             flow.comment = f"contextpaw off; would have {state.observed.summary()}"
         if decision.compacted and state.report is not None:
             flag(flow, COMPACTED_MARK, state.report.summary(), replace=True)
+            flow.metadata[REPORT] = state.report.to_json()  # mitmweb shows it before the answer is in
         if decision.body is not None:
             flow.metadata[ORIGINAL] = raw
             flow.request.content = decision.body
@@ -196,7 +197,7 @@ class Compactor:
         if state is None or state.watched is None or response.headers.get("content-encoding", "identity") != "identity":
             response.stream = True
             return
-        response.stream = self._stream_report(flow, state)
+        response.stream = self._stream_report(flow, state, keep=KEPT_STREAM)
         if "content-length" in response.headers:
             del response.headers["content-length"]
             response.headers["transfer-encoding"] = "chunked"
@@ -205,6 +206,8 @@ class Compactor:
         response = flow.response
         assert response is not None
         state = self.states.get(flow)
+        if isinstance(response.stream, StreamReport) and response.stream.kept is not None:
+            response.raw_content = bytes(response.stream.kept)  # what the client got, for mitmweb and saved flows
         if state is None or state.watched is None or state.local or response.stream:
             return
         try:
@@ -309,9 +312,10 @@ class Compactor:
                 f"possibly: {possible.evaluated_tokens} evaluated of about {possible.sent_tokens}, window {possible.num_ctx}"
             )
 
-    def _stream_report(self, flow: http.HTTPFlow, state: FlowState) -> StreamReport:
+    def _stream_report(self, flow: http.HTTPFlow, state: FlowState, keep: int = 0) -> StreamReport:
         route = state.route
-        return StreamReport(route.framing, route.is_final, functools.partial(self._final_report, flow, state), route.evaluated)
+        report = functools.partial(self._final_report, flow, state)
+        return StreamReport(route.framing, route.is_final, report, route.evaluated, keep=keep)
 
     def _final_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None = None) -> bytes | None:
         """The fitter's report for the answer's final record (`counted`: the prompt size an earlier
@@ -503,6 +507,7 @@ class AdminEndpoints:
     def _check_host(self, flow: http.HTTPFlow) -> None:
         """Keep the backends' own DNS-rebinding defence up: reverse mode gives the backend its own
         Host, so Ollama's check would see a loopback name for every request. A loopback client
+        flag(flow, ADMIN_MARK, f"answered {answer.status} by ContextPaw itself, never forwarded")
         that named a Host Ollama would refuse (a page whose name resolves to 127.0.0.1) is answered
         403 here, in its API's convention, as Ollama would have answered it."""
         host = flow.metadata.get(CLIENT_HOST)

@@ -10,9 +10,12 @@ from mitmproxy import http
 from contextpaw.headers import JSON_TYPE
 
 COMPACTED_MARK = ":scissors:"
-REFUSED_MARK = ":no_entry:"
+REFUSED_MARK = ":heavy_multiplication_x:"
 TRUNCATED_MARK = ":warning:"
-"""mitmweb marks: compacted, refused by ContextPaw (413, 502), cut by the server anyway."""
+ADMIN_MARK = ":gear:"
+"""mitmweb marks, by mitmproxy's names: compacted (✂), refused by ContextPaw (✖: 413, 502),
+cut by the server anyway (⚠), answered by ContextPaw itself (⚙: `/contextpaw/*`). Each glyph is a
+text symbol that plain fonts such as DejaVu Sans have; ⛔ (`:no_entry:`) needs an emoji font."""
 
 
 def reply(flow: http.HTTPFlow, status: int, body: bytes, content_type: str = JSON_TYPE) -> None:

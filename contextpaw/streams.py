@@ -29,6 +29,9 @@ logger = logs.get("contextpaw")
 REPORT_KEY = b"contextpaw"
 MAX_RECORD = 64 << 20
 """A stream record longer than this is not held back to be read: it and the rest go on as they come."""
+KEPT_STREAM = 16 << 20
+"""A stream up to this long is kept whole as it went to the client, for mitmweb and saved flows
+(mitmproxy keeps no streamed body); a longer one is not kept."""
 DONE = b"data: [DONE]"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 
@@ -73,6 +76,7 @@ class StreamReport:
         is_final: Callable[[Mapping[str, Any]], bool],
         report: bytes | Amend,
         count: Count | None = None,
+        keep: int = 0,
     ) -> None:
         self._separator = b"\n" if framing == "ndjson" else b"\n\n"
         self._sse = framing == "sse"
@@ -86,8 +90,20 @@ class StreamReport:
         self._count = count
         self.counted: int | None = None
         """The last prompt size a record before the final one reported."""
+        self._keep = keep
+        self.kept: bytearray | None = bytearray() if keep else None
+        """What went on so far, while it is at most `keep` bytes (None: not kept)."""
 
     def __call__(self, data: bytes) -> list[bytes]:
+        out = self._passed(data)
+        if self.kept is not None:
+            for piece in out:
+                self.kept += piece
+            if len(self.kept) > self._keep:
+                self.kept = None
+        return out
+
+    def _passed(self, data: bytes) -> list[bytes]:
         if not data:
             return self._joined(self._finish())
         if self._placed and not self._pending:
