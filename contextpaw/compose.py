@@ -17,7 +17,7 @@ from contextpaw.backends import Backends
 from contextpaw.deadlines import RequestDeadlines
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitter import Fitter
-from contextpaw.heap import StartupHeap
+from contextpaw.heap import ReturnedMemory, StartupHeap
 from contextpaw.ledger import FailureLedger
 from contextpaw.session import HttpServices, Session
 from contextpaw.settings import FitSettings
@@ -42,4 +42,4 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     upstream = Upstream(backends, fitter, states, ledger)
     backends.relay = upstream.relay
     endpoints = AdminEndpoints(backends, fitter, services, ledger, store, gpu.status)
-    return [StartupHeap(), RequestDeadlines(), gpu, endpoints, backends, compactor, upstream]
+    return [StartupHeap(), ReturnedMemory(), RequestDeadlines(), gpu, endpoints, backends, compactor, upstream]

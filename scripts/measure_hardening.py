@@ -1,111 +1,391 @@
-"""The hardening figures for the README's fault table, measured on a real mitmdump with the addon.
+"""The hardening figures for the README's fault table: one row per fault of the probe (N1-N14), each
+measured on ContextPaw and on a bare mitmdump in front of the same backend, in the same run.
 
-    .venv/bin/python scripts/measure_hardening.py [--bomb-mb 400] [--names 2000] [--conversations 50]
+    .venv/bin/python scripts/measure_hardening.py [--quick] [--passes 3]
 
-1. A compressed bomb: a gzip body that inflates to `--bomb-mb` MB, sent to /api/chat while another
-   client sends a small request every 20 ms. Prints the time to the 413, the worst latency the other
-   client saw meanwhile (and the same client's worst latency with no bomb, as the floor), and the
-   proxy's peak RSS.
-2. A soak: `--names` requests each naming a distinct 32 KB model, and `--conversations` long
-   conversations (each turn adding to its history, compacted every turn). Prints the proxy's RSS
-   after each tenth of the run: it must stay flat once the bounded caches are full.
+For each attack: the worst latency another client saw meanwhile (a small chat request every 20 ms)
+through ContextPaw and through the bare mitmdump, each proxy's peak RSS during it, and the outcome
+(refused in the caller's shape, or passed whole). The fuzz row (N8) is `--passes` passes of the
+same seeded bodies: the proxy's RSS after each (flat within 50 MiB after the first, is the bound).
 
-Everything runs against the fake Ollama (fast, deterministic); the numbers are the proxy's own.
+The backend is this script run as a llama-server look-alike (`--serve PORT`): it counts a token a
+word, and serves each attack as the request's `X-Attack` header says, from bytes made at start-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import bz2
+import concurrent.futures
 import gzip
 import json
-import statistics
+import random
+import select
+import socket
 import sys
 import tempfile
 import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
-from support.backends import start_module, start_proxy
-from support.measure import memory_mib, worst_latency_while
+from support.backends import Backend, free_port, start_process, start_proxy
+from support.common import LOOPBACK
+from support.measure import PeakMemory, memory_mib, worst_latency_while
+
+N_CTX = 1024
+ROUTE = "/v1/chat/completions"
+MB = 1 << 20
 
 
-def bomb(proxy: str, pid: int, megabytes: int) -> dict[str, float]:
-    head = b'{"model": "fake", "messages": [{"role": "user", "content": "'
-    packed = gzip.compress(head + b"0" * (megabytes << 20), compresslevel=6)
-
-    def version(client: httpx.Client) -> None:
-        client.get(f"{proxy}/api/version")
-
-    floor = worst_latency_while(version, None, 2.0, every=0.02)
-    refused: list[tuple[httpx.Response, float]] = []
-
-    def send() -> None:
-        started = time.perf_counter()
-        response = httpx.post(f"{proxy}/api/chat", content=packed, headers={"Content-Encoding": "gzip"}, timeout=120)
-        refused.append((response, time.perf_counter() - started))
-
-    worst = worst_latency_while(version, send, every=0.02)
-    response, took = refused[0]
-    assert response.status_code == 413, response.text[:200]
-    return {
-        "compressed_mb": round(len(packed) / (1 << 20), 2),
-        "inflates_to_mb": megabytes,
-        "refused_in_s": round(took, 2),
-        "worst_other_client_ms": round(worst, 1),
-        "worst_other_client_idle_ms": round(floor, 1),
-        "peak_rss_mib": round(memory_mib(pid, "VmHWM"), 1),
-    }
+def chat(text: str, **extra: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}], **extra}).encode()
 
 
-def soak(proxy: str, pid: int, names: int, conversations: int) -> list[tuple[str, float]]:
-    samples = [("start", memory_mib(pid))]
-    steps = names + conversations * 40
-    done = 0
-    histories = [[{"role": "system", "content": f"Conversation {c}."}, {"role": "user", "content": f"task {c}"}]
-                 for c in range(conversations)]  # fmt: skip
-    with httpx.Client(timeout=60) as client:
-        for n in range(names):
-            body = {"model": f"m{n}-" + "x" * 32_000, "messages": [{"role": "user", "content": "hi"}], "stream": False}
-            client.post(f"{proxy}/api/chat", json=body)
-            done += 1
-            if done % max(steps // 10, 1) == 0:
-                samples.append((f"{done}/{steps}", memory_mib(pid)))
-        for turn in range(40):
-            for c, history in enumerate(histories):
-                history += [{"role": "assistant", "content": f"step {turn} " + "log line\n" * 50},
-                            {"role": "user", "content": f"tool output {turn}: " + "data " * 400}]  # fmt: skip
-                body = {"model": "fake", "messages": history, "stream": False, "options": {"num_ctx": 4096, "num_predict": 4}}
-                client.post(f"{proxy}/api/chat", json=body)
-                done += 1
-                if done % max(steps // 10, 1) == 0:
-                    samples.append((f"{done}/{steps}", memory_mib(pid)))
-    return samples
+# -- the backend -------------------------------------------------------------------------------
+
+
+def serve(port: int, sizes: dict[str, int]) -> None:
+    from aiohttp import web
+
+    record = b"data: " + b"x" * sizes["record"]
+    big = b'{"choices": [{"message": {"role": "assistant", "content": "' + b"y" * sizes["answer"] + b'"}}]}'
+    packed = gzip.compress(b'{"pad": "' + b"0" * sizes["inflated_answer"] + b'"}', compresslevel=9)
+
+    def answer(text: str, prompt_tokens: int) -> dict[str, Any]:
+        return {"id": "c", "object": "chat.completion", "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 1, "total_tokens": prompt_tokens + 1}}  # fmt: skip
+
+    async def props(request: web.Request) -> web.Response:
+        return web.json_response({"default_generation_settings": {"n_ctx": N_CTX}, "total_slots": 1})
+
+    async def counting(request: web.Request) -> web.Response:
+        body = await request.json()
+        if request.path == "/apply-template":
+            return web.json_response({"prompt": "\n".join(f"{m['role']}: {m['content']}" for m in body["messages"])})
+        if request.path == "/tokenize":
+            return web.json_response({"tokens": list(range(len(body["content"].split())))})
+        return web.json_response({"input_tokens": sum(len(str(m.get("content", "")).split()) + 2 for m in body["messages"])})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        attack = request.headers.get("X-Attack", "")
+        if attack == "record":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for at in range(0, len(record), MB):
+                await response.write(record[at : at + MB])
+            await response.write(b"\n\ndata: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        if attack == "big-answer":
+            return web.Response(body=big, content_type="application/json")
+        if attack == "gzip-answer":
+            return web.Response(body=packed, headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        try:
+            body = json.loads(raw)
+            words = sum(len(str(m.get("content", "")).split()) + 2 for m in body["messages"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return web.json_response({"received_bytes": len(raw), "encoding": request.headers.get("Content-Encoding", "")}, status=400)
+        encoding = request.headers.get("Content-Encoding")
+        said = f"received {len(raw)} bytes" + (f" {encoding}" if encoding else "")
+        return web.json_response(answer(said, 10 if attack == "lie" else words))
+
+    async def echo(request: web.Request) -> web.Response:
+        raw = await request.read()
+        return web.json_response({"received_bytes": len(raw), "encoding": request.headers.get("Content-Encoding", "")})
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_get("/props", props)
+    app.router.add_get("/health", lambda request: web.json_response({"status": "ok"}))
+    for path in ("/tokenize", "/apply-template", f"{ROUTE}/input_tokens"):
+        app.router.add_post(path, counting)
+    app.router.add_post(ROUTE, completions)
+    app.router.add_route("*", "/{tail:.*}", echo)
+    web.run_app(app, host=LOOPBACK, port=port, print=None)
+
+
+# -- the two proxies ---------------------------------------------------------------------------
+
+
+def start_bare(upstream: str, confdir: Path, log: Path) -> Backend:
+    port = free_port()
+    argv = [sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q",
+            "--mode", f"reverse:{upstream}@{LOOPBACK}:{port}", "--set", "connection_strategy=lazy",
+            "--set", f"confdir={confdir}", "--set", "tcp_timeout=3600"]  # fmt: skip
+    return start_process(argv, f"http://{LOOPBACK}:{port}", "/health", log, 30)
+
+
+def ping(client: httpx.Client, base: str) -> None:
+    client.post(base + ROUTE, content=chat("a small question"), headers={"Content-Type": "application/json"})
+
+
+def post(base: str, body: bytes, path: str = ROUTE, timeout: float = 300, **headers: str) -> httpx.Response:
+    return httpx.post(base + path, content=body, headers={"Content-Type": "application/json", **headers},
+                      timeout=timeout, trust_env=False)  # fmt: skip
+
+
+def described(response: httpx.Response) -> str:
+    """The outcome in a few words: a refusal with its status and whether the body is JSON in an
+    API's error shape, or what passed."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code >= 400:
+        shaped = isinstance(body, dict) and ("error" in body or "received_bytes" in body)
+        from_backend = isinstance(body, dict) and "received_bytes" in body
+        who = "backend" if from_backend else "refused"
+        return f"{who} {response.status_code}{' in shape' if shaped else ' (not JSON)'}"
+    return f"{response.status_code}, {len(response.content):,} bytes"
+
+
+# -- the attacks: each takes a proxy's address and tells what came of it ----------------------------
+
+Attack = Callable[[str], str]
+
+
+def bomb(encoding: str, compress: Callable[[bytes], bytes], megabytes: int, path: str = ROUTE) -> Attack:
+    packed = compress(b'{"model": "m", "messages": [{"role": "user", "content": "' + b"0" * (megabytes * MB) + b'"}]}')
+
+    def attack(base: str) -> str:
+        response = post(base, packed, path, **{"Content-Encoding": encoding})
+        return f"{len(packed):,} B {encoding} -> {megabytes} MB: {described(response)}"
+
+    return attack
+
+
+def stream_record(base: str) -> str:
+    total = 0
+    with httpx.stream("POST", base + ROUTE, content=chat("go", stream=True), timeout=300, trust_env=False,
+                      headers={"Content-Type": "application/json", "X-Attack": "record"}) as response:  # fmt: skip
+        for piece in response.iter_raw():
+            total += len(piece)
+    return f"{response.status_code}, {total / MB:.0f} MB streamed"
+
+
+def answer_attack(kind: str) -> Attack:
+    def attack(base: str) -> str:
+        response = post(base, chat("hi"), **{"X-Attack": kind})
+        return f"{response.status_code}, {len(response.content) / MB:.1f} MB to the client"
+
+    return attack
+
+
+def lying_backend(base: str) -> str:
+    """20 answers that claim 10 tokens for 40 KB prompts, then a 12 KB chat for the 1,024-token window."""
+    for _ in range(20):
+        post(base, chat("word " * 8000), **{"X-Attack": "lie"})
+    response = post(base, json.dumps({"model": "m", "messages": [
+        {"role": "system", "content": "be brief"}, *({"role": r, "content": "word " * 400} for r in ["user", "assistant"] * 3),
+        {"role": "user", "content": "and now?"}]}).encode())  # fmt: skip
+    sent = response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else response.text[:80]
+    final = response.headers.get("X-ContextPaw-Final-Tokens")
+    return f"{response.status_code}, backend {sent}" + (f", final {final} tokens" if final else "")
+
+
+def off_by_one(requests: int) -> Attack:
+    """Concurrent 1 MB chats of many turns: none may be refused one token short."""
+    rng = random.Random(6)
+    bodies = [json.dumps({"model": "m", "messages": [
+        {"role": "user" if t % 2 == 0 else "assistant", "content": " ".join("w" * rng.randint(1, 9) for _ in range(rng.randint(50, 4000)))}
+        for t in range(60)] + [{"role": "user", "content": "go"}]}).encode() for _ in range(requests)]  # fmt: skip
+
+    def attack(base: str) -> str:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda body: post(base, body), bodies))
+        short = sum("nothing can be removed" in a.text for a in answers)
+        statuses = sorted({a.status_code for a in answers})
+        return f"{requests} x {len(bodies[0]) / MB:.1f} MB: statuses {statuses}, {short} refused short"
+
+    return attack
+
+
+def giant_message(megabytes: int) -> Attack:
+    body = chat("word " * (megabytes * MB // 5))
+
+    def attack(base: str) -> str:
+        return f"{megabytes} MB message: {described(post(base, body))}"
+
+    return attack
+
+
+def multi_member(base: str) -> str:
+    """A two-member gzip chat, and a truncated one: what the backend was handed."""
+    whole = chat("first half " * 100 + "second half " * 100)
+    two = gzip.compress(whole[:300]) + gzip.compress(whole[300:])
+    truncated = gzip.compress(whole)[:-20]
+    good = post(base, two, **{"Content-Encoding": "gzip"})
+    bad = post(base, truncated, **{"Content-Encoding": "gzip"})
+    said = " with X-ContextPaw-Error" if "X-ContextPaw-Error" in bad.headers else ""
+    return f"two members: {good.json()['choices'][0]['message']['content']} of {len(whole)}; truncated: {bad.text[:60]}{said}"
+
+
+def unknown_encoding(base: str) -> str:
+    rot = post(base, chat("hi"), **{"Content-Encoding": "rot13"})
+    digits = post(base, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": ' + b"9" * 5000 + b"}")
+    return f"rot13: {described(rot)}; 5,000-digit integer: {described(digits)}"
+
+
+def host_rebinding(base: str) -> str:
+    response = httpx.get(base + "/v1/models", headers={"Host": "attacker.example"}, trust_env=False, timeout=30)
+    return described(response) if response.status_code >= 400 else f"{response.status_code}: served to a foreign Host"
+
+
+def slowloris(connections: int, hold_s: float) -> Attack:
+    """`connections` clients that send their headers a byte a second; how many are still open after `hold_s`."""
+
+    def attack(base: str) -> str:
+        port = int(base.rsplit(":", 1)[1])
+        socks = [socket.create_connection((LOOPBACK, port), timeout=5) for _ in range(connections)]
+        for s in socks:
+            s.sendall(b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        open_, started = set(socks), time.monotonic()
+        while open_ and time.monotonic() - started < hold_s:
+            readable, _, _ = select.select(list(open_), [], [], 1.0)
+            for s in open_ - set(readable):
+                try:
+                    s.sendall(b"a")
+                except OSError:
+                    readable.append(s)
+            for s in readable:
+                try:
+                    if s.recv(4096) == b"":
+                        open_.discard(s)
+                except OSError:
+                    open_.discard(s)
+        took = time.monotonic() - started
+        for s in socks:
+            s.close()
+        return f"{connections} dribbling: {connections - len(open_)} closed within {took:.0f} s"
+
+    return attack
+
+
+# -- N8: fuzz passes ---------------------------------------------------------------------------
+
+
+def fuzz_bodies(count: int, seed: int = 8) -> list[tuple[bytes, dict[str, str]]]:
+    """Seeded bodies of every size and shape: chats of many turns and of one big message, gzip, bad
+    JSON, streams."""
+    rng = random.Random(seed)
+    out = []
+    for n in range(count):
+        size = int(2 ** rng.uniform(10, 23))  # 1 KB .. 8 MB
+        turns = rng.choice([1, 2, 10, 100, 1000])
+        words = max(size // 6 // turns, 1)
+        messages = [{"role": ("user", "assistant")[t % 2], "content": " ".join(f"w{rng.randint(0, 99999)}" for _ in range(min(words, 200))) * max(words // 200, 1)}
+                    for t in range(turns)] + [{"role": "user", "content": "go"}]  # fmt: skip
+        body = json.dumps({"model": "m", "messages": messages, "stream": rng.random() < 0.3}).encode()
+        headers: dict[str, str] = {}
+        kind = rng.random()
+        if kind < 0.15:
+            body, headers = gzip.compress(body, 1), {"Content-Encoding": "gzip"}
+        elif kind < 0.2:
+            body = body[: rng.randint(1, len(body))]  # cut short: bad JSON
+        out.append((body, headers))
+    return out
+
+
+def fuzz_pass(base: str, bodies: list[tuple[bytes, dict[str, str]]]) -> None:
+    def send(item: tuple[bytes, dict[str, str]]) -> None:
+        try:
+            post(base, item[0], **item[1])
+        except httpx.HTTPError:
+            pass
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(send, bodies))
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+def measure(attack: Attack, proxies: dict[str, Backend]) -> dict[str, Any]:
+    """The attack on each proxy in turn, ContextPaw's last (the bare one's run warms the backend)."""
+    row: dict[str, Any] = {}
+    for name, proxy in proxies.items():
+        told: list[str] = []
+        with PeakMemory(proxy.process.pid) as memory:
+            worst = worst_latency_while(lambda client: ping(client, proxy.url), lambda: told.append(attack(proxy.url)), every=0.02)
+        row[name] = {"worst_ms": round(worst, 1), "peak_mib": round(memory.peak_mib), "outcome": told[0] if told else "?"}
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bomb-mb", type=int, default=400)
-    ap.add_argument("--names", type=int, default=2000)
-    ap.add_argument("--conversations", type=int, default=50)
+    ap.add_argument("--quick", action="store_true", help="a tenth of every size, one fuzz pass of 60 bodies")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    scale = 10 if args.quick else 1
+    sizes = {"record": 200 * MB // scale, "answer": 300 * MB // scale, "inflated_answer": 512 * MB // scale}
+    if args.serve:
+        serve(args.serve, json.loads(args.sizes))
+        return 0
+    fuzz = fuzz_bodies(60 if args.quick else 200)
+    rows: list[tuple[str, str, Attack]] = [
+        ("N1", "bz2 request bomb", bomb("bz2", bz2.compress, 400 // scale)),
+        ("N1", "zlib request bomb", bomb("zlib", zlib.compress, 400 // scale)),
+        ("N2", "gzip bomb on a route not handled", bomb("gzip", gzip.compress, 400 // scale, "/v1/embeddings")),
+        ("N3", "stream record without a newline", stream_record),
+        ("N4", "buffered JSON answer", answer_attack("big-answer")),
+        ("N4", "gzip answer bomb", answer_attack("gzip-answer")),
+        ("N5", "backend lies low about counts", lying_backend),
+        ("N6", "concurrent many-turn chats", off_by_one(40 // max(scale // 5, 1))),
+        ("N7", "one giant message", giant_message(50 // scale)),
+        ("N9", "multi-member and truncated gzip", multi_member),
+        ("N10", "unknown encoding, huge integer", unknown_encoding),
+        ("N13", "foreign Host on a backend route", host_rebinding),
+        ("N14", "slowloris", slowloris(50, 10)),
+    ]
     with tempfile.TemporaryDirectory(prefix="contextpaw-hardening-") as tmp:
         work = Path(tmp)
-        with start_module("support.fake_ollama", ["--n-ctx", "4096", "--model", "fake"], "/", work / "ollama.log") as backend:
-            options = [f"contextpaw_ollama={backend.url}", f"contextpaw_state_dir={work / 'state'}"]
-            with start_proxy(backend.url, work / "conf", work / "bomb.log", options=options) as proxy:
-                print(json.dumps({"measure": "bomb", **bomb(proxy.url, proxy.process.pid, args.bomb_mb)}))
-            with start_proxy(backend.url, work / "conf", work / "soak.log", options=options) as proxy:
-                samples = soak(proxy.url, proxy.process.pid, args.names, args.conversations)
-    print("| after | RSS MiB |\n|---|---:|")
-    for label, rss in samples:
-        print(f"| {label} | {rss:.1f} |")
-    later = [rss for _, rss in samples[len(samples) // 2 :]]
-    print(json.dumps({"measure": "soak", "start_mib": round(samples[0][1], 1), "end_mib": round(samples[-1][1], 1),
-                      "second_half_spread_mib": round(max(later) - min(later), 1),
-                      "second_half_median_mib": round(statistics.median(later), 1)}))  # fmt: skip
+        port = free_port()
+        backend_argv = [sys.executable, __file__, "--serve", str(port), "--sizes", json.dumps(sizes)]
+        with start_process(backend_argv, f"http://{LOOPBACK}:{port}", "/health", work / "backend.log", 120) as backend:
+            options = [f"contextpaw_llamacpp={backend.url}", f"contextpaw_state_dir={work / 'state'}", "flow_detail=0",
+                       "contextpaw_request_read_timeout=5", "contextpaw_output_reserve=128",
+                       f"contextpaw_max_body_mb={256 // scale}"]  # fmt: skip
+            stale = work / "state" / "contextpaw-calibration.json.killed.tmp"
+            stale.parent.mkdir(parents=True)
+            stale.write_text("{")  # what a write killed half-way leaves (N11)
+            with start_bare(backend.url, work / "bare-conf", work / "bare.log") as bare, \
+                 start_proxy(backend.url, work / "conf", work / "contextpaw.log", options=options) as proxy:  # fmt: skip
+                proxies = {"bare": bare, "contextpaw": proxy}
+                print("| fault | attack | others' worst ms: ContextPaw / bare | peak RSS MiB: ContextPaw / bare | ContextPaw's outcome | bare mitmdump's |")
+                print("|---|---|---:|---:|---|---|")
+                for fault, what, attack in rows:
+                    row = measure(attack, proxies)
+                    c, b = row["contextpaw"], row["bare"]
+                    print(f"| {fault} | {what} | {c['worst_ms']:,.0f} / {b['worst_ms']:,.0f} | {c['peak_mib']:,} / {b['peak_mib']:,} "
+                          f"| {c['outcome']} | {b['outcome']} |", flush=True)  # fmt: skip
+                    if fault == "N5":
+                        print(f"| N11 | a write killed half-way | | | leftover .tmp {'still there' if stale.exists() else 'removed'} "
+                              f"once calibration was written | |", flush=True)  # fmt: skip
+                rss: dict[str, list[int]] = {name: [] for name in proxies}
+                for _ in range(args.passes):
+                    for name, p in proxies.items():
+                        fuzz_pass(p.url, fuzz)
+                        rss[name].append(round(memory_after(p.process.pid)))
+                c, b = rss["contextpaw"], rss["bare"]
+                print(f"| N8 | {args.passes} fuzz passes of {len(fuzz)} bodies | | | RSS after each pass {' → '.join(map(str, c))} MiB "
+                      f"(spread after the first: {max(c[1:] or c) - min(c[1:] or c)}; growth after the first: {(c[-1] - c[0])}) "
+                      f"| {' → '.join(map(str, b))} MiB |", flush=True)  # fmt: skip
+    print("| N12 | evicted content with a lone surrogate | | | see tests/reliability/test_codecs_and_state.py (valid UTF-8, escaped) | |")
     return 0
+
+
+def memory_after(pid: int) -> float:
+    """RSS once the process has been quiet a moment (a trim after the last request has run)."""
+    time.sleep(1.0)
+    return memory_mib(pid)
 
 
 if __name__ == "__main__":

@@ -311,7 +311,8 @@ async def test_metrics_are_prometheus_text_from_this_instance(proxy: Proxy) -> N
     await proxy.send(flow)
     text = flow.response.text
     assert flow.response.headers["content-type"].startswith("text/plain")
-    assert "contextpaw_compacted_total 1.0" in text and "contextpaw_requests_total 1.0" in text
+    where = 'backend="ollama",model="m",route="ollama.chat"'
+    assert f"contextpaw_compacted_total{{{where}}} 1.0" in text and f"contextpaw_requests_total{{{where}}} 1.0" in text
     assert next(a for a in make_addons() if isinstance(a, Compactor)).fitter.stats.counts["compacted"] == 0  # no global registry
 
 
@@ -380,9 +381,9 @@ async def test_an_upstream_cut_goes_into_the_flows_comment(proxy: Proxy) -> None
 
 def test_addon_classes_are_exported_for_embedding() -> None:
     from contextpaw.deadlines import RequestDeadlines
-    from contextpaw.heap import StartupHeap
+    from contextpaw.heap import ReturnedMemory, StartupHeap
 
-    assert [type(a) for a in make_addons()] == [StartupHeap, RequestDeadlines, Arbitration, AdminEndpoints, Backends, Compactor, Upstream]
+    assert [type(a) for a in make_addons()] == [StartupHeap, ReturnedMemory, RequestDeadlines, Arbitration, AdminEndpoints, Backends, Compactor, Upstream]
 
 
 def test_what_start_up_made_is_left_out_of_later_full_collections() -> None:

@@ -59,3 +59,27 @@ def worst_latency_while(request: Callable[[httpx.Client], object], busy: Callabl
     done.set()
     pinger.join()
     return worst[0]
+
+
+class PeakMemory:
+    """The highest resident memory (MiB) a process reaches while the `with` block runs, sampled
+    every `every` seconds (`VmHWM` is the peak of its whole life, which one attack cannot be told by)."""
+
+    def __init__(self, pid: int, every: float = 0.01) -> None:
+        self.pid, self.every, self.peak_mib = pid, every, 0.0
+        self._done = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self.peak_mib = max(self.peak_mib, memory_mib(self.pid))
+            time.sleep(self.every)
+
+    def __enter__(self) -> PeakMemory:
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._sampler.join()
+        self.peak_mib = max(self.peak_mib, memory_mib(self.pid))
