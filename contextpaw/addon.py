@@ -220,18 +220,18 @@ class Compactor:
                 put_headers(flow.response.headers, state.headers)
                 content = flow.response.content or b""  # the retry's answer
             elif response.status_code >= 500 and ERROR_HEADER not in response.headers:
-                self.ledger.failed(f"{flow.request.method} {flow.request.path}", f"the backend answered {response.status_code}")
+                self.ledger.failed(f"{flow.request.method} {flow.request.path}", f"the backend answered {response.status_code}", where=state.where)
             await self._report_in_body(flow, state, content)
         except Exception as e:  # fail open: the client gets the backend's answer as it was
             logger.exception("ContextPaw failed on the response to %s; passing it through", flow.request.path)
             assert flow.response is not None
             flow.response.headers["X-ContextPaw-Error"] = f"{type(e).__name__} on the response; passed through"
-            self.ledger.stats.add("errors")
+            self.ledger.stats.add("errors", where=state.where)
 
     def error(self, flow: http.HTTPFlow) -> None:
         """A handled flow that ended without a (whole) answer: count it, and say which."""
         if flow in self.states and flow.error and "client disconnected" not in flow.error.msg.lower():
-            self.ledger.failed(f"{flow.request.method} {flow.request.path}", flow.error.msg)
+            self.ledger.failed(f"{flow.request.method} {flow.request.path}", flow.error.msg, where=self.states[flow].where)
 
     async def _rescue(self, flow: http.HTTPFlow, state: FlowState) -> None:
         """The rescue for a flow the relay does not carry: retried here (until the answer is not an
@@ -297,7 +297,7 @@ class Compactor:
         try:
             answer = await off_loop(len(content) > OFFLOAD_BYTES, functools.partial(json.loads, content))
         except ValueError:
-            self.ledger.failed(f"{flow.request.method} {flow.request.path}", "the backend's answer is not JSON; passed through as it was")
+            self.ledger.failed(f"{flow.request.method} {flow.request.path}", "the backend's answer is not JSON; passed through as it was", where=state.where)
             return
         value = self._final_report(flow, state, answer) if isinstance(answer, dict) else None
         if value is not None and (body := splice(content, value)) is not None:  # a JSON object: parsed above
@@ -326,7 +326,7 @@ class Compactor:
             return self._checked_report(flow, state, final, counted)
         except Exception:
             logger.exception("ContextPaw failed on the final record of %s; passed through", flow.request.path)
-            self.ledger.stats.add("errors")
+            self.ledger.stats.add("errors", where=state.where)
             return None
 
     def _checked_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None) -> bytes | None:
@@ -431,11 +431,14 @@ class Upstream:
 
     def _failed(self, failure: Failure) -> None:
         what = f"{failure.method} {failure.path}"
+        kind = self.backends.kind_at(failure.target)
+        route = kind and wire.route_for(kind, failure.method, failure.path)
+        where = self.ledger.stats.where(kind, route and route.name)
         if not failure.connected:
-            self.ledger.unreachable(failure.target, what, failure.reason)
+            self.ledger.unreachable(failure.target, what, failure.reason, where)
             return
         answered = "an error record ended the stream" if failure.streamed else ("504" if failure.timed_out else "502")
-        self.ledger.failed(what, failure.reason, target=failure.target, timed_out=failure.timed_out, answered=answered)
+        self.ledger.failed(what, failure.reason, target=failure.target, timed_out=failure.timed_out, answered=answered, where=where)
 
 
 class AdminEndpoints:

@@ -16,17 +16,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from contextpaw import logs
 from contextpaw import wire
-from contextpaw.admin import Stats
+from contextpaw.admin import UNPLACED, Stats, Where
 from contextpaw.calibration import Calibration
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.evicted import EvictedStore, encode
-from contextpaw.report import Report
+from contextpaw.report import SIZE_BOUND, Report
 from contextpaw.settings import FitSettings
 from contextpaw.state import SizedLRU
 from contextpaw.streams import report_bytes
@@ -143,6 +144,8 @@ class FlowState:
     local: bool = False
     """The answer was made here, not by the backend."""
     truncation_flagged: bool = False
+    where: Where = UNPLACED
+    """The labels of this request's metrics (its model once it is read)."""
 
     @property
     def retried(self) -> bool:
@@ -195,11 +198,14 @@ def _uncapped(state: FlowState) -> bool:
 
 
 def _rough(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
-    """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it."""
+    """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it.
+    A system prompt sent beside the messages (Anthropic's `system`, the Responses `instructions`)
+    counts too: alone it can overflow the window, and the server's count must then decide."""
+    fixed = counter.text(parsed.fixed_text)
     if isinstance(parsed, wire.Chat):
         conversation = parsed.conversation
-        return counter.tools(conversation.tools) + sum(counter.message(m) for m in conversation.messages)
-    return counter.text(parsed.prompt) + counter.text(parsed.fixed_text)
+        return fixed + counter.tools(conversation.tools) + sum(counter.message(m) for m in conversation.messages)
+    return fixed + counter.text(parsed.prompt)
 
 
 class Fitter:
@@ -239,17 +245,23 @@ class Fitter:
 
     async def fit(self, state: FlowState) -> Decision:
         """The one decision for a request; an internal failure forwards it unchanged and says so."""
-        self.stats.add("requests")
+        self._place(state)
         try:
             return await self._fit(state)
         except Exception as e:  # fail open: the backend answers the request as the client sent it
             logger.exception("ContextPaw failed on %s; forwarding the request unchanged", state.path)
             state.report = state.observed = state.sent = state.sent_tokens = None
             state.headers = {"X-ContextPaw-Error": f"{type(e).__name__} while compacting; forwarded unchanged"}
-            self.stats.add("errors")
+            self.stats.add("errors", where=state.where)
             return UNCHANGED
+        finally:  # counted once the model is read, so that every count of the request has its labels
+            self.stats.add("requests", where=state.where)
+
+    def _place(self, state: FlowState, model: str | None = None) -> None:
+        state.where = self.stats.where(state.backend.kind, state.route.name, model)
 
     async def _fit(self, state: FlowState) -> Decision:
+        started = time.perf_counter()
         policy = self.settings.policy
         if (small := self._fits_by_size(state)) is not None:
             state.sent_tokens, state.bounds = small.final_tokens, (0.0, 1.0)  # an upper bound
@@ -268,6 +280,7 @@ class Fitter:
         except wire.NotCompactable as e:
             logger.debug("%s forwarded as is: %s", state.path, e)
             return UNCHANGED
+        self._place(state, parsed.params.model)
         budget = await self.budgeter.budget(state.backend, parsed.params)
         try:
             fitted = await self._compact(parsed, budget, state.backend, big, guard=_uncapped(state))
@@ -279,7 +292,7 @@ class Fitter:
             as_sent = Report(False, "none", size, size, budget.admits, counter=e.counter, exact=e.counter in EXACT_COUNTERS, window=budget.window)
             fitted = wire.Fitted(None, as_sent)
         report = fitted.report
-        self.stats.add("original_tokens", report.original_tokens)
+        self.stats.add("original_tokens", report.original_tokens, state.where)
         key = calibration_key(state.backend, parsed.params.model)
         if report.counter == "calibrated":
             state.calibration = (key, self.calibration.factor(key))
@@ -300,7 +313,7 @@ class Fitter:
         self._remember(parsed, fitted)
         self._keep(state, report)
         if fitted.body is not None:
-            await self._note_compaction(state, report, parsed.params.model, big)
+            await self._note_compaction(state, report, parsed.params.model, big, started)
         state.sent, state.sent_tokens, state.uncuttable = body, report.final_tokens, said or forbid
         return Forward(body, fitted.body is not None)
 
@@ -316,6 +329,7 @@ class Fitter:
         raw = state.original
         if len(raw) > SIZE_PROOF_BYTES or any(word in raw for word in UNPROVABLE) or (model := wire.model_of(raw)) is None:
             return None  # a window of its own, history kept by the server, images, or a model name not read at once
+        self._place(state, model)
         if self.settings.discover_window:
             known, window = self.windows.cached(state.backend, model)
             if not known:
@@ -328,7 +342,7 @@ class Fitter:
         if bound > admits:
             return None
         note = f"fits by its size: at most {bound} tokens ({len(raw)} bytes and the template's allowance)"
-        return Report(False, "none", bound, bound, admits, counter="size", window=window, notes=[note])
+        return Report(False, "none", bound, bound, admits, counter=SIZE_BOUND, window=window, notes=[note])
 
     def _bounds(self, parsed: wire.Chat | wire.Prompt, report: Report, key: str) -> tuple[float, float]:
         """How far the true size of what is sent can be from our count of it, for the verdict.
@@ -371,7 +385,7 @@ class Fitter:
         self._keep(state, report)
         state.local = True
         logger.info("%s refused: %s", state.route.name, overflow.message)
-        self.stats.add("refused")
+        self.stats.add("refused", where=state.where)
         status = state.route.refusal_status
         return Refuse(status, report_bytes(state.route.refusal(overflow, report.to_json())), f"refused {status}: {overflow.message}")
 
@@ -384,7 +398,7 @@ class Fitter:
         if parsed.key and fitted.plan is not None:
             self.plans.put(parsed.key, fitted.plan)
 
-    async def _note_compaction(self, state: FlowState, report: Report, model: str, big: bool) -> None:
+    async def _note_compaction(self, state: FlowState, report: Report, model: str, big: bool, started: float) -> None:
         """Log, keep and count a compaction; the counts go last, so a failure before them (which
         forwards the request unchanged) leaves no count of a compaction that was never sent. The log
         line holds no prompt text; the evicted content is encoded for the store off the event loop
@@ -393,8 +407,7 @@ class Fitter:
         encoded = await off_loop(big, functools.partial(_encoded, report.evicted))
         for marker_id, data in encoded.items():
             self.store.put(marker_id, data)
-        self.stats.add("compacted")
-        self.stats.add("evicted_tokens", report.evicted_tokens)
+        self.stats.compaction(state.where, time.perf_counter() - started, report.evicted_tokens)
 
     # -- counting -------------------------------------------------------------------------------
 
@@ -624,7 +637,7 @@ class Fitter:
         except Exception as e:  # fail open: the backend's answer goes to the client as it was
             logger.exception("ContextPaw failed to rescue %s; passing the backend's answer on", state.path)
             state.headers["X-ContextPaw-Error"] = f"{type(e).__name__} in the rescue; passed through"
-            self.stats.add("errors")
+            self.stats.add("errors", where=state.where)
             return None
 
     async def _refit(self, state: FlowState, overflow: wire.UpstreamOverflow) -> bytes | Refuse | None:
@@ -632,6 +645,7 @@ class Fitter:
         counter's units: the server counted `n_prompt_tokens` for the body we counted at
         `sent_tokens`. The report, plan and evicted content become the retry's; a retry to a native
         route says `truncate: false`, so it is refused again rather than cut."""
+        started = time.perf_counter()
         state.rescues += 1
         assert state.report is not None, "only a reported flow is rescued"
         big = is_big(state.original)
@@ -650,10 +664,10 @@ class Fitter:
         native = state.route.name in NATIVE_OLLAMA and "truncate" not in parsed.body
         if native:
             body = await off_loop(big, functools.partial(_without_truncation, body))
-        self.stats.add("retried_400")
+        self.stats.add("retried_400", where=state.where)
         self._remember(parsed, fitted)
         self._keep(state, fitted.report)
-        await self._note_compaction(state, fitted.report, parsed.params.model, big)
+        await self._note_compaction(state, fitted.report, parsed.params.model, big, started)
         state.sent, state.sent_tokens, state.resent = body, fitted.report.final_tokens, True
         state.uncuttable = state.uncuttable or native
         return body
@@ -663,7 +677,7 @@ class Fitter:
         assert state.report is not None
         recovered = status < 400
         state.report.recovered_from_upstream_400 = recovered
-        self.stats.add("recovered_400", recovered)
+        self.stats.add("recovered_400", recovered, state.where)
         if recovered:
             state.headers["X-ContextPaw-Recovered"] = "upstream-400"
         elif not relay_failed:  # the relay says so itself when the backend failed
@@ -700,13 +714,13 @@ class Fitter:
             verdict = judge(sent, evaluated, report.window, state.bounds, state.uncuttable)
         if verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None and report.upstream_truncation_possible is None:
             report.upstream_truncation_possible = verdict.truncation
-            self.stats.add("upstream_truncation_possible")
+            self.stats.add("upstream_truncation_possible", where=state.where)
             logger.warning("%s: the server may have cut a prompt counted at %d in a %d-token window (%s)",
                            state.path, sent, report.window or 0, verdict.truncation.reason)  # fmt: skip
         if verdict.evaluation is Evaluation.CUT and (truncation := verdict.truncation) is not None and report.upstream_truncated is None:
             report.upstream_truncated = truncation
             report.recovered_from_upstream_400 = False
-            self.stats.add("upstream_truncated")
+            self.stats.add("upstream_truncated", where=state.where)
             logger.warning(
                 "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",
                 state.path, evaluated, sent, truncation.reason,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 from contextpaw import logs
-from contextpaw.admin import Stats
+from contextpaw.admin import UNPLACED, Stats, Where
 
 logger = logs.get("contextpaw")
 
@@ -23,16 +23,18 @@ class FailureLedger:
     def connected(self, target: str) -> None:
         self.last_error.pop(target, None)
 
-    def unreachable(self, target: str, what: str, reason: str) -> None:
+    def unreachable(self, target: str, what: str, reason: str, where: Where = UNPLACED) -> None:
         """A handled request answered 502 because its backend does not answer."""
         self.last_error[target] = reason
-        self.stats.add("unreachable")
+        self.stats.add("unreachable", where=where)
         logger.warning("%s: answered 502: %s", what, reason)
 
-    def failed(self, what: str, reason: str, *, target: str | None = None, timed_out: bool = False, answered: str = "") -> None:
+    def failed(
+        self, what: str, reason: str, *, target: str | None = None, timed_out: bool = False, answered: str = "", where: Where = UNPLACED
+    ) -> None:
         """A backend that answered badly: a 5xx, an answer that is not JSON, a reset or a stall."""
         if target is not None:
             self.last_error[target] = reason
-        self.stats.add("upstream_errors")
-        self.stats.add("upstream_timeouts", timed_out)
+        self.stats.add("upstream_errors", where=where)
+        self.stats.add("upstream_timeouts", timed_out, where)
         logger.warning("%s: upstream failure: %s%s", what, reason, f" ({answered})" if answered else "")

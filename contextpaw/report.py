@@ -13,6 +13,8 @@ from typing import Any, Literal
 from contextpaw.truncation import Truncation
 
 Action = Literal["dropped", "shrunk", "summarized"]
+SIZE_BOUND = "size"
+"""The counter of a request proved to fit by its byte length: its sizes are upper bounds."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,6 +64,12 @@ class Report:
     def evicted_tokens(self) -> int:
         return sum(r.tokens for r in self.removals)
 
+    @property
+    def upper_bound(self) -> bool:
+        """The sizes are what the body's length allows at most (`counter: size`), not a count: a
+        request proved to fit by its size alone is never counted."""
+        return self.counter == SIZE_BOUND
+
     def to_json(self) -> dict[str, Any]:
         """The client-facing form: numbers and ids, never the evicted content itself. Built by hand
         rather than with `asdict`, which deep-copies: this runs for every handled response."""
@@ -78,6 +86,8 @@ class Report:
                 value = asdict(value) if isinstance(value, Truncation) else value
             out[name] = value
         out["evicted_tokens"] = self.evicted_tokens
+        if self.upper_bound:
+            out["upper_bound"] = True
         return out
 
     def removal_rows(self) -> list[dict[str, Any]]:
@@ -90,8 +100,12 @@ class Report:
         return rows[2]
 
     def headers(self) -> dict[str, str]:
+        """The numbers as headers, each named for what it is: a bound is `Tokens-At-Most`, never an
+        `Original-Tokens` that a small request would read as its size."""
         out = {"X-ContextPaw-Compacted": "true" if self.compacted else "false"}
-        if self.original_tokens:
+        if self.upper_bound:
+            out |= {"X-ContextPaw-Tokens-At-Most": str(self.original_tokens), "X-ContextPaw-Budget": str(self.budget)}
+        elif self.original_tokens:
             out |= {
                 "X-ContextPaw-Original-Tokens": str(self.original_tokens),
                 "X-ContextPaw-Final-Tokens": str(self.final_tokens),
