@@ -233,3 +233,12 @@ def test_the_startup_line_names_version_policy_backends_and_mitmweb() -> None:
     assert "ollama http://127.0.0.1:11435 at http://127.0.0.1:11434" in line
     assert "kind found on first contact http://127.0.0.1:8091 at http://127.0.0.1:8092" in line
     assert "mitmweb at http://127.0.0.1:8081/" in line
+
+
+def test_a_reverse_mode_that_speaks_tls_to_a_plain_http_backend_is_refused(
+    start: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mitmproxy takes a reverse spec without a scheme for https; ContextPaw's option says http."""
+    with pytest.raises(SystemExit):
+        start("--mode", "reverse:127.0.0.1:11435@127.0.0.1:0", "--set", f"contextpaw_ollama={URL}")
+    assert f"write --mode reverse:{URL}" in capsys.readouterr().err

@@ -61,6 +61,9 @@ class LlamaSettings:
     n_ctx: int = 4096
     slots: int = 1
     pacing: Pacing = field(default_factory=Pacing)
+    n_ctx_train: int | None = None
+    """The model's trained length in /v1/models (None: n_ctx); a larger one stands for a context
+    that --fit or -np made smaller than the model's."""
 
 
 class Tokenizer:
@@ -729,7 +732,7 @@ class FakeLlamaServer:
             "vocab_type": 2,
             "n_vocab": 32000,
             "n_ctx": self.settings.n_ctx,
-            "n_ctx_train": self.settings.n_ctx,
+            "n_ctx_train": self.settings.n_ctx_train or self.settings.n_ctx,
             "n_embd": 64,
             "n_params": 1,
             "size": 1,
@@ -743,6 +746,10 @@ class FakeLlamaServer:
                 ],
             }
         )
+
+    async def slot_list(self, request: web.Request) -> web.Response:
+        """/slots: each slot's window, as llama-server lists them (its other fields left out)."""
+        return _json([{"id": i, "n_ctx": self.settings.n_ctx, "is_processing": False} for i in range(self.settings.slots)])
 
     # --- counting routes ------------------------------------------------------------------
 
@@ -877,6 +884,7 @@ def fake_llamacpp_app(settings: LlamaSettings = LlamaSettings()) -> web.Applicat
         "/props": server.props,
         "/v1/models": server.models,
         "/models": server.models,
+        "/slots": server.slot_list,
     }
     posts = {
         "/tokenize": server.tokenize,
@@ -902,8 +910,11 @@ def fake_llamacpp_app(settings: LlamaSettings = LlamaSettings()) -> web.Applicat
 def main(argv: list[str] | None = None) -> None:
     parser = common_arguments("A fast deterministic fake llama-server.", port=8080, model="fake-model", n_ctx=4096)
     parser.add_argument("--slots", type=int, default=1, help="parallel slots, each with its own window (default 1)")
+    parser.add_argument("--n-ctx-train", type=int, default=None, help="the model's trained length (default: --n-ctx)")
     args = parser.parse_args(argv)
-    settings = LlamaSettings(model=args.model, n_ctx=args.n_ctx, slots=args.slots, pacing=pacing(args))
+    settings = LlamaSettings(
+        model=args.model, n_ctx=args.n_ctx, slots=args.slots, pacing=pacing(args), n_ctx_train=args.n_ctx_train
+    )
     serve(fake_llamacpp_app(settings), args.port)
 
 

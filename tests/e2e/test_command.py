@@ -1,0 +1,189 @@
+"""The `contextpaw` command as a mitmproxy user runs it, and `contextpaw doctor`, against the fakes.
+
+One `contextpaw` process carries several mitmproxy habits at once (a flow file, an extra script, a
+`--set` over a preset, a URL without a scheme); each test below checks one of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from support.backends import Backend, free_port, start_module, start_process
+
+LOOPBACK = "127.0.0.1"
+COMMAND = [sys.executable, "-m", "contextpaw.cli"]
+SCRIPT = '''
+class Stamp:
+    def response(self, flow):
+        flow.response.headers["X-Extra-Script"] = "loaded"
+
+addons = [Stamp()]
+'''
+
+
+def post(url: str, body: dict) -> tuple[int, dict[str, str], dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def chat(words: int) -> dict:
+    return {"model": "fake", "max_tokens": 8, "messages": [{"role": "user", "content": "word " * words + "hello"}]}
+
+
+@dataclass
+class Running:
+    process: Backend
+    url: str
+    flows: Path
+    backend: str
+
+
+@pytest.fixture(scope="module")
+def command(workdir: Path, llamacpp: Backend) -> Iterator[Running]:
+    """`contextpaw --llamacpp HOST:PORT -w F -s SCRIPT --set contextpaw_policy=strict` (no -q: its
+    start-up lines are in the log)."""
+    script, flows = workdir / "stamp.py", workdir / "command-flows.mitm"
+    script.write_text(SCRIPT)
+    port = free_port()
+    scheme_less = llamacpp.url.removeprefix("http://")
+    argv = [
+        *COMMAND, "--llamacpp", scheme_less, "--llamacpp-port", str(port), "--confdir", str(workdir / "conf"),
+        "-w", str(flows), "-s", str(script), "--set", "contextpaw_policy=strict",
+        "--set", f"contextpaw_state_dir={workdir / 'command-habits-state'}", "--set", "contextpaw_calibrate=false",
+    ]  # fmt: skip
+    url = f"http://{LOOPBACK}:{port}"
+    with start_process(argv, url, "/contextpaw/health", workdir / "command-habits.log", 60) as process:
+        yield Running(process, url, flows, llamacpp.url)
+
+
+def test_a_url_without_a_scheme_is_plain_http_and_said_once(command: Running) -> None:
+    status, _, answer = post(command.url + "/v1/chat/completions", chat(5))
+    assert status == 200 and answer["choices"][0]["message"]["content"]
+    log = command.process.log.read_text()
+    assert log.count("has no scheme: using http://") == 1
+
+
+def test_the_startup_line_names_version_policy_and_backend(command: Running) -> None:
+    log = command.process.log.read_text()
+    assert f"policy strict: llamacpp {command.backend} at {command.url}" in log
+    assert "contextpaw 0." in log
+
+
+def test_set_overrides_the_policy_preset_strict_refuses(command: Running) -> None:
+    status, _, answer = post(command.url + "/v1/chat/completions", chat(3000))
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+    assert "policy strict" in answer["error"]["message"]
+
+
+def test_an_extra_script_is_loaded(command: Running) -> None:
+    _, headers, _ = post(command.url + "/v1/chat/completions", chat(5))
+    assert headers.get("X-Extra-Script") == "loaded"
+
+
+def test_flows_written_with_w_are_read_back_with_r(command: Running, workdir: Path) -> None:
+    post(command.url + "/v1/chat/completions", chat(7))
+    command.process.stop()  # mitmproxy closes the flow file on exit
+    argv = [*COMMAND, "-n", "-r", str(command.flows), "--confdir", str(workdir / "conf"), "--flow-detail", "1"]
+    read = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert read.returncode == 0, read.stderr
+    assert "POST" in read.stdout and "/v1/chat/completions" in read.stdout and "200 OK" in read.stdout
+
+
+# -- contextpaw doctor -----------------------------------------------------------------------------
+
+
+def doctor(*argv: str) -> tuple[int, str]:
+    done = subprocess.run([*COMMAND, "doctor", "--timeout", "10", *argv], capture_output=True, text=True, timeout=120, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
+def problems(report: str) -> list[str]:
+    """Each PROBLEM line with the fix under it."""
+    lines = report.splitlines()
+    return [line + " " + (lines[i + 1] if i + 1 < len(lines) else "") for i, line in enumerate(lines) if line.startswith("PROBLEM")]
+
+
+@pytest.fixture(scope="module")
+def small_window_ollama(workdir: Path) -> Iterator[Backend]:
+    """An Ollama whose default window (OLLAMA_CONTEXT_LENGTH, or its VRAM tier) is 4096, for a model
+    trained on 131072."""
+    args = ["--n-ctx", "4096", "--train-ctx", "131072"]
+    with start_module("support.fake_ollama", args, "/", workdir / "doctor-ollama.log") as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def divided_llamacpp(workdir: Path) -> Iterator[Backend]:
+    """llama-server -c 8192 -np 4: each slot has 2048."""
+    args = ["--n-ctx", "2048", "--slots", "4", "--n-ctx-train", "131072"]
+    with start_module("support.fake_llamacpp", args, "/health", workdir / "doctor-np.log") as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def fitted_llamacpp(workdir: Path) -> Iterator[Backend]:
+    """llama-server asked for -c 32768 that runs 4096 (--fit lowered it)."""
+    args = ["--n-ctx", "4096", "--n-ctx-train", "131072"]
+    with start_module("support.fake_llamacpp", args, "/health", workdir / "doctor-fit.log") as backend:
+        yield backend
+
+
+def small_tokenizer(path: Path) -> Path:
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0")).save(str(path))
+    return path
+
+
+def test_doctor_finds_windows_tokenizer_and_listener(small_window_ollama: Backend, divided_llamacpp: Backend, workdir: Path) -> None:
+    tokenizer = small_tokenizer(workdir / "other-model-tokenizer.json")
+    status, report = doctor(
+        "--ollama", small_window_ollama.url, "--llamacpp", divided_llamacpp.url, "--ctx", "8192",
+        "--host", "0.0.0.0", "--tokenizer", str(tokenizer),
+    )  # fmt: skip
+    found = problems(report)
+    assert status == 1, report
+    assert any("4,096 tokens of the 131,072" in p and "OLLAMA_CONTEXT_LENGTH=32768" in p for p in found), report
+    assert any("-np 4 divides the -c 8,192" in p and "-c 32768 -np 4" in p for p in found), report
+    assert any("has 500 tokens, the model at" in p and "32,000" in p for p in found), report
+    assert sum("listens on 0.0.0.0" in p for p in found) == 2, report  # both listeners
+    assert len(found) == 5, report
+
+
+def test_doctor_finds_fit_and_a_backend_that_does_not_answer(fitted_llamacpp: Backend) -> None:
+    dead = f"http://{LOOPBACK}:{free_port()}"
+    status, report = doctor("--llamacpp", fitted_llamacpp.url, "--ctx", "32768", "--ollama", dead)
+    found = problems(report)
+    assert status == 1, report
+    assert any("--fit lowered the context" in p and "-c 4096" in p for p in found), report
+    assert any(p.startswith(f"PROBLEM {dead}: does not answer") for p in found), report
+    assert len(found) == 2, report
+
+
+def test_doctor_finds_https_to_a_plain_http_backend(llamacpp: Backend) -> None:
+    secure = "https://" + llamacpp.url.removeprefix("http://")
+    status, report = doctor("--llamacpp", secure)
+    assert status == 1 and any(f"write {llamacpp.url}" in p for p in problems(report)), report
+
+
+def test_the_command_refuses_https_to_a_plain_http_backend(llamacpp: Backend) -> None:
+    secure = "https://" + llamacpp.url.removeprefix("http://")
+    done = subprocess.run([*COMMAND, "--llamacpp", secure], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0 and f"write {llamacpp.url}" in done.stderr
+
+
+def test_doctor_passes_a_sound_setup(llamacpp: Backend) -> None:
+    status, report = doctor("--llamacpp", llamacpp.url)
+    assert status == 0 and report.rstrip().endswith("no problems found"), report
