@@ -165,7 +165,7 @@ class Stats(Collector):
             for where, value in self.series[name].items():
                 family.add_metric(astuple(where), value)
             yield family
-        yield self._histogram("compaction_seconds", "Time from a request's arrival to its compacted body, counting included", self.seconds)
+        yield self._histogram("compaction_seconds", "Seconds from the start of fitting a request to its compacted body, the backend's counting calls included (a rescue's refit on its own)", self.seconds)
         yield self._histogram("compaction_evicted_tokens", "Prompt tokens evicted from each compacted request", self.evicted)
         for source in self.sources:
             for name, value in source().items():
