@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -174,7 +173,7 @@ def presets(ns: argparse.Namespace) -> dict[str, Any]:
 
 def mitmdump_filters(args: argparse.Namespace) -> dict[str, str]:
     """A filter expression on the command line, applied as mitmdump applies it."""
-    if not getattr(args, "filter_args", None):
+    if not args.filter_args:
         return {}
     expression = " ".join(args.filter_args)
     return {"save_stream_filter": expression, "readfile_filter": expression, "dumper_filter": expression}
@@ -204,6 +203,7 @@ class StartupLine:
 
 
 def startup_line(options: Any) -> str:
+    """The line from mitmproxy's options as they ended up (after `--set` and config.yaml)."""
     from mitmproxy.proxy import mode_specs
 
     from contextpaw.admin import package_version
@@ -256,8 +256,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         backends, notes = fronted(ns)
     except ValueError as e:
         own_parser().error(str(e))
-    for problem in check_tls(backends):
-        own_parser().error(problem)
+    if problems := check_tls(backends):
+        own_parser().error("; ".join(problems))
     from mitmproxy import exceptions
     from mitmproxy.tools import cmdline
     from mitmproxy.tools.main import run
@@ -289,7 +289,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise exceptions.OptionsError("give --ollama URL, --llamacpp URL, or both (or mitmproxy's own --mode)")
         return mitmdump_filters(args)
 
-    logging.getLogger("contextpaw").setLevel(logging.INFO)
     run(WithContextPaw, functools.partial(command_parser, mitmproxy_parser), [*mitmproxy_args(backends), *argv], extra)
 
 
