@@ -32,8 +32,9 @@ ORIGINAL = "contextpaw.original"
 REPORT = "contextpaw.report"
 """The flow metadata key of the report as the client sees it."""
 
-WIDTH = 96
-"""Columns the views wrap to: mitmweb's flow detail beside the flow list, at 13 px monospace."""
+WIDTH = 76
+"""Columns the views wrap to: mitmweb's flow detail pane, beside the flow list at 13 px monospace,
+is about 76 columns wide in a 1280-pixel window (84 in one of 1400)."""
 EXCERPT_LINES = 3
 """Wrapped lines shown of a kept or dropped message (its head), and of each end of a cut."""
 EVICTED_PATH = "/contextpaw/evicted/"
@@ -166,8 +167,9 @@ def _sent(old: Sequence[Message], new: Sequence[Message], dropped: set[int]) -> 
     kept = iter(i for i in range(len(old)) if i not in dropped)
     upcoming = next(kept, None)
     for message in new:
-        if upcoming is None or (message.text.startswith(MARKER_PREFIX) and message.speaker != old[upcoming].speaker):
-            yield from _whole("marker", message.speaker, message.text)
+        marker = message.text.startswith(MARKER_PREFIX)
+        if upcoming is None or (marker and message.speaker != old[upcoming].speaker):
+            yield from _whole("marker" if marker else "not in the client's request", message.speaker, message.text)
             continue
         yield from _changed(f"#{upcoming} {message.speaker}", old[upcoming].text, message.text)
         upcoming = next(kept, None)
@@ -185,7 +187,7 @@ def _changed(label: str, before: str, after: str) -> list[str]:
     head = _common_prefix(before, after)
     tail = _common_prefix(before[head:][::-1], after[head:][::-1])
     added, cut = after[head : len(after) - tail], before[head : len(before) - tail]
-    lines.append(f"{label} · shrunk: {len(cut):,} of {len(before):,} characters cut from the middle")
+    lines += _wrap(f"{label} · shrunk: {len(cut):,} of {len(before):,} characters cut from the middle", "", "    ")
     lines += _ends("    kept, up to the cut:", before[:head], last=True)
     lines += _wrap(added.strip("\n"), "  » ", "    ")
     lines += _ends("    kept, after the cut:", after[len(after) - tail :], last=False)
@@ -206,16 +208,16 @@ def _folded(before: str, after: str) -> int | None:
 
 def _whole(what: str, role: str, text: str) -> list[str]:
     label = f"» {what}" + (f" ({role})" if role else "")
-    return [label, *_wrap(text, "  » ", "    ")]
+    return [*_wrap(label, "", "    "), *_wrap(text, "  » ", "    ")]
 
 
 def _excerpt(label: str, text: str, lines: int = EXCERPT_LINES) -> list[str]:
-    return [f"{label} · {len(text):,} characters", *_first(text, lines, "    ")[0]]
+    return [*_wrap(f"{label} · {len(text):,} characters", "", "    "), *_first(text, lines, "    ")[0]]
 
 
 def _ends(label: str, text: str, last: bool | None) -> list[str]:
     """The lines of `text` beside a cut: its last few (`last`), its first few, or both ends (None)."""
-    indent = "      "
+    indent, text = "      ", text.strip("\n")  # the line breaks beside the note are the note's
     if not text:
         return [label, f"{indent}(nothing)"]
     if last is not None:
@@ -296,9 +298,9 @@ def response_text(status: int, content_type: str, body: bytes, report: Mapping[s
         answer = "".join(_answer(r, streamed) for r in records)
         lines += ["", _rule(f"the answer: {status}, {how}")]
         lines += _wrap(answer, "  ", "  ") if answer else ["  (no text in the answer: see the json or raw view)"]
-    if report:
-        where = "the stream's final record" if streamed else "the body"
-        lines += ["", _rule(f"the report (in full: the `contextpaw` field of {where})"), *details(report)]
+    if report and (more := details(report)):
+        where = "the final record's" if streamed else "the body's"
+        lines += ["", _rule(f"the report (whole: {where} `contextpaw`)"), *more]
     return "\n".join(lines)
 
 
@@ -399,7 +401,8 @@ def _said(message: Mapping[str, Any]) -> str:
 
 
 def _rule(title: str) -> str:
-    return f"── {title} " + "─" * max(WIDTH - len(title) - 4, 3)
+    """A section's title on a line drawn across the pane."""
+    return f"── {title} ".ljust(WIDTH, "─")
 
 
 def _wrap(text: str, first: str, rest: str) -> list[str]:

@@ -91,22 +91,34 @@ async def test_the_request_view_fits_the_pane_and_shows_each_marker_whole(proxy:
     assert all(" ".join(marker.split()) in flat(shown) for marker in markers)
 
 
-async def test_a_shrunk_message_shows_the_note_and_the_part_that_was_cut(proxy: Proxy) -> None:
+def shrunk_chat() -> dict:
     chat = with_tool_result()
     chat["messages"] = chat["messages"][:4] + [{"role": "user", "content": "What now?"}]  # the tool result is shrunk
-    flow = post("/api/chat", chat)
+    return chat
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "text"),
+    [
+        ("/api/chat", shrunk_chat(), lambda body: body["messages"][3]["content"]),
+        ("/api/generate", {"model": "m", "prompt": "\n".join(f"line {i} of the log" for i in range(3000)),
+                           "options": {"num_ctx": 2048}}, lambda body: body["prompt"]),
+    ],
+    ids=["message", "prompt"],
+)  # fmt: skip
+async def test_a_shrunk_text_shows_the_note_and_the_part_that_was_cut(proxy: Proxy, path: str, body: dict, text) -> None:
+    flow = post(path, body)
     await proxy.send(flow)
-    assert any(r["action"] == "shrunk" and r["index"] == 3 for r in flow.metadata[REPORT]["removals"])
+    assert any(r["action"] == "shrunk" for r in flow.metadata[REPORT]["removals"])
     shown = view(flow.request, flow).text
-    tool = json.loads(flow.request.content)["messages"][3]["content"]
-    note = re.search(r"\[ContextPaw: [^]]*cut from the middle[^]]*\]", tool)
+    sent = text(json.loads(flow.request.content))
+    note = re.search(r"\[ContextPaw: [^]]*cut from the middle[^]]*\]", sent)
     assert note and " ".join(note.group().split()) in flat(shown)
     lines = shown.splitlines()
     start = next(i for i, line in enumerate(lines) if "what was cut" in line)
     cut = [line.strip() for line in lines[start + 1 : start + 8] if line.startswith("      ") and line.strip() != "…"]
-    original = chat["messages"][3]["content"]
-    assert cut and all(row in original for row in cut)
-    assert any(row not in tool for row in cut), "what was cut is shown, not the kept lines again"
+    assert cut and all(row in text(body) for row in cut)
+    assert any(row not in sent for row in cut), "what was cut is shown, not the kept lines again"
 
 
 async def test_the_dropped_messages_are_listed_from_the_clients_request(proxy: Proxy) -> None:
@@ -177,6 +189,7 @@ async def test_a_streamed_flow_keeps_the_stream_and_shows_the_answer_and_report(
     assert b'"contextpaw"' in sent.splitlines()[-1]
     shown = view(flow.response, flow)
     assert shown.view_name == "contextpaw"
+    assert max(map(len, shown.text.splitlines())) <= WIDTH
     assert section(shown.text, "the answer")[0].strip() == "".join(tokens)
     assert all(marker in shown.text for marker in flow.metadata[REPORT]["markers"])
 
