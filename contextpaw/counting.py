@@ -72,7 +72,7 @@ class BackendCounter(Counter):
         self.fallback = fallback
         # +1: a message's text tokenized alone can merge one token fewer than inside the template
         self.message_overhead = per_message + 1
-        rates = [n / len(t.encode()) for t, n in known.items() if len(t) >= MIN_RATE_CHARS]
+        rates = [n / len(t.encode("utf-8", "surrogatepass")) for t, n in known.items() if len(t) >= MIN_RATE_CHARS]
         self.rate = max(rates) * RATE_SAFETY if rates else None
 
     def text(self, text: str) -> int:
