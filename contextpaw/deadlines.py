@@ -26,6 +26,9 @@ DEFAULT_S = 120
 """Seconds for an idle keep-alive wait, the headers and the body together: a 256 MB body needs
 only 2 MB/s to arrive in time, and an answer, which is not timed, may stream for hours."""
 
+STALL_S = 0.1
+"""A deadline met this late fell in a stall of the proxy's own loop; the client gets that time back."""
+
 
 @dataclass
 class _Client:
@@ -111,7 +114,11 @@ class RequestDeadlines:
 
     def _expire(self, client: connection.Client) -> None:
         watched = self.clients.get(client.id)
-        if watched is None:
+        if watched is None or watched.timer is None:
+            return
+        late = asyncio.get_running_loop().time() - watched.timer.when()
+        if late > STALL_S:  # the proxy was busy, not the client: what it sent meanwhile is still unread
+            watched.timer = asyncio.get_running_loop().call_later(late, self._expire, client)
             return
         watched.timer = None
         handler = ctx.master.addons.get("proxyserver").connections.get(client.id)

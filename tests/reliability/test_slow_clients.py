@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from mitmproxy import exceptions
-from mitmproxy.test import taddons
+from mitmproxy import connection, exceptions
+from mitmproxy.test import taddons, tflow
 
 from contextpaw.deadlines import RequestDeadlines
 from support.backends import Backend, start_proxy
@@ -143,3 +143,33 @@ def test_a_deadline_under_a_second_is_refused() -> None:
         assert deadlines.timeout_s == 30
         with pytest.raises(exceptions.OptionsError, match="contextpaw_request_read_timeout"):
             tctx.configure(deadlines, contextpaw_request_read_timeout=0)
+
+
+class Proxyserver:
+    """Stands in for mitmproxy's proxyserver addon: its connection handlers, which record a close."""
+
+    def __init__(self) -> None:
+        self.connections: dict[str, Proxyserver] = {}
+        self.transports: dict[connection.Client, object] = {}
+        self.closed: list[connection.Client] = []
+
+    def close_connection(self, client: connection.Client) -> None:
+        self.closed.append(client)
+
+
+async def test_a_stall_of_the_proxy_itself_is_not_counted_against_the_client() -> None:
+    deadlines, server = RequestDeadlines(), Proxyserver()
+    with taddons.context(deadlines, server) as tctx:
+        tctx.configure(deadlines, contextpaw_request_read_timeout=1)
+        flow = tflow.tflow()
+        server.connections[flow.client_conn.id], server.transports[flow.client_conn] = server, object()
+        deadlines.client_connected(flow.client_conn)
+        time.sleep(1.5)  # the loop is blocked past the deadline; the client's request waits unread
+        await asyncio.sleep(0.01)  # the late deadline fires first (its timer is due before this one)
+        deadlines.requestheaders(flow)  # then the request the client sent in time is read
+        deadlines.request(flow)
+        await asyncio.sleep(2)
+        assert server.closed == []
+        deadlines.response(flow)  # a fresh deadline for the next request, and this one is met
+        await asyncio.sleep(1.2)
+        assert server.closed == [flow.client_conn]
