@@ -56,14 +56,8 @@ RELAY_TIMEOUT_S = 540
 which would otherwise close the client's connection first, without an answer."""
 CALIBRATION_FILE = "contextpaw-calibration.json"
 SUMMARY_FILE = "contextpaw-summaries.json"
-FIT_OPTIONS = {
-    "contextpaw_policy", "contextpaw_keep_recent", "contextpaw_default_ctx", "contextpaw_output_reserve",
-    "contextpaw_margin", "contextpaw_conversations", "contextpaw_evicted_items", "contextpaw_evicted_mb",
-    "contextpaw_evicted_ttl", "contextpaw_discover_window", "contextpaw_tokenizer", "contextpaw_forbid_truncation",
-    "contextpaw_summarize", "contextpaw_summarizer_url", "contextpaw_summarizer_model",
-    "contextpaw_summarizer_timeout", "contextpaw_summary_tokens", "contextpaw_calibrate", "contextpaw_state_dir",
-    "contextpaw_ollama_context_length", "confdir",
-}  # fmt: skip
+FIT_OPTIONS = {*FitSettings.options(), "confdir"}
+"""The options whose change re-reads the fit settings (confdir: where the state is kept by default)."""
 
 FlowStates = weakref.WeakKeyDictionary[http.HTTPFlow, FlowState]
 """Each handled flow's state, for as long as mitmproxy keeps the flow."""
@@ -81,41 +75,8 @@ class Compactor:
         self.kept: KeptCalibration | None = None
 
     def load(self, loader: Any) -> None:
-        add, d = loader.add_option, FitSettings()
-        add("contextpaw_policy", str, d.policy,
-            "compact: fit overflowing requests and report it; strict: refuse them in the API's own overflow error; off: pass through.",
-            choices=POLICIES)
-        add("contextpaw_keep_recent", int, d.keep_recent, "Most recent messages that are never evicted.")
-        add("contextpaw_default_ctx", int, d.default_ctx, "Context window when neither the request nor the backend says.")
-        add("contextpaw_output_reserve", int, d.output_reserve,
-            "Tokens left for the answer when a request must be cut anyway (the smaller of this and the request's own "
-            "cap, at most half the window); a request the backend would serve whole is never cut to make this room.")
-        add("contextpaw_margin", int, d.margin, "Tokens kept for the chat template and counting error.")
-        add("contextpaw_conversations", int, d.conversations, "Conversations whose eviction plan is remembered (LRU).")
-        add("contextpaw_evicted_items", int, d.evicted_items, "Evicted contents kept for /contextpaw/evicted/<id>.")
-        add("contextpaw_evicted_mb", int, d.evicted_bytes >> 20, "Megabytes of evicted content kept.")
-        add("contextpaw_evicted_ttl", int, d.evicted_ttl, "Seconds evicted content is kept.")
-        add("contextpaw_discover_window", bool, d.discover_window,
-            "Ask the backend for the model's real window (llama-server /props; Ollama /api/ps, /api/show).")
-        add("contextpaw_tokenizer", str, d.tokenizer,
-            "A tokenizer.json or GGUF file to count with, for every model (default: ask llama-server, "
-            "or the GGUF Ollama names, else a calibrated estimate).")
-        add("contextpaw_forbid_truncation", bool, d.forbid_truncation,
-            "Send truncate:false on Ollama's native routes when a request could exceed the window given the "
-            "error bounds of its count, so a residual overflow comes back as a 400 that ContextPaw rescues "
-            "instead of a silent cut.")
-        add("contextpaw_summarize", bool, d.summarize,
-            "Put a digest of what was evicted where its marker goes (map-reduce over the whole span).")
-        add("contextpaw_summarizer_url", str, d.summarizer_url, "The server that writes digests (default: the request's).")
-        add("contextpaw_summarizer_model", str, d.summarizer_model, "The model that writes digests (default: the request's).")
-        add("contextpaw_summarizer_timeout", int, d.summarizer_timeout, "Seconds one summarizer call may take.")
-        add("contextpaw_summary_tokens", int, d.summary_tokens, "The most tokens all digests of one request may take.")
-        add("contextpaw_calibrate", bool, d.calibrate,
-            "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model.")
-        add("contextpaw_state_dir", str, "", "Where the calibration is kept across restarts (default: confdir).")
-        add("contextpaw_ollama_context_length", int, d.ollama_context_length,
-            "The Ollama server's OLLAMA_CONTEXT_LENGTH, the window of requests without num_ctx (all of /v1); "
-            "0: learn it from the server (by loading the model as such a request would).")  # fmt: skip
+        for name, option in FitSettings.options().items():
+            loader.add_option(name, option.type, option.default, option.help, choices=option.choices)
 
     def configure(self, updated: set[str]) -> None:
         if not FIT_OPTIONS & updated:

@@ -9,30 +9,21 @@ mitmproxy's `OptionsError`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from contextpaw import wire
 
 POLICIES = ("compact", "strict", "off")
 
 MINIMUMS = {
-    "contextpaw_default_ctx": 1,
-    "contextpaw_conversations": 1,
-    "contextpaw_evicted_items": 1,
-    "contextpaw_evicted_mb": 1,
-    "contextpaw_evicted_ttl": 1,
-    "contextpaw_keep_recent": 0,
-    "contextpaw_output_reserve": 0,
-    "contextpaw_margin": 0,
-    "contextpaw_summarizer_timeout": 1,
-    "contextpaw_summary_tokens": 32,
     "contextpaw_header_timeout": 1,
     "contextpaw_idle_timeout": 1,
     "contextpaw_max_body_mb": 1,
-    "contextpaw_ollama_context_length": 0,
 }
+"""The least values of the options the other addons declare (the fit options' are in `FIT_OPTIONS`)."""
 
 
 def at_least(options: Any, name: str) -> int:
@@ -43,10 +34,42 @@ def at_least(options: Any, name: str) -> int:
     return value
 
 
+PREFIX = "contextpaw_"
+"""A fit option is named this and the `FitSettings` field it sets: `contextpaw_keep_recent` sets `keep_recent`."""
+
+
+class Option(NamedTuple):
+    """A fit option: what `Compactor.load` declares and how `FitSettings.parse` reads it."""
+
+    type: type
+    help: str
+    least: int | None = None
+    """The smallest value it takes (numbers only)."""
+    choices: tuple[str, ...] | None = None
+    read: Callable[[Any], Any] | None = None
+    """The field's value from the option's, or a ValueError that says what is wrong with it."""
+    default: Any = None
+    """The option's default (in the table below, None is the field's)."""
+
+    def value(self, options: Any, name: str) -> Any:
+        """The field's value from the option `name` of `options`, or a ValueError that names it."""
+        value = getattr(options, name)
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{name} must be one of {', '.join(self.choices)}, not {value!r}")
+        if self.least is not None and value < self.least:
+            raise ValueError(f"{name} must be at least {self.least}, not {value}")
+        if self.read is None:
+            return value
+        try:
+            return self.read(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class FitSettings:
-    """What fitting a request into the window reads (`Compactor`'s options); the defaults here are
-    the options' defaults."""
+    """What fitting a request into the window reads (`Compactor`'s options, `FIT_OPTIONS`); the
+    defaults here are the options' defaults."""
 
     policy: str = "compact"
     keep_recent: int = 4
@@ -55,7 +78,7 @@ class FitSettings:
     margin: int = 64
     conversations: int = 1024
     evicted_items: int = 10_000
-    evicted_bytes: int = 256 << 20
+    evicted_mb: int = 256
     evicted_ttl: int = 86_400
     discover_window: bool = True
     tokenizer: str = ""
@@ -71,45 +94,91 @@ class FitSettings:
     ollama_context_length: int = 0
     """The Ollama server's OLLAMA_CONTEXT_LENGTH as the operator states it (0: learn it)."""
 
+    @property
+    def evicted_bytes(self) -> int:
+        return self.evicted_mb << 20
+
+    @staticmethod
+    def options() -> dict[str, Option]:
+        """The options these settings are parsed from, by name (for the addon, which declares them)."""
+        return FIT_OPTIONS
+
     @classmethod
     def parse(cls, o: Any) -> FitSettings:
-        if o.contextpaw_policy not in POLICIES:
-            raise ValueError(f"contextpaw_policy must be one of {', '.join(POLICIES)}, not {o.contextpaw_policy!r}")
-        if o.contextpaw_output_reserve + o.contextpaw_margin >= o.contextpaw_default_ctx:
+        # First: a window too small for the reserve is the mistake to name, even under its minimum.
+        reserve, margin, window = o.contextpaw_output_reserve, o.contextpaw_margin, o.contextpaw_default_ctx
+        if reserve + margin >= window:
             raise ValueError(
-                f"contextpaw_output_reserve ({o.contextpaw_output_reserve}) + contextpaw_margin "
-                f"({o.contextpaw_margin}) leave no room in contextpaw_default_ctx ({o.contextpaw_default_ctx})"
+                f"contextpaw_output_reserve ({reserve}) + contextpaw_margin ({margin}) "
+                f"leave no room in contextpaw_default_ctx ({window})"
             )
-        tokenizer = os.path.expanduser(o.contextpaw_tokenizer) if o.contextpaw_tokenizer else ""
-        if tokenizer and not os.path.isfile(tokenizer):
-            raise ValueError(f"contextpaw_tokenizer: no such file {o.contextpaw_tokenizer!r}")
-        if o.contextpaw_summarizer_url:
-            try:
-                wire.Backend.parse(wire.Kind.OLLAMA, o.contextpaw_summarizer_url)
-            except ValueError as e:
-                raise ValueError(f"contextpaw_summarizer_url: {e}") from None
-        return cls(
-            policy=o.contextpaw_policy,
-            keep_recent=at_least(o, "contextpaw_keep_recent"),
-            default_ctx=at_least(o, "contextpaw_default_ctx"),
-            output_reserve=at_least(o, "contextpaw_output_reserve"),
-            margin=at_least(o, "contextpaw_margin"),
-            conversations=at_least(o, "contextpaw_conversations"),
-            evicted_items=at_least(o, "contextpaw_evicted_items"),
-            evicted_bytes=at_least(o, "contextpaw_evicted_mb") << 20,
-            evicted_ttl=at_least(o, "contextpaw_evicted_ttl"),
-            discover_window=o.contextpaw_discover_window,
-            tokenizer=tokenizer,
-            forbid_truncation=o.contextpaw_forbid_truncation,
-            summarize=o.contextpaw_summarize,
-            summarizer_url=o.contextpaw_summarizer_url,
-            summarizer_model=o.contextpaw_summarizer_model,
-            summarizer_timeout=at_least(o, "contextpaw_summarizer_timeout"),
-            summary_tokens=at_least(o, "contextpaw_summary_tokens"),
-            calibrate=o.contextpaw_calibrate,
-            state_dir=Path(o.contextpaw_state_dir or o.confdir).expanduser(),
-            ollama_context_length=at_least(o, "contextpaw_ollama_context_length"),
-        )
+        fields = {name.removeprefix(PREFIX): option.value(o, name) for name, option in FIT_OPTIONS.items()}
+        fields["state_dir"] = Path(fields["state_dir"] or o.confdir).expanduser()
+        return cls(**fields)
+
+
+def _tokenizer_file(path: str) -> str:
+    expanded = os.path.expanduser(path) if path else ""
+    if expanded and not os.path.isfile(expanded):
+        raise ValueError(f"no such file {path!r}")
+    return expanded
+
+
+def _summarizer_url(url: str) -> str:
+    if url:
+        wire.Backend.parse(wire.Kind.OLLAMA, url)
+    return url
+
+
+def _with_field_defaults(**options: Option) -> dict[str, Option]:
+    """The options by name, each defaulting to its field's default unless it says otherwise."""
+    defaults = FitSettings()
+    return {
+        PREFIX + field: option if option.default is not None else option._replace(default=getattr(defaults, field))
+        for field, option in options.items()
+    }
+
+
+FIT_OPTIONS = _with_field_defaults(
+    policy=Option(str,
+        "compact: fit overflowing requests and report it; strict: refuse them in the API's own overflow error; off: pass through.",
+        choices=POLICIES),
+    keep_recent=Option(int, "Most recent messages that are never evicted.", least=0),
+    default_ctx=Option(int, "Context window when neither the request nor the backend says.", least=1),
+    output_reserve=Option(int,
+        "Tokens left for the answer when a request must be cut anyway (the smaller of this and the request's own "
+        "cap, at most half the window); a request the backend would serve whole is never cut to make this room.",
+        least=0),
+    margin=Option(int, "Tokens kept for the chat template and counting error.", least=0),
+    conversations=Option(int, "Conversations whose eviction plan is remembered (LRU).", least=1),
+    evicted_items=Option(int, "Evicted contents kept for /contextpaw/evicted/<id>.", least=1),
+    evicted_mb=Option(int, "Megabytes of evicted content kept.", least=1),
+    evicted_ttl=Option(int, "Seconds evicted content is kept.", least=1),
+    discover_window=Option(bool,
+        "Ask the backend for the model's real window (llama-server /props; Ollama /api/ps, /api/show)."),
+    tokenizer=Option(str,
+        "A tokenizer.json or GGUF file to count with, for every model (default: ask llama-server, "
+        "or the GGUF Ollama names, else a calibrated estimate).",
+        read=_tokenizer_file),
+    forbid_truncation=Option(bool,
+        "Send truncate:false on Ollama's native routes when a request could exceed the window given the "
+        "error bounds of its count, so a residual overflow comes back as a 400 that ContextPaw rescues "
+        "instead of a silent cut."),
+    summarize=Option(bool, "Put a digest of what was evicted where its marker goes (map-reduce over the whole span)."),
+    summarizer_url=Option(str, "The server that writes digests (default: the request's).", read=_summarizer_url),
+    summarizer_model=Option(str, "The model that writes digests (default: the request's)."),
+    summarizer_timeout=Option(int, "Seconds one summarizer call may take.", least=1),
+    summary_tokens=Option(int, "The most tokens all digests of one request may take.", least=32),
+    calibrate=Option(bool,
+        "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model."),
+    state_dir=Option(str, "Where the calibration is kept across restarts (default: confdir).", default=""),
+    ollama_context_length=Option(int,
+        "The Ollama server's OLLAMA_CONTEXT_LENGTH, the window of requests without num_ctx (all of /v1); "
+        "0: learn it from the server (by loading the model as such a request would).",
+        least=0),
+)  # fmt: skip
+"""ContextPaw's fit options: each option's name, type, help, least value or choices, and how its
+value is read, in one place; its default is its `FitSettings` field's."""
 
 
 @dataclass(frozen=True, slots=True)
