@@ -24,7 +24,8 @@ from typing import Any, Protocol
 from contextpaw import logs
 from contextpaw import wire
 from contextpaw.admin import UNPLACED, Stats, Where
-from contextpaw.calibration import Calibration
+from contextpaw.calibration import Calibration, content_kind
+from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.evicted import EvictedStore, encode
 from contextpaw.report import SIZE_BOUND, Report
@@ -37,7 +38,7 @@ from contextpaw.truncation import EXACT_BOUNDS, Evaluation, could_exceed, judge,
 from contextpaw.tokens import EXACT_COUNTERS
 from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
 
-logger = logs.get("contextpaw")
+logger = logs.get(__name__)
 
 OFFLOAD_BYTES = 256 * 1024
 OFFLOAD_MESSAGES = 500
@@ -127,8 +128,8 @@ class FlowState:
     """Under policy off: what would have been done; checked against the answer, never sent."""
     headers: dict[str, str] = field(default_factory=dict)
     """The X-ContextPaw-* headers for the response."""
-    calibration: tuple[str, float] | None = None
-    """(calibration key, factor used) when the calibrated counter counted this request."""
+    calibration: tuple[str, float, str | None] | None = None
+    """(calibration key, factor used, content kind) when the calibrated counter counted this request."""
     sent: bytes | None = None
     """The body sent instead of the original, if any (the rescue's retry is the last one)."""
     sent_tokens: int | None = None
@@ -165,11 +166,11 @@ async def off_loop[T](big: bool, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn) if big else fn()
 
 
-Fit = Callable[[Budget], wire.Fitted]
+Fit = Callable[[Budget], Fitted]
 """One fit of a parsed request with its counter and template cost, to a budget."""
 
 
-def _fit_and_tell(fit: Callable[..., wire.Fitted], budget: Budget) -> wire.Fitted:
+def _fit_and_tell(fit: Callable[..., Fitted], budget: Budget) -> Fitted:
     """Fit (unchanged up to what the budget admits, else cut to its tokens), and build the report's
     removal rows where the fit runs: for a big request that is the worker thread, and thousands of
     rows built on the event loop would stall it."""
@@ -190,6 +191,11 @@ def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
 def calibration_key(backend: wire.Backend, model: str) -> str:
     """Calibration is learned per kind of server and model: each tokenizes and templates its own way."""
     return f"{backend.kind}/{model}"
+
+
+async def _guard(state: FlowState, big: bool) -> str | None:
+    """The request's content kind where a cut cannot be forbidden (it sizes the guard); else None."""
+    return await off_loop(big, lambda: content_kind(state.original)) if _uncapped(state) else None
 
 
 def _uncapped(state: FlowState) -> bool:
@@ -283,19 +289,20 @@ class Fitter:
         self._place(state, parsed.params.model)
         budget = await self.budgeter.budget(state.backend, parsed.params)
         try:
-            fitted = await self._compact(parsed, budget, state.backend, big, guard=_uncapped(state))
+            fitted = await self._compact(parsed, budget, state.backend, big, guard=await _guard(state, big))
         except BudgetTooSmall as e:
             if policy != "off":
                 return self._refuse(state, budget.impossible(e), e.counter)
             # nothing would fit, and it goes as it came: the verdict still needs its size
             size = e.original if e.original is not None else e.required
             as_sent = Report(False, "none", size, size, budget.admits, counter=e.counter, exact=e.counter in EXACT_COUNTERS, window=budget.window)
-            fitted = wire.Fitted(None, as_sent)
+            fitted = Fitted(None, as_sent)
         report = fitted.report
         self.stats.add("original_tokens", report.original_tokens, state.where)
         key = calibration_key(state.backend, parsed.params.model)
         if report.counter == "calibrated":
-            state.calibration = (key, self.calibration.factor(key))
+            sent = fitted.body if fitted.body is not None else state.original
+            state.calibration = (key, self.calibration.factor(key), await off_loop(big, lambda: content_kind(sent)))
         state.bounds = self._bounds(parsed, report, key)
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
@@ -394,7 +401,7 @@ class Fitter:
         state.report = report
         state.headers = report.headers()
 
-    def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted) -> None:
+    def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: Fitted) -> None:
         if parsed.key and fitted.plan is not None:
             self.plans.put(parsed.key, fitted.plan)
 
@@ -466,8 +473,8 @@ class Fitter:
         return await self.services.counting.total(backend.url, counted, path=path, big=big)
 
     async def _verified(
-        self, parsed: wire.Chat | wire.Prompt, fitted: wire.Fitted, budget: Budget, backend: wire.Backend, big: bool, fit: Fit
-    ) -> wire.Fitted:
+        self, parsed: wire.Chat | wire.Prompt, fitted: Fitted, budget: Budget, backend: wire.Backend, big: bool, fit: Fit
+    ) -> Fitted:
         """Check a compacted llama-server chat against the server's exact count; refit if it is over.
 
         A shrunk text is estimated, and a text can tokenize a token differently inside the
@@ -506,8 +513,8 @@ class Fitter:
         big: bool,
         digests: Mapping[str, str] | None = None,
         previous: Plan | None = None,
-        guard: bool = False,
-    ) -> wire.Fitted:
+        guard: str | None = None,
+    ) -> Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big.
 
         Where the server counts whole requests (llama-server's chats), the decision rests on that
@@ -515,9 +522,10 @@ class Fitter:
         between its count and ours is the template's real cost (a template that renders no tools
         makes it negative), so what must be kept is priced as the server prices it.
 
-        With `guard` (a route that cannot ask Ollama to refuse instead of cutting), an inexact
-        count gets a budget its upper error bound still fits in, where what must be kept allows
-        it: a cut there cannot be undone."""
+        With a `guard` (the request's content kind, on a route that cannot ask Ollama to refuse
+        instead of cutting), an inexact count gets a budget its upper error bound still fits in,
+        where what must be kept allows it: a cut there cannot be undone. Once calibration knows
+        this kind of text, that bound is what it learned, not the estimate's whole width."""
         small = await self._small(backend, parsed, budget.tokens, big)
         counter, fixed = await self.counter_for(backend, parsed, small, big)
         # a request that may not fit is counted whole where the server can (even when its per-text
@@ -526,16 +534,20 @@ class Fitter:
         if whole is not None:
             if whole <= budget.admits:
                 as_sent = Report(False, "none", whole, whole, budget.admits, counter="backend", exact=True, window=budget.window)
-                return wire.Fitted(None, as_sent)
+                return Fitted(None, as_sent)
             fixed += whole - await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
         guarded = budget
-        if guard and not counter.exact:
-            guarded = budget.within(self.calibration.bounds(calibration_key(backend, parsed.params.model))[1])
-        turns: dict[str, Any] = {}  # what only a chat has: turns, a last plan, holes to put digests in
-        if isinstance(parsed, wire.Chat):
+        if guard is not None and not counter.exact:
+            key = calibration_key(backend, parsed.params.model)
+            learned = self.calibration.kind_bound(key, guard)
+            guarded = budget.within(learned if learned is not None else self.calibration.bounds(key)[1])
+        fit: Callable[..., Fitted]
+        if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)
-            turns = {"keep_recent": self.settings.keep_recent, "previous": previous, "digests": digests}
-        fit = functools.partial(parsed.fit, counter=counter, fixed_tokens=fixed, **turns)
+            fit = functools.partial(fit_chat, parsed, counter=counter, fixed_tokens=fixed,
+                                    keep_recent=self.settings.keep_recent, previous=previous, digests=digests)  # fmt: skip
+        else:
+            fit = functools.partial(fit_prompt, parsed, counter=counter, fixed_tokens=fixed)
         while True:
             try:
                 fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, guarded))
@@ -569,8 +581,8 @@ class Fitter:
     # -- digests of what was evicted ------------------------------------------------------------
 
     async def _summarized(
-        self, state: FlowState, parsed: wire.Chat, fitted: wire.Fitted, budget: Budget, big: bool
-    ) -> wire.Fitted:
+        self, state: FlowState, parsed: wire.Chat, fitted: Fitted, budget: Budget, big: bool
+    ) -> Fitted:
         """Put a digest of each evicted span where its marker goes, inside the budget.
 
         The chat is compacted again with room left for the digests; its holes are summarized; then
@@ -581,7 +593,7 @@ class Fitter:
         assert self.summarizer is not None
         cap = self.settings.summary_tokens
         backend = state.backend
-        guard = _uncapped(state)
+        guard = await _guard(state, big)
         roomy = await self._compact(parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big, guard=guard)
         holes = {mid: content for mid, content in roomy.report.evicted.items() if not isinstance(content, str)}
         if not holes:
@@ -726,10 +738,10 @@ class Fitter:
                 state.path, evaluated, sent, truncation.reason,
             )  # fmt: skip
         if state.calibration is not None and self.settings.calibrate and evaluated is not None:
-            key, factor = state.calibration
+            key, factor, kind = state.calibration
             state.calibration = None
             whole = verdict.evaluation is Evaluation.WHOLE
-            learned = self.calibration.observe(key, round(sent / factor), evaluated, whole=whole)
+            learned = self.calibration.observe(key, round(sent / factor), evaluated, whole=whole, kind=kind)
             if learned.reason.startswith("impossible"):
                 logger.warning("%s: %s; not learned from (the backend's count is evidence, not truth)", state.path, learned.reason)
         return report.to_json() if on_wire or report.upstream_truncated is not None else None

@@ -51,6 +51,7 @@ import bench_compact
 from contextpaw.calibration import CalibratedCounter
 from contextpaw.conversation import Conversation
 from contextpaw.counting import BackendCounter, LlamaCppCounting
+from contextpaw.fitting import fit_chat
 from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
@@ -348,10 +349,10 @@ def handoff_cost(body: bytes) -> dict[str, float]:
         return bench_compact.median_seconds(fn, 5)[0] * 1000
 
     parsed = CHAT.read(body)
-    fitted = parsed.fit(COMPACTION_CTX - 1024, EstimateCounter(), keep_recent=4, previous=None)
+    fitted = fit_chat(parsed, COMPACTION_CTX - 1024, EstimateCounter(), keep_recent=4, previous=None)
     return {
         "parse_ms": timed(lambda: CHAT.read(body)),
-        "fit_ms": timed(lambda: parsed.fit(COMPACTION_CTX - 1024, EstimateCounter(), keep_recent=4, previous=None)),
+        "fit_ms": timed(lambda: fit_chat(parsed, COMPACTION_CTX - 1024, EstimateCounter(), keep_recent=4, previous=None)),
         "pickle_request_ms": timed(lambda: pickle.loads(pickle.dumps(parsed, protocol=pickle.HIGHEST_PROTOCOL))),
         "pickle_result_ms": timed(lambda: pickle.loads(pickle.dumps(fitted, protocol=pickle.HIGHEST_PROTOCOL))),
         "body_bytes": len(body),

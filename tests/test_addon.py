@@ -195,7 +195,7 @@ async def test_an_internal_error_fails_open(proxy: Proxy, monkeypatch: pytest.Mo
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("bug")
 
-    monkeypatch.setattr(wire.Chat, "fit", broken)
+    monkeypatch.setattr("contextpaw.fitter.fit_chat", broken)
     body = long_chat()
     flow = post("/api/chat", body)
     await proxy.send(flow)

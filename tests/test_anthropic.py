@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpaw import wire
+from contextpaw.conversation import Conversation
+from contextpaw.fitting import Fitted, fit_chat
 from contextpaw.streams import StreamReport, record_bytes
 from contextpaw.tokens import EstimateCounter
 from contextpaw.wire import Kind, Overflow, anthropic
@@ -40,10 +42,10 @@ def agent_loop(calls: int, dump_words: int = 300, thinking: bool = False) -> dic
     return {"model": "m", "max_tokens": 64, "system": SYSTEM, "tools": [{"name": "read", "input_schema": {}}], "messages": messages}
 
 
-def fitted(body: dict[str, Any], budget: int, keep_recent: int = 2) -> tuple[list[dict[str, Any]], wire.Fitted]:
+def fitted(body: dict[str, Any], budget: int, keep_recent: int = 2) -> tuple[list[dict[str, Any]], Fitted]:
     chat = anthropic.MESSAGES.read(json.dumps(body).encode())
     assert isinstance(chat, wire.Chat)
-    result = chat.fit(budget, COUNTER, keep_recent=keep_recent, previous=None)
+    result = fit_chat(chat, budget, COUNTER, keep_recent=keep_recent, previous=None)
     sent = json.loads(result.body) if result.body is not None else body
     return sent["messages"], result
 
@@ -141,7 +143,7 @@ def test_unknown_blocks_are_kept_as_they_are() -> None:
 
 def test_a_marker_folded_into_a_tool_result_message_goes_after_its_results() -> None:
     message = wire.Chat(
-        {}, wire.Conversation.from_wire([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": []}]}]), wire.Params("m", False)
+        {}, Conversation.from_wire([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": []}]}]), wire.Params("m", False)
     ).conversation.messages[0]
     folded = message.with_content("[ContextPaw: note]")
     assert [b["type"] for b in folded.raw["content"]] == ["tool_result", "text"]

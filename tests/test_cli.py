@@ -104,7 +104,10 @@ def test_every_mitmproxy_argument_parses_as_mitmproxy_parses_it(web: bool) -> No
         (["--policy", "strict"], "contextpaw_policy", "strict"),
     ],
 )
-def test_mitmproxy_habits_reach_the_options(start: Callable[..., Any], argv: list[str], option: str, value: Any) -> None:
+def test_mitmproxy_habits_reach_the_options(
+    start: Callable[..., Any], argv: list[str], option: str, value: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # `-w` opens its file at start
     assert getattr(start("--ollama", URL, *argv), option) == value
 
 

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
+from contextpaw import fitter as fitter_module
 from contextpaw import wire
 from contextpaw.admin import Stats
 from contextpaw.evicted import EvictedStore
+from contextpaw.fitting import Fitted
 from contextpaw.fitter import MAX_RESCUES, UNCHANGED, FlowState, Fitter, Forward, Refuse
 from contextpaw.settings import FitSettings
 from contextpaw.summarize import Complete
@@ -121,7 +123,7 @@ async def test_an_internal_failure_forwards_unchanged_and_says_so(monkeypatch: p
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(wire.Chat, "fit", broken)
+    monkeypatch.setattr(fitter_module, "fit_chat", broken)
     assert await f.fit(s) == UNCHANGED
     assert s.report is None, "the report never describes a request that was not sent"
     assert "RuntimeError" in s.headers["X-ContextPaw-Error"] and f.stats.counts["errors"] == 1
@@ -131,13 +133,13 @@ async def test_the_next_turn_is_fitted_with_the_last_turns_plan(monkeypatch: pyt
     """Whatever the last turn dropped stays dropped, so the next turn appends to the prefix the
     server has cached."""
     given: list[Any] = []
-    fit = wire.Chat.fit
+    fit = fitter_module.fit_chat
 
-    def spy(self: wire.Chat, *args: Any, previous: Any = None, **kwargs: Any) -> wire.Fitted:
+    def spy(chat: wire.Chat, *args: Any, previous: Any = None, **kwargs: Any) -> Fitted:
         given.append(previous)
-        return fit(self, *args, previous=previous, **kwargs)
+        return fit(chat, *args, previous=previous, **kwargs)
 
-    monkeypatch.setattr(wire.Chat, "fit", spy)
+    monkeypatch.setattr(fitter_module, "fit_chat", spy)
     f = fitter()
     first = state(chat())
     await f.fit(first)
@@ -584,3 +586,44 @@ async def test_a_request_with_an_image_is_never_proved_to_fit_by_its_size(messag
     s = state({"model": "m", "messages": [message]}, CHAT, OLLAMA)
     await f.fit(s)
     assert s.report is not None and s.report.counter != "size"
+
+
+def prose_chat(words: int, text: str = "the quick brown fox jumps over a lazy dog ") -> dict[str, Any]:
+    history = [{"role": "user" if i % 2 else "assistant", "content": f"turn {i}: " + text * (words // 90)} for i in range(10)]
+    return {"model": "m", "max_tokens": 64, "messages": [{"role": "system", "content": "Be brief."}, *history]}
+
+
+async def learned(f: Fitter, body: dict[str, Any], ratio: float) -> FlowState:
+    """One request on Ollama's /v1 route, answered with a whole count of `ratio` times our estimate."""
+    s = state(body, OPENAI, OLLAMA)
+    await f.fit(s)
+    assert s.sent_tokens is not None
+    f.final_report(s, {"choices": [], "usage": {"prompt_tokens": round(s.sent_tokens * ratio)}})
+    return s
+
+
+async def test_on_a_route_that_cannot_forbid_a_cut_a_kind_of_text_calibration_knows_is_not_evicted_for_the_estimates_width() -> None:
+    """The estimate can be 3.3 times too low for some text, so an unknown text on Ollama's /v1 route
+    is cut to a third of the window; once calibration has seen this kind of text counted whole, what
+    its count shows fits goes out unchanged."""
+    f = fitter(default_ctx=4096, output_reserve=0)
+    near = prose_chat(words=2400)
+    before = state(near, OPENAI, OLLAMA)
+    await f.fit(before)
+    assert before.report is not None and before.report.compacted, "unknown text: the estimate's width guards"
+    for words in (1800, 2000, 2200):
+        await learned(f, prose_chat(words), ratio=0.9)
+    after = state(near, OPENAI, OLLAMA)
+    assert await f.fit(after) == UNCHANGED
+    assert after.report is not None and not after.report.compacted and after.report.counter == "calibrated"
+
+
+async def test_a_kind_of_text_calibration_has_not_seen_keeps_the_estimates_whole_width() -> None:
+    """Learning prose says nothing of one-letter words, three times denser: they are still guarded."""
+    f = fitter(default_ctx=4096, output_reserve=0)
+    for words in (1800, 2000, 2200):
+        await learned(f, prose_chat(words), ratio=0.9)
+    dense = state(prose_chat(words=2800, text="a b c d e f g h i j k l m n o p q r s t u v w x y z a b c d e f g h i j k l m n o p "), OPENAI, OLLAMA)
+    await f.fit(dense)
+    assert dense.report is not None and dense.report.compacted
+    assert any("cannot ask Ollama to refuse" in note for note in dense.report.notes)

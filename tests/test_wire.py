@@ -9,6 +9,7 @@ import pytest
 
 from contextpaw import wire
 from contextpaw.compact import BudgetTooSmall
+from contextpaw.fitting import fit_chat, fit_prompt
 from contextpaw.markers import MARKER_PREFIX
 from contextpaw.tokens import EstimateCounter
 from contextpaw.windows import Budgeter
@@ -66,7 +67,7 @@ def test_openai_params_read_every_spelling_of_the_answer_limit() -> None:
 
 def test_chat_rewrite_keeps_every_other_field() -> None:
     body = {"model": "m", "messages": history(12), "options": {"num_ctx": 2048}, "tools": [], "keep_alive": "5m"}
-    fitted = ollama.CHAT.read(json.dumps(body).encode()).fit(1200, COUNTER, keep_recent=2, previous=None)
+    fitted = fit_chat(ollama.CHAT.read(json.dumps(body).encode()), 1200, COUNTER, keep_recent=2, previous=None)
     assert fitted.report.compacted and fitted.body is not None
     sent = json.loads(fitted.body)
     assert {k: v for k, v in sent.items() if k != "messages"} == {k: v for k, v in body.items() if k != "messages"}
@@ -75,14 +76,14 @@ def test_chat_rewrite_keeps_every_other_field() -> None:
 
 
 def test_a_chat_that_fits_is_sent_as_it_came() -> None:
-    fitted = openai.CHAT.read(json.dumps({"messages": history(1)}).encode()).fit(100_000, COUNTER, keep_recent=4, previous=None)
+    fitted = fit_chat(openai.CHAT.read(json.dumps({"messages": history(1)}).encode()), 100_000, COUNTER, keep_recent=4, previous=None)
     assert fitted.body is None and not fitted.report.compacted
 
 
 def test_generate_keeps_system_and_suffix_whole_and_counts_them() -> None:
     body = {"model": "m", "prompt": "word " * 3000, "system": "sys " * 100, "suffix": "end"}
     parsed = ollama.GENERATE.read(json.dumps(body).encode())
-    fitted = parsed.fit(1000, COUNTER)
+    fitted = fit_prompt(parsed, 1000, COUNTER)
     sent = json.loads(fitted.body)
     assert sent["system"] == body["system"] and sent["suffix"] == "end"
     assert fitted.report.final_tokens <= 1000
@@ -281,7 +282,7 @@ def codex_session(calls: int = 12) -> dict[str, Any]:
 def test_a_responses_session_is_cut_by_whole_turns_and_what_it_does_not_know_is_kept() -> None:
     body = codex_session()
     parsed = RESPONSES.read(json.dumps(body).encode())
-    fitted = parsed.fit(1500, EstimateCounter(), keep_recent=2, previous=None)
+    fitted = fit_chat(parsed, 1500, EstimateCounter(), keep_recent=2, previous=None)
     assert fitted.body is not None and fitted.report.compacted
     sent = json.loads(fitted.body)
     assert sent["instructions"] == "Be brief." and sent["tools"] == body["tools"]
@@ -300,7 +301,7 @@ def test_a_responses_session_is_cut_by_whole_turns_and_what_it_does_not_know_is_
 def test_a_huge_recent_tool_output_is_shrunk_inside_its_output() -> None:
     body = codex_session(calls=2)
     body["input"][-3]["output"] = "".join(f"row {n}\n" for n in range(20_000))
-    fitted = RESPONSES.read(json.dumps(body).encode()).fit(3000, EstimateCounter(), keep_recent=4, previous=None)
+    fitted = fit_chat(RESPONSES.read(json.dumps(body).encode()), 3000, EstimateCounter(), keep_recent=4, previous=None)
     assert fitted.body is not None
     output = next(i for i in json.loads(fitted.body)["input"] if i.get("call_id") == "call_1" and i["type"] == "function_call_output")
     assert output["output"].startswith("row 0\n") and output["output"].endswith("row 19999\n") and MARKER_PREFIX in output["output"]
@@ -310,7 +311,7 @@ def test_a_huge_recent_tool_output_is_shrunk_inside_its_output() -> None:
 def test_a_responses_input_given_as_a_string_is_the_users_message() -> None:
     parsed = RESPONSES.read(json.dumps({"model": "m", "input": "hello " * 4000, "max_output_tokens": 50}).encode())
     assert [m.role for m in parsed.conversation.messages] == ["user"] and parsed.params.max_output == 50
-    fitted = parsed.fit(500, EstimateCounter(), keep_recent=4, previous=None)
+    fitted = fit_chat(parsed, 500, EstimateCounter(), keep_recent=4, previous=None)
     assert fitted.body is not None and json.loads(fitted.body)["input"][0]["role"] == "user"
 
 

@@ -2,329 +2,52 @@
 
 One module per API (`ollama`, `openai`, `llamacpp`, `anthropic`) builds `Route`s: how to read a body into a
 conversation or a prompt plus the request parameters that size the budget, how to write the
-compacted body back, the API's own error shapes, and how its stream marks the final record. A parsed
-request fits itself into a budget with the compaction engine. This package is pure: bytes and dicts
-in, bytes and dicts out, no mitmproxy and no I/O.
+compacted body back, the API's own error shapes, and how its stream marks the final record. The
+types they share are in `base`, which they import; this module puts their routes together. The
+compaction engine is not imported here (`contextpaw.fitting` is where a parsed request meets it).
+Pure: bytes and dicts in, bytes and dicts out, no mitmproxy and no I/O.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
-from contextpaw.compact import Plan, compact_chat, compact_prompt
-from contextpaw.conversation import Conversation
-from contextpaw.report import Report
-from contextpaw.tokens import Counter
+from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses
+from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
+    answer_params,
+    Backend,
+    Chat,
+    evaluated_tokens,
+    identify,
+    int_field,
+    Kind,
+    MODEL_FIELD,
+    model_of,
+    NotCompactable,
+    NotFittable,
+    Overflow,
+    Params,
+    positive,
+    Prompt,
+    Route,
+    upstream_overflow,
+    UpstreamOverflow,
+    write,
+)
 
-
-class Kind(StrEnum):
-    """The server behind a port; it decides which routes exist there."""
-
-    OLLAMA = "ollama"
-    LLAMACPP = "llamacpp"
-
-
-class NotCompactable(ValueError):
-    """A body ContextPaw does not understand (bad JSON, a batch prompt): forward it untouched.
-
-    Not an error of ours: the backend answers it in its own words.
-    """
-
-
-class NotFittable(NotCompactable):
-    """A request ContextPaw understands but may not fit (its history lives on the server): it is
-    forwarded untouched, and the report says why."""
-
-
-def int_field(container: Any, *names: str) -> int | None:
-    """The first of `names` in `container` that holds an integer (bools are not integers)."""
-    if not isinstance(container, Mapping):
-        return None
-    for name in names:
-        value = container.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
-def positive(value: Any) -> int | None:
-    """A window or answer length the request or server set, or None: zero and negative values (the
-    'unlimited' spellings -1, -2, 0 of an answer length; a window of none) and what is not a whole
-    number say nothing, the backend decides."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def evaluated_tokens(record: Mapping[str, Any]) -> int | None:
-    """The prompt size a server reports in a final record: Ollama's `prompt_eval_count`, the OpenAI
-    `usage.prompt_tokens`, or llama.cpp's native `tokens_evaluated`."""
-    usage = record.get("usage")
-    return int_field(record, "prompt_eval_count", "tokens_evaluated") or int_field(usage, "prompt_tokens")
-
-
-@dataclass(frozen=True, slots=True)
-class Params:
-    """What a request says about its own window and answer length."""
-
-    model: str
-    stream: bool
-    num_ctx: int | None = None
-    """The window the request asks for (Ollama `options.num_ctx`); None when it cannot say."""
-    max_output: int | None = None
-    """The answer length asked for (`num_predict`, `max_tokens`, ...); None when unbounded or absent."""
-
-
-def answer_params(body: Mapping[str, Any], *max_output_fields: str) -> Params:
-    """The `Params` of an API whose request cannot name its window, only the answer's length (in
-    the first of `max_output_fields` it sets), and whose `stream` defaults to false: OpenAI's,
-    llama-server's native one, Anthropic's."""
-    return Params(
-        model=str(body.get("model", "")),
-        stream=body.get("stream") is True,
-        max_output=positive(int_field(body, *max_output_fields)),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Fitted:
-    """A request after compaction: the body to send (None: the original bytes) and what was done."""
-
-    body: bytes | None
-    report: Report
-    plan: Plan | None = None
-    """The chat's decisions, to hand back next turn; prompts have no turns."""
-
-
-@dataclass(frozen=True, slots=True)
-class Chat:
-    body: dict[str, Any]
-    conversation: Conversation
-    params: Params
-    fixed_text: str = ""
-    """A system prompt sent beside the messages (Anthropic's `system`): counted, never cut."""
-    exact_count: tuple[str, tuple[str, ...]] = ("/v1/chat/completions/input_tokens", ("messages", "tools"))
-    """Where llama-server counts a whole request in this API, and the fields it reads."""
-    field: str = "messages"
-    """The body's field that holds the conversation (the Responses API's is `input`)."""
-
-    def counted(self, sent: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-        """(path, body) that asks llama-server for the exact size of `sent`, a body in this API."""
-        path, fields = self.exact_count
-        return path, {k: sent[k] for k in fields if sent.get(k) is not None}
-
-    @property
-    def key(self) -> str:
-        """Who this conversation is across turns: model, system prompt and first user message.
-
-        Those stay the same while the history after them grows, and differ between conversations.
-        """
-        messages = self.conversation.messages
-        anchor = [self.fixed_text] + [m.raw for m in messages if m.pinned] + [m.raw for m in messages if m.role == "user"][:1]
-        data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
-        return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
-
-    @property
-    def texts(self) -> list[str]:
-        """Every text a counter will be asked about, so an exact count can be fetched beforehand."""
-        texts = [self.fixed_text] + [t for m in self.conversation.messages for t in (m.text, m.content_text)]
-        if self.conversation.tools:
-            texts.append(json.dumps(self.conversation.tools, ensure_ascii=False, separators=(",", ":")))
-        return texts
-
-    @property
-    def has_system(self) -> bool:
-        return bool(self.fixed_text) or (bool(self.conversation.messages) and self.conversation.messages[0].role == "system")
-
-    def fit(
-        self,
-        budget: int,
-        counter: Counter,
-        *,
-        keep_recent: int,
-        previous: Plan | None,
-        fixed_tokens: int = 0,
-        digests: Mapping[str, str] | None = None,
-        admit: int | None = None,
-    ) -> Fitted:
-        result = compact_chat(
-            self.conversation,
-            budget,
-            counter,
-            keep_recent=keep_recent,
-            previous=previous,
-            fixed_tokens=fixed_tokens + (counter.text(self.fixed_text) if self.fixed_text else 0),
-            digests=digests,
-            admit=admit,
-        )
-        body = None if result.messages is None else write(self.body, **{self.field: result.messages})
-        return Fitted(body, result.report, result.plan)
-
-    def tokens(self, counter: Counter, fixed_tokens: int = 0) -> int:
-        """The whole request as `counter` counts it, as `fit` does before cutting anything."""
-        conversation = self.conversation
-        fixed = fixed_tokens + (counter.text(self.fixed_text) if self.fixed_text else 0) + counter.tools(conversation.tools)
-        return fixed + sum(counter.message(m) for m in conversation.messages)
-
-
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    body: dict[str, Any]
-    prompt: str
-    params: Params
-    fixed_text: str = ""
-    """Text that is sent with the prompt but never cut (Ollama's `system`, `suffix`)."""
-    images: int = 0
-
-    key = None
-    """Prompts have no turns to remember."""
-    has_system = False
-
-    @property
-    def texts(self) -> list[str]:
-        return [self.prompt, self.fixed_text]
-
-    def fit(self, budget: int, counter: Counter, *, fixed_tokens: int = 0, admit: int | None = None) -> Fitted:
-        fixed = fixed_tokens + counter.text(self.fixed_text) + self.images * counter.image_tokens
-        result = compact_prompt(self.prompt, budget, counter, fixed_tokens=fixed, admit=admit)
-        return Fitted(None if result.prompt is None else write(self.body, prompt=result.prompt), result.report)
-
-
-@dataclass(frozen=True, slots=True)
-class Overflow:
-    """The numbers a refusal states: what the request needs and what fits."""
-
-    required: int
-    budget: int
-    window: int
-    cause: str
-    """A sentence with the numbers: why the request cannot be sent as it is."""
-    original: int | None = None
-    """The whole request's size, when it was counted (for a strict refusal it is `required`)."""
-
-    @property
-    def message(self) -> str:
-        return (
-            f"ContextPaw: {self.cause} (the budget is a {self.window}-token context window minus "
-            f"{self.window - self.budget} tokens kept for the answer and the template)"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamOverflow:
-    """A backend's own context overflow (llama-server's `exceed_context_size_error`)."""
-
-    n_prompt_tokens: int
-    n_ctx: int
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """One handled endpoint: how to read, rewrite and answer it in its API's convention."""
-
-    name: str
-    parse: Callable[[dict[str, Any]], Chat | Prompt]
-    refusal: Callable[[Overflow, dict[str, Any]], dict[str, Any]]
-    """(numbers, report JSON) -> the 413 body."""
-    proxy_error: Callable[[str, int], dict[str, Any]]
-    """(reason, status) -> the body of an answer of the proxy's own: 413 (too big), 502 (the backend
-    does not answer), 503 (not available now), 504 (the backend fell silent)."""
-    framing: Literal["ndjson", "sse"]
-    is_final: Callable[[Mapping[str, Any]], bool]
-    """Whether a stream record is the last one that carries data (the report goes into it)."""
-    refusal_status: int = 413
-    evaluated: Callable[[Mapping[str, Any]], int | None] = evaluated_tokens
-    """The prompt size the server reports in an answer or a stream record, or None."""
-
-    def read(self, raw: bytes) -> Chat | Prompt:
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise NotCompactable(f"body is not JSON: {e}") from None
-        except RecursionError:
-            raise NotCompactable("body is nested too deeply to read") from None
-        if not isinstance(body, dict):
-            raise NotCompactable("body is not a JSON object")
-        try:
-            return self.parse(body)
-        except NotCompactable:
-            raise
-        except (ValueError, TypeError, AttributeError) as e:
-            raise NotCompactable(str(e)) from None
-
-
-def write(body: Mapping[str, Any], **changes: Any) -> bytes:
-    """The request body with one field replaced; everything else is kept as the client sent it.
-
-    A lone surrogate (a JavaScript string cut inside an emoji) is written back as the JSON escape it
-    came in as, not as bytes no UTF-8 decoder accepts.
-    """
-    return json.dumps({**body, **changes}, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
-
-
-MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([A-Za-z0-9._:/@+-]{1,256})"')
-
-
-def model_of(raw: bytes) -> str | None:
-    """The model a request body names, read without parsing it: only when `"model"` occurs once (so
-    it cannot be another field's) and the name needs no unescaping."""
-    if raw.count(b'"model"') != 1 or (found := MODEL_FIELD.search(raw)) is None:
-        return None
-    return found.group(1).decode()
-
-
-def upstream_overflow(status: int, raw: bytes) -> UpstreamOverflow | None:
-    """Recognise llama-server's overflow error: bare, or as Ollama passes it on, as the string in its
-    native `error` or in its OpenAI envelope's `error.message`."""
-    if status not in (400, 500):
-        return None
-    try:
-        error = json.loads(raw).get("error")
-        if isinstance(error, Mapping) and str(error.get("message", "")).startswith("{"):
-            error = error["message"]
-        if isinstance(error, str):
-            error = json.loads(error).get("error")
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(error, Mapping) or error.get("type") != "exceed_context_size_error":
-        return None
-    n_prompt, n_ctx = int_field(error, "n_prompt_tokens"), int_field(error, "n_ctx")
-    if n_prompt is None or n_ctx is None:
-        return None
-    return UpstreamOverflow(n_prompt, n_ctx)
-
-
-@dataclass(frozen=True, slots=True)
-class Backend:
-    """A configured backend: its kind and where it listens."""
-
-    kind: Kind
-    url: str
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, kind: Kind, url: str) -> Backend:
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{kind} backend {url!r} is not an http(s) URL")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        return cls(kind, f"{parts.scheme}://{host}:{port}", parts.hostname, port)
-
-
-def identify(root_text: str | None, props_status: int | None) -> Kind | None:
-    """A backend's kind from its answers: Ollama says so on `GET /`, llama-server serves `/props`."""
-    if root_text is not None and root_text.strip() == "Ollama is running":
-        return Kind.OLLAMA
-    if props_status == 200:
-        return Kind.LLAMACPP
-    return None
+_OPENAI = {
+    "/v1/chat/completions": openai.CHAT,
+    "/v1/completions": openai.COMPLETIONS,
+    "/v1/responses": responses.RESPONSES,
+    "/v1/messages": anthropic.MESSAGES,
+}
+"""The routes both backends serve the same way (`/v1/messages/count_tokens` and
+`/v1/responses/input_tokens` pass through)."""
+_ROUTES: dict[Kind, dict[str, Route]] = {
+    Kind.OLLAMA: _OPENAI | {"/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE},
+    Kind.LLAMACPP: _OPENAI
+    | {"/chat/completions": openai.CHAT, "/completion": llamacpp.COMPLETION, "/completions": llamacpp.COMPLETION},
+}
 
 
 def route_for(kind: Kind, method: str, path: str) -> Route | None:
@@ -354,19 +77,3 @@ def _plain(path: str) -> str:
     return path.split("?", 1)[0].rstrip("/") or "/"
 
 
-# The API modules build their routes from the types above, so they are imported last.
-from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses  # noqa: E402
-
-_OPENAI = {
-    "/v1/chat/completions": openai.CHAT,
-    "/v1/completions": openai.COMPLETIONS,
-    "/v1/responses": responses.RESPONSES,
-    "/v1/messages": anthropic.MESSAGES,
-}
-"""The routes both backends serve the same way (`/v1/messages/count_tokens` and
-`/v1/responses/input_tokens` pass through)."""
-_ROUTES: dict[Kind, dict[str, Route]] = {
-    Kind.OLLAMA: _OPENAI | {"/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE},
-    Kind.LLAMACPP: _OPENAI
-    | {"/chat/completions": openai.CHAT, "/completion": llamacpp.COMPLETION, "/completions": llamacpp.COMPLETION},
-}

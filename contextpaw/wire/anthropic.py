@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire import Chat, NotCompactable, Overflow, Route, answer_params, int_field
+from contextpaw.wire.base import Chat, NotCompactable, Overflow, Route, answer_params, int_field
 
 REFUSAL_STATUS = 400
 """Anthropic's own answer to a prompt over the window is a 400 `invalid_request_error` saying

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from contextpaw.wire import NotCompactable, Overflow, Prompt, Route, answer_params
+from contextpaw.wire.base import NotCompactable, Overflow, Prompt, Route, answer_params
 
 
 def _completion(body: dict[str, Any]) -> Prompt:

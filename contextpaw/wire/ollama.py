@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
+from contextpaw.wire.base import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
 
 
 def _params(body: Mapping[str, Any]) -> Params:

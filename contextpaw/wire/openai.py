@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire import Chat, NotCompactable, Overflow, Prompt, Route, answer_params
+from contextpaw.wire.base import Chat, NotCompactable, Overflow, Prompt, Route, answer_params
 
 MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
 """llama-server reads `n_predict` too; all three mean the same limit."""

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire import Chat, NotCompactable, NotFittable, Route, answer_params, int_field, openai
+from contextpaw.wire import openai
+from contextpaw.wire.base import Chat, NotCompactable, NotFittable, Route, answer_params, int_field
 
 EXACT_COUNT = ("/v1/responses/input_tokens", ("model", "instructions", "input", "tools"))
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
