@@ -25,7 +25,7 @@ from contextpaw.settings import BackendSettings
 from contextpaw.state import InFlight
 from contextpaw.streams import report_bytes
 
-logger = logs.get("contextpaw")
+logger = logs.get(__name__)
 
 BACKEND_HEADER = "X-ContextPaw-Backend"
 HEALTH_PROBE_WAIT_S = 0.5

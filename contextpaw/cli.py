@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from contextpaw import doctor, logs, wire
 from contextpaw.settings import POLICIES
 
-logger = logs.get("contextpaw")
+logger = logs.get(__name__)
 
 CONFDIR = "~/.contextpaw"
 PRESETS: dict[str, Any] = {

@@ -30,7 +30,7 @@ from contextpaw.headers import JSON_TYPE
 from contextpaw.state import LRU
 from contextpaw.tokens import Counter
 
-log = logs.get(__name__)
+logger = logs.get(__name__)
 
 MIN_RATE_CHARS = 200
 """Texts shorter than this say more about the template than about the tokenizer's rate."""
@@ -136,7 +136,7 @@ class LlamaCppCounting:
         if not missing:
             self._resting_until[(base_url, ALL)] = time.monotonic() + rest
         level = logging.INFO if missing else logging.WARNING
-        log.log(level, "%s at %s failed (%s); not asked again for %gs", what, base_url, type(error).__name__, rest)
+        logger.log(level, "%s at %s failed (%s); not asked again for %gs", what, base_url, type(error).__name__, rest)
 
     async def _post(self, base_url: str, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
         started = time.perf_counter()

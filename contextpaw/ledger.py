@@ -7,7 +7,7 @@ from __future__ import annotations
 from contextpaw import logs
 from contextpaw.admin import UNPLACED, Stats, Where
 
-logger = logs.get("contextpaw")
+logger = logs.get(__name__)
 
 
 class FailureLedger:

@@ -4,6 +4,9 @@ A model name like `"m\\n[06:00:00.000] FORGED ..."` would otherwise print as a l
 a lone surrogate (a JavaScript string cut inside an emoji) cannot be encoded by a log handler at
 all, which would make logging the request fail. Every ContextPaw logger escapes control characters,
 line separators and lone surrogates in its formatted message, the way Python's `repr` spells them.
+
+One convention: each module logs through `logger = logs.get(__name__)`, so a record names its module
+(`contextpaw.fitter`) and `logging.getLogger("contextpaw")` reaches them all.
 """
 
 from __future__ import annotations

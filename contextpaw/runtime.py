@@ -41,7 +41,7 @@ from contextpaw.state import LRU
 from contextpaw.vram import Need, estimate, read_shape, server_plan
 from contextpaw.windows import ollama_model_file, ollama_show_windows
 
-log = logs.get(__name__)
+logger = logs.get(__name__)
 
 MIB = 1 << 20
 RELEASE_MARGIN_BYTES = 256 * MIB
@@ -567,7 +567,7 @@ class Arbiter:
                 except SwitchCancelled as cancel:
                     record.cancelled = True
                     self.counters.cancelled += 1
-                    log.info("contextpaw runtime: switch to %s cancelled: %s", record.target, cancel)
+                    logger.info("contextpaw runtime: switch to %s cancelled: %s", record.target, cancel)
                     if record.target is Kind.LLAMACPP:
                         await self._stop_server()
                 except (SwitchFailed, TimeoutError) as failure:
@@ -653,7 +653,7 @@ class Arbiter:
                     shape = await asyncio.to_thread(read_shape, plan.model)
                     need = estimate(shape, plan.ctx or shape.trained_ctx or 4096, plan.kv_type, plan.offloaded)
                 except ValueError as e:
-                    log.info("contextpaw runtime: no VRAM estimate for llama-server: %s", e)
+                    logger.info("contextpaw runtime: no VRAM estimate for llama-server: %s", e)
             self._needs[kind] = need
         need = self._needs[kind]
         return need.total_bytes if need is not None else None
@@ -728,7 +728,7 @@ class Arbiter:
         if self._decisions and all(self._decisions[-1][k] == entry[k] for k in same):
             return  # a wait goes on: kept once, with the readings it began with
         self._decisions.append({"at": time.time(), **entry})
-        log.info("contextpaw runtime: %s for %s%s%s; need %s, free %s, held %s", entry["decision"], wanted,
+        logger.info("contextpaw runtime: %s for %s%s%s; need %s, free %s, held %s", entry["decision"], wanted,
                  f", evicting {entry['evict']}" if entry["evict"] else "", f" ({entry['reason']})" if entry["reason"] else "",
                  _mib(need), _mib(entry["free_bytes"]), {k: _mib(v) for k, v in (entry["held_bytes"] or {}).items()})  # fmt: skip
 
@@ -868,5 +868,5 @@ class Arbiter:
         return Release(before.used_bytes, held) if held else None
 
     def _note(self, message: str) -> None:
-        log.warning("contextpaw runtime: %s", message)
+        logger.warning("contextpaw runtime: %s", message)
         self._errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}")

@@ -14,7 +14,7 @@ from contextpaw.counting import LlamaCppCounting
 from contextpaw.summarize import ChatCompletions, Complete
 from contextpaw.tokens import Counter, TokenizerCounter
 
-logger = logs.get("contextpaw")
+logger = logs.get(__name__)
 
 PROBE_TIMEOUT_S = 2.0
 

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from contextpaw import logs
 
-logger = logs.get("contextpaw")
+logger = logs.get(__name__)
 
 REPORT_KEY = b"contextpaw"
 MAX_RECORD = 64 << 20

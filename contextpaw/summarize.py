@@ -38,7 +38,7 @@ from contextpaw.conversation import Message
 from contextpaw.state import LRU, InFlight, remove_leftovers, write_atomically
 from contextpaw.tokens import Counter
 
-log = logs.get(__name__)
+logger = logs.get(__name__)
 
 Complete = Callable[[str, int], Awaitable[str]]
 """One summarizer call: prompt text and the most tokens to generate -> the model's answer."""
@@ -466,7 +466,7 @@ class Summarizer:
         except FileNotFoundError:
             return
         except (OSError, ValueError, AttributeError, KeyError, TypeError) as error:
-            log.warning("summary cache %s unreadable, starting empty: %s", path, error)
+            logger.warning("summary cache %s unreadable, starting empty: %s", path, error)
 
     async def _save(self) -> None:
         """Write the cache if it changed, atomically (a crash leaves the old file or the new one)."""
@@ -481,7 +481,7 @@ class Summarizer:
                 await asyncio.to_thread(write_atomically, self.state_path, text)
             except OSError as error:
                 self._dirty = True
-                log.warning("summary cache %s not saved: %s", self.state_path, error)
+                logger.warning("summary cache %s not saved: %s", self.state_path, error)
 
 
 async def _all(calls: Sequence[Awaitable[str]]) -> list[str]:
