@@ -178,6 +178,7 @@ def test_a_repeated_overflow_400_is_retried_a_bounded_number_of_times(proxy: Any
     sizes = [len(h.body) for h in hits]
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes), "each retry is smaller"
     answer = json.loads(data)
+    # 400, not 413: OpenAI's own answer to an overlong prompt, the code its clients trim on (a 413 reads as a size limit)
     assert status == 400 and (answer["error"]["type"], answer["error"]["code"]) == ("invalid_request_error", "context_length_exceeded")
     assert answer["contextpaw"]["recovered_from_upstream_400"] is False
     after = stats_of(proxy, kit)
