@@ -40,7 +40,7 @@ from contextpaw.relay import ERROR_HEADER, RESCUED_HEADER, Failure, Relay, Timeo
 from contextpaw.headers import HOP_HEADERS
 from contextpaw.replies import ADMIN_MARK, COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply
 from contextpaw.session import PROBE_TIMEOUT_S, HttpServices, Session
-from contextpaw.settings import POLICIES, FitSettings, at_least
+from contextpaw.settings import FitSettings, at_least
 from contextpaw.state import LRU, KeptCalibration
 from contextpaw.streams import KEPT_STREAM, STREAM_TYPES, StreamReport, report_bytes, splice
 from contextpaw.summarize import Summarizer
@@ -49,7 +49,7 @@ from contextpaw.views import ORIGINAL, REPORT
 CLIENT_HOST = "contextpaw.client_host"
 """The Host header the client sent (reverse mode replaces it with the backend's)."""
 
-logger = logs.get("contextpaw")
+logger = logs.get(__name__)
 
 RELAY_TIMEOUT_S = 540
 """The relay's default header and idle timeouts: under mitmproxy's default `tcp_timeout` (600 s),
@@ -467,11 +467,11 @@ class AdminEndpoints:
         else:
             answer = admin.json_reply(403, {"error": "ContextPaw endpoints are for loopback clients naming a loopback host, or token holders"})
         reply(flow, answer.status, answer.body, answer.content_type)
+        flag(flow, ADMIN_MARK, f"answered {answer.status} by ContextPaw itself, never forwarded")
 
     def _check_host(self, flow: http.HTTPFlow) -> None:
         """Keep the backends' own DNS-rebinding defence up: reverse mode gives the backend its own
         Host, so Ollama's check would see a loopback name for every request. A loopback client
-        flag(flow, ADMIN_MARK, f"answered {answer.status} by ContextPaw itself, never forwarded")
         that named a Host Ollama would refuse (a page whose name resolves to 127.0.0.1) is answered
         403 here, in its API's convention, as Ollama would have answered it."""
         host = flow.metadata.get(CLIENT_HOST)
