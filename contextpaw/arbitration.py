@@ -23,14 +23,8 @@ from contextpaw import logs
 from contextpaw import admin, wire
 from contextpaw.backends import Backends
 from contextpaw.replies import reply
-from contextpaw.runtime import (
-    Arbiter,
-    ArbiterCounters,
-    ArbiterSettings,
-    RuntimeUnavailable,
-    default_log_path,
-    start_problem,
-)
+from contextpaw.runtime import Arbiter, ArbiterCounters, ArbiterSettings, RuntimeUnavailable
+from contextpaw.supervisor import default_log_path, start_problem
 from contextpaw.streams import report_bytes
 
 logger = logs.get(__name__)

@@ -9,6 +9,7 @@ says why there is none instead of failing.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -155,3 +156,15 @@ async def sample(probe: GpuProbe) -> VramReading | NoVram:
         return await asyncio.to_thread(probe.read)
     except GpuUnavailable as error:
         return NoVram(str(error))
+
+
+async def poll_until(condition: Callable[[], Awaitable[bool]], timeout: float, interval: float) -> bool:
+    """Poll ``condition`` every ``interval`` seconds until it holds (True) or ``timeout`` passes
+    (False): how a switch waits for the card, Ollama or llama-server to catch up with what it asked."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await condition():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True

@@ -25,24 +25,26 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from contextpaw import runtime, supervisor
 from contextpaw.gpu import DeviceMemory, GpuUnavailable, ProcessMemory, VramReading
-from contextpaw.runtime import (
+from contextpaw.placement import (
+    PHASES,
     Admit,
-    Arbiter,
-    ArbiterSettings,
-    Kind,
-    LlamaServer,
-    Refuse,
-    Release,
-    RuntimeUnavailable,
+    Decline,
+    IllegalTransition,
     Load,
+    Phase,
+    Release,
     Room,
     Wait,
+    advance,
     blocking,
     decide,
     retry_after,
-    start_problem,
 )
+from contextpaw.runtime import Arbiter, ArbiterSettings, RuntimeUnavailable
+from contextpaw.supervisor import SERVER_STATES, LlamaServer, ServerState, start_problem
+from contextpaw.wire import Kind
 from support.common import LOOPBACK, free_port
 from support.fake_ollama import fake_ollama_app
 
@@ -101,7 +103,7 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
         (LLAMACPP, None, LLAMACPP, "no command", Admit()),  # a running server needs no start command
         (OLLAMA, LLAMACPP, OLLAMA, None, Wait()),  # the outgoing owner waits, or the drain never ends
         (None, LLAMACPP, LLAMACPP, None, Wait()),
-        (OLLAMA, None, LLAMACPP, "no command", Refuse("no command")),
+        (OLLAMA, None, LLAMACPP, "no command", Decline("no command")),
         (OLLAMA, None, LLAMACPP, None, Load(LLAMACPP, evict=OLLAMA)),  # no reading: the other goes
         (None, None, OLLAMA, None, Load(OLLAMA)),
     ],
@@ -128,7 +130,7 @@ def test_what_does_not_fit_evicts_the_other_runtime_once_its_hold_is_over() -> N
 def test_what_would_not_fit_even_alone_is_refused_rather_than_over_committed() -> None:
     room = Room(free_bytes=2 * GIB, held_bytes={OLLAMA: 6 * GIB})  # another process holds the rest
     refused = decide({OLLAMA: 0.0}, None, LLAMACPP, None, now=100.0, min_hold=20.0, need=11 * GIB, room=room)
-    assert isinstance(refused, Refuse) and "8192 MiB would be free" in refused.reason
+    assert isinstance(refused, Decline) and "8192 MiB would be free" in refused.reason
 
 
 def test_only_requests_on_the_evicted_runtime_block_a_switch() -> None:
@@ -165,6 +167,34 @@ def test_start_problem_names_what_is_wrong(command: str, problem: str) -> None:
 
 def test_an_executable_command_has_no_start_problem() -> None:
     assert start_problem(f"{shlex.quote(sys.executable)} -V") is None
+
+
+def test_a_switch_takes_only_the_steps_its_phase_table_lists() -> None:
+    assert advance(PHASES, Phase.IDLE, Phase.DRAINING) is Phase.DRAINING
+    assert advance(PHASES, Phase.DRAINING, Phase.DRAINING) is Phase.DRAINING, "staying is no step"
+    with pytest.raises(IllegalTransition, match="cannot go to"):
+        advance(PHASES, Phase.IDLE, Phase.STARTING_SERVER)  # nothing starts before the drain
+    with pytest.raises(IllegalTransition):
+        advance(PHASES, Phase.RELEASING_SERVER, Phase.STARTING_SERVER)  # a stopped server is not the target
+
+
+def test_every_phase_is_reached_from_idle_and_every_switch_can_settle() -> None:
+    reached, todo = {Phase.IDLE}, [Phase.IDLE]
+    while todo:
+        for following in PHASES[todo.pop()] - reached:
+            reached.add(following)
+            todo.append(following)
+    assert reached == set(Phase)
+    assert all({Phase.IDLE, Phase.READY} & PHASES[phase] for phase in Phase if phase is not Phase.IDLE)
+
+
+@pytest.mark.parametrize(
+    ("current", "to"),
+    [(ServerState.STOPPED, ServerState.READY), (ServerState.STOPPING, ServerState.STARTING), (ServerState.READY, ServerState.STARTING)],
+)
+def test_llama_server_is_started_only_once_stopped_and_ready_only_after_starting(current: ServerState, to: ServerState) -> None:
+    with pytest.raises(IllegalTransition):
+        advance(SERVER_STATES, current, to)
 
 
 # --- fakes --------------------------------------------------------------------------------------
@@ -475,6 +505,30 @@ async def test_without_nvml_arbitration_runs_on_process_state_and_says_why(rig: 
     assert rig.spawns[0].server.process.returncode == -signal.SIGTERM
 
 
+async def test_a_switch_there_and_back_passes_its_phases_and_the_servers_states_in_order(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps: dict[str, list[str]] = {"arbiter": [], "server": []}
+
+    def recorded(table: Any, current: Any, to: Any) -> Any:
+        steps["arbiter" if table is PHASES else "server"].append(str(to))
+        return advance(table, current, to)
+
+    monkeypatch.setattr(runtime, "advance", recorded)
+    monkeypatch.setattr(supervisor, "advance", recorded)
+    arbiter = rig.arbiter()
+    await claim_for_ollama(arbiter)  # Ollama lists its model: resident without a switch
+    async with arbiter.use("llamacpp"):
+        pass
+    async with arbiter.use("ollama"):
+        pass
+    assert steps["arbiter"] == [
+        "draining", "unloading ollama", "waiting for Ollama to release VRAM", "starting llama-server", "ready",
+        "draining", "stopping llama-server", "waiting for llama-server to release VRAM", "ready",
+    ]  # fmt: skip
+    assert steps["server"] == ["starting", "ready", "stopping", "stopped"]
+
+
 # --- requests around a switch -------------------------------------------------------------------
 
 
@@ -619,7 +673,7 @@ async def test_ollamas_need_for_a_model_not_loaded_yet_comes_from_the_gguf_its_m
     await server.start_server()
     try:
         arbiter = rig.arbiter(ollama_url=f"http://{LOOPBACK}:{server.port}")
-        assert await arbiter._need(Kind.OLLAMA, "smollm2") == estimate(read_shape(model.path), 2048).total_bytes
-        assert await arbiter._need(Kind.OLLAMA) is None, "without a model name nothing is known yet"
+        assert await arbiter.card.ollama.need("smollm2") == estimate(read_shape(model.path), 2048).total_bytes
+        assert await arbiter.card.ollama.need() is None, "without a model name nothing is known yet"
     finally:
         await server.close()

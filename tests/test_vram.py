@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from contextpaw.vram import COMPUTE_MARGIN_BYTES, ModelShape, estimate, read_shape, server_plan
+from contextpaw.vram import ModelShape, estimate, read_shape, server_plan
 from support.backends import locate_smollm2
 
 
@@ -16,8 +16,9 @@ def test_the_shape_of_the_bundled_model_comes_from_its_gguf_header() -> None:
     assert (shape.layers, shape.kv_heads, shape.head_dim, shape.trained_ctx) == (30, 3, 64, 8192)
     assert 90_000_000 < shape.weights_bytes <= model.path.stat().st_size
     need = estimate(shape, 2048)
-    assert need.kv_bytes == 30 * 2048 * 3 * 64 * 2 * 2
-    assert need.total_bytes == shape.weights_bytes + need.kv_bytes + COMPUTE_MARGIN_BYTES
+    assert need.kv_bytes == 47_185_920  # 45 MiB: 30 layers, 2048 tokens, 3 KV heads of 64, K and V, 2 bytes (f16)
+    assert need.compute_bytes == 268_435_456  # the 256 MiB floor: a twentieth of ~100 MB of weights is less
+    assert need.total_bytes == shape.weights_bytes + 47_185_920 + 268_435_456
 
 
 def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path) -> None:
@@ -30,7 +31,9 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path) -> None:
 def test_big_models_get_a_compute_margin_that_grows_and_cpu_only_needs_nothing() -> None:
     shape = ModelShape(weights_bytes=15 * 10**9, layers=48, kv_heads=8, head_dim=128)
     need = estimate(shape, 32768, kv_type="q8_0")
-    assert need.compute_bytes == int(15 * 10**9 * 0.05) and need.kv_bytes == int(48 * 32768 * 8 * 128 * 2 * 1.0625)
+    assert need.compute_bytes == 750_000_000  # a twentieth of 15 GB, above the 256 MiB floor
+    assert need.kv_bytes == 3_422_552_064  # 3 Gi elements (48 layers × 32768 × 8 KV heads × 128 × K and V), 1.0625 bytes each (q8_0)
+    assert need.total_bytes == 19_172_552_064
     assert estimate(shape, 32768, offloaded=False).total_bytes == 0
 
 

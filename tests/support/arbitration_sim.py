@@ -4,9 +4,10 @@ traces, on a simulated clock, with a fake NVML and fake runtimes.
 The clock: an asyncio loop whose `time()` is virtual and whose selector, when nothing is ready, moves
 the clock to the next timer instead of sleeping; so 120 s of traffic replay in about a second, and
 every wait, timeout and hold in the arbiter runs as written. The fakes replace only the arbiter's
-I/O (Ollama's HTTP API, starting and stopping llama-server, the GGUF estimate); every decision,
-drain, hold and cancellation is the arbiter's own. Used by `scripts/bench_arbitration.py` and
-`tests/test_bench_arbitration.py`.
+two runtimes on its `card` (Ollama's HTTP API, and the supervisor that starts and stops
+llama-server; both with their GGUF estimates); every decision, phase, drain, hold and cancellation
+is the arbiter's own. Evictions under a running request are counted from the clients' side. Used
+by `scripts/bench_arbitration.py` and `tests/test_bench_arbitration.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contextpaw.gpu import DeviceMemory, ProcessMemory, VramReading
-from contextpaw.runtime import Arbiter, ArbiterSettings, Kind, RuntimeUnavailable, SwitchRecord
+from contextpaw import card as arbiter_card
+from contextpaw.runtime import Arbiter, ArbiterSettings, RuntimeUnavailable
+from contextpaw.supervisor import ServerState
+from contextpaw.wire import Kind
 
 GB = 10**9
 LLAMA_PID = 4242
@@ -52,16 +56,23 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
 
 @dataclass
-class Card:
+class SimulatedCard:
     """One GPU: its total, what other processes take over time, and what the runtimes hold."""
 
     total: int
     others: Callable[[float], int] = lambda t: 0
     held: dict[Kind, int] = field(default_factory=dict)
     over_commits: int = 0
+    serving: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+    """Requests each runtime is answering now."""
+    evicted_in_flight: int = 0
 
     def used(self, now: float) -> int:
         return self.others(now) + sum(self.held.values())
+
+    def evict(self, kind: Kind) -> None:
+        """A runtime is being evicted: an eviction under a request would cut its answer off."""
+        self.evicted_in_flight += self.serving[kind] > 0
 
     def take(self, kind: Kind, amount: int, now: float) -> None:
         self.held[kind] = amount
@@ -70,7 +81,7 @@ class Card:
 
 
 class FakeNvml:
-    def __init__(self, card: Card, clock: Callable[[], float]) -> None:
+    def __init__(self, card: SimulatedCard, clock: Callable[[], float]) -> None:
         self.card, self.clock = card, clock
 
     def read(self) -> VramReading:
@@ -84,68 +95,90 @@ class FakeNvml:
         pass
 
 
-@dataclass
-class _Process:
-    pid: int = LLAMA_PID
-    returncode: int | None = None
+class SimulatedOllama:
+    """Ollama's API as the arbiter reads it: the model the card holds for it, unloaded in a second."""
 
+    def __init__(self, card: SimulatedCard, need: int) -> None:
+        self.card, self.need_bytes = card, need
 
-@dataclass
-class _Server:
-    """What the arbiter reads of the llama-server it started."""
-
-    process: _Process = field(default_factory=_Process)
-    stopping: bool = False
-    held_bytes: int | None = None
-
-    @property
-    def running(self) -> bool:
-        return self.process.returncode is None
-
-    def as_json(self, reading: Any) -> dict[str, Any]:
-        return {"pid": self.process.pid}
-
-    async def stop(self, grace: float) -> None:
-        self.stopping = True
-        self.process.returncode = -15
-
-
-class SimulatedArbiter(Arbiter):
-    """The arbiter with fake runtimes behind its I/O: Ollama loads its model on a request it admits
-    (`load_s`), llama-server starts in `start_s`, and both give their memory back when evicted."""
-
-    def __init__(self, settings: ArbiterSettings, card: Card, needs: dict[Kind, int], start_s: float = 4.0, load_s: float = 3.0) -> None:
-        self.card, self.needs, self.start_s, self.load_s = card, needs, start_s, load_s
-        self.evicted_in_flight = 0
-        super().__init__(settings, FakeNvml(card, asyncio.get_running_loop().time))  # read in a worker thread
-
-    async def _need(self, kind: Kind, model: str | None = None) -> int | None:
-        return self.needs[kind]
-
-    async def _ollama_models(self) -> list[dict[str, Any]]:
+    async def listed(self) -> list[dict[str, Any]]:
         held = self.card.held.get(Kind.OLLAMA)
         return [{"name": "model", "size_vram": held}] if held else []
 
-    async def _evict(self, kind: Kind) -> None:
-        if self._in_flight[kind]:
-            self.evicted_in_flight += 1
-        await asyncio.sleep(1.0)  # unload, or stop and reap
-        self.card.held.pop(kind, None)
-        if kind is Kind.LLAMACPP:
-            self._server = None
+    async def as_json(self) -> list[dict[str, Any]]:
+        return await self.listed()
 
-    async def _bring_up(self, record: SwitchRecord) -> None:
-        if record.target is Kind.LLAMACPP:
-            await asyncio.sleep(self.start_s)
-            self._abandoned(record)
-            self._server = _Server()  # type: ignore[assignment]
-            self.card.take(Kind.LLAMACPP, self.needs[Kind.LLAMACPP], asyncio.get_running_loop().time())
+    async def held(self) -> int:
+        return self.card.held.get(Kind.OLLAMA, 0)
+
+    async def need(self, model: str | None = None) -> int:
+        return self.need_bytes
+
+    async def unload(self) -> None:
+        self.card.evict(Kind.OLLAMA)
+        await asyncio.sleep(1.0)
+        self.card.held.pop(Kind.OLLAMA, None)
+
+
+class SimulatedServer:
+    """llama-server as the arbiter's supervisor runs it: up `start_s` after it is started (unless
+    nobody waits any more), down a second after it is stopped."""
+
+    def __init__(self, card: SimulatedCard, need: int, start_s: float) -> None:
+        self.card, self.need_bytes, self.start_s = card, need, start_s
+        self.state = ServerState.STOPPED
+        self._stopped = asyncio.Event()
+
+    @property
+    def running(self) -> bool:
+        return self.state is ServerState.READY
+
+    async def need(self) -> int:
+        return self.need_bytes
+
+    async def start(self, keep_going: Callable[[], None]) -> None:
+        await asyncio.sleep(self.start_s)
+        keep_going()
+        self.state, self._stopped = ServerState.READY, asyncio.Event()
+        self.card.take(Kind.LLAMACPP, self.need_bytes, asyncio.get_running_loop().time())
+
+    async def stop(self) -> None:
+        if not self.running:
+            return
+        self.card.evict(Kind.LLAMACPP)
+        await asyncio.sleep(1.0)  # stop and reap
+        self.card.held.pop(Kind.LLAMACPP, None)
+        self.state = ServerState.STOPPED
+        self._stopped.set()
+
+    async def died(self) -> None:
+        """It never dies on its own here."""
+        await self._stopped.wait()
+
+    def held_bytes(self, reading: VramReading) -> int | None:
+        return reading.process_bytes(LLAMA_PID)
+
+    def as_json(self, reading: Any) -> dict[str, Any] | None:
+        return {"pid": LLAMA_PID} if self.running else None
+
+
+class SimulatedArbiter(Arbiter):
+    """The real arbiter with simulated runtimes behind it: Ollama loads its model on a request it
+    admits (`load_s`), llama-server starts in `start_s`, and both give their memory back when evicted."""
+
+    def __init__(self, settings: ArbiterSettings, card: SimulatedCard, needs: dict[Kind, int], start_s: float = 4.0, load_s: float = 3.0) -> None:
+        nvml = FakeNvml(card, asyncio.get_running_loop().time)  # read in a worker thread
+        super().__init__(settings, nvml)
+        self.simulated, self.needs, self.load_s = card, needs, load_s
+        ollama, server = SimulatedOllama(card, needs[Kind.OLLAMA]), SimulatedServer(card, needs[Kind.LLAMACPP], start_s)
+        self.card = arbiter_card.Card(nvml, ollama, server,  # type: ignore[arg-type]
+                                      release_timeout=settings.release_timeout, poll_interval=settings.poll_interval)  # fmt: skip
 
     async def serve_ollama(self) -> None:
         """An admitted Ollama request loads its model first, as Ollama does."""
-        if Kind.OLLAMA not in self.card.held:
+        if Kind.OLLAMA not in self.simulated.held:
             await asyncio.sleep(self.load_s)
-            self.card.take(Kind.OLLAMA, self.needs[Kind.OLLAMA], asyncio.get_running_loop().time())
+            self.simulated.take(Kind.OLLAMA, self.needs[Kind.OLLAMA], asyncio.get_running_loop().time())
 
 
 @dataclass(frozen=True)
@@ -219,7 +252,7 @@ def replay(scenario: Scenario) -> Outcome:
 
 
 async def _replay(scenario: Scenario) -> Outcome:
-    card = Card(scenario.card_bytes, scenario.others)
+    card = SimulatedCard(scenario.card_bytes, scenario.others)
     settings = ArbiterSettings("http://ollama.invalid", "http://llama.invalid", llamacpp_cmd="true", min_hold=scenario.min_hold)
     arbiter = SimulatedArbiter(settings, card, scenario.needs)
     decisions = _Decisions()
@@ -236,9 +269,13 @@ async def _replay(scenario: Scenario) -> Outcome:
         try:
             async with arbiter.use(request.kind):
                 most = max(most, len(arbiter._resident))
-                if request.kind is Kind.OLLAMA:
-                    await arbiter.serve_ollama()
-                await asyncio.sleep(request.seconds)
+                card.serving[request.kind] += 1
+                try:
+                    if request.kind is Kind.OLLAMA:
+                        await arbiter.serve_ollama()
+                    await asyncio.sleep(request.seconds)
+                finally:
+                    card.serving[request.kind] -= 1
                 served += 1
         except RuntimeUnavailable:
             dropped += 1
@@ -250,7 +287,7 @@ async def _replay(scenario: Scenario) -> Outcome:
         logger.setLevel(level)
         await arbiter.aclose()
     counters = arbiter.counters
-    return Outcome(scenario.name, counters.switches, dropped, arbiter.evicted_in_flight, card.over_commits,
+    return Outcome(scenario.name, counters.switches, dropped, card.evicted_in_flight, card.over_commits,
                    decisions.count, served, most, counters.cancelled, scenario.min_hold)  # fmt: skip
 
 
