@@ -455,8 +455,9 @@ async def test_a_start_command_that_exits_is_reported_with_its_log_and_ollama_ke
 
 
 async def test_health_timeout_stops_the_server_and_says_why(rig: Rig) -> None:
-    arbiter = rig.arbiter(load_seconds=30, health_timeout=0.3)
-    unhealthy = r"did not answer http://127\.0\.0\.1:\d+/health with 200 within 0\.3s"
+    # long enough for the stand-in to have said what it is doing, on a loaded machine too
+    arbiter = rig.arbiter(load_seconds=30, health_timeout=2.5)
+    unhealthy = r"did not answer http://127\.0\.0\.1:\d+/health with 200 within 2\.5s"
     with pytest.raises(RuntimeUnavailable, match=unhealthy) as failed:
         await arbiter.acquire("llamacpp", "flow")
     assert "fake llama-server: loading model" in str(failed.value)
