@@ -47,6 +47,8 @@ from contextpaw.summarize import Summarizer
 from contextpaw.views import ORIGINAL, REPORT
 
 CLIENT_HOST = "contextpaw.client_host"
+TRUNCATION_FLAGGED = "contextpaw.truncation_flagged"
+"""Set once the flow is marked as cut by its server: the mark and comment are made once."""
 """The Host header the client sent (reverse mode replaces it with the backend's)."""
 
 logger = logs.get(__name__)
@@ -295,12 +297,12 @@ class Compactor:
         watched = state.watched
         if watched is not None:
             flow.metadata[REPORT] = value if value is not None and watched is state.report else watched.to_json()
-            if (truncated := watched.upstream_truncated) is not None and not state.truncation_flagged:
-                state.truncation_flagged = True
-                flag(flow, TRUNCATED_MARK, f"the server cut the prompt: {truncated.evaluated_tokens} of {truncated.sent_tokens} tokens evaluated")
-            elif (possible := watched.upstream_truncation_possible) is not None and not state.truncation_flagged:
-                state.truncation_flagged = True
-                flag(flow, TRUNCATED_MARK, f"the server may have cut the prompt: {possible.evaluated_tokens} evaluated of about {possible.sent_tokens}")
+            cut = watched.upstream_truncated or watched.upstream_truncation_possible
+            if cut is not None and TRUNCATION_FLAGGED not in flow.metadata:  # a stream may ask twice
+                flow.metadata[TRUNCATION_FLAGGED] = True
+                told = (f"cut the prompt: {cut.evaluated_tokens} of {cut.sent_tokens} tokens evaluated" if cut is watched.upstream_truncated
+                        else f"may have cut the prompt: {cut.evaluated_tokens} evaluated of about {cut.sent_tokens}")  # fmt: skip
+                flag(flow, TRUNCATED_MARK, f"the server {told}")
         if self.kept is not None:
             self.kept.save(self.fitter.calibration)
         return report_bytes(value) if value is not None else None
@@ -369,9 +371,9 @@ class Upstream:
         if state is not None and flow.request.raw_content is not None:
             self.carried.pop(_digest(flow.request.raw_content), None)
 
-    async def _rescue(self, sent: bytes, status: int, answer: bytes) -> bytes | None:
+    async def _rescue(self, sent: bytes, status: int, answer: bytes) -> bytes | tuple[int, bytes] | None:
         """The relay's question when a request it carries comes back with an error: the body to send
-        once instead, or None to pass the answer on. (What it carries is never compressed: the
+        once instead, (status, body) of a refusal to answer with, or None to pass the answer on. (What it carries is never compressed: the
         backends addon inflated it.)"""
         carried = self.carried.pop(_digest(sent), None)
         state = carried and carried()

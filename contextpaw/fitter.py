@@ -140,11 +140,8 @@ class FlowState:
     """What was sent cannot be cut: it says `truncate: false`, or llama-server gets it (a 400)."""
     rescues: int = 0
     """Retries after upstream overflows so far (at most `MAX_RESCUES`)."""
-    resent: bool = False
-    """The compacted retry was sent: its answer says whether it recovered."""
     local: bool = False
     """The answer was made here, not by the backend."""
-    truncation_flagged: bool = False
     where: Where = UNPLACED
     """The labels of this request's metrics (its model once it is read)."""
 
@@ -680,7 +677,7 @@ class Fitter:
         self._remember(parsed, fitted)
         self._keep(state, fitted.report)
         await self._note_compaction(state, fitted.report, parsed.params.model, big, started)
-        state.sent, state.sent_tokens, state.resent = body, fitted.report.final_tokens, True
+        state.sent, state.sent_tokens = body, fitted.report.final_tokens
         state.uncuttable = state.uncuttable or native
         return body
 

@@ -167,7 +167,7 @@ async def test_an_upstream_overflow_is_refitted_to_what_the_server_said_of_that_
     await f.fit(s)
     assert s.sent_tokens is not None
     retry = await f.rescue(s, 400, overflow_400(s.sent_tokens * 2, 4096))  # the server counts twice what we do
-    assert isinstance(retry, bytes) and s.resent and s.report is not None and s.report.window == 4096
+    assert isinstance(retry, bytes) and s.sent == retry and s.report is not None and s.report.window == 4096
     assert s.sent_tokens <= (4096 - 1024 - 64) // 2 + 1, "in our units, half the window's budget"
     assert json.loads(retry)["truncate"] is False, "the retry is refused again, never cut"
     assert f.stats.counts["retried_400"] == 1
