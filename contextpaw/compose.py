@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from mitmproxy import contentviews
 
-from contextpaw import admin
 from contextpaw.addon import AdminEndpoints, Compactor, Upstream
 from contextpaw.arbitration import Arbitration
 from contextpaw.runtime import Arbiter, ArbiterSettings
@@ -19,6 +18,7 @@ from contextpaw.evicted import EvictedStore
 from contextpaw.fitter import Fitter
 from contextpaw.heap import ReturnedMemory, StartupHeap
 from contextpaw.ledger import FailureLedger
+from contextpaw.metrics import Stats
 from contextpaw.session import HttpServices, Session
 from contextpaw.settings import FitSettings
 from contextpaw.views import ContextPawView
@@ -29,7 +29,7 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     contentviews.add(ContextPawView())
     defaults = FitSettings()  # until mitmproxy configures the options
     store = EvictedStore(max_items=defaults.evicted_items, max_bytes=defaults.evicted_bytes, max_age_s=defaults.evicted_ttl)
-    stats = admin.Stats(store)
+    stats = Stats(store)
     ledger = FailureLedger(stats)
     session = Session()
     services = HttpServices(session)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from contextpaw import logs
 from contextpaw import wire
-from contextpaw.admin import UNPLACED, Stats, Where
+from contextpaw.metrics import UNPLACED, Stats, Where
 from contextpaw.calibration import Calibration, content_kind
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.compact import BudgetTooSmall, Plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 from contextpaw import logs
-from contextpaw.admin import UNPLACED, Stats, Where
+from contextpaw.metrics import UNPLACED, Stats, Where
 
 logger = logs.get(__name__)
 

@@ -13,7 +13,7 @@ import pytest
 
 from contextpaw import fitter as fitter_module
 from contextpaw import wire
-from contextpaw.admin import Stats
+from contextpaw.metrics import Stats
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitting import Fitted
 from contextpaw.fitter import MAX_RESCUES, UNCHANGED, FlowState, Fitter, Forward, Refuse

@@ -15,7 +15,7 @@ from mitmproxy.test import taddons
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from contextpaw.admin import MODEL_LABELS, SOURCE_HELP, Stats
+from contextpaw.metrics import MODEL_LABELS, SOURCE_HELP, Stats
 from contextpaw.compose import make_addons
 from contextpaw.evicted import EvictedStore
 from support.common import free_port

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from contextpaw import wire
-from contextpaw.admin import Stats
+from contextpaw.metrics import Stats
 from contextpaw.calibration import EARLY_RANGE, PHYSICAL, Calibration
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitter import FlowState, Fitter
