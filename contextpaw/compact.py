@@ -54,6 +54,9 @@ MARKER_SLACK = 4
 SHRINK_ROUNDS = 8
 """Passes over the protected messages before a fit is given up as impossible."""
 
+EARLIER_CUT = "cut at or before the last turn's last marker"
+"""Said in the report's notes when the budget cannot hold last turn's prompt up to its last marker."""
+
 PLACEHOLDER_ID = "cp-" + "0" * 12
 """A marker id of the real ids' length, for sizing a note before its id is known (ids are hashes)."""
 
@@ -107,7 +110,7 @@ class Plan:
     evicted: frozenset[str] = frozenset()
     """Keys of evicted units."""
     shrunk: Mapping[str, Cut] = field(default_factory=dict)
-    """Unit key -> where its message's text was cut (so the same cut repeats)."""
+    """Message (its unit's key and place in the unit) -> where its text was cut (so the same cut repeats)."""
     notes: Mapping[str, str] = field(default_factory=dict)
     """Marker id -> the marker's text as it was sent (so the same hole reads the same next turn)."""
 
@@ -205,6 +208,8 @@ class _ChatCompaction:
         guarded = pinned | set(self.protected)
         self.evictable = [u for u in self.units if u not in guarded]
         self.evicted: set[Unit] = set()
+        self.sticky: set[Unit] = set()
+        """Units evicted last turn, evicted again before anything else is decided."""
         self.kept = sum(self.cost)
         self.shrunk: dict[int, tuple[Message, int, Cut]] = {}
         """index -> (the shrunk message, its tokens, where its text was cut)"""
@@ -230,28 +235,15 @@ class _ChatCompaction:
         if pinned > self.budget:
             raise self.too_small("the system prompt and tool definitions")
 
-        sticky = {u for u in self.evictable if u.key in self.previous.evicted}
-        for unit in sticky:
-            self.evict(unit)
-        refilled = {u for u in self.evictable if u.key in self.previous.shrunk and u not in sticky}
-        for unit in refilled:
-            self.shrink(self.biggest(unit), over=0)  # last turn's fill, cut the same way again
-        cut_before = sticky | refilled
-        target = self.budget
-        if cut_before and self.total() > self.budget:
-            # An agent loop that overflows again: make room for the next few turns as well, so they
-            # append to a prefix the server has cached instead of each forcing a new cut. Only units
-            # after the last hole go for that headroom; earlier ones only if the budget needs them.
-            target = self.budget - int(self.budget * HEADROOM)
-            self.evict_until(target, self.after(cut_before))
-            # if that is not enough, the latest units go first: the cut lands as late as it can
-            self.evict_until(target, sorted(self.evictable, key=lambda u: u.indices, reverse=True))
-        self.evict_until(self.budget, sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices)))
-        if self.total() > self.budget:
-            self.shrink_protected()
-        self.refill(exclude=sticky, limit=target)
-        if not cut_before:
+        last = self.repeat_previous()
+        if last is None:
+            self.evict_until(self.budget, sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices)))
+            self.shrink_protected(self.budget)
+            self.must_fit()
+            self.refill(self.budget)
             self.fill()
+        elif self.total() > self.budget:
+            self.recut(last, report)
 
         messages, removals, evicted, final, notes = self.render()
         report.compacted = True
@@ -266,7 +258,7 @@ class _ChatCompaction:
         report.summarized = "summarized" in actions
         plan = Plan(
             evicted=frozenset(u.key for u in self.evicted),
-            shrunk={self.unit_of[i].key: cut for i, (_, _, cut) in self.shrunk.items()},
+            shrunk={self.cut_key(i): cut for i, (_, _, cut) in self.shrunk.items() if self.unit_of[i] not in self.evicted},
             notes=notes,
         )
         return ChatResult([m.raw for m in messages], report, plan)
@@ -342,31 +334,86 @@ class _ChatCompaction:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def shrink_protected(self) -> None:
-        """Shrink protected messages middle-out, biggest first, until the rest fits.
+    def repeat_previous(self) -> int | None:
+        """Make last turn's cuts again: its evicted units stay evicted (sticky) and its shrunk
+        messages are cut at the same characters, whatever the counter thinks of them now. Returns
+        the index of the last message a cut stands for (None: last turn cut nothing here)."""
+        for unit in self.evictable:
+            if unit.key in self.previous.evicted:
+                self.evict(unit)
+        self.sticky = set(self.evicted)
+        ends = [max(u.indices) for u in self.sticky]
+        for unit in self.units:
+            for i in unit.indices:
+                cut = self.previous.shrunk.get(self.cut_key(i))
+                if cut is not None and unit not in self.evicted and self.msgs[i].content_text:
+                    self.cut(i, cut)
+                    ends.append(i)
+        return max(ends, default=None)
+
+    def recut(self, last: int, report: Report) -> None:
+        """A conversation that overflows again, last cut at message `last`: what was sent up to
+        there is what the server cached, so the new cut goes after it, and deep enough (headroom)
+        that the next turns append instead of each cutting anew.
+
+        Units after the last cut go first, latest first, so the first message that changes is as
+        late as it can be (the last hole grows when the unit right after it goes too: only its
+        marker changes, and the prefix does not grow by a unit every re-cut). A message shrunk
+        last is cut deeper next, then protected messages after the last cut are shrunk, as long as
+        the prefix leaves the headroom for them. Only when the budget cannot hold the prefix with
+        what must follow is anything before it cut, and the report says so."""
+        target = self.budget - int(self.budget * HEADROOM)
+        latest_first = sorted(self.evictable, key=lambda u: u.indices, reverse=True)
+        self.evict_until(target, [u for u in latest_first if min(u.indices) > last])
+        changed = None
+        if self.total() > self.budget and last in self.shrunk and self.shrink(last, self.total() - target):
+            changed = "its cut goes deeper"
+        if self.total() > self.budget and self.prefix_tokens(last) <= target:
+            self.shrink_protected(target, after=last)
+        if self.total() > self.budget:
+            prefix = self.prefix_tokens(last)
+            changed = f"the {prefix} tokens up to it leave {self.budget - prefix} of the {self.budget}-token budget, too little for what must follow"
+            self.evict_until(target, latest_first)
+            self.shrink_protected(target)
+            self.must_fit()
+        if changed:
+            report.notes.append(f"{EARLIER_CUT} (message {last}): {changed}")
+        self.refill(target)
+
+    def prefix_tokens(self, last: int) -> int:
+        """Tokens of what is sent up to message `last` as the cuts stand: kept messages and markers."""
+        kept = sum(self.size(i) for i in range(last + 1) if self.unit_of[i] not in self.evicted)
+        return self.fixed + kept + sum(self.marker_cost(h) for h in self.holes() if h[1] <= last)
+
+    def shrink_protected(self, limit: int, after: int = -1) -> None:
+        """Shrink protected messages middle-out, biggest first, until the rest fits in `limit` or
+        none can give more. With `after`, only messages after it, and of the units that straddle
+        it also those that are not protected (they cannot go without what comes before).
 
         A message's cost does not fall exactly as far as its text's (the note, a content part, how
         the cut tokenizes), so a pass that lands a few tokens over is followed by another, which
         cuts deeper by what is still over, until it fits or no message can give more.
-
-        A message shrunk last turn is cut at the same place again when that still fits, so its
-        text, and the prefix cache behind it, stays the same from turn to turn.
         """
+        units = self.protected if after < 0 else [*self.protected, *(u for u in self.evictable if u not in self.evicted and min(u.indices) <= after)]
         candidates = sorted(
-            (i for u in self.protected for i in u.indices if self.msgs[i].content_text),
+            (i for u in units for i in u.indices if i > after and self.msgs[i].content_text),
             key=lambda i: (-self.cost[i], i),
         )
         for _ in range(SHRINK_ROUNDS):
             gave = False
             for i in candidates:
-                over = self.total() - self.budget
+                over = self.total() - limit
                 if over <= 0:
                     return
                 gave = self.shrink(i, over) or gave
             if not gave:
-                break
+                return
+
+    def must_fit(self) -> None:
+        """The last resort when shrinking did not reach the budget: the least this request can be,
+        which may still fit; if not, the refusal."""
         if self.total() > self.budget:
-            self.least()  # the last resort: what the rounds did not reach may still fit
+            self.least()
         if self.total() > self.budget:
             raise self.too_small("the task, the recent messages and the markers")
 
@@ -395,18 +442,22 @@ class _ChatCompaction:
         now = current[2].target if current is not None else own
         floor = SHRINK_FLOOR + self.counter.text(elision_text(own, text.count("\n"), PLACEHOLDER_ID))
         target = max(floor, now - over)
-        remembered = self.previous.shrunk.get(self.unit_of[i].key)
-        if current is None and remembered is not None and self.counter.text(remembered.apply(text, PLACEHOLDER_ID)) <= target:
-            cut = remembered  # the same cut as last turn, while it fits: the same text, the same cache
-        elif target >= now:
+        if target >= now:
             return False
-        else:
-            cut = shrink_text(text, target, self.counter)
-        smaller = message.with_content(cut.apply(text, content_id(text)))
+        self.cut(i, shrink_text(text, target, self.counter))
+        return True
+
+    def cut(self, i: int, cut: Cut) -> None:
+        text = self.msgs[i].content_text
+        smaller = self.msgs[i].with_content(cut.apply(text, content_id(text)))
         size = self.counter.message(smaller)
         self.kept += size - self.size(i)
         self.shrunk[i] = (smaller, size, cut)
-        return True
+
+    def cut_key(self, i: int) -> str:
+        """What names message `i` in a plan's cuts: its unit's key and its place in the unit."""
+        unit = self.unit_of[i]
+        return f"{unit.key}:{unit.indices.index(i)}"
 
     def biggest(self, unit: Unit) -> int:
         return max(unit.indices, key=lambda i: (self.cost[i], -i))
@@ -433,23 +484,25 @@ class _ChatCompaction:
             self.evict(unit)
 
     def evict_until(self, limit: int, order: list[Unit]) -> None:
+        """Evict units in `order` until the total fits in `limit`; then take back each of them whose
+        hole's marker costs more than the unit did (a small unit between kept ones)."""
+        evicted = []
         for unit in order:
             # Markers only add tokens, so the kept sum is a cheap lower bound for the full total.
             if self.fixed + self.kept <= limit and self.total() <= limit:
-                return
+                break
             if unit not in self.evicted:
                 self.evict(unit)
+                evicted.append(unit)
+        for unit in evicted:
+            before = self.total()
+            self.readmit(unit)
+            if self.total() > before:
+                self.evict(unit)
 
-    def after(self, cut_before: set[Unit]) -> list[Unit]:
-        """Units after earlier turns' last cut, biggest first, but not the one right after it (that
-        would grow a hole and change its marker): the prefix up to there is what the server cached."""
-        last_cut = max(i for u in cut_before for i in u.indices)
-        late = [u for u in self.evictable if min(u.indices) > last_cut + 1]
-        return sorted(late, key=lambda u: (-self.unit_cost[u], u.indices))
-
-    def refill(self, exclude: set[Unit], limit: int) -> None:
+    def refill(self, limit: int) -> None:
         """Re-admit units evicted this turn that fit in the room left (up to `limit`), biggest first."""
-        for unit in sorted(self.evicted - exclude, key=lambda u: (-self.unit_cost[u], u.indices)):
+        for unit in sorted(self.evicted - self.sticky, key=lambda u: (-self.unit_cost[u], u.indices)):
             if self.fixed + self.kept + self.unit_cost[unit] > limit:
                 continue
             self.readmit(unit)

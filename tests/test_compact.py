@@ -310,26 +310,29 @@ def test_evictions_are_sticky_so_the_prefix_survives_the_next_turn():
     assert common_prefix(turn1.messages, sticky.messages) > len(turn1.messages) // 2
 
 
-def test_an_agent_loop_that_overflows_again_is_cut_with_headroom_so_the_next_turns_only_append():
+def test_an_agent_loop_that_overflows_again_is_cut_after_the_last_marker_with_headroom_so_the_next_turns_only_append():
     """Cutting just enough each turn would move the last hole's marker every turn, and the server
-    would evaluate everything after it again; with headroom the next turns append to what it cached."""
+    would evaluate everything after it again; with headroom the next turns append to what it cached,
+    and a re-cut changes nothing before the last marker the server has already seen."""
     msgs = agent_loop(30, dump_lines=20)
     budget = int(sent_tokens(msgs, None) * 0.6)
     plan, recut_turns, appended_turns = compact_chat(Conversation.from_wire(msgs), budget, COUNTER).plan, 0, 0
     sent = None
     for t in range(30, 50):
-        msgs = msgs[:-1] + [
+        turn = [
             {"role": "assistant", "content": None, "tool_calls": [{"id": f"n{t}", "type": "function", "function": {"name": "read", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": f"n{t}", "content": f"output {t}\n" * 20},
-            {"role": "user", "content": "Status?"},
         ]
+        msgs = msgs[:-1] + turn + [{"role": "user", "content": "Status?"}]
         result = compact_chat(Conversation.from_wire(msgs), budget, COUNTER, previous=plan)
-        assert result.report.final_tokens <= budget
+        assert result.report.final_tokens <= budget and not result.report.notes
         if sent is not None and result.messages[: len(sent) - 1] == sent[:-1]:
             appended_turns += 1  # all but the closing question is a prefix of what was sent before
         elif sent is not None:
             recut_turns += 1
-            assert result.report.final_tokens <= budget * (1 - HEADROOM) + 200, "a re-cut leaves room for the next turns"
+            last = max(i for i, m in enumerate(sent) if MARKER_PREFIX in json.dumps(m))
+            assert result.messages[:last] == sent[:last], "a re-cut keeps what the server cached"
+            assert result.report.final_tokens + sent_tokens(turn, None) <= budget, "a re-cut leaves room for the next turn"
         sent, plan = result.messages, result.plan
     assert appended_turns > recut_turns
 
