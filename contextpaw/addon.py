@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
-import hashlib
 import json
 import weakref
 from collections.abc import Awaitable, Callable
@@ -36,7 +35,8 @@ from contextpaw.backends import UNDECODED, Backends
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitter import OFFLOAD_BYTES, FlowState, Fitter, Refuse, off_loop
 from contextpaw.ledger import FailureLedger
-from contextpaw.relay import ERROR_HEADER, RESCUED_HEADER, Failure, Relay, Timeouts
+from contextpaw.relay import ERROR_HEADER, FLOW_HEADER, Failure, Relay, Timeouts
+from contextpaw.rescue import Decide, rescued
 from contextpaw.headers import HOP_HEADERS
 from contextpaw.replies import ADMIN_MARK, COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply
 from contextpaw.session import PROBE_TIMEOUT_S, HttpServices, Session
@@ -152,7 +152,7 @@ class Compactor:
         if UNDECODED in flow.metadata:
             response.headers["X-ContextPaw-Error"] = flow.metadata[UNDECODED]
         if state is not None:
-            if response.headers.pop(RESCUED_HEADER, None) is not None:  # the relay's retry, or its refusal
+            if state.retried:  # the relay's retry, or its refusal (a flow it does not carry is not retried yet)
                 self._settled(flow, state)
             put_headers(response.headers, state.headers)
         if (state and state.local) or not response.headers.get("content-type", "").startswith(STREAM_TYPES):
@@ -202,14 +202,18 @@ class Compactor:
         headers = {k: v for k, v in flow.request.headers.items() if k.lower() not in HOP_HEADERS}
         timeout = aiohttp.ClientTimeout(sock_connect=PROBE_TIMEOUT_S, sock_read=ctx.options.contextpaw_header_timeout)
         assert flow.response is not None
-        while (retry := await self.fitter.rescue(state, flow.response.status_code, flow.response.content or b"")) is not None:
-            if isinstance(retry, Refuse):
-                reply(flow, retry.status, retry.body)
-                break
+
+        async def send(retry: bytes) -> tuple[int, bytes]:
             async with self.session.get().post(flow.request.url, data=retry, headers=headers, timeout=timeout) as answer:
                 content = await answer.read()
                 kept = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS]
                 flow.response = http.Response.make(answer.status, content, http.Headers(kept))
+                return answer.status, content
+
+        decide = functools.partial(self.fitter.rescue, state)
+        refusal = await rescued(flow.response.status_code, flow.response.content or b"", decide, send)
+        if refusal is not None:
+            reply(flow, refusal.status, refusal.body)
         if state.retried:
             self._settled(flow, state)
 
@@ -314,9 +318,10 @@ class Upstream:
     counted in the failure ledger and logged. Other flows, HTTPS backends and flows that already go
     via an upstream proxy are left to mitmproxy.
 
-    The relay asks for a rescue with the body it sent; the flow that sent it is found by that body's
-    digest (the same bytes mitmproxy gave the relay), never by a header, and is not touched: the
-    retried answer comes back marked, and `Compactor.responseheaders` settles it.
+    A flow the fitter may rescue goes to the relay with its key (`X-ContextPaw-Flow`, which the
+    relay takes off); when its backend refuses it as too long, the relay asks for the rescue's
+    decision by that key, and what the rescue did is in the flow's state, which
+    `Compactor.responseheaders` settles.
     """
 
     def __init__(self, backends: Backends, fitter: Fitter, states: FlowStates, ledger: FailureLedger) -> None:
@@ -327,7 +332,7 @@ class Upstream:
         self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S), self._rescue)
         self._starting: asyncio.Task[None] | None = None
         self.carried: LRU = LRU(4096)
-        """Digest of a body the relay carries -> its flow's state (weakly)."""
+        """The key of a flow the relay carries -> its state (weakly), while its answer is awaited."""
 
     def load(self, loader: Any) -> None:
         loader.add_option("contextpaw_header_timeout", int, RELAY_TIMEOUT_S,
@@ -357,8 +362,10 @@ class Upstream:
         # A fresh server connection: an eagerly opened one cannot take a `via` any more.
         flow.server_conn = connection.Server(address=(flow.request.host, flow.request.port), via=("http", self.relay.address))
         state = self.states.get(flow)
-        if state is not None and flow.request.raw_content is not None and self.fitter.may_rescue(state):
-            self.carried.put(_digest(flow.request.raw_content), weakref.ref(state))
+        flow.request.headers.pop(FLOW_HEADER, None)  # the key is ours to give, never the client's
+        if state is not None and self.fitter.may_rescue(state):
+            flow.request.headers[FLOW_HEADER] = flow.id
+            self.carried.put(flow.id, weakref.ref(state))
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._forget(flow)
@@ -367,26 +374,15 @@ class Upstream:
         self._forget(flow)
 
     def _forget(self, flow: http.HTTPFlow) -> None:
-        state = self.states.get(flow)
-        if state is not None and flow.request.raw_content is not None:
-            self.carried.pop(_digest(flow.request.raw_content), None)
+        if self.carried.pop(flow.id, None) is not None:
+            flow.request.headers.pop(FLOW_HEADER, None)  # mitmweb and saved flows show the client's request
 
-    async def _rescue(self, sent: bytes, status: int, answer: bytes) -> bytes | tuple[int, bytes] | None:
-        """The relay's question when a request it carries comes back with an error: the body to send
-        once instead, (status, body) of a refusal to answer with, or None to pass the answer on. (What it carries is never compressed: the
-        backends addon inflated it.)"""
-        carried = self.carried.pop(_digest(sent), None)
+    def _rescue(self, key: str) -> Decide | None:
+        """The rescue's decision for the flow the relay carries under `key` (what the relay carries
+        is never compressed: the backends addon inflated it)."""
+        carried = self.carried.get(key)
         state = carried and carried()
-        if state is None:
-            return None
-        retry = await self.fitter.rescue(state, status, answer)
-        if isinstance(retry, Refuse):
-            return retry.status, retry.body
-        if retry is None:
-            return None
-        if self.fitter.may_rescue(state):  # the retry may be refused too: it is asked about again
-            self.carried.put(_digest(retry), carried)
-        return retry
+        return functools.partial(self.fitter.rescue, state) if state is not None else None
 
     def http_connect_upstream(self, flow: http.HTTPFlow) -> None:
         if self.relay.address is not None and flow.server_conn.address == self.relay.address:
@@ -498,8 +494,3 @@ class AdminEndpoints:
             "summarizer": self.fitter.summarizer.stats() if self.fitter.summarizer else None,
             "conversations": len(self.fitter.plans),
         }
-
-
-def _digest(body: bytes) -> bytes:
-    return hashlib.blake2b(body, digest_size=16).digest()
-

@@ -13,10 +13,12 @@ headers and bodies pass as they are) and answers every failure of the backend in
   framing (what Ollama and OpenAI clients raise from), then a clean end.
 
 Each failure is reported to `on_failure` (the addon counts and logs it) and its answer carries
-`X-ContextPaw-Upstream-Error`. A 400 (or 500) is shown to `rescue` first, with the body that was
-sent: if the addon compacts that request to the window the error names, the new body is sent
-instead (and shown again if it fails the same way) and its answer, streamed if it streams and
-marked `X-ContextPaw-Rescued`, goes back instead of the error. The relay knows no flows and changes none. The relay listens on 127.0.0.1 only and opens tunnels only for a
+`X-ContextPaw-Upstream-Error`. A request the addon may rescue carries the key of its flow
+(`X-ContextPaw-Flow`, never sent on to the backend); a 400 (or 500) to it goes through the rescue
+loop (`contextpaw.rescue`) with the addon's decision for that flow: a compacted body is sent
+instead (and asked about again if it fails the same way), and its answer, streamed if it streams,
+goes back instead of the error. The relay changes no flow; what the rescue did is in the flow's
+state, where the addon reads it. The relay listens on 127.0.0.1 only and opens tunnels only for a
 CONNECT that carries its secret (mitmproxy adds it in the `http_connect_upstream` hook), so it is
 not an open proxy for other local users. A tunnel keeps its backend connection between requests for
 a moment, and never sends a request twice.
@@ -37,6 +39,7 @@ import h11
 
 from contextpaw import logs
 from contextpaw import headers as shared, wire
+from contextpaw.rescue import RESCUABLE, Decide, rescued
 from contextpaw.streams import STREAM_TYPES, record_bytes
 
 logger = logs.get(__name__)
@@ -46,8 +49,9 @@ READ_SIZE = 64 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
 ERROR_HEADER = "X-ContextPaw-Upstream-Error"
-RESCUED_HEADER = "X-ContextPaw-Rescued"
-"""On the answer to a rescue's retry, so the addon knows whose answer it is."""
+FLOW_HEADER = "X-ContextPaw-Flow"
+"""The key of the flow a request belongs to, for its rescue; the backend never sees it."""
+FLOW_KEY = FLOW_HEADER.lower().encode()
 JSON_TYPE = shared.JSON_TYPE.encode()
 CONNECTION_HEADERS = frozenset(name.encode() for name in shared.CONNECTION_HEADERS)
 """Headers of the backend connection, not of the answer: the tunnel frames and keeps its own."""
@@ -82,12 +86,8 @@ class Failure:
     """False when no connection to the backend could be opened."""
 
 
-Rescue = Callable[[bytes, int, bytes], Awaitable[bytes | tuple[int, bytes] | None]]
-"""(the body sent, the error's status, the error's body) -> a body to send instead, a JSON answer
-(status, body) to give the client instead, or None to pass the error on. Asked again after each
-retry that fails the same way; the addon bounds the rounds."""
-RESCUABLE = (400, 500)
-"""The statuses a context overflow comes back with (llama-server 400; some Ollama builds 500)."""
+Rescuer = Callable[[str], Decide | None]
+"""A flow's key -> the rescue's decision for that flow, or None when it is not one to rescue."""
 
 
 @dataclass
@@ -114,7 +114,7 @@ class ClientGone(Exception):
 class Relay:
     """The loopback relay server; `address` and `authorization` are what mitmproxy needs."""
 
-    def __init__(self, on_failure: Callable[[Failure], None], timeouts: Timeouts, rescue: Rescue | None = None) -> None:
+    def __init__(self, on_failure: Callable[[Failure], None], timeouts: Timeouts, rescue: Rescuer | None = None) -> None:
         self.on_failure = on_failure
         self.timeouts = timeouts
         self.rescue = rescue
@@ -320,20 +320,22 @@ class Exchange:
         response = await self._ask(self.body)
         if self._streams(response):
             return await self._relay_stream(response)
-        body = await self._read_body()
-        sent, rescued = self.body, False
-        while response.status_code in RESCUABLE and (retry := await self._rescued(sent, response.status_code, body)) is not None:
-            if isinstance(retry, tuple):  # nothing that must be kept fits: the addon's own answer
-                status, answer = retry
-                return await self._answer(*_whole_answer(status, answer, (RESCUED_HEADER.encode(), b"1")))
-            sent, rescued = retry, True
-            response = await self._ask(retry)
-            if self._streams(response):
-                return await self._relay_stream(response, rescued)
-            body = await self._read_body()
+        body: bytes | None = await self._read_body()
+        decide = self._decision() if response.status_code in RESCUABLE else None
+        if decide is not None:
+            async def send(retry: bytes) -> tuple[int, bytes | None]:
+                nonlocal response, body
+                response = await self._ask(retry)
+                body = None if self._streams(response) else await self._read_body()
+                return response.status_code, body
+
+            refusal = await rescued(response.status_code, body, decide, send)
+            if refusal is not None:  # nothing that must be kept fits: the addon's own answer
+                return await self._answer(*_whole_answer(refusal.status, refusal.body))
+            if body is None:
+                return await self._relay_stream(response)
+        assert body is not None
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
-        if rescued:
-            headers.append((RESCUED_HEADER.encode(), b"1"))
         headers.append((b"Content-Length", str(len(body)).encode()))
         head = h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)
         await self._answer(head, h11.Data(data=body), h11.EndOfMessage())
@@ -368,6 +370,7 @@ class Exchange:
         headers = [
             (k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v)
             for k, v in self.request.headers.raw_items()
+            if k.lower() != FLOW_KEY
         ]
         if not any(k.lower() == b"host" for k, _ in headers):  # an HTTP/1.0 request may have none
             headers.insert(0, (b"Host", self._target().encode()))
@@ -400,21 +403,26 @@ class Exchange:
                 body += event.data
         return bytes(body)
 
-    async def _rescued(self, sent: bytes, status: int, answer: bytes) -> bytes | tuple[int, bytes] | None:
-        """Ask the addon whether this 400 is an overflow it can fit once more; a failure of ours passes it on."""
-        if self.relay.rescue is None:
-            return None
-        try:
-            return await self.relay.rescue(sent, status, answer)
-        except Exception:
-            logger.exception("the rescue of %s failed; the backend's 400 is passed on", self.path)
+    def _decision(self) -> Decide | None:
+        """The addon's rescue decision for this request's flow, or None; a failure of ours in it
+        passes the backend's answer on."""
+        key = dict(self.request.headers).get(FLOW_KEY)
+        decide = self.relay.rescue(key.decode("latin-1")) if self.relay.rescue is not None and key else None
+        if decide is None:
             return None
 
-    async def _relay_stream(self, response: h11.Response, rescued: bool = False) -> None:
+        async def guarded(status: int, answer: bytes) -> Any:
+            try:
+                return await decide(status, answer)
+            except Exception:
+                logger.exception("the rescue of %s failed; the backend's answer is passed on", self.path)
+                return None
+
+        return guarded
+
+    async def _relay_stream(self, response: h11.Response) -> None:
         """Records pass on as they come; the framing is chunked, so an error record can still be added."""
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
-        if rescued:
-            headers.append((RESCUED_HEADER.encode(), b"1"))
         await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         self.headers_sent = True
         while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its stream", "stalled in its stream"), h11.EndOfMessage):

@@ -28,6 +28,7 @@ from contextpaw import wire
 from contextpaw.addon import AdminEndpoints, Compactor, Upstream
 from contextpaw.backends import BACKEND_HEADER, Backends
 from contextpaw.compose import make_addons
+from contextpaw.relay import FLOW_HEADER
 from contextpaw.replies import REFUSED_MARK
 from contextpaw.settings import FitSettings
 from contextpaw.views import ORIGINAL
@@ -618,6 +619,7 @@ async def test_composed_proxy_inflates_a_compressed_request_once_and_carries_and
     flow.request.headers["content-encoding"] = "gzip"
     flow.request.content = json.dumps(long_chat(turns=6, num_ctx=8192)).encode()  # mitmproxy encodes it
     assert flow.request.raw_content != flow.request.content
+    flow.request.headers[FLOW_HEADER] = "forged by the client"
     flow.live = True
     proxy.upstream.relay.address = ("127.0.0.1", CLOSED_PORT)  # as if it listened: the flow is relayed
     await proxy.send(flow)
@@ -626,8 +628,12 @@ async def test_composed_proxy_inflates_a_compressed_request_once_and_carries_and
     carried = flow.request.raw_content
     sent = len(json.loads(carried)["messages"])
     answer = json.dumps({"error": json.dumps(context_overflow_error(3000, 2048))}).encode()
-    retry = await proxy.upstream.relay.rescue(carried, 400, answer)
-    assert retry is not None
-    assert len(json.loads(retry)["messages"]) < sent
-    assert await proxy.upstream.relay.rescue(carried, 400, answer) is None, "never a second retry"
+    assert flow.request.headers[FLOW_HEADER] == flow.id, "the key is ours, never the client's"
+    decide = proxy.upstream.relay.rescue(flow.id)
+    assert decide is not None and proxy.upstream.relay.rescue("another flow") is None
+    retry = await decide(400, answer)
+    assert isinstance(retry, bytes) and len(json.loads(retry)["messages"]) < sent
     assert flow.request.raw_content == carried, "the live flow is not changed"
+    flow.response = http.Response.make(200, b"{}")
+    proxy.upstream.response(flow)
+    assert proxy.upstream.relay.rescue(flow.id) is None and FLOW_HEADER not in flow.request.headers, "forgotten once answered"

@@ -19,7 +19,7 @@ import h11
 import pytest
 
 from contextpaw.relay import ERROR_HEADER as ERROR_NAME
-from contextpaw.relay import Failure, Relay, Timeouts
+from contextpaw.relay import FLOW_HEADER, Failure, Relay, Timeouts
 
 ERROR_HEADER = ERROR_NAME.encode()
 
@@ -413,6 +413,53 @@ async def test_a_request_reaches_the_backend_byte_for_byte_and_its_answer_reache
     assert header(response, ERROR_HEADER) is None
     assert got == answer_body
     assert relay.failures == []
+
+
+async def test_the_flow_key_never_reaches_the_backend_and_a_rescue_is_asked_by_it(
+    relay: Running, backends, tunnels
+) -> None:
+    """The addon gives a request its flow's key; the backend's overflow goes to that flow's rescue,
+    whose retry is sent instead, and the backend sees neither the key nor the first answer's fate."""
+    received: list[bytes] = []
+    overflow = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error"}}).encode()
+
+    async def handler(conn: BackendConn) -> None:
+        received.append(await conn.read_request())
+        await conn.send(buffered(overflow, "400 Bad Request"))
+        received.append(await conn.read_request())
+        await conn.send(buffered(b'{"ok":true}'))
+
+    asked: list[tuple[str, int, bytes]] = []
+
+    def rescuer(key: str) -> Callable[[int, bytes], Awaitable[bytes | None]] | None:
+        async def decide(status: int, answer: bytes) -> bytes | None:
+            asked.append((key, status, answer))
+            return b'{"smaller":1}' if len(asked) == 1 else None
+
+        return decide if key == "flow-1" else None
+
+    relay.relay.rescue = rescuer
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    await tunnel.send("POST", OPENAI_PATH, [("Content-Type", "application/json"), (FLOW_HEADER, "flow-1")], b'{"big":1}')
+    response, got, _ = await tunnel.response()
+    assert response.status_code == 200 and got == b'{"ok":true}'
+    assert asked == [("flow-1", 400, overflow)]
+    assert received[1].endswith(b'{"smaller":1}') and all(FLOW_HEADER.lower().encode() not in r.lower() for r in received)
+
+
+async def test_a_request_without_a_flow_key_gets_the_backends_overflow_as_it_came(relay: Running, backends, tunnels) -> None:
+    overflow = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error"}}).encode()
+
+    async def handler(conn: BackendConn) -> None:
+        await conn.read_request()
+        await conn.send(buffered(overflow, "400 Bad Request"))
+
+    relay.relay.rescue = lambda key: pytest.fail("asked about a flow nobody named")
+    tunnel = await tunnels(relay, (await backends(handler)).port)
+    await tunnel.send("POST", OPENAI_PATH, [("Content-Type", "application/json")], b'{"big":1}')
+    response, got, _ = await tunnel.response()
+    assert response.status_code == 400 and got == overflow
 
 
 async def test_a_chunked_backend_answer_is_relayed_with_its_whole_body(relay: Running, backends, tunnels) -> None:
