@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,9 +373,14 @@ class _ChatCompaction:
         if self.total() > self.budget:
             prefix = self.prefix_tokens(last)
             changed = f"the {prefix} tokens up to it leave {self.budget - prefix} of the {self.budget}-token budget, too little for what must follow"
-            self.evict_until(target, latest_first)
-            self.shrink_protected(target)
-            self.must_fit()
+            # the prefix gives up its latest units until it leaves the headroom, no more: what it
+            # keeps is still cached, and what follows it is shrunk into the room
+            self.evict_until(target, latest_first, lambda: self.prefix_tokens(last))
+            self.shrink_protected(target, after=last)
+            if self.total() > self.budget:
+                self.evict_until(target, latest_first)
+                self.shrink_protected(target)
+                self.must_fit()
         if changed:
             report.notes.append(f"{EARLIER_CUT} (message {last}): {changed}")
         self.refill(target)
@@ -483,21 +488,23 @@ class _ChatCompaction:
                 self.unshrink(biggest)
             self.evict(unit)
 
-    def evict_until(self, limit: int, order: list[Unit]) -> None:
-        """Evict units in `order` until the total fits in `limit`; then take back each of them whose
-        hole's marker costs more than the unit did (a small unit between kept ones)."""
+    def evict_until(self, limit: int, order: list[Unit], size: Callable[[], int] | None = None) -> None:
+        """Evict units in `order` until the total (or `size`) fits in `limit`; then take back each
+        of them whose hole's marker costs more than the unit did (a small unit between kept ones)."""
+        # Markers only add tokens, so the kept sum is a cheap lower bound for the full total.
+        measure = size or self.total
+        fits = (lambda: measure() <= limit) if size else (lambda: self.fixed + self.kept <= limit and self.total() <= limit)
         evicted = []
         for unit in order:
-            # Markers only add tokens, so the kept sum is a cheap lower bound for the full total.
-            if self.fixed + self.kept <= limit and self.total() <= limit:
+            if fits():
                 break
             if unit not in self.evicted:
                 self.evict(unit)
                 evicted.append(unit)
         for unit in evicted:
-            before = self.total()
+            before = measure()
             self.readmit(unit)
-            if self.total() > before:
+            if measure() > before:
                 self.evict(unit)
 
     def refill(self, limit: int) -> None:

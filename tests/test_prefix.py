@@ -130,7 +130,8 @@ def test_each_turn_resends_the_last_turns_prompt_through_its_last_marker_unless_
         except BudgetTooSmall:
             continue  # refused: nothing was sent, and the plan of the last sent turn still holds
         prompt = msgs if result.messages is None else result.messages
-        last = None if sent is None else last_marker(sent)
+        # a conversation that fits whole goes as it came: nothing is cut, so no cut moved
+        last = None if sent is None or result.messages is None else last_marker(sent)
         notes = [n for n in result.report.notes if EARLIER_CUT in n]
         if last is not None and prompt[:last] != sent[:last]:
             assert notes, f"turn re-cut before the last marker (message {last}) without saying so"
