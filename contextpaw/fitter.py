@@ -19,6 +19,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 from contextpaw import logs
@@ -111,6 +112,35 @@ Decision = Forward | Refuse
 UNCHANGED = Forward()
 
 
+class Phase(Enum):
+    """Where a handled flow is in its life. Everything that moves it is in `PHASES`."""
+
+    RECEIVED = "received"
+    """The request is in; nothing is decided."""
+    FORWARDED = "forwarded"
+    """It went to the backend, as it came or fitted."""
+    RESCUED = "rescued"
+    """The backend refused what was sent as too long, and a compacted retry went instead."""
+    REFUSED = "refused"
+    """It was answered here, in the caller's API: the backend has not seen it, or refused it for good."""
+    JUDGED = "judged"
+    """The answer's count of what it evaluated was checked against what was sent (and learned from)."""
+
+
+PHASES: dict[Phase, frozenset[Phase]] = {
+    Phase.RECEIVED: frozenset({Phase.FORWARDED, Phase.REFUSED}),
+    Phase.FORWARDED: frozenset({Phase.RESCUED, Phase.REFUSED, Phase.JUDGED}),
+    Phase.RESCUED: frozenset({Phase.RESCUED, Phase.REFUSED, Phase.JUDGED}),
+    Phase.REFUSED: frozenset(),
+    Phase.JUDGED: frozenset({Phase.JUDGED}),  # a stream's final record may be read after a count in it
+}
+"""The phases each phase may go to; any other step is a bug (`IllegalPhase`)."""
+
+
+class IllegalPhase(RuntimeError):
+    """A step the phase table does not allow."""
+
+
 @dataclass(slots=True, weakref_slot=True)
 class FlowState:
     """What ContextPaw knows about one handled flow, from its request to its last byte."""
@@ -140,10 +170,19 @@ class FlowState:
     """What was sent cannot be cut: it says `truncate: false`, or llama-server gets it (a 400)."""
     rescues: int = 0
     """Retries after upstream overflows so far (at most `MAX_RESCUES`)."""
-    local: bool = False
-    """The answer was made here, not by the backend."""
+    phase: Phase = Phase.RECEIVED
     where: Where = UNPLACED
     """The labels of this request's metrics (its model once it is read)."""
+
+    def advance(self, to: Phase) -> None:
+        if to not in PHASES[self.phase]:
+            raise IllegalPhase(f"a flow {self.phase.value} cannot be {to.value}")
+        self.phase = to
+
+    @property
+    def local(self) -> bool:
+        """The answer was made here, not by the backend."""
+        return self.phase is Phase.REFUSED
 
     @property
     def retried(self) -> bool:
@@ -250,15 +289,19 @@ class Fitter:
         """The one decision for a request; an internal failure forwards it unchanged and says so."""
         self._place(state)
         try:
-            return await self._fit(state)
+            decision = await self._fit(state)
         except Exception as e:  # fail open: the backend answers the request as the client sent it
             logger.exception("ContextPaw failed on %s; forwarding the request unchanged", state.path)
             state.report = state.observed = state.sent = state.sent_tokens = None
             state.headers = {"X-ContextPaw-Error": f"{type(e).__name__} while compacting; forwarded unchanged"}
+            state.phase = Phase.RECEIVED  # whatever was decided is undone: it goes as it came
             self.stats.add("errors", where=state.where)
-            return UNCHANGED
+            decision = UNCHANGED
         finally:  # counted once the model is read, so that every count of the request has its labels
             self.stats.add("requests", where=state.where)
+        if isinstance(decision, Forward):
+            state.advance(Phase.FORWARDED)
+        return decision
 
     def _place(self, state: FlowState, model: str | None = None) -> None:
         state.where = self.stats.where(state.backend.kind, state.route.name, model)
@@ -387,7 +430,7 @@ class Fitter:
             window=overflow.window, required_tokens=overflow.required,
         )
         self._keep(state, report)
-        state.local = True
+        state.advance(Phase.REFUSED)
         logger.info("%s refused: %s", state.route.name, overflow.message)
         self.stats.add("refused", where=state.where)
         status = state.route.refusal_status
@@ -679,6 +722,7 @@ class Fitter:
         await self._note_compaction(state, fitted.report, parsed.params.model, big, started)
         state.sent, state.sent_tokens = body, fitted.report.final_tokens
         state.uncuttable = state.uncuttable or native
+        state.advance(Phase.RESCUED)
         return body
 
     def settle_rescue(self, state: FlowState, status: int, relay_failed: bool) -> bool:
@@ -734,9 +778,10 @@ class Fitter:
                 "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",
                 state.path, evaluated, sent, truncation.reason,
             )  # fmt: skip
-        if state.calibration is not None and self.settings.calibrate and evaluated is not None:
+        first = state.phase is not Phase.JUDGED
+        state.advance(Phase.JUDGED)
+        if first and state.calibration is not None and self.settings.calibrate and evaluated is not None:
             key, factor, kind = state.calibration
-            state.calibration = None
             whole = verdict.evaluation is Evaluation.WHOLE
             learned = self.calibration.observe(key, round(sent / factor), evaluated, whole=whole, kind=kind)
             if learned.reason.startswith("impossible"):

@@ -16,7 +16,7 @@ from contextpaw import wire
 from contextpaw.metrics import Stats
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitting import Fitted
-from contextpaw.fitter import MAX_RESCUES, UNCHANGED, FlowState, Fitter, Forward, Refuse
+from contextpaw.fitter import MAX_RESCUES, PHASES, UNCHANGED, FlowState, Fitter, Forward, IllegalPhase, Phase, Refuse
 from contextpaw.settings import FitSettings
 from contextpaw.summarize import Complete
 from contextpaw.tokens import Counter
@@ -627,3 +627,37 @@ async def test_a_kind_of_text_calibration_has_not_seen_keeps_the_estimates_whole
     await f.fit(dense)
     assert dense.report is not None and dense.report.compacted
     assert any("cannot ask Ollama to refuse" in note for note in dense.report.notes)
+
+
+async def test_a_flow_goes_from_received_to_forwarded_to_judged_and_is_learned_from_once() -> None:
+    f, s = fitter(default_ctx=4096, output_reserve=0), state(prose_chat(words=600), OPENAI, OLLAMA)
+    assert s.phase is Phase.RECEIVED
+    await f.fit(s)
+    assert s.phase is Phase.FORWARDED and s.calibration is not None
+    final = {"choices": [], "usage": {"prompt_tokens": s.sent_tokens}}
+    f.final_report(s, final)
+    f.final_report(s, final)  # a stream's last record read after a count in it
+    assert s.phase is Phase.JUDGED and len(f.calibration.ratios.get("ollama/m")) == 1
+
+
+async def test_a_refused_flow_goes_nowhere_else() -> None:
+    f, s = fitter(policy="strict"), state(chat())
+    assert isinstance(await f.fit(s), Refuse)
+    assert s.phase is Phase.REFUSED and s.local and not f.may_rescue(s)
+    with pytest.raises(IllegalPhase, match="a flow refused cannot be forwarded"):
+        s.advance(Phase.FORWARDED)
+
+
+async def test_a_rescued_flow_is_rescued_until_its_rounds_run_out_and_then_refused() -> None:
+    f, s = fitter(), state(chat(num_ctx=8192))
+    await f.fit(s)
+    assert isinstance(await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192)), bytes)
+    assert s.phase is Phase.RESCUED and s.retried
+    while isinstance(await f.rescue(s, 400, overflow_400(s.sent_tokens + 1, 8192)), bytes):
+        assert s.phase is Phase.RESCUED
+    assert s.phase is Phase.REFUSED
+
+
+def test_the_phase_table_allows_no_step_back_to_received_and_none_out_of_a_refusal() -> None:
+    assert all(Phase.RECEIVED not in to for to in PHASES.values())
+    assert PHASES[Phase.REFUSED] == frozenset() and set(PHASES) == set(Phase)
