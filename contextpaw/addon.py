@@ -33,7 +33,8 @@ from mitmproxy.proxy import mode_specs
 from contextpaw import admin, inflate, logs, wire
 from contextpaw.backends import UNDECODED, Backends
 from contextpaw.evicted import EvictedStore
-from contextpaw.fitter import OFFLOAD_BYTES, FlowState, Fitter, Refuse, off_loop
+from contextpaw.fitter import OFFLOAD_BYTES, Fitter, off_loop
+from contextpaw.flow import FlowState, Refuse
 from contextpaw.ledger import FailureLedger
 from contextpaw.relay import ERROR_HEADER, FLOW_HEADER, Failure, Relay, Timeouts
 from contextpaw.rescue import Decide, rescued

@@ -18,15 +18,14 @@ import functools
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Protocol
 
 from contextpaw import logs
 from contextpaw import wire
-from contextpaw.metrics import UNPLACED, Stats, Where
+from contextpaw.metrics import Stats
 from contextpaw.calibration import Calibration, content_kind
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
+from contextpaw.flow import UNCHANGED, Decision, FlowState, Forward, Phase, Refuse
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.evicted import EvictedStore, encode
 from contextpaw.report import SIZE_BOUND, Report
@@ -88,110 +87,6 @@ class Services(Protocol):
     def completions(self, url: str, model: str, timeout: float, authorization: str | None) -> Complete:
         """The call that writes a digest with this model."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class Forward:
-    """Send the request on: these bytes, or the client's own when ``body`` is None."""
-
-    body: bytes | None = None
-    compacted: bool = False
-    """The body is a compaction (not only the client's with `truncate: false` added)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """Answer here, in the caller's convention; the backend never sees the request."""
-
-    status: int
-    body: bytes
-    reason: str
-
-
-Decision = Forward | Refuse
-UNCHANGED = Forward()
-
-
-class Phase(Enum):
-    """Where a handled flow is in its life. Everything that moves it is in `PHASES`."""
-
-    RECEIVED = "received"
-    """The request is in; nothing is decided."""
-    FORWARDED = "forwarded"
-    """It went to the backend, as it came or fitted."""
-    RESCUED = "rescued"
-    """The backend refused what was sent as too long, and a compacted retry went instead."""
-    REFUSED = "refused"
-    """It was answered here, in the caller's API: the backend has not seen it, or refused it for good."""
-    JUDGED = "judged"
-    """The answer's count of what it evaluated was checked against what was sent (and learned from)."""
-
-
-PHASES: dict[Phase, frozenset[Phase]] = {
-    Phase.RECEIVED: frozenset({Phase.FORWARDED, Phase.REFUSED}),
-    Phase.FORWARDED: frozenset({Phase.RESCUED, Phase.REFUSED, Phase.JUDGED}),
-    Phase.RESCUED: frozenset({Phase.RESCUED, Phase.REFUSED, Phase.JUDGED}),
-    Phase.REFUSED: frozenset(),
-    Phase.JUDGED: frozenset({Phase.JUDGED}),  # a stream's final record may be read after a count in it
-}
-"""The phases each phase may go to; any other step is a bug (`IllegalPhase`)."""
-
-
-class IllegalPhase(RuntimeError):
-    """A step the phase table does not allow."""
-
-
-@dataclass(slots=True, weakref_slot=True)
-class FlowState:
-    """What ContextPaw knows about one handled flow, from its request to its last byte."""
-
-    backend: wire.Backend
-    route: wire.Route
-    original: bytes
-    """The body as the client sent it."""
-    path: str
-    """The request's path, for log lines."""
-    authorization: str | None = None
-    report: Report | None = None
-    """The report the client is told (compact and strict)."""
-    observed: Report | None = None
-    """Under policy off: what would have been done; checked against the answer, never sent."""
-    headers: dict[str, str] = field(default_factory=dict)
-    """The X-ContextPaw-* headers for the response."""
-    calibration: tuple[str, float, str | None] | None = None
-    """(calibration key, factor used, content kind) when the calibrated counter counted this request."""
-    sent: bytes | None = None
-    """The body sent instead of the original, if any (the rescue's retry is the last one)."""
-    sent_tokens: int | None = None
-    """Our count of what was sent (under policy off, of the client's own request)."""
-    bounds: tuple[float, float] = EXACT_BOUNDS
-    """How far the true size of what was sent can be from `sent_tokens`."""
-    uncuttable: bool = False
-    """What was sent cannot be cut: it says `truncate: false`, or llama-server gets it (a 400)."""
-    rescues: int = 0
-    """Retries after upstream overflows so far (at most `MAX_RESCUES`)."""
-    phase: Phase = Phase.RECEIVED
-    where: Where = UNPLACED
-    """The labels of this request's metrics (its model once it is read)."""
-
-    def advance(self, to: Phase) -> None:
-        if to not in PHASES[self.phase]:
-            raise IllegalPhase(f"a flow {self.phase.value} cannot be {to.value}")
-        self.phase = to
-
-    @property
-    def local(self) -> bool:
-        """The answer was made here, not by the backend."""
-        return self.phase is Phase.REFUSED
-
-    @property
-    def retried(self) -> bool:
-        return self.rescues > 0
-
-    @property
-    def watched(self) -> Report | None:
-        """The report the answer is checked against, under any policy."""
-        return self.report or self.observed
 
 
 def is_big(raw: bytes) -> bool:

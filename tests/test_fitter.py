@@ -16,7 +16,8 @@ from contextpaw import wire
 from contextpaw.metrics import Stats
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitting import Fitted
-from contextpaw.fitter import MAX_RESCUES, PHASES, UNCHANGED, FlowState, Fitter, Forward, IllegalPhase, Phase, Refuse
+from contextpaw.fitter import MAX_RESCUES, Fitter
+from contextpaw.flow import PHASES, UNCHANGED, FlowState, Forward, IllegalPhase, Phase, Refuse
 from contextpaw.settings import FitSettings
 from contextpaw.summarize import Complete
 from contextpaw.tokens import Counter

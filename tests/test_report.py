@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from contextpaw import wire
-from contextpaw.fitter import Refuse
+from contextpaw.flow import Refuse
 from contextpaw.report import Report
 from test_fitter import LLAMACPP, ToolBlindCounting, fitter, state, with_counting
 

@@ -16,7 +16,8 @@ from contextpaw import wire
 from contextpaw.metrics import Stats
 from contextpaw.calibration import EARLY_RANGE, PHYSICAL, Calibration
 from contextpaw.evicted import EvictedStore
-from contextpaw.fitter import FlowState, Fitter
+from contextpaw.fitter import Fitter
+from contextpaw.flow import FlowState
 from contextpaw.settings import FitSettings
 
 KEY = "ollama/m"
