@@ -298,7 +298,7 @@ class Compactor:
             return None
 
     def _checked_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None) -> bytes | None:
-        value = self.fitter.final_report(state, final, counted)
+        value = self.fitter.answers.final_report(state, final, counted)
         watched = state.watched
         if watched is not None:
             flow.metadata[REPORT] = value if value is not None and watched is state.report else watched.to_json()

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from contextpaw import logs
 from contextpaw import wire
 from contextpaw.metrics import Stats
+from contextpaw.answers import AnswerCheck
 from contextpaw.calibration import Calibration, content_kind
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.flow import UNCHANGED, Decision, FlowState, Forward, Phase, Refuse
@@ -34,7 +35,7 @@ from contextpaw.state import SizedLRU
 from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer, SummaryModel
 from contextpaw.tokens import Counter, EstimateCounter
-from contextpaw.truncation import EXACT_BOUNDS, Evaluation, could_exceed, judge, unknowable
+from contextpaw.truncation import EXACT_BOUNDS, could_exceed
 from contextpaw.tokens import EXACT_COUNTERS
 from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
 
@@ -157,6 +158,8 @@ class Fitter:
         self.windows = BackendWindows(services.fetch)
         self.estimate = EstimateCounter()
         self.calibration = Calibration()
+        self.answers = AnswerCheck(self.calibration, stats)
+        """Each answer's count of what was evaluated, checked (the verdict) and learned from."""
         self.summarizer: Summarizer | None = None
         self.settings = settings
         self.budgeter = Budgeter(default_ctx=settings.default_ctx, reserve=settings.output_reserve, margin=settings.margin)
@@ -166,6 +169,7 @@ class Fitter:
         """Take new settings; the summarizer is the shell's (it keeps digests in a file)."""
         self.settings = settings
         self.summarizer = summarizer
+        self.answers.calibrate = settings.calibrate
         self.windows.ollama_default = settings.ollama_context_length or None
         self.budgeter = Budgeter(
             default_ctx=settings.default_ctx,
@@ -632,53 +636,3 @@ class Fitter:
             logger.warning("%s: the backend refused the compacted retry too (%d); its answer is passed on",
                            state.path, status)  # fmt: skip
         return recovered
-
-    # -- what the server says it evaluated ------------------------------------------------------
-
-    def final_report(self, state: FlowState, final: Any, counted: int | None = None) -> dict[str, Any] | None:
-        """The report (its JSON form) for the answer's final record, after checking the count the
-        server reports there.
-
-        Ollama evaluating clearly fewer tokens than it was sent means it cut the prompt in silence:
-        that is said in the report, the log and the metrics, under every policy. The same count
-        teaches the calibrated counter. Under policy off the answer is passed on as it came (None)
-        unless the server cut it: then the report goes on the wire all the same, in the
-        body or the stream's final record, so that no cut is silent under any policy. A count the
-        final record lacks may have come earlier in the stream (`counted`).
-        """
-        report = state.watched
-        evaluated = state.route.evaluated(final) if isinstance(final, dict) else None
-        evaluated = counted if evaluated is None else evaluated
-        on_wire = state.report is not None
-        answered = isinstance(final, dict) and not final.get("error")  # a Responses body says "error": null
-        if report is None or state.sent_tokens is None or not answered:
-            return state.report.to_json() if state.report is not None else None
-        sent = state.sent_tokens
-        if state.backend.kind != wire.Kind.OLLAMA:
-            verdict = judge(sent, evaluated, report.window, state.bounds, truncation_forbidden=True)
-        elif evaluated is None:  # a /v1 stream without stream_options.include_usage says no count
-            verdict = unknowable(sent, report.window, state.bounds, state.uncuttable)
-        else:
-            verdict = judge(sent, evaluated, report.window, state.bounds, state.uncuttable)
-        if verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None and report.upstream_truncation_possible is None:
-            report.upstream_truncation_possible = verdict.truncation
-            self.stats.add("upstream_truncation_possible", where=state.where)
-            logger.warning("%s: the server may have cut a prompt counted at %d in a %d-token window (%s)",
-                           state.path, sent, report.window or 0, verdict.truncation.reason)  # fmt: skip
-        if verdict.evaluation is Evaluation.CUT and (truncation := verdict.truncation) is not None and report.upstream_truncated is None:
-            report.upstream_truncated = truncation
-            report.recovered_from_upstream_400 = False
-            self.stats.add("upstream_truncated", where=state.where)
-            logger.warning(
-                "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",
-                state.path, evaluated, sent, truncation.reason,
-            )  # fmt: skip
-        first = state.phase is not Phase.JUDGED
-        state.advance(Phase.JUDGED)
-        if first and state.calibration is not None and self.settings.calibrate and evaluated is not None:
-            key, factor, kind = state.calibration
-            whole = verdict.evaluation is Evaluation.WHOLE
-            learned = self.calibration.observe(key, round(sent / factor), evaluated, whole=whole, kind=kind)
-            if learned.reason.startswith("impossible"):
-                logger.warning("%s: %s; not learned from (the backend's count is evidence, not truth)", state.path, learned.reason)
-        return report.to_json() if on_wire or report.upstream_truncated is not None else None

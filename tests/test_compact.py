@@ -542,3 +542,15 @@ def test_a_conversation_the_backend_admits_whole_is_not_cut_to_leave_room_for_th
     assert result.messages is None and result.report.budget == total
     cut = compact_chat(Conversation.from_wire(msgs), total - 500, COUNTER, admit=total - 1)
     assert cut.messages is not None and cut.report.final_tokens <= total - 500
+
+
+def test_both_shrunk_results_of_one_parallel_call_are_cut_the_same_way_next_turn():
+    """A plan that remembered one cut per unit lost all but one of a parallel call's cuts, and the
+    other result was cut anew (or sent whole) on the next turn."""
+    msgs = agent_loop(1, dump_lines=4000, parallel=2)
+    msgs[-2]["content"] = "".join(f"other {n}\n" for n in range(9000))  # cut elsewhere than the first
+    turn1 = compact_chat(Conversation.from_wire(msgs), 3000, COUNTER, keep_recent=4)
+    dumps1 = [m for m in turn1.messages if m["role"] == "tool"]
+    assert len(dumps1) == 2 and all(MARKER_PREFIX in m["content"] for m in dumps1)
+    turn2 = compact_chat(Conversation.from_wire(grow(msgs, 1)), 3000, EstimateCounter(3.4), keep_recent=4, previous=turn1.plan)
+    assert [m for m in turn2.messages if m["role"] == "tool"] == dumps1

@@ -227,8 +227,8 @@ async def test_a_cut_ollama_made_is_flagged_and_a_whole_evaluation_is_not() -> N
     await f.fit(cut)
     await f.fit(whole)
     assert cut.report is not None and whole.report is not None
-    f.final_report(cut, {"done": True, "prompt_eval_count": 1024})  # Ollama's cut of a 2048 window
-    f.final_report(whole, {"done": True, "prompt_eval_count": whole.report.final_tokens})
+    f.answers.final_report(cut, {"done": True, "prompt_eval_count": 1024})  # Ollama's cut of a 2048 window
+    f.answers.final_report(whole, {"done": True, "prompt_eval_count": whole.report.final_tokens})
     assert cut.report.upstream_truncated is not None and cut.report.upstream_truncated.evaluated_tokens == 1024
     assert whole.report.upstream_truncated is None
     assert f.stats.counts["upstream_truncated"] == 1
@@ -238,13 +238,13 @@ async def test_under_policy_off_a_whole_evaluation_is_passed_on_as_it_came() -> 
     f, s = fitter(policy="off"), state(chat(turns=1))
     await f.fit(s)
     assert s.observed is not None
-    assert f.final_report(s, {"done": True, "prompt_eval_count": s.observed.final_tokens}) is None
+    assert f.answers.final_report(s, {"done": True, "prompt_eval_count": s.observed.final_tokens}) is None
 
 
 async def test_under_policy_off_a_cut_puts_the_report_on_the_wire_all_the_same() -> None:
     f, s = fitter(policy="off"), state(chat(turns=1))
     await f.fit(s)
-    value = f.final_report(s, {"done": True, "prompt_eval_count": 10})
+    value = f.answers.final_report(s, {"done": True, "prompt_eval_count": 10})
     assert value is not None and value["upstream_truncated"]["evaluated_tokens"] == 10
 
 
@@ -289,7 +289,7 @@ async def test_a_cut_ollama_made_on_v1_messages_is_flagged_from_message_delta() 
     assert s.observed is not None and s.sent_tokens is not None and s.sent_tokens > 2048
     estimate = {"type": "message_start", "message": {"usage": {"input_tokens": s.sent_tokens}}}
     assert route.evaluated(estimate) == s.sent_tokens  # Ollama's start carries only a bytes/4 guess...
-    f.final_report(s, {"type": "message_delta", "usage": {"input_tokens": 1024, "output_tokens": 3}}, s.sent_tokens)
+    f.answers.final_report(s, {"type": "message_delta", "usage": {"input_tokens": 1024, "output_tokens": 3}}, s.sent_tokens)
     assert s.observed.upstream_truncated is not None and s.observed.upstream_truncated.evaluated_tokens == 1024  # ...the delta says
 
 
@@ -363,7 +363,7 @@ async def test_a_small_request_is_proved_to_fit_by_its_size_without_being_parsed
     assert await f.fit(s) == UNCHANGED
     assert s.report is not None and s.report.counter == "size" and not s.report.compacted
     assert s.report.final_tokens >= len(s.original) and s.headers["X-ContextPaw-Compacted"] == "false"
-    f.final_report(s, {"choices": [], "usage": {"prompt_tokens": 12}})  # nothing to flag, nothing learned
+    f.answers.final_report(s, {"choices": [], "usage": {"prompt_tokens": 12}})  # nothing to flag, nothing learned
     assert s.report.upstream_truncated is None and s.report.upstream_truncation_possible is None
 
 
@@ -544,7 +544,7 @@ async def test_a_num_ctx_above_the_trained_length_is_fitted_to_the_trained_lengt
 async def test_under_policy_off_a_cut_at_the_trained_length_is_flagged() -> None:
     f, s = showing(policy="off"), state(chat(turns=3, num_ctx=12000))
     assert await f.fit(s) == UNCHANGED
-    value = f.final_report(s, {"done": True, "prompt_eval_count": 321})
+    value = f.answers.final_report(s, {"done": True, "prompt_eval_count": 321})
     assert s.observed is not None and s.observed.window == 1024
     assert value is not None and value["upstream_truncated"]["num_ctx"] == 1024
 
@@ -559,7 +559,7 @@ async def test_a_whole_evaluation_of_a_template_that_renders_no_tools_is_not_cal
     await f.fit(s)
     assert s.observed is not None and s.sent_tokens is not None
     rendered = 200  # the message alone: the template left the tools out
-    f.final_report(s, {"type": "message_delta", "usage": {"input_tokens": rendered, "output_tokens": 3}}, rendered)
+    f.answers.final_report(s, {"type": "message_delta", "usage": {"input_tokens": rendered, "output_tokens": 3}}, rendered)
     assert s.observed.upstream_truncated is None
 
 
@@ -569,7 +569,7 @@ async def test_a_responses_body_that_says_error_null_is_judged_like_any_answer()
     body = {"model": "m", "input": [{"role": "user", "content": f"note {i} " + "word " * 300} for i in range(8)]}
     f, s = fitter(policy="off", default_ctx=2048), state(body, route, OLLAMA)
     await f.fit(s)
-    value = f.final_report(s, {"object": "response", "error": None, "usage": {"input_tokens": 1024}})
+    value = f.answers.final_report(s, {"object": "response", "error": None, "usage": {"input_tokens": 1024}})
     assert s.observed is not None and (s.observed.upstream_truncated or s.observed.upstream_truncation_possible)
     assert value is None or "upstream_truncated" in value
 
@@ -599,7 +599,7 @@ async def learned(f: Fitter, body: dict[str, Any], ratio: float) -> FlowState:
     s = state(body, OPENAI, OLLAMA)
     await f.fit(s)
     assert s.sent_tokens is not None
-    f.final_report(s, {"choices": [], "usage": {"prompt_tokens": round(s.sent_tokens * ratio)}})
+    f.answers.final_report(s, {"choices": [], "usage": {"prompt_tokens": round(s.sent_tokens * ratio)}})
     return s
 
 
@@ -636,8 +636,8 @@ async def test_a_flow_goes_from_received_to_forwarded_to_judged_and_is_learned_f
     await f.fit(s)
     assert s.phase is Phase.FORWARDED and s.calibration is not None
     final = {"choices": [], "usage": {"prompt_tokens": s.sent_tokens}}
-    f.final_report(s, final)
-    f.final_report(s, final)  # a stream's last record read after a count in it
+    f.answers.final_report(s, final)
+    f.answers.final_report(s, final)  # a stream's last record read after a count in it
     assert s.phase is Phase.JUDGED and len(f.calibration.ratios.get("ollama/m")) == 1
 
 

@@ -71,7 +71,7 @@ async def test_a_backend_that_lies_low_cannot_talk_the_fitter_into_an_overflow()
     for _ in range(20):
         lied = chat(40_000)
         await fitter.fit(lied)
-        fitter.final_report(lied, {"choices": [{"finish_reason": "stop"}], "usage": {"prompt_tokens": 10}})
+        fitter.answers.final_report(lied, {"choices": [{"finish_reason": "stop"}], "usage": {"prompt_tokens": 10}})
     fitted = chat(12_000)
     await fitter.fit(fitted)
     assert fitted.report is not None and fitted.report.compacted and fitter.calibration.factor("ollama/m") >= 0.5
