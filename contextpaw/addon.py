@@ -33,8 +33,9 @@ from mitmproxy.proxy import mode_specs
 from contextpaw import admin, inflate, logs, wire
 from contextpaw.backends import UNDECODED, Backends
 from contextpaw.evicted import EvictedStore
-from contextpaw.fitter import OFFLOAD_BYTES, Fitter, off_loop
+from contextpaw.fitter import Fitter
 from contextpaw.flow import FlowState, Refuse
+from contextpaw.offload import OFFLOAD_BYTES, off_loop
 from contextpaw.ledger import FailureLedger
 from contextpaw.relay import ERROR_HEADER, FLOW_HEADER, Failure, Relay, Timeouts
 from contextpaw.rescue import Decide, rescued

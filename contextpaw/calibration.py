@@ -24,6 +24,7 @@ from contextpaw.conversation import Message
 from contextpaw.state import LRU
 from contextpaw.tokens import Counter
 from contextpaw.truncation import ESTIMATE_BOUNDS
+from contextpaw.wire import Backend
 
 MAX_KEYS = 256
 """(backend kind, model) pairs whose calibration is kept."""
@@ -193,3 +194,8 @@ class Calibration:
 
     def _restored(self, ratios: Iterable[object]) -> deque[float]:
         return deque((float(r) for r in ratios if float(r) > 0), maxlen=self.window)  # type: ignore[arg-type]
+
+
+def calibration_key(backend: Backend, model: str) -> str:
+    """Calibration is learned per kind of server and model: each tokenizes and templates its own way."""
+    return f"{backend.kind}/{model}"

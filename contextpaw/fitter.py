@@ -20,31 +20,27 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from contextpaw import logs
-from contextpaw import wire
-from contextpaw.metrics import Stats
+from contextpaw import logs, wire
 from contextpaw.answers import AnswerCheck
-from contextpaw.calibration import Calibration, content_kind
+from contextpaw.calibration import Calibration, calibration_key, content_kind
+from contextpaw.compact import BudgetTooSmall, Plan
+from contextpaw.counters import CounterChoice
+from contextpaw.evicted import EvictedStore, encode
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.flow import UNCHANGED, Decision, FlowState, Forward, Phase, Refuse
-from contextpaw.compact import BudgetTooSmall, Plan
-from contextpaw.evicted import EvictedStore, encode
+from contextpaw.metrics import Stats
+from contextpaw.offload import is_big, off_loop
 from contextpaw.report import SIZE_BOUND, Report
 from contextpaw.settings import FitSettings
 from contextpaw.state import SizedLRU
 from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer, SummaryModel
-from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.tokens import EXACT_COUNTERS, Counter, EstimateCounter
 from contextpaw.truncation import EXACT_BOUNDS, could_exceed
-from contextpaw.tokens import EXACT_COUNTERS
-from contextpaw.windows import Budget, Budgeter, Fetch, NoDiscovery, BackendWindows
+from contextpaw.windows import BackendWindows, Budget, Budgeter, Fetch, NoDiscovery
 
 logger = logs.get(__name__)
 
-OFFLOAD_BYTES = 256 * 1024
-OFFLOAD_MESSAGES = 500
-"""Bodies above this size, or with more messages than this, are parsed and compacted in a worker
-thread, so other flows keep moving."""
 VERIFY_ROUNDS = 4
 """Refits after the server's whole-request count said a fit was still over the budget."""
 MAX_RESCUES = 3
@@ -90,14 +86,6 @@ class Services(Protocol):
         ...
 
 
-def is_big(raw: bytes) -> bool:
-    return len(raw) > OFFLOAD_BYTES or raw.count(b'"role"') > OFFLOAD_MESSAGES
-
-
-async def off_loop[T](big: bool, fn: Callable[[], T]) -> T:
-    return await asyncio.to_thread(fn) if big else fn()
-
-
 Fit = Callable[[Budget], Fitted]
 """One fit of a parsed request with its counter and template cost, to a budget."""
 
@@ -120,11 +108,6 @@ def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
     return {marker_id: encode(content) for marker_id, content in evicted.items()}
 
 
-def calibration_key(backend: wire.Backend, model: str) -> str:
-    """Calibration is learned per kind of server and model: each tokenizes and templates its own way."""
-    return f"{backend.kind}/{model}"
-
-
 async def _guard(state: FlowState, big: bool) -> str | None:
     """The request's content kind where a cut cannot be forbidden (it sizes the guard); else None."""
     return await off_loop(big, lambda: content_kind(state.original)) if _uncapped(state) else None
@@ -133,17 +116,6 @@ async def _guard(state: FlowState, big: bool) -> str | None:
 def _uncapped(state: FlowState) -> bool:
     """Ollama's `/v1` routes cannot carry `truncate: false`: a prompt over the window is cut there."""
     return state.backend.kind == wire.Kind.OLLAMA and state.route.name not in NATIVE_OLLAMA
-
-
-def _rough(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
-    """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it.
-    A system prompt sent beside the messages (Anthropic's `system`, the Responses `instructions`)
-    counts too: alone it can overflow the window, and the server's count must then decide."""
-    fixed = counter.text(parsed.fixed_text)
-    if isinstance(parsed, wire.Chat):
-        conversation = parsed.conversation
-        return fixed + counter.tools(conversation.tools) + sum(counter.message(m) for m in conversation.messages)
-    return fixed + counter.text(parsed.prompt)
 
 
 class Fitter:
@@ -158,6 +130,7 @@ class Fitter:
         self.windows = BackendWindows(services.fetch)
         self.estimate = EstimateCounter()
         self.calibration = Calibration()
+        self.counters = CounterChoice(services, self.windows, self.calibration, self.estimate, settings)
         self.answers = AnswerCheck(self.calibration, stats)
         """Each answer's count of what was evaluated, checked (the verdict) and learned from."""
         self.summarizer: Summarizer | None = None
@@ -170,6 +143,7 @@ class Fitter:
         self.settings = settings
         self.summarizer = summarizer
         self.answers.calibrate = settings.calibrate
+        self.counters.settings = settings
         self.windows.ollama_default = settings.ollama_context_length or None
         self.budgeter = Budgeter(
             default_ctx=settings.default_ctx,
@@ -357,60 +331,6 @@ class Fitter:
 
     # -- counting -------------------------------------------------------------------------------
 
-    def _calibrated(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt) -> Counter:
-        return self.calibration.counter(calibration_key(backend, parsed.params.model), self.estimate)
-
-    async def _small(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int, big: bool) -> bool:
-        """Whether the estimate puts the request at under half the `budget`: then it cannot
-        overflow even if the estimate is off by two, and is not worth a call to the backend."""
-        return await off_loop(big, functools.partial(_rough, parsed, self._calibrated(backend, parsed))) <= budget // 2
-
-    async def counter_for(
-        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, small: bool = False, big: bool = False
-    ) -> tuple[Counter, int]:
-        """The best counter for this request, and the template's fixed cost when it is known.
-
-        Best source first: a tokenizer file the operator named; llama-server's own tokenizer and
-        template; the tokenizer in the GGUF file Ollama names for the model; the calibrated estimate,
-        which alone counts a `small` request.
-        """
-        model = parsed.params.model
-        calibrated = self._calibrated(backend, parsed)
-        if small:
-            return calibrated, 0
-        if self.settings.tokenizer:
-            named = await self.services.tokenizer(self.settings.tokenizer)
-            if named is not None:
-                return named, 0
-        if backend.kind == wire.Kind.LLAMACPP:
-            counted = await self.services.counting.counter(
-                backend.url, parsed.texts, calibrated, chat=isinstance(parsed, wire.Chat), has_system=parsed.has_system,
-                big=big,
-            )
-            if counted is not None:
-                return counted
-        elif (gguf := await self._ollama_model_file(backend, model)) is not None:
-            local = await self.services.tokenizer(gguf)
-            if local is not None:
-                return local, 0
-        return calibrated, 0
-
-    async def _ollama_model_file(self, backend: wire.Backend, model: str) -> str | None:
-        """The model's GGUF blob, when Ollama's Modelfile names one (the services say whether this
-        machine can read it)."""
-        show = await self.windows.show(backend, model)
-        return show.model_file if show is not None else None
-
-    async def _exact_total(
-        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, sent: Mapping[str, Any], big: bool
-    ) -> int | None:
-        """llama-server's own count of a whole chat as it renders it (template, system blocks and
-        tools included); None where there is none (other backends, raw prompts, a failed call)."""
-        if backend.kind != wire.Kind.LLAMACPP or not isinstance(parsed, wire.Chat):
-            return None
-        path, counted = parsed.counted(sent)
-        return await self.services.counting.total(backend.url, counted, path=path, big=big)
-
     async def _verified(
         self, parsed: wire.Chat | wire.Prompt, fitted: Fitted, budget: Budget, backend: wire.Backend, big: bool, fit: Fit
     ) -> Fitted:
@@ -425,7 +345,7 @@ class Fitter:
         tightened = budget
         for _ in range(VERIFY_ROUNDS):
             sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
-            total = await self._exact_total(backend, parsed, sent, big)
+            total = await self.counters.exact_total(backend, parsed, sent, big)
             if total is None:
                 fitted.report.exact = False
                 return fitted
@@ -465,11 +385,11 @@ class Fitter:
         instead of cutting), an inexact count gets a budget its upper error bound still fits in,
         where what must be kept allows it: a cut there cannot be undone. Once calibration knows
         this kind of text, that bound is what it learned, not the estimate's whole width."""
-        small = await self._small(backend, parsed, budget.tokens, big)
-        counter, fixed = await self.counter_for(backend, parsed, small, big)
+        small = await self.counters.small(backend, parsed, budget.tokens, big)
+        counter, fixed = await self.counters.best(backend, parsed, small, big)
         # a request that may not fit is counted whole where the server can (even when its per-text
         # counting failed: the whole count is one call, and the decision rests on it)
-        whole = None if small else await self._exact_total(backend, parsed, parsed.body, big)
+        whole = None if small else await self.counters.exact_total(backend, parsed, parsed.body, big)
         if whole is not None:
             if whole <= budget.admits:
                 as_sent = Report(False, "none", whole, whole, budget.admits, counter="backend", exact=True, window=budget.window)
@@ -559,7 +479,7 @@ class Fitter:
         name = s.summarizer_model or parsed.params.model
         window = budget.window if target == backend else await self.windows.window(target, name) or budget.window
         complete = self.services.completions(target.url, name, s.summarizer_timeout, state.authorization)
-        counter, _ = await self.counter_for(target, parsed)
+        counter, _ = await self.counters.best(target, parsed)
         return SummaryModel(complete, f"{target.url}/{name}", window, counter)
 
     # -- the rescue after an upstream overflow -------------------------------------------------

@@ -1,0 +1,101 @@
+"""Which counter counts a request: the best source the settings and the backend allow.
+
+A tokenizer file the operator named; llama-server's own tokenizer and template (and its count of a
+whole request); the tokenizer in the GGUF file Ollama names for the model; else the estimate,
+calibrated by what the backend reported before. What needs the network goes through the fitter's
+`Services`, so this stays testable without sockets.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from contextpaw import wire
+from contextpaw.calibration import Calibration, calibration_key
+from contextpaw.offload import off_loop
+from contextpaw.settings import FitSettings
+from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.windows import BackendWindows
+
+if TYPE_CHECKING:
+    from contextpaw.fitter import Services
+
+
+class CounterChoice:
+    """Picks and asks the counters for one request at a time."""
+
+    def __init__(
+        self, services: Services, windows: BackendWindows, calibration: Calibration, estimate: EstimateCounter, settings: FitSettings
+    ) -> None:
+        self.services = services
+        self.windows = windows
+        self.calibration = calibration
+        self.estimate = estimate
+        self.settings = settings
+
+    def calibrated(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt) -> Counter:
+        return self.calibration.counter(calibration_key(backend, parsed.params.model), self.estimate)
+
+    async def small(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int, big: bool) -> bool:
+        """Whether the estimate puts the request at under half the `budget`: then it cannot
+        overflow even if the estimate is off by two, and is not worth a call to the backend."""
+        return await off_loop(big, functools.partial(_rough, parsed, self.calibrated(backend, parsed))) <= budget // 2
+
+    async def best(
+        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, small: bool = False, big: bool = False
+    ) -> tuple[Counter, int]:
+        """The best counter for this request, and the template's fixed cost when it is known.
+
+        Best source first: a tokenizer file the operator named; llama-server's own tokenizer and
+        template; the tokenizer in the GGUF file Ollama names for the model; the calibrated estimate,
+        which alone counts a `small` request.
+        """
+        model = parsed.params.model
+        calibrated = self.calibrated(backend, parsed)
+        if small:
+            return calibrated, 0
+        if self.settings.tokenizer:
+            named = await self.services.tokenizer(self.settings.tokenizer)
+            if named is not None:
+                return named, 0
+        if backend.kind == wire.Kind.LLAMACPP:
+            counted = await self.services.counting.counter(
+                backend.url, parsed.texts, calibrated, chat=isinstance(parsed, wire.Chat), has_system=parsed.has_system,
+                big=big,
+            )
+            if counted is not None:
+                return counted
+        elif (gguf := await self._model_file(backend, model)) is not None:
+            local = await self.services.tokenizer(gguf)
+            if local is not None:
+                return local, 0
+        return calibrated, 0
+
+    async def _model_file(self, backend: wire.Backend, model: str) -> str | None:
+        """The model's GGUF blob, when Ollama's Modelfile names one (the services say whether this
+        machine can read it)."""
+        show = await self.windows.show(backend, model)
+        return show.model_file if show is not None else None
+
+    async def exact_total(
+        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, sent: Mapping[str, Any], big: bool
+    ) -> int | None:
+        """llama-server's own count of a whole chat as it renders it (template, system blocks and
+        tools included); None where there is none (other backends, raw prompts, a failed call)."""
+        if backend.kind != wire.Kind.LLAMACPP or not isinstance(parsed, wire.Chat):
+            return None
+        path, counted = parsed.counted(sent)
+        return await self.services.counting.total(backend.url, counted, path=path, big=big)
+
+
+def _rough(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
+    """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it.
+    A system prompt sent beside the messages (Anthropic's `system`, the Responses `instructions`)
+    counts too: alone it can overflow the window, and the server's count must then decide."""
+    fixed = counter.text(parsed.fixed_text)
+    if isinstance(parsed, wire.Chat):
+        conversation = parsed.conversation
+        return fixed + counter.tools(conversation.tools) + sum(counter.message(m) for m in conversation.messages)
+    return fixed + counter.text(parsed.prompt)
