@@ -37,7 +37,8 @@ from contextpaw.fitter import Fitter
 from contextpaw.flow import FlowState, Refuse
 from contextpaw.offload import OFFLOAD_BYTES, off_loop
 from contextpaw.ledger import FailureLedger
-from contextpaw.relay import ERROR_HEADER, FLOW_HEADER, Failure, Relay, Timeouts
+from contextpaw.exchange import ERROR_HEADER, FLOW_HEADER, Failure, Timeouts
+from contextpaw.relay import Relay
 from contextpaw.rescue import Decide, rescued
 from contextpaw.headers import HOP_HEADERS
 from contextpaw.replies import ADMIN_MARK, COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply

@@ -28,7 +28,7 @@ from contextpaw import wire
 from contextpaw.addon import AdminEndpoints, Compactor, Upstream
 from contextpaw.backends import BACKEND_HEADER, Backends
 from contextpaw.compose import make_addons
-from contextpaw.relay import FLOW_HEADER
+from contextpaw.exchange import FLOW_HEADER
 from contextpaw.replies import REFUSED_MARK
 from contextpaw.settings import FitSettings
 from contextpaw.views import ORIGINAL

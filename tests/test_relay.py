@@ -18,8 +18,9 @@ from typing import Any
 import h11
 import pytest
 
-from contextpaw.relay import ERROR_HEADER as ERROR_NAME
-from contextpaw.relay import FLOW_HEADER, Failure, Relay, Timeouts
+from contextpaw.exchange import ERROR_HEADER as ERROR_NAME
+from contextpaw.exchange import FLOW_HEADER, Failure, Timeouts
+from contextpaw.relay import Relay
 
 ERROR_HEADER = ERROR_NAME.encode()
 
@@ -550,7 +551,7 @@ async def test_a_request_the_backend_took_and_dropped_is_answered_502_never_sent
 async def test_a_kept_connection_idle_too_long_is_not_reused(relay: Running, backends, tunnels, monkeypatch) -> None:
     import contextpaw.relay
 
-    monkeypatch.setattr(contextpaw.relay, "KEEP_ALIVE_S", 0.05)
+    monkeypatch.setattr(contextpaw.exchange, "KEEP_ALIVE_S", 0.05)
 
     async def handler(conn: BackendConn) -> None:
         request = await conn.read_request()
