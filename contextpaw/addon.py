@@ -236,17 +236,25 @@ class Compactor:
         """The answer's body, decoded. A compressed one is inflated off the event loop with the
         request's limit (`contextpaw_max_body_mb`), and goes on decoded; one that does not decode
         within it, or in an encoding not read here, is None (passed on as it came). mitmproxy's own
-        decoding would run on the loop, unbounded: a 0.5 MB gzip of 512 MB stalled every client."""
+        decoding would run on the loop, unbounded: a 0.5 MB gzip of 512 MB stalled every client.
+        An answer over the limit is not read either: parsing JSON holds the interpreter's lock for the
+        whole call, even in a worker thread (a 300 MB answer held every other client 7 s); no chat
+        answer is that long, and it goes on as it came, saying that its count was not checked."""
         response = flow.response
         assert response is not None
         raw = response.raw_content or b""
+        limit = self.backends.settings.max_body_bytes
+        if len(raw) > limit:
+            logger.warning("%s: an answer of %d bytes was passed on unread (contextpaw_max_body_mb)", flow.request.path, len(raw))
+            response.headers["X-ContextPaw-Error"] = f"the answer ({len(raw):,} bytes) is over contextpaw_max_body_mb: passed on unread, its count not checked"
+            return None
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding in ("", "identity"):
             return raw
         if encoding not in inflate.ENCODINGS:
             return None
         try:
-            body = await asyncio.to_thread(inflate.inflate, raw, encoding, self.backends.settings.max_body_bytes)
+            body = await asyncio.to_thread(inflate.inflate, raw, encoding, limit)
         except (inflate.TooLarge, ValueError) as e:
             logger.warning("%s: the answer was passed on as it came, without the report: %s", flow.request.path, e)
             return None

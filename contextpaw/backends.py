@@ -29,6 +29,10 @@ logger = logs.get(__name__)
 
 BACKEND_HEADER = "X-ContextPaw-Backend"
 HEALTH_PROBE_WAIT_S = 0.5
+MAX_BODY_MB = 32
+"""Parsing JSON holds the interpreter's lock for the whole call, worker thread or not (about 20-65 ms
+a megabyte): a 256 MB limit let one request stall every client for seconds. 32 MB is eight million
+tokens of text, far beyond any local window, and leaves room for a session's images."""
 OPTIONS = {"contextpaw_ollama", "contextpaw_llamacpp", "contextpaw_max_body_mb", "contextpaw_relay"}
 
 
@@ -122,8 +126,9 @@ class Backends:
     def load(self, loader: Any) -> None:
         loader.add_option("contextpaw_ollama", Sequence[str], [], "Ollama backend URL (repeatable).")
         loader.add_option("contextpaw_llamacpp", Sequence[str], [], "llama-server backend URL (repeatable).")
-        loader.add_option("contextpaw_max_body_mb", int, 256,
-                          "Model requests (chat, generate, completions) above this many megabytes are refused with a 413.")  # fmt: skip
+        loader.add_option("contextpaw_max_body_mb", int, MAX_BODY_MB,
+                          "Model requests (chat, generate, completions) above this many megabytes are refused with a 413, "
+                          "and answers above it are passed on unread.")  # fmt: skip
         loader.add_option("contextpaw_relay", bool, True,
                           "Send handled requests through ContextPaw's relay, which answers a failing backend "
                           "in the caller's API (JSON 502/504, or an error record in a stream).")  # fmt: skip

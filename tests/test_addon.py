@@ -637,3 +637,16 @@ async def test_composed_proxy_inflates_a_compressed_request_once_and_carries_and
     flow.response = http.Response.make(200, b"{}")
     proxy.upstream.response(flow)
     assert proxy.upstream.relay.rescue(flow.id) is None and FLOW_HEADER not in flow.request.headers, "forgotten once answered"
+
+
+async def test_an_answer_over_the_limit_is_passed_on_unread_and_says_so(compactor: Alone[Compactor], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing holds the interpreter's lock even in a worker thread: a 300 MB answer stalled every
+    other client for seconds. One over the limit is not parsed at all."""
+    shared = compactor.addon.backends
+    shared.settings = dataclasses.replace(shared.settings, max_body_bytes=1 << 20)
+    flow = to_ollama("/api/chat", long_chat())
+    await compactor.send(flow)
+    huge = b'{"done": true, "prompt_eval_count": 900, "pad": "' + b" " * (2 << 20) + b'"}'
+    monkeypatch.setattr(json, "loads", lambda *a, **k: pytest.fail("an answer over the limit was parsed"))
+    response = await compactor.answer(flow, http.Response.make(200, huge, {"Content-Type": "application/json"}))
+    assert response.raw_content == huge and "passed on unread" in response.headers["X-ContextPaw-Error"]

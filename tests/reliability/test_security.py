@@ -1,7 +1,7 @@
 """Security: loopback-only listening, the admin endpoints' guard, the client's credentials passed on
 untouched, request-size limits, and no endpoint that starts or stops anything.
 
-Body size: a model request over `contextpaw_max_body_mb` (default 256) gets a 413 in the caller's
+Body size: a model request over `contextpaw_max_body_mb` (default 32) gets a 413 in the caller's
 API; other routes (Ollama's blob uploads) are not limited; a ~100 MB body goes through in bounded
 time and memory (test_bad_input.py). mitmproxy's `body_size_limit`, checked before any hook, is the
 operator's hard cap on memory: what it refuses gets mitmproxy's own page.
