@@ -9,20 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpaw.summarize import (
-    CUT_NOTE,
-    ChatCompletions,
-    Sizes,
-    SummaryFailed,
-    Summarizer,
-    SummaryModel,
-    map_prompt,
-    plan_batches,
-    plan_chunks,
-    reduce_prompt,
-    render_span,
-    shorten,
-)
+from contextpaw.digests import CUT_NOTE, Sizes, map_prompt, plan_batches, plan_chunks, reduce_prompt, render_span, shorten
+from contextpaw.summarize import ChatCompletions, SummaryFailed, Summarizer, SummaryModel
 from contextpaw.tokens import EstimateCounter
 from support.common import running
 from support.fake_llamacpp import LlamaSettings, fake_llamacpp_app
