@@ -650,3 +650,17 @@ async def test_an_answer_over_the_limit_is_passed_on_unread_and_says_so(compacto
     monkeypatch.setattr(json, "loads", lambda *a, **k: pytest.fail("an answer over the limit was parsed"))
     response = await compactor.answer(flow, http.Response.make(200, huge, {"Content-Type": "application/json"}))
     assert response.raw_content == huge and "passed on unread" in response.headers["X-ContextPaw-Error"]
+
+
+def test_the_options_page_lists_every_option_with_its_default_as_the_addons_declare_it() -> None:
+    """docs/options.md is checked against what the addons load, so it cannot drift from them."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
+    documented = {m["name"]: m["default"].strip() for m in re.finditer(r"^\| `(?P<name>contextpaw_\w+)` \| [^|]+ \| (?P<default>[^|]+) \|", page, re.M)}
+    with taddons.context(*make_addons()) as tctx:
+        declared = {name: tctx.options._options[name].default for name in tctx.options.keys() if name.startswith("contextpaw_")}
+    assert documented.keys() == declared.keys()
+    for name, default in declared.items():  # an empty default may be shown as what it comes to
+        assert default in (None, "", []) or documented[name] == str(default), name
