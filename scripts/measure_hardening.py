@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+from contextpaw.backends import MAX_BODY_MB
 from support.backends import ADDON, Backend, free_port, start_process
 from support.common import LOOPBACK
 
@@ -411,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             backend, ping_backend = backends
             options = [f"contextpaw_llamacpp={backend.url}", f"contextpaw_state_dir={work / 'state'}", "flow_detail=0",
                        "contextpaw_request_read_timeout=5", "contextpaw_output_reserve=128",
-                       f"contextpaw_max_body_mb={256 // scale}"]  # fmt: skip
+                       f"contextpaw_max_body_mb={MAX_BODY_MB // scale}"]  # the default, scaled as the attacks are  # fmt: skip
             stale = work / "state" / "contextpaw-calibration.json.killed.tmp"
             stale.parent.mkdir(parents=True)
             stale.write_text("{")  # what a write killed half-way leaves (N11)
