@@ -10,9 +10,12 @@ Rules, in order of precedence:
 2. The task (first user message), the current request (last user message) and the last
    `keep_recent` messages are never deleted. Tool units
    (a call and all of its results) are kept or evicted whole.
-3. Everything else is evictable, biggest unit first. Units evicted last turn stay evicted (sticky), so
-   the prompt's prefix, and the server's prefix cache, survive from one turn to the next; when that
-   is not enough, the units after the last hole go first, with some headroom for the next turns.
+3. Everything else is evictable, biggest unit first. Last turn's cuts are made again (evicted units
+   stay evicted, shrunk messages are cut at the same characters), so the prompt's prefix, and the
+   server's prefix cache, survive from one turn to the next; when that is not enough, only what
+   comes after the last cut is cut (latest first, with headroom for the next turns), unless the
+   budget cannot hold the prefix with what must follow: then its latest units go, and the report
+   says so (`EARLIER_CUT`).
 4. If evicting all of that is not enough, protected messages are shrunk middle-out, biggest first,
    round after round (a message's cost does not fall exactly with its text) until it fits or
    nothing more can go: a fit never ends a few tokens short.

@@ -140,7 +140,7 @@ def test_each_turn_resends_the_last_turns_prompt_through_its_last_marker_unless_
             prefix = sum(counter.message(Message.from_wire(m)) for m in sent[:last])
             marker = min(counter.message(Message.from_wire(sent[last])), least_marker(counter))  # it stays, in some form
             least = marker + least_after(msgs, keep_recent, boundary(sent, last, sent_removals), counter)
-            assert prefix > budget * (1 - HEADROOM) - SLACK or prefix + least > budget - SLACK, notes
+            assert prefix + marker > budget * (1 - HEADROOM) - SLACK or prefix + least > budget - SLACK, notes
         elif last is not None and shrunk_only(sent[last], sent_removals) and prompt[last : last + 1] != sent[last : last + 1]:
             assert notes, f"the shrunk message {last} was cut anew without saying so"
         assert result.report.final_tokens <= budget
