@@ -101,7 +101,7 @@ class Calibration:
         self.ratios: LRU = LRU(MAX_KEYS)
         """Key -> recent ratios; bounded, since a key holds the model name the client sent."""
         self.kinds: LRU = LRU(MAX_KEYS)
-        """(key, content kind) -> recent ratios of texts of that kind."""
+        """(key, content kind) -> recent (estimated size, ratio) of requests of that kind."""
         self.refused = 0
 
     def factor(self, key: str) -> float:
@@ -123,11 +123,14 @@ class Calibration:
         factor = self.factor(key)
         return ESTIMATE_BOUNDS[0] / factor, ESTIMATE_BOUNDS[1] / factor
 
-    def kind_bound(self, key: str, kind: str) -> float | None:
-        """How many times too low this key's calibrated count of a text of `kind` can be, once
-        enough texts of that kind were learned from and they agreed; None while it is not known."""
-        ratios = self.kinds.get((key, kind))
-        if ratios is None or len(ratios) < EARLY_SAMPLES or max(ratios) > KIND_SPREAD * min(ratios):
+    def kind_bound(self, key: str, kind: str, estimated: int) -> float | None:
+        """How many times too low this key's calibrated count of a request of `kind`, `estimated`
+        tokens by the base estimate, can be: known once enough requests of that kind and at least
+        half that size were learned from and they agreed; else None. (A small request says little
+        of a big one: the template's fixed cost weighs in its ratio.)"""
+        learned = self.kinds.get((key, kind)) or ()
+        ratios = [ratio for size, ratio in learned if 2 * size >= estimated]
+        if len(ratios) < EARLY_SAMPLES or max(ratios) > KIND_SPREAD * min(ratios):
             return None
         return max(max(ratios) * KIND_SLACK / self.factor(key), 1.0)
 
@@ -139,12 +142,12 @@ class Calibration:
             ratio = reported / estimated
             self._learn(self.ratios, key, ratio)
             if kind is not None:
-                self._learn(self.kinds, (key, kind), ratio)
+                self._learn(self.kinds, (key, kind), (estimated, ratio))
         else:
             self.refused += 1
         return verdict
 
-    def _learn(self, table: LRU, key: object, ratio: float) -> None:
+    def _learn(self, table: LRU, key: object, ratio: object) -> None:
         ratios = table.get(key)
         if ratios is None:
             table.put(key, ratios := deque(maxlen=self.window))
@@ -175,7 +178,7 @@ class Calibration:
     def state(self) -> dict[str, object]:
         return {
             "ratios": {k: list(v) for k, v in self.ratios.items()},
-            "kinds": [[key, kind, list(v)] for (key, kind), v in self.kinds.items()],
+            "kinds": [[key, kind, [list(pair) for pair in v]] for (key, kind), v in self.kinds.items()],
         }
 
     def restore(self, state: object) -> bool:
@@ -185,7 +188,8 @@ class Calibration:
             for k, v in state["ratios"].items():  # type: ignore[index]
                 ratios.put(str(k), self._restored(v))
             for key, kind, v in state.get("kinds", []):  # type: ignore[union-attr]  # absent in older files
-                kinds.put((str(key), str(kind)), self._restored(v))
+                pairs = ((int(size), float(ratio)) for size, ratio in v)
+                kinds.put((str(key), str(kind)), deque((p for p in pairs if p[1] > 0), maxlen=self.window))
             self.ratios, self.kinds = ratios, kinds
             return True
         except (ValueError, KeyError, TypeError, AttributeError):

@@ -41,7 +41,7 @@ class CounterChoice:
     async def small(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int, big: bool) -> bool:
         """Whether the estimate puts the request at under half the `budget`: then it cannot
         overflow even if the estimate is off by two, and is not worth a call to the backend."""
-        return await off_loop(big, functools.partial(_rough, parsed, self.calibrated(backend, parsed))) <= budget // 2
+        return await off_loop(big, functools.partial(rough_size, parsed, self.calibrated(backend, parsed))) <= budget // 2
 
     async def best(
         self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, small: bool = False, big: bool = False
@@ -90,7 +90,7 @@ class CounterChoice:
         return await self.services.counting.total(backend.url, counted, path=path, big=big)
 
 
-def _rough(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
+def rough_size(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
     """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it.
     A system prompt sent beside the messages (Anthropic's `system`, the Responses `instructions`)
     counts too: alone it can overflow the window, and the server's count must then decide."""

@@ -24,7 +24,7 @@ from contextpaw import logs, wire
 from contextpaw.answers import AnswerCheck
 from contextpaw.calibration import Calibration, calibration_key, content_kind
 from contextpaw.compact import BudgetTooSmall, Plan
-from contextpaw.counters import CounterChoice
+from contextpaw.counters import CounterChoice, rough_size
 from contextpaw.evicted import EvictedStore, encode
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.flow import UNCHANGED, Decision, FlowState, Forward, Phase, Refuse
@@ -201,8 +201,9 @@ class Fitter:
             return UNCHANGED
         self._place(state, parsed.params.model)
         budget = await self.budgeter.budget(state.backend, parsed.params)
+        kind = await _guard(state, big)
         try:
-            fitted = await self._compact(parsed, budget, state.backend, big, guard=await _guard(state, big))
+            fitted = await self._compact(parsed, budget, state.backend, big, guard=kind)
         except BudgetTooSmall as e:
             if policy != "off":
                 return self._refuse(state, budget.impossible(e), e.counter)
@@ -216,7 +217,7 @@ class Fitter:
         if report.counter == "calibrated":
             sent = fitted.body if fitted.body is not None else state.original
             state.calibration = (key, self.calibration.factor(key), await off_loop(big, lambda: content_kind(sent)))
-        state.bounds = self._bounds(parsed, report, key)
+        state.bounds = self._bounds(parsed, report, key, kind)
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
             state.observed, state.sent_tokens, state.uncuttable = report, report.original_tokens, said
@@ -264,14 +265,18 @@ class Fitter:
         note = f"fits by its size: at most {bound} tokens ({len(raw)} bytes and the template's allowance)"
         return Report(False, "none", bound, bound, admits, counter=SIZE_BOUND, window=window, notes=[note])
 
-    def _bounds(self, parsed: wire.Chat | wire.Prompt, report: Report, key: str) -> tuple[float, float]:
+    def _bounds(self, parsed: wire.Chat | wire.Prompt, report: Report, key: str, kind: str | None) -> tuple[float, float]:
         """How far the true size of what is sent can be from our count of it, for the verdict.
 
         A count of each text is exact for the texts, not for how the server renders them: a
         template may leave the tool definitions out (SmolLM2's does) and spend fewer tokens per
         message than we allow. So the low bound leaves those out: what was surely sent is the
-        rest. Only the server's count of the whole request is exact as a whole."""
+        rest. Only the server's count of the whole request is exact as a whole. The high bound is
+        the guard's: what calibration learned of this kind of request, where it knows it."""
         low, high = EXACT_BOUNDS if report.exact else self.calibration.bounds(key)
+        if kind is not None and report.counter == "calibrated":
+            size = round(report.final_tokens / self.calibration.factor(key))
+            high = self.calibration.kind_bound(key, kind, size) or high
         if report.counter == "backend" or not isinstance(parsed, wire.Chat) or report.final_tokens <= 0:
             return low, high
         conversation = parsed.conversation
@@ -398,7 +403,8 @@ class Fitter:
         guarded = budget
         if guard is not None and not counter.exact:
             key = calibration_key(backend, parsed.params.model)
-            learned = self.calibration.kind_bound(key, guard)
+            size = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
+            learned = self.calibration.kind_bound(key, guard, size)
             guarded = budget.within(learned if learned is not None else self.calibration.bounds(key)[1])
         fit: Callable[..., Fitted]
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in

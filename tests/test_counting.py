@@ -272,18 +272,27 @@ def test_a_kind_is_bounded_by_what_was_learned_of_it_once_three_samples_agree():
     cal = Calibration()
     for n in (1000, 2000):
         cal.observe("k", n, int(n * 0.8), whole=True, kind="prose")
-    assert cal.kind_bound("k", "prose") is None, "two samples are not yet a kind"
+    assert cal.kind_bound("k", "prose", 2000) is None, "two samples are not yet a kind"
     cal.observe("k", 3000, 2400, whole=True, kind="prose")
-    bound = cal.kind_bound("k", "prose")
+    bound = cal.kind_bound("k", "prose", 2000)
     assert bound is not None and 1.0 <= bound <= 1.1
-    assert cal.kind_bound("k", "code") is None and cal.kind_bound("other", "prose") is None
+    assert cal.kind_bound("k", "code", 2000) is None and cal.kind_bound("other", "prose", 2000) is None
+
+
+def test_small_requests_of_a_kind_do_not_bound_a_much_bigger_one():
+    """The template's fixed cost weighs in a small request's ratio: it says little of one ten times its size."""
+    cal = Calibration()
+    for n in (400, 450, 500):
+        cal.observe("k", n, n, whole=True, kind="dense")
+    assert cal.kind_bound("k", "dense", 700) is not None
+    assert cal.kind_bound("k", "dense", 4000) is None
 
 
 def test_a_kind_whose_samples_disagree_keeps_no_bound_of_its_own():
     cal = Calibration()
     for ratio in (0.6, 0.8, 1.0):
         cal.observe("k", 1000, int(1000 * ratio), whole=True, kind="mixed")
-    assert cal.kind_bound("k", "mixed") is None
+    assert cal.kind_bound("k", "mixed", 1000) is None
 
 
 def test_what_was_learned_of_kinds_survives_a_restart():
@@ -292,5 +301,5 @@ def test_what_was_learned_of_kinds_survives_a_restart():
         cal.observe("k", n, n, whole=True, kind="prose")
     again = Calibration()
     assert again.restore(json.loads(json.dumps(cal.state())))
-    assert again.kind_bound("k", "prose") == cal.kind_bound("k", "prose")
+    assert again.kind_bound("k", "prose", 2000) == cal.kind_bound("k", "prose", 2000) is not None
     assert again.restore({"ratios": {"k": [1.0]}}), "a file from before kinds were kept still restores"

@@ -605,15 +605,17 @@ async def learned(f: Fitter, body: dict[str, Any], ratio: float) -> FlowState:
 
 async def test_on_a_route_that_cannot_forbid_a_cut_a_kind_of_text_calibration_knows_is_not_evicted_for_the_estimates_width() -> None:
     """The estimate can be 3.3 times too low for some text, so an unknown text on Ollama's /v1 route
-    is cut to a third of the window; once calibration has seen this kind of text counted whole, what
-    its count shows fits goes out unchanged."""
+    is cut to a third of the window; once calibration has seen this kind of text counted whole, at
+    sizes up to half the request's, what its count shows fits goes out unchanged."""
     f = fitter(default_ctx=4096, output_reserve=0)
     near = prose_chat(words=2400)
     before = state(near, OPENAI, OLLAMA)
     await f.fit(before)
     assert before.report is not None and before.report.compacted, "unknown text: the estimate's width guards"
-    for words in (1800, 2000, 2200):
-        await learned(f, prose_chat(words), ratio=0.9)
+    for words in (1800, 2000, 2200):  # cut by the guard, and learned from as sent
+        assert (await learned(f, prose_chat(words), ratio=0.9)).report.compacted
+    for words in (1300, 1400, 1500):  # up to twice what was learned goes out whole, and is learned from
+        assert not (await learned(f, prose_chat(words), ratio=0.9)).report.compacted
     after = state(near, OPENAI, OLLAMA)
     assert await f.fit(after) == UNCHANGED
     assert after.report is not None and not after.report.compacted and after.report.counter == "calibrated"
