@@ -139,6 +139,11 @@ class PromptResult:
     report: Report
 
 
+NEAR_MISS_TOKENS = 32
+"""A refusal short by at most this many tokens (or a fiftieth of the budget) is first searched for a
+fit: the engine's own steps can overshoot the least it names."""
+
+
 def compact_chat(
     conversation: Conversation,
     budget: int,
@@ -162,9 +167,29 @@ def compact_chat(
     limit = budget if admit is None else max(admit, budget)
     if fixed + sum(cost) <= limit:  # the common case, decided before any of the bookkeeping
         return ChatResult(None, _as_sent(fixed + sum(cost), limit, counter), Plan())
-    run = _ChatCompaction(conversation, budget, counter, keep_recent, previous or Plan(), fixed, cost)
-    run.digests = dict(digests or {})
-    return run.run()
+    def fit(within: int) -> ChatResult:
+        run = _ChatCompaction(conversation, within, counter, keep_recent, previous or Plan(), fixed, cost)
+        run.digests = dict(digests or {})
+        return run.run()
+
+    try:
+        return fit(budget)
+    except BudgetTooSmall as short:
+        # The engine's steps (whole units out, middle-out shrinks) can overshoot what it names as
+        # the least: granted the few tokens it says it lacks, the same steps may land within the
+        # first budget. A bounded search for that fit, before a refusal a few tokens short.
+        shortfall = short.required - budget
+        if not 0 < shortfall <= max(NEAR_MISS_TOKENS, budget // 50):
+            raise
+        for extra in (shortfall, 2 * shortfall + MARKER_SLACK, 4 * shortfall + 2 * MARKER_SLACK):
+            try:
+                nearer = fit(budget + extra)
+            except BudgetTooSmall:
+                continue
+            if nearer.report.final_tokens <= budget:
+                nearer.report.budget = budget
+                return nearer
+        raise
 
 
 def _as_sent(tokens: int, budget: int, counter: Counter) -> Report:
