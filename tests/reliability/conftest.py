@@ -361,8 +361,11 @@ def start_mitmdump(workdir: Path, log_name: str, upstreams: dict[str, str], *ext
 @pytest.fixture(scope="session")
 def roomy_proxy(workdir: Path, ollama: Backend) -> Iterator[Proxy]:
     """mitmdump in front of the fake Ollama with mitmproxy's own tcp_timeout: a huge body takes a while
-    to upload and parse on a loaded machine, and must not meet the fault proxy's short one."""
-    running_proxy = start_mitmdump(workdir, "roomy", {"ollama": ollama.url}, "--set", "flow_detail=0")
+    to upload and parse on a loaded machine, and must not meet the fault proxy's short one. Its body
+    limit is raised above the 32 MB default, for a body that is big on purpose."""
+    running_proxy = start_mitmdump(
+        workdir, "roomy", {"ollama": ollama.url}, "--set", "flow_detail=0", "--set", "contextpaw_max_body_mb=256"
+    )
     with running_proxy.process:
         yield running_proxy
 
