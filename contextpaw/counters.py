@@ -94,8 +94,6 @@ def rough_size(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
     """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it.
     A system prompt sent beside the messages (Anthropic's `system`, the Responses `instructions`)
     counts too: alone it can overflow the window, and the server's count must then decide."""
-    fixed = counter.text(parsed.fixed_text)
     if isinstance(parsed, wire.Chat):
-        conversation = parsed.conversation
-        return fixed + counter.tools(conversation.tools) + sum(counter.message(m) for m in conversation.messages)
-    return fixed + counter.text(parsed.prompt)
+        return parsed.tokens(counter)
+    return counter.text(parsed.fixed_text) + counter.text(parsed.prompt)

@@ -216,7 +216,9 @@ class Fitter:
         key = calibration_key(state.backend, parsed.params.model)
         if report.counter == "calibrated":
             sent = fitted.body if fitted.body is not None else state.original
-            state.calibration = (key, self.calibration.factor(key), await off_loop(big, lambda: content_kind(sent)))
+            unchanged = fitted.body is None and kind is not None  # the guard read the same bytes
+            sent_kind = kind if unchanged else await off_loop(big, lambda: content_kind(sent))
+            state.calibration = (key, self.calibration.factor(key), sent_kind)
         state.bounds = self._bounds(parsed, report, key, kind)
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
@@ -225,7 +227,7 @@ class Fitter:
         if policy == "strict" and report.compacted:
             return self._refuse(state, budget.refusal(report.original_tokens), report.counter)
         if self.summarizer is not None and isinstance(parsed, wire.Chat) and report.evicted_tokens:
-            fitted = await self._summarized(state, parsed, fitted, budget, big)
+            fitted = await self._summarized(state, parsed, fitted, budget, big, kind)
             report = fitted.report
         body = fitted.body
         forbid = self._forbid_truncation(state.route, parsed, report, budget, state.bounds)
@@ -446,7 +448,7 @@ class Fitter:
     # -- digests of what was evicted ------------------------------------------------------------
 
     async def _summarized(
-        self, state: FlowState, parsed: wire.Chat, fitted: Fitted, budget: Budget, big: bool
+        self, state: FlowState, parsed: wire.Chat, fitted: Fitted, budget: Budget, big: bool, guard: str | None
     ) -> Fitted:
         """Put a digest of each evicted span where its marker goes, inside the budget.
 
@@ -458,7 +460,6 @@ class Fitter:
         assert self.summarizer is not None
         cap = self.settings.summary_tokens
         backend = state.backend
-        guard = await _guard(state, big)
         roomy = await self._compact(parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big, guard=guard)
         holes = {mid: content for mid, content in roomy.report.evicted.items() if not isinstance(content, str)}
         if not holes:
