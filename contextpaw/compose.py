@@ -9,11 +9,12 @@ from collections.abc import Callable
 
 from mitmproxy import contentviews
 
-from contextpaw.addon import AdminEndpoints, Compactor, Upstream
+from contextpaw.addon import Compactor, Upstream
 from contextpaw.arbitration import Arbitration
 from contextpaw.runtime import Arbiter, ArbiterSettings
 from contextpaw.backends import Backends
 from contextpaw.deadlines import RequestDeadlines
+from contextpaw.endpoints import AdminEndpoints
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitter import Fitter
 from contextpaw.heap import ReturnedMemory, StartupHeap

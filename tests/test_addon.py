@@ -25,7 +25,8 @@ from mitmproxy.proxy.layers.http import HttpRequestHeadersHook, HttpRequestHook,
 from mitmproxy.test import taddons, tflow, tutils
 
 from contextpaw import wire
-from contextpaw.addon import AdminEndpoints, Compactor, Upstream
+from contextpaw.addon import Compactor, Upstream
+from contextpaw.endpoints import AdminEndpoints
 from contextpaw.backends import BACKEND_HEADER, Backends
 from contextpaw.compose import make_addons
 from contextpaw.exchange import FLOW_HEADER

@@ -22,7 +22,7 @@ from mitmproxy.test import taddons
 from test_addon import get, post
 from test_runtime import NoGpu
 
-from contextpaw.addon import AdminEndpoints
+from contextpaw.endpoints import AdminEndpoints
 from contextpaw.compose import make_addons
 from contextpaw.arbitration import Arbitration
 from contextpaw.runtime import Arbiter, ArbiterCounters, ArbiterSettings, RuntimeUnavailable

@@ -21,7 +21,8 @@ from mitmproxy.proxy.layers.http import (  # imported for their registration in 
 from mitmproxy.test import taddons
 
 if TYPE_CHECKING:
-    from contextpaw.addon import AdminEndpoints, Compactor, Upstream
+    from contextpaw.addon import Compactor, Upstream
+    from contextpaw.endpoints import AdminEndpoints
     from contextpaw.backends import Backends
     from contextpaw.arbitration import Arbitration
 
