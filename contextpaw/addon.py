@@ -39,7 +39,7 @@ from contextpaw.rescue import Decide, rescued
 from contextpaw.headers import HOP_HEADERS
 from contextpaw.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply
 from contextpaw.session import PROBE_TIMEOUT_S, Session
-from contextpaw.settings import FitSettings, at_least
+from contextpaw.settings import RELAY_OPTIONS, FitSettings, RelaySettings, declare
 from contextpaw.state import LRU, KeptCalibration
 from contextpaw.streams import KEPT_STREAM, STREAM_TYPES, StreamReport, report_bytes, splice
 from contextpaw.summarize import Summarizer
@@ -50,9 +50,6 @@ TRUNCATION_FLAGGED = "contextpaw.truncation_flagged"
 
 logger = logs.get(__name__)
 
-RELAY_TIMEOUT_S = 540
-"""The relay's default header and idle timeouts: under mitmproxy's default `tcp_timeout` (600 s),
-which would otherwise close the client's connection first, without an answer."""
 CALIBRATION_FILE = "contextpaw-calibration.json"
 SUMMARY_FILE = "contextpaw-summaries.json"
 FIT_OPTIONS = {*FitSettings.options(), "confdir"}
@@ -74,8 +71,7 @@ class Compactor:
         self.kept: KeptCalibration | None = None
 
     def load(self, loader: Any) -> None:
-        for name, option in FitSettings.options().items():
-            loader.add_option(name, option.type, option.default, option.help, choices=option.choices)
+        declare(loader, FitSettings.options())
 
     def configure(self, updated: set[str]) -> None:
         if not FIT_OPTIONS & updated:
@@ -334,24 +330,20 @@ class Upstream:
         self.fitter = fitter
         self.states = states
         self.ledger = ledger
-        self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RELAY_TIMEOUT_S, RELAY_TIMEOUT_S), self._rescue)
+        self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RelaySettings().header_timeout, RelaySettings().idle_timeout), self._rescue)
         self._starting: asyncio.Task[None] | None = None
         self.carried: LRU = LRU(4096)
         """The key of a flow the relay carries -> its state (weakly), while its answer is awaited."""
 
     def load(self, loader: Any) -> None:
-        loader.add_option("contextpaw_header_timeout", int, RELAY_TIMEOUT_S,
-                          "Seconds a backend may take to start its answer (a long prompt or a long buffered "
-                          "answer needs this long on a slow machine); then the client gets a 504.")  # fmt: skip
-        loader.add_option("contextpaw_idle_timeout", int, RELAY_TIMEOUT_S,
-                          "Seconds a backend may fall silent in the middle of its answer.")  # fmt: skip
+        declare(loader, RELAY_OPTIONS)
 
     def configure(self, updated: set[str]) -> None:
         try:
-            headers, idle = at_least(ctx.options, "contextpaw_header_timeout"), at_least(ctx.options, "contextpaw_idle_timeout")
+            relay = RelaySettings.parse(ctx.options)
         except ValueError as e:
             raise exceptions.OptionsError(str(e)) from None
-        self.relay.timeouts = Timeouts(connect=PROBE_TIMEOUT_S, headers=headers, idle=idle)
+        self.relay.timeouts = Timeouts(connect=PROBE_TIMEOUT_S, headers=relay.header_timeout, idle=relay.idle_timeout)
 
     def running(self) -> None:
         """Start the relay (sync, as a reloaded script's hooks are called; flows before it listens

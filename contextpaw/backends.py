@@ -7,7 +7,6 @@ import asyncio
 import functools
 import ipaddress
 import weakref
-from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,7 +20,7 @@ from contextpaw.ledger import FailureLedger
 from contextpaw.relay import Relay
 from contextpaw.replies import REFUSED_MARK, flag, reply
 from contextpaw.session import PROBE_TIMEOUT_S, Session
-from contextpaw.settings import BackendSettings
+from contextpaw.settings import BACKEND_OPTIONS, MAX_BODY_MB, BackendSettings, declare
 from contextpaw.state import InFlight
 from contextpaw.streams import report_bytes
 
@@ -29,11 +28,6 @@ logger = logs.get(__name__)
 
 BACKEND_HEADER = "X-ContextPaw-Backend"
 HEALTH_PROBE_WAIT_S = 0.5
-MAX_BODY_MB = 32
-"""Parsing JSON holds the interpreter's lock for the whole call, worker thread or not (about 20-65 ms
-a megabyte): a 256 MB limit let one request stall every client for seconds. 32 MB is eight million
-tokens of text, far beyond any local window, and leaves room for a session's images."""
-OPTIONS = {"contextpaw_ollama", "contextpaw_llamacpp", "contextpaw_max_body_mb", "contextpaw_relay"}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -113,7 +107,7 @@ class Backends:
     def __init__(self, ledger: FailureLedger, session: Session) -> None:
         self.ledger = ledger
         self.session = session
-        self.settings = BackendSettings((), 256 << 20, True)
+        self.settings = BackendSettings((), MAX_BODY_MB << 20, True)
         self.configured: dict[tuple[str, int], wire.Backend] = {}
         self.probed: dict[tuple[str, int], wire.Backend] = {}
         self.reverse_targets: dict[tuple[str, int], str] = {}
@@ -124,14 +118,7 @@ class Backends:
         self._probes = InFlight()
 
     def load(self, loader: Any) -> None:
-        loader.add_option("contextpaw_ollama", Sequence[str], [], "Ollama backend URL (repeatable).")
-        loader.add_option("contextpaw_llamacpp", Sequence[str], [], "llama-server backend URL (repeatable).")
-        loader.add_option("contextpaw_max_body_mb", int, MAX_BODY_MB,
-                          "Model requests (chat, generate, completions) above this many megabytes are refused with a 413, "
-                          "and answers above it are passed on unread.")  # fmt: skip
-        loader.add_option("contextpaw_relay", bool, True,
-                          "Send handled requests through ContextPaw's relay, which answers a failing backend "
-                          "in the caller's API (JSON 502/504, or an error record in a stream).")  # fmt: skip
+        declare(loader, BACKEND_OPTIONS)
 
     def configure(self, updated: set[str]) -> None:
         if "mode" in updated:
@@ -141,7 +128,7 @@ class Backends:
                 if isinstance(mode, mode_specs.ReverseMode) and mode.scheme in ("http", "https"):
                     host, port = mode.address
                     self.reverse_targets[endpoint(host, port)] = f"{mode.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-        if OPTIONS & updated:
+        if BACKEND_OPTIONS.keys() & updated:
             try:
                 self.settings = BackendSettings.parse(ctx.options)
             except ValueError as e:

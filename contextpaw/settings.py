@@ -9,7 +9,7 @@ mitmproxy's `OptionsError`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -18,30 +18,23 @@ from contextpaw import wire
 
 POLICIES = ("compact", "strict", "off")
 
-MINIMUMS = {
-    "contextpaw_header_timeout": 1,
-    "contextpaw_idle_timeout": 1,
-    "contextpaw_max_body_mb": 1,
-}
-"""The least values of the options the other addons declare (the fit options' are in `FIT_OPTIONS`)."""
-
-
-def at_least(options: Any, name: str) -> int:
-    """The option's value, or a ValueError that names it when it is under its minimum."""
-    value = getattr(options, name)
-    if value < MINIMUMS[name]:
-        raise ValueError(f"{name} must be at least {MINIMUMS[name]}, not {value}")
-    return value
-
+MAX_BODY_MB = 32
+"""Parsing JSON holds the interpreter's lock for the whole call, worker thread or not (about 20-65 ms
+a megabyte): a 256 MB limit let one request stall every client for seconds. 32 MB is eight million
+tokens of text, far beyond any local window, and leaves room for a session's images."""
+RELAY_TIMEOUT_S = 540
+"""The relay's default header and idle timeouts: under mitmproxy's default `tcp_timeout` (600 s),
+which would otherwise close the client's connection first, without an answer."""
 
 PREFIX = "contextpaw_"
-"""A fit option is named this and the `FitSettings` field it sets: `contextpaw_keep_recent` sets `keep_recent`."""
+"""An option is named this and the settings field it sets: `contextpaw_keep_recent` sets `keep_recent`."""
 
 
 class Option(NamedTuple):
-    """A fit option: what `Compactor.load` declares and how `FitSettings.parse` reads it."""
+    """An option: what an addon's `load` declares (`declare`) and how its settings read it."""
 
-    type: type
+    type: Any
+    """What mitmproxy checks the value against (a type, or `Sequence[str]`)."""
     help: str
     least: int | None = None
     """The smallest value it takes (numbers only)."""
@@ -64,6 +57,17 @@ class Option(NamedTuple):
             return self.read(value)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
+
+
+def declare(loader: Any, table: Mapping[str, Option]) -> None:
+    """Declare a table's options on mitmproxy's loader (any object with its `add_option`)."""
+    for name, option in table.items():
+        loader.add_option(name, option.type, option.default, option.help, choices=option.choices)
+
+
+def read(options: Any, table: Mapping[str, Option]) -> dict[str, Any]:
+    """A table's values from `options`, by field name; a ValueError names the first option that is wrong."""
+    return {name.removeprefix(PREFIX): option.value(options, name) for name, option in table.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,7 @@ class FitSettings:
                 f"contextpaw_output_reserve ({reserve}) + contextpaw_margin ({margin}) "
                 f"leave no room in contextpaw_default_ctx ({window})"
             )
-        fields = {name.removeprefix(PREFIX): option.value(o, name) for name, option in FIT_OPTIONS.items()}
+        fields = read(o, FIT_OPTIONS)
         fields["state_dir"] = Path(fields["state_dir"] or o.confdir).expanduser()
         return cls(**fields)
 
@@ -181,10 +185,25 @@ FIT_OPTIONS = _with_field_defaults(
 value is read, in one place; its default is its `FitSettings` field's."""
 
 
+BACKEND_OPTIONS = {
+    "contextpaw_ollama": Option(Sequence[str], "Ollama backend URL (repeatable).", default=[]),
+    "contextpaw_llamacpp": Option(Sequence[str], "llama-server backend URL (repeatable).", default=[]),
+    "contextpaw_max_body_mb": Option(int,
+        "Model requests (chat, generate, completions) above this many megabytes are refused with a 413, "
+        "and answers above it are passed on unread.",
+        least=1, default=MAX_BODY_MB),
+    "contextpaw_relay": Option(bool,
+        "Send handled requests through ContextPaw's relay, which answers a failing backend "
+        "in the caller's API (JSON 502/504, or an error record in a stream).",
+        default=True),
+}  # fmt: skip
+"""`Backends`' options."""
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSettings:
     """Which servers are backends, how big a model request may be, and whether the relay carries
-    model requests (`Backends`' options)."""
+    model requests (`BACKEND_OPTIONS`)."""
 
     configured: tuple[wire.Backend, ...]
     max_body_bytes: int
@@ -192,11 +211,35 @@ class BackendSettings:
 
     @classmethod
     def parse(cls, o: Any) -> BackendSettings:
+        values = read(o, BACKEND_OPTIONS)
         configured = []
         for kind in wire.Kind:
-            for url in getattr(o, f"contextpaw_{kind}"):
+            for url in values[kind.value]:
                 try:
                     configured.append(wire.Backend.parse(kind, url))
                 except ValueError as e:
-                    raise ValueError(f"contextpaw_{kind}: {e}") from None
-        return cls(tuple(configured), at_least(o, "contextpaw_max_body_mb") << 20, o.contextpaw_relay)
+                    raise ValueError(f"{PREFIX}{kind}: {e}") from None
+        return cls(tuple(configured), values["max_body_mb"] << 20, values["relay"])
+
+
+RELAY_OPTIONS = {
+    "contextpaw_header_timeout": Option(int,
+        "Seconds a backend may take to start its answer (a long prompt or a long buffered "
+        "answer needs this long on a slow machine); then the client gets a 504.",
+        least=1, default=RELAY_TIMEOUT_S),
+    "contextpaw_idle_timeout": Option(int, "Seconds a backend may fall silent in the middle of its answer.",
+        least=1, default=RELAY_TIMEOUT_S),
+}  # fmt: skip
+"""`Upstream`'s options: the relay's timeouts."""
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """The relay's header and idle timeouts, in seconds (`RELAY_OPTIONS`)."""
+
+    header_timeout: int = RELAY_TIMEOUT_S
+    idle_timeout: int = RELAY_TIMEOUT_S
+
+    @classmethod
+    def parse(cls, o: Any) -> RelaySettings:
+        return cls(**read(o, RELAY_OPTIONS))
