@@ -23,6 +23,7 @@ from contextpaw import logs
 from contextpaw import admin, wire
 from contextpaw.backends import Backends
 from contextpaw.replies import reply
+from contextpaw.settings import Option, declare
 from contextpaw.runtime import Arbiter, ArbiterCounters, ArbiterSettings, RuntimeUnavailable
 from contextpaw.supervisor import default_log_path, start_problem
 from contextpaw.streams import report_bytes
@@ -71,8 +72,21 @@ TIMEOUTS = {
 }
 """Whole seconds: mitmproxy cannot set float options from the command line."""
 
+SWITCHES = {
+    "contextpaw_arbitrate": Option(bool,
+        "Give the GPU to one runtime at a time: unload Ollama's models before starting llama-server "
+        "(contextpaw_llamacpp_cmd), stop llama-server before Ollama runs again.",
+        default=False),
+    "contextpaw_llamacpp_cmd": Option(str,
+        "Command that starts llama-server listening at the first contextpaw_llamacpp URL (for contextpaw_arbitrate).",
+        default=""),
+    "contextpaw_llamacpp_log": Option(str,
+        f"File for the output of the llama-server ContextPaw starts (default {default_log_path()}).", default=""),
+}  # fmt: skip
+"""Whether the arbiter runs, and the llama-server it starts."""
+
 ARBITER_OPTIONS = frozenset(
-    {"contextpaw_arbitrate", "contextpaw_llamacpp_cmd", "contextpaw_llamacpp_log", *TIMEOUTS}
+    {*SWITCHES, *TIMEOUTS}
     | {f"contextpaw_{kind}" for kind in wire.Kind}
 )
 
@@ -95,19 +109,7 @@ class Arbitration:
         self.arbiter: Arbiter | None = None
 
     def load(self, loader: Any) -> None:
-        loader.add_option(
-            "contextpaw_arbitrate", bool, False,
-            "Give the GPU to one runtime at a time: unload Ollama's models before starting llama-server "
-            "(contextpaw_llamacpp_cmd), stop llama-server before Ollama runs again.",
-        )  # fmt: skip
-        loader.add_option(
-            "contextpaw_llamacpp_cmd", str, "",
-            "Command that starts llama-server listening at the first contextpaw_llamacpp URL (for contextpaw_arbitrate).",
-        )  # fmt: skip
-        loader.add_option(
-            "contextpaw_llamacpp_log", str, "",
-            f"File for the output of the llama-server ContextPaw starts (default {default_log_path()}).",
-        )  # fmt: skip
+        declare(loader, SWITCHES)
         for name, timeout in TIMEOUTS.items():
             loader.add_option(name, int, timeout.default, timeout.help)
 
