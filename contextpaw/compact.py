@@ -1,4 +1,4 @@
-"""The compaction engine: fit a conversation or a prompt into a token budget, and report every cut.
+"""The compaction engine: fit a conversation into a token budget, and report every cut.
 
 Pure: no I/O, no clock, no randomness; the same input gives the same output. The shell hands in the
 budget, a counter and the previous turn's `Plan`, and gets back what to send, a `Report`, and the
@@ -25,24 +25,26 @@ Rules, in order of precedence:
 What the model reads stays the same from turn to turn wherever the budget allows: a marker's text is
 written once and reused byte for byte (`Plan.notes`), and a shrunk message is cut at the same
 characters again (`Plan.shrunk`), so a server's prefix cache holds up to the last cut.
+
+The rules and their steps are here; the parts they use have modules of their own: `holes` (runs of
+evicted messages and what their markers cost), `shrink` (cutting a text middle-out) and `rendering`
+(what is sent, and what the report tells of it). A raw prompt, which has no messages, is `prompt`'s.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from contextpaw.conversation import Conversation, Message, Unit, content_id
-from contextpaw.markers import elision_text, fold, hole_text, kind_of, marker_role
-from contextpaw.report import Removal, Report
+from contextpaw.holes import MARKER_SLACK, Holes
+from contextpaw.markers import elision_text
+from contextpaw.rendering import render
+from contextpaw.report import Report
+from contextpaw.shrink import PLACEHOLDER_ID, SHRINK_FLOOR, Cut, shrink_text
 from contextpaw.tokens import Counter
-
-SHRINK_FLOOR = 64
-"""A shrunk message keeps at least this many tokens of its own text (head and tail), note aside."""
 
 FILL = 0.95
 """Below this share of the budget, leftover room is filled with the head and tail of an evicted unit."""
@@ -51,17 +53,11 @@ HEADROOM = 0.25
 """When a conversation overflows again, evict this share of the budget more than needed: the next
 turns then append to the cached prefix instead of each cutting it anew."""
 
-MARKER_SLACK = 4
-"""Tokens allowed for a marker's real id tokenizing differently from the placeholder it was sized with."""
-
 SHRINK_ROUNDS = 8
 """Passes over the protected messages before a fit is given up as impossible."""
 
 EARLIER_CUT = "cut at or before the last turn's last marker"
 """Said in the report's notes when the budget cannot hold last turn's prompt up to its last marker."""
-
-PLACEHOLDER_ID = "cp-" + "0" * 12
-"""A marker id of the real ids' length, for sizing a note before its id is known (ids are hashes)."""
 
 
 class BudgetTooSmall(Exception):
@@ -85,25 +81,6 @@ class BudgetTooSmall(Exception):
         rescaled = BudgetTooSmall(self.required + budget - self.budget, budget, self.what, self.original)
         rescaled.counter = self.counter
         return rescaled
-
-
-@dataclass(frozen=True, slots=True)
-class Cut:
-    """Where a message's text was cut middle-out: kept `text[:head]` and `text[tail:]`; the note
-    between them says `elided` tokens. Remembered in the plan, so the next turn cuts the same
-    characters and says the same words, whatever the counter thinks of them by then."""
-
-    target: int
-    """The tokens the text was cut to."""
-    head: int
-    tail: int
-    elided: int
-
-    def apply(self, text: str, marker_id: str) -> str:
-        if self.head == 0 and self.tail >= len(text):  # nothing of the text left but the note
-            return elision_text(self.elided, text.count("\n"), marker_id).strip("\n")
-        note = elision_text(self.elided, text.count("\n", self.head, self.tail), marker_id)
-        return text[: self.head] + note + text[self.tail :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,12 +110,6 @@ class ChatResult:
     plan: Plan
 
 
-@dataclass(slots=True)
-class PromptResult:
-    prompt: str | None
-    report: Report
-
-
 NEAR_MISS_TOKENS = 32
 """A refusal short by at most this many tokens (or a fiftieth of the budget) is first searched for a
 fit: the engine's own steps can overshoot the least it names."""
@@ -166,11 +137,9 @@ def compact_chat(
     cost = [counter.message(m) for m in conversation.messages]
     limit = budget if admit is None else max(admit, budget)
     if fixed + sum(cost) <= limit:  # the common case, decided before any of the bookkeeping
-        return ChatResult(None, _as_sent(fixed + sum(cost), limit, counter), Plan())
+        return ChatResult(None, as_sent(fixed + sum(cost), limit, counter), Plan())
     def fit(within: int) -> ChatResult:
-        run = _ChatCompaction(conversation, within, counter, keep_recent, previous or Plan(), fixed, cost)
-        run.digests = dict(digests or {})
-        return run.run()
+        return _ChatCompaction(conversation, within, counter, keep_recent, previous or Plan(), fixed, cost, digests or {}).run()
 
     try:
         return fit(budget)
@@ -192,7 +161,7 @@ def compact_chat(
         raise
 
 
-def _as_sent(tokens: int, budget: int, counter: Counter) -> Report:
+def as_sent(tokens: int, budget: int, counter: Counter) -> Report:
     """The report of a request that goes out as it came in (so far)."""
     return Report(
         compacted=False,
@@ -217,6 +186,7 @@ class _ChatCompaction:
         previous: Plan,
         fixed: int,
         cost: list[int],
+        digests: Mapping[str, str],
     ) -> None:
         self.msgs = list(conv.messages)
         self.budget = budget
@@ -241,24 +211,10 @@ class _ChatCompaction:
         self.kept = sum(self.cost)
         self.shrunk: dict[int, tuple[Message, int, Cut]] = {}
         """index -> (the shrunk message, its tokens, where its text was cut)"""
-        # Holes (maximal runs of evicted messages) by both ends, and their markers' cost, kept up to
-        # date on every eviction so that the total is known in constant time.
-        self.hole_end: dict[int, int] = {}
-        self.hole_start: dict[int, int] = {}
-        self.starts: list[int] = []
-        """Hole starts in order, to find the hole that holds a message."""
-        self.marker_total = 0
-        self._marker_cost: dict[tuple[int, int], int] = {}
-        self.digests: dict[str, str] = {}
-        # Prefix sums, so a hole's note (its size and what kinds of message it held) costs O(1).
-        self._cost_before = [0, *itertools.accumulate(self.cost)]
-        kinds = {kind_of(m.role) for m in self.msgs}
-        self._kinds_before = {
-            k: [0, *itertools.accumulate(1 if kind_of(m.role) == k else 0 for m in self.msgs)] for k in kinds
-        }
+        self.holes = Holes(self.msgs, self.cost, counter, digests)
 
     def run(self) -> ChatResult:
-        report = _as_sent(self.fixed + self.kept, self.budget, self.counter)
+        report = as_sent(self.fixed + self.kept, self.budget, self.counter)
         pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
         if pinned > self.budget:
             raise self.too_small("the system prompt and tool definitions")
@@ -273,92 +229,35 @@ class _ChatCompaction:
         elif self.total() > self.budget:
             self.recut(last, report)
 
-        messages, removals, evicted, final, notes = self.render()
-        report.compacted = True
-        report.final_tokens = final
-        report.removals = removals
-        report.markers = list(dict.fromkeys(r.marker_id for r in removals))
-        report.evicted = evicted
-        actions = {r.action for r in removals}
-        report.strategy = "+".join(
-            a for a, k in (("evict", "dropped"), ("summarize", "summarized"), ("shrink", "shrunk")) if k in actions
+        sent = render(
+            self.msgs, self.cost, self.shrunk, self.holes, written=self.previous.notes, fixed=self.fixed, counter=self.counter
         )
-        report.summarized = "summarized" in actions
+        sent.tell(report)
         plan = Plan(
             evicted=frozenset(u.key for u in self.evicted),
             shrunk={self.cut_key(i): cut for i, (_, _, cut) in self.shrunk.items() if self.unit_of[i] not in self.evicted},
-            notes=notes,
+            notes=sent.notes,
         )
-        return ChatResult([m.raw for m in messages], report, plan)
+        return ChatResult([m.raw for m in sent.messages], report, plan)
 
     # -- sizes ------------------------------------------------------------------------------
 
     def evict(self, unit: Unit) -> None:
         self.evicted.add(unit)
         self.kept -= sum(self.size(i) for i in unit.indices)
-        for lo, hi in _runs(unit.indices):
-            start, end = lo, hi
-            if lo - 1 in self.hole_start:  # joins the hole that ends just before it
-                start = self.hole_start[lo - 1]
-                self._forget_hole(start, lo - 1)
-            if hi + 1 in self.hole_end:  # and the one that starts just after it
-                end = self.hole_end[hi + 1]
-                self._forget_hole(hi + 1, end)
-            self._add_hole(start, end)
+        self.holes.add(unit.indices)
 
     def readmit(self, unit: Unit) -> None:
         self.evicted.discard(unit)
         self.kept += sum(self.size(i) for i in unit.indices)
-        for lo, hi in _runs(unit.indices):
-            start = self.starts[bisect.bisect_right(self.starts, lo) - 1]  # the hole holding it
-            end = self.hole_end[start]
-            self._forget_hole(start, end)
-            for a, b in ((start, lo - 1), (hi + 1, end)):
-                if a <= b:
-                    self._add_hole(a, b)
-
-    def _add_hole(self, start: int, end: int) -> None:
-        self.hole_end[start], self.hole_start[end] = end, start
-        bisect.insort(self.starts, start)
-        self.marker_total += self.marker_cost((start, end))
-
-    def _forget_hole(self, start: int, end: int) -> None:
-        del self.hole_end[start], self.hole_start[end]
-        del self.starts[bisect.bisect_left(self.starts, start)]
-        self.marker_total -= self.marker_cost((start, end))
+        self.holes.remove(unit.indices)
 
     def size(self, i: int) -> int:
         return self.shrunk[i][1] if i in self.shrunk else self.cost[i]
 
     def total(self) -> int:
         """Tokens of what would be sent now: kept messages, shrunk sizes and hole markers."""
-        return self.fixed + self.kept + self.marker_total
-
-    def holes(self) -> list[tuple[int, int]]:
-        """Maximal runs of evicted message indices, as (first, last) pairs in order."""
-        return [(start, self.hole_end[start]) for start in self.starts]
-
-    def marker_cost(self, hole: tuple[int, int]) -> int:
-        """Tokens of a hole's marker, with a placeholder id of the real id's length (ids are hashes)."""
-        if hole not in self._marker_cost:
-            real_id = self.hole_id(hole) if self.digests else None
-            note = self.hole_note(hole, PLACEHOLDER_ID, self.digests.get(real_id or ""))
-            self._marker_cost[hole] = self.counter.text(note) + self.counter.message_overhead + MARKER_SLACK
-        return self._marker_cost[hole]
-
-    def folded_cost(self, note: str) -> int:
-        """What a marker adds to the message it is folded into, counted on its own, as `total` did: a
-        counter that knows the message exactly should not have to guess the joined text."""
-        return self.counter.text(note) + MARKER_SLACK
-
-    def hole_id(self, hole: tuple[int, int]) -> str:
-        return content_id([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
-
-    def hole_note(self, hole: tuple[int, int], marker_id: str, digest: str | None = None) -> str:
-        start, stop = hole[0], hole[1] + 1
-        kinds = {k: before[stop] - before[start] for k, before in self._kinds_before.items()}
-        tokens = self._cost_before[stop] - self._cost_before[start]
-        return hole_text({k: n for k, n in kinds.items() if n}, tokens, marker_id, digest)
+        return self.fixed + self.kept + self.holes.marker_total
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -416,7 +315,7 @@ class _ChatCompaction:
     def prefix_tokens(self, last: int) -> int:
         """Tokens of what is sent up to message `last` as the cuts stand: kept messages and markers."""
         kept = sum(self.size(i) for i in range(last + 1) if self.unit_of[i] not in self.evicted)
-        return self.fixed + kept + sum(self.marker_cost(h) for h in self.holes() if h[1] <= last)
+        return self.fixed + kept + sum(self.holes.marker_cost(h) for h in self.holes if h[1] <= last)
 
     def shrink_protected(self, limit: int, after: int = -1) -> None:
         """Shrink protected messages middle-out, biggest first, until the rest fits in `limit` or
@@ -543,133 +442,3 @@ class _ChatCompaction:
             self.readmit(unit)
             if self.total() > limit:
                 self.evict(unit)
-
-    def render(self) -> tuple[list[Message], list[Removal], dict[str, Any], int, dict[str, str]]:
-        holes = {h[0]: h for h in self.holes()}
-        out: list[Message] = []
-        removals: list[Removal] = []
-        evicted: dict[str, Any] = {}
-        notes: dict[str, str] = {}
-        final = self.fixed
-        pending_fold: str | None = None
-        i = 0
-        while i < len(self.msgs):
-            if i in holes:
-                first, last = holes[i]
-                marker_id = self.hole_id(holes[i])
-                evicted[marker_id] = [self.msgs[j].raw for j in range(first, last + 1)]
-                digest = self.digests.get(marker_id)
-                action = "summarized" if digest else "dropped"
-                removals += [Removal(j, self.msgs[j].role, self.cost[j], action, marker_id) for j in range(first, last + 1)]
-                if digest or marker_id not in self.previous.notes:
-                    note = self.hole_note(holes[i], marker_id, digest)
-                else:
-                    note = self.previous.notes[marker_id]  # written once: the prefix stays the same
-                if not digest:
-                    notes[marker_id] = note
-                after = last + 1
-                role = marker_role(
-                    out[-1].speaker if out else None, self.msgs[after].speaker if after < len(self.msgs) else None
-                )
-                if role is None and after < len(self.msgs) and self.msgs[after].foldable:
-                    pending_fold = note
-                elif role is None and after == len(self.msgs) and out[-1].foldable:
-                    out[-1] = fold(out[-1], note)
-                    final += self.folded_cost(note)
-                else:  # a role of its own, or next to items that hold no text (a Responses call)
-                    out.append(Message.from_wire({"role": role or "user", "content": note}))
-                    final += self.counter.message(out[-1])
-                i = after
-                continue
-            if i in self.shrunk:
-                message, size, cut = self.shrunk[i]
-                marker_id = content_id(self.msgs[i].content_text)
-                evicted[marker_id] = self.msgs[i].content_text
-                removals.append(Removal(i, message.role, cut.elided, "shrunk", marker_id))
-            else:
-                message, size = self.msgs[i], self.cost[i]
-            if pending_fold is not None:
-                message, size = fold(message, pending_fold), size + self.folded_cost(pending_fold)
-                pending_fold = None
-            out.append(message)
-            final += size
-            i += 1
-        return out, removals, evicted, final, notes
-
-
-def _runs(indices: Iterable[int]) -> list[tuple[int, int]]:
-    """Sorted indices as maximal (first, last) runs; a unit is one run unless a result strayed."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return [(a, b) for a, b in runs]
-
-
-def shrink_text(text: str, target: int, counter: Counter) -> Cut:
-    """Where to cut `text` so that its head and tail fit in `target` tokens, note included; cuts
-    fall at line ends.
-
-    Each pass scales the kept characters by how far the last result overshot, and always by at
-    least one token's worth, so it terminates; the last resort keeps only the note. The note is
-    sized with a placeholder id of the real id's length.
-    """
-    total = counter.text(text)
-    chars_per_token = max(len(text) / max(total, 1), 1.0)
-    keep_chars = int(len(text) * target / max(total, 1))
-    while keep_chars > 0:
-        head, tail = _head_tail(text, keep_chars)
-        elided = max(total - counter.text(head) - counter.text(tail), 0)
-        cut = Cut(target, len(head), len(text) - len(tail), elided)
-        size = counter.text(cut.apply(text, PLACEHOLDER_ID))
-        if size <= target:
-            return cut
-        keep_chars = min(int(keep_chars * target / size), keep_chars - int((size - target) * chars_per_token) - 1)
-    return Cut(target, 0, len(text), total)
-
-
-def _head_tail(text: str, keep_chars: int) -> tuple[str, str]:
-    """Split `keep_chars` between head and tail, moving each cut to a line end if one is near."""
-    half = keep_chars // 2
-    head_end = half
-    newline = text.rfind("\n", 0, head_end)
-    if newline >= half * 0.75:
-        head_end = newline + 1
-    tail_start = len(text) - (keep_chars - head_end)
-    newline = text.find("\n", tail_start)
-    if newline != -1 and newline - tail_start <= half * 0.25:
-        tail_start = newline + 1
-    tail_start = max(tail_start, head_end)
-    return text[:head_end], text[tail_start:]
-
-
-def compact_prompt(
-    prompt: str,
-    budget: int,
-    counter: Counter,
-    *,
-    fixed_tokens: int = 0,
-    admit: int | None = None,
-) -> PromptResult:
-    """Fit a raw prompt: keep its head and tail, elide the middle with a marker. A prompt of up to
-    `admit` tokens (default: the budget) is left as it is."""
-    original = fixed_tokens + counter.text(prompt)
-    limit = budget if admit is None else max(admit, budget)
-    if original <= limit:
-        return PromptResult(None, _as_sent(original, limit, counter))
-    report = _as_sent(original, budget, counter)
-    room = budget - fixed_tokens
-    if room < SHRINK_FLOOR:
-        raise BudgetTooSmall(fixed_tokens + SHRINK_FLOOR, budget, "the system text and template", original, counter)
-    marker_id = content_id(prompt)
-    cut = shrink_text(prompt, room, counter)
-    kept = cut.apply(prompt, marker_id)
-    report.compacted = True
-    report.strategy = "head_tail"
-    report.final_tokens = fixed_tokens + counter.text(kept)
-    report.removals = [Removal(-1, "prompt", cut.elided, "shrunk", marker_id)]
-    report.markers = [marker_id]
-    report.evicted = {marker_id: prompt}
-    return PromptResult(kept, report)

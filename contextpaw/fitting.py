@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from contextpaw import wire
-from contextpaw.compact import Plan, compact_chat, compact_prompt
+from contextpaw.compact import Plan, compact_chat
+from contextpaw.prompt import compact_prompt
 from contextpaw.report import Report
 from contextpaw.tokens import Counter
 

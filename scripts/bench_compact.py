@@ -19,8 +19,9 @@ import sys
 import time
 import tracemalloc
 
-from contextpaw.compact import compact_chat, compact_prompt
+from contextpaw.compact import compact_chat
 from contextpaw.conversation import Conversation, Message
+from contextpaw.prompt import compact_prompt
 from contextpaw.tokens import Counter, EstimateCounter
 
 

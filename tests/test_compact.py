@@ -9,9 +9,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from contextpaw.compact import HEADROOM, SHRINK_FLOOR, BudgetTooSmall, compact_chat, compact_prompt
+from contextpaw.compact import HEADROOM, BudgetTooSmall, compact_chat
 from contextpaw.conversation import Conversation, Message
 from contextpaw.markers import MARKER_PREFIX
+from contextpaw.prompt import compact_prompt
+from contextpaw.shrink import SHRINK_FLOOR
 from contextpaw.tokens import EstimateCounter
 
 COUNTER = EstimateCounter()

@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contextpaw.calibration import CalibratedCounter
-from contextpaw.compact import EARLIER_CUT, HEADROOM, PLACEHOLDER_ID, SHRINK_FLOOR, BudgetTooSmall, Plan, compact_chat
+from contextpaw.compact import EARLIER_CUT, HEADROOM, BudgetTooSmall, Plan, compact_chat
 from contextpaw.conversation import Conversation, Message
 from contextpaw.markers import MARKER_PREFIX, elision_text, hole_text
+from contextpaw.shrink import PLACEHOLDER_ID, SHRINK_FLOOR
 from contextpaw.tokens import EstimateCounter
 
 BASE = EstimateCounter()
