@@ -286,7 +286,7 @@ async def test_an_internal_error_fails_open(compactor: Alone[Compactor], monkeyp
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("bug")
 
-    monkeypatch.setattr("contextpaw.fitter.fit_chat", broken)
+    monkeypatch.setattr("contextpaw.sizing.fit_chat", broken)
     body = long_chat()
     flow = to_ollama("/api/chat", body)
     await compactor.send(flow)

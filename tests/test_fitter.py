@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from contextpaw import fitter as fitter_module
+from contextpaw import sizing
 from contextpaw import wire
 from contextpaw.metrics import Stats
 from contextpaw.evicted import EvictedStore
@@ -124,7 +124,7 @@ async def test_an_internal_failure_forwards_unchanged_and_says_so(monkeypatch: p
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(fitter_module, "fit_chat", broken)
+    monkeypatch.setattr(sizing, "fit_chat", broken)
     assert await f.fit(s) == UNCHANGED
     assert s.report is None, "the report never describes a request that was not sent"
     assert "RuntimeError" in s.headers["X-ContextPaw-Error"] and f.stats.counts["errors"] == 1
@@ -134,13 +134,13 @@ async def test_the_next_turn_is_fitted_with_the_last_turns_plan(monkeypatch: pyt
     """Whatever the last turn dropped stays dropped, so the next turn appends to the prefix the
     server has cached."""
     given: list[Any] = []
-    fit = fitter_module.fit_chat
+    fit = sizing.fit_chat
 
     def spy(chat: wire.Chat, *args: Any, previous: Any = None, **kwargs: Any) -> Fitted:
         given.append(previous)
         return fit(chat, *args, previous=previous, **kwargs)
 
-    monkeypatch.setattr(fitter_module, "fit_chat", spy)
+    monkeypatch.setattr(sizing, "fit_chat", spy)
     f = fitter()
     first = state(chat())
     await f.fit(first)

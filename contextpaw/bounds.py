@@ -1,0 +1,77 @@
+"""How far a request's true size can be from what we know of it, and what those bounds decide.
+
+A small body is proved to fit by its byte length alone, before anything is parsed (`size_bound`);
+a counted request carries bounds on how far its true size can be from our count, for the verdict
+after the answer (`count_bounds`); and where those bounds let it exceed its window, Ollama is told
+to refuse instead of cutting (`forbid_truncation`). Pure: the fitter supplies the numbers.
+"""
+
+from __future__ import annotations
+
+from contextpaw import wire
+from contextpaw.calibration import Calibration
+from contextpaw.report import Report
+from contextpaw.tokens import EstimateCounter
+from contextpaw.truncation import EXACT_BOUNDS, could_exceed
+from contextpaw.windows import Budget
+
+NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
+"""Ollama's routes that can carry `truncate: false`."""
+SIZE_PROOF_BYTES = 64 * 1024
+"""Bodies up to this size are first checked for fitting by their size alone (see `size_bound`)."""
+UNPROVABLE = (b'"num_ctx"', b'"previous_response_id"', b"image")
+"""What a body's size cannot bound: a window of its own, history kept on the server, and images (a
+few bytes of base64 can cost hundreds of tokens)."""
+TEMPLATE_ALLOWANCE = 512
+MESSAGE_ALLOWANCE = 16
+"""Tokens a chat template may add: once (a default system prompt, the generation prompt), and per message."""
+
+
+def size_bound(raw: bytes) -> tuple[str, int] | None:
+    """The body's model and an upper bound of its prompt in tokens, from its bytes alone.
+
+    A token is at least one byte of text, and the JSON of a text is never shorter than its UTF-8;
+    so the body's length, plus an allowance for the template, bounds its prompt. None for a body
+    too big to be worth it, one that names its own window, keeps history on the server or carries
+    images, or whose model cannot be read at once.
+    """
+    if len(raw) > SIZE_PROOF_BYTES or any(word in raw for word in UNPROVABLE) or (model := wire.model_of(raw)) is None:
+        return None
+    return model, len(raw) + TEMPLATE_ALLOWANCE + MESSAGE_ALLOWANCE * raw.count(b'"role"')
+
+
+def count_bounds(
+    parsed: wire.Chat | wire.Prompt, report: Report, key: str, kind: str | None, calibration: Calibration, estimate: EstimateCounter
+) -> tuple[float, float]:
+    """How far the true size of what is sent can be from our count of it, for the verdict.
+
+    A count of each text is exact for the texts, not for how the server renders them: a
+    template may leave the tool definitions out (SmolLM2's does) and spend fewer tokens per
+    message than we allow. So the low bound leaves those out: what was surely sent is the
+    rest. Only the server's count of the whole request is exact as a whole. The high bound is
+    the guard's: what calibration learned of this kind of request, where it knows it."""
+    low, high = EXACT_BOUNDS if report.exact else calibration.bounds(key)
+    if kind is not None and report.counter == "calibrated":
+        size = round(report.final_tokens / calibration.factor(key))
+        high = calibration.kind_bound(key, kind, size) or high
+    if report.counter == "backend" or not isinstance(parsed, wire.Chat) or report.final_tokens <= 0:
+        return low, high
+    conversation = parsed.conversation
+    rendered_maybe = estimate.tools(conversation.tools) + len(conversation.messages) * estimate.message_overhead
+    return low * max(report.final_tokens - rendered_maybe, 0) / report.final_tokens, high
+
+
+def forbid_truncation(
+    route: wire.Route, parsed: wire.Chat | wire.Prompt, report: Report, budget: Budget, bounds: tuple[float, float]
+) -> bool:
+    """Whether to ask Ollama to refuse instead of cutting: a request on a native route that can
+    exceed the window given the error bounds of our count.
+
+    Requests that cannot are left byte for byte; `truncate` set by the client is respected.
+    """
+    return (
+        route.name in NATIVE_OLLAMA
+        and "truncate" not in parsed.body
+        and could_exceed(report.final_tokens, budget.window, bounds)
+        and bool(parsed.conversation.messages if isinstance(parsed, wire.Chat) else parsed.prompt)  # a load request has nothing to cut
+    )
