@@ -133,7 +133,7 @@ def floor(message: Message, counter) -> int:
     return min(counter.message(message), counter.message_overhead + SHRINK_FLOOR + note)
 
 
-@settings(max_examples=150, deadline=None, report_multiple_bugs=False,
+@settings(max_examples=150, deadline=None, derandomize=True, report_multiple_bugs=False,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
 @given(sessions())
 def test_each_turn_resends_the_last_turns_prompt_through_its_last_marker_unless_the_budget_cannot_hold_it(session):
