@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "contextpaw/"
 OPTION = re.compile(r"""["'](contextpaw_[a-z_]+|keep_recent|keep_head|output_reserve)["']""")
-FLOW_KEYED = re.compile(r"WeakKeyDictionary\[http\.HTTPFlow|WeakKeyDictionary\(\)|carried|_found\b|_holders\b|blake2b")
+FLOW_KEYED = re.compile(r"WeakKeyDictionary\[http\.HTTPFlow|self\.(carried|_found|_holders)(: [^=]+)? = |digest\(flow|blake2b\(.*request")
 METADATA_KEY = re.compile(r"flow\.metadata\[([A-Za-z_\"'.]+)\]\s*=")
 
 
