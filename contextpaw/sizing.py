@@ -14,18 +14,22 @@ import json
 from collections.abc import Callable, Mapping
 
 from contextpaw import wire
-from contextpaw.calibration import Calibration, calibration_key
+from contextpaw.calibration import CalibratedCounter, Calibration, calibration_key
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.counters import CounterChoice, rough_size
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.offload import off_loop
 from contextpaw.report import Report
-from contextpaw.state import SizedLRU
+from contextpaw.state import LRU, SizedLRU
 from contextpaw.tokens import EstimateCounter
 from contextpaw.windows import Budget
 
-VERIFY_ROUNDS = 4
-"""Refits after the server's whole-request count said a fit was still over the budget."""
+VERIFY_ROUNDS = 5
+"""Counts by the server of one request's fits: the first, then refits over the budget (cut further)
+or well under it (made fuller)."""
+FILL_SLACK = 8
+"""Tokens (or a hundredth of the budget, if more) our count may overstate a cut before it is made
+again to use what the server's count shows is left."""
 
 Fit = Callable[[Budget], Fitted]
 """One fit of a parsed request with its counter and template cost, to a budget."""
@@ -52,6 +56,11 @@ class Sizer:
         self.plans = plans
         """Each conversation's last `Plan` (the fitter's, which remembers them)."""
         self.keep_recent = keep_recent
+        self.overcounts = LRU(plans.limit)
+        """Conversation -> how much looser than the budget, in our count, was the budget its last cut
+        was made to (our count of it ran that much over the server's): the next turn's fit starts
+        there, and repeats that cut instead of making a new one to our count's error, which would
+        move the cached prefix."""
 
     async def fit(
         self,
@@ -79,38 +88,58 @@ class Sizer:
         # a request that may not fit is counted whole where the server can (even when its per-text
         # counting failed: the whole count is one call, and the decision rests on it)
         whole = None if small else await self.counters.exact_total(backend, parsed, parsed.body, big)
+        scale = 1.0
         if whole is not None:
             if whole <= budget.admits:
                 as_sent = Report(False, "none", whole, whole, budget.admits, counter="backend", exact=True, window=budget.window)
                 return Fitted(None, as_sent)
-            fixed += whole - await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
-        guarded = budget
+            ours = await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
+            # The difference is the template's real cost, but never below nothing: a template may
+            # drop the tools, while a count of the messages that runs high is theirs, and the check
+            # after the cut makes the fit fuller. Should what must be kept not fit so, every text is
+            # priced at the server's rate for the whole request instead, and the check says whether
+            # that was right.
+            around = parsed.fixed_cost(counter, fixed) if isinstance(parsed, wire.Chat) else fixed
+            scale, base = whole / ours if 0 < whole < ours else 1.0, fixed
+            fixed = max(fixed + whole - ours, fixed - around)
+        start = budget
+        if whole is not None and (overcount := self.overcounts.get(parsed.key)):
+            start = Budget(budget.window, budget.reserve, budget.margin - overcount, limit=0)
+        guarded = start
         if guard is not None and not counter.exact:
             key = calibration_key(backend, parsed.params.model)
             size = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
             learned = self.calibration.kind_bound(key, guard, size)
             guarded = budget.within(learned if learned is not None else self.calibration.bounds(key)[1])
-        fit: Callable[..., Fitted]
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)
-            fit = functools.partial(fit_chat, parsed, counter=counter, fixed_tokens=fixed,
-                                    keep_recent=self.keep_recent, previous=previous, digests=digests)  # fmt: skip
-        else:
-            fit = functools.partial(fit_prompt, parsed, counter=counter, fixed_tokens=fixed)
+
+        def with_fixed(fixed: int) -> Fit:
+            if isinstance(parsed, wire.Chat):
+                return functools.partial(fit_chat, parsed, counter=counter, fixed_tokens=fixed,
+                                         keep_recent=self.keep_recent, previous=previous, digests=digests)  # fmt: skip
+            return functools.partial(fit_prompt, parsed, counter=counter, fixed_tokens=fixed)
+
+        fit = with_fixed(fixed)
         while True:
             try:
                 fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, guarded))
                 break
             except BudgetTooSmall as e:
                 e.counter = "backend" if whole is not None else counter.name
-                if guarded == budget:
+                if scale < 1:
+                    counter, scale = CalibratedCounter(counter, scale), 1.0
+                    fixed = base + whole - await off_loop(big, functools.partial(parsed.tokens, counter, base))
+                    fit = with_fixed(fixed)
+                    continue
+                if guarded in (budget, start):
                     raise
                 # what must be kept needs more than the guard leaves: as close to the guard as it
                 # fits, else the full budget, and the check after the answer says what happened
                 needed = budget.at_most(e.required)
                 guarded = needed if guarded.tokens < needed.tokens < budget.tokens else budget
         fitted.report.window = budget.window
-        if guarded != budget:
+        if guarded not in (budget, start):
             fitted.report.notes.append(
                 f"budget {guarded.tokens} of {budget.tokens}: the count is an estimate, and this route cannot ask "
                 "Ollama to refuse instead of cutting"
@@ -118,44 +147,107 @@ class Sizer:
         if whole is None:
             return fitted
         try:
-            fitted = await self._verified(parsed, fitted, budget, backend, big, fit)
+            fitted, overcount = await self._verified(parsed, fitted, budget, start, backend, big, fit, previous)
         except BudgetTooSmall as e:
             e.counter = "backend"
             raise
+        if fitted.body is not None and isinstance(parsed, wire.Chat):
+            self.overcounts.put(parsed.key, overcount)
         # a refit under a tightened budget is told against the budget the client is told
         report = fitted.report
         report.counter, report.original_tokens, report.window, report.budget = "backend", whole, budget.window, budget.tokens
         return fitted
 
     async def _verified(
-        self, parsed: wire.Chat | wire.Prompt, fitted: Fitted, budget: Budget, backend: wire.Backend, big: bool, fit: Fit
-    ) -> Fitted:
-        """Check a compacted llama-server chat against the server's exact count; refit if it is over.
+        self,
+        parsed: wire.Chat | wire.Prompt,
+        fitted: Fitted,
+        budget: Budget,
+        start: Budget,
+        backend: wire.Backend,
+        big: bool,
+        fit: Fit,
+        previous: Plan | None,
+    ) -> tuple[Fitted, int]:
+        """Check a compacted llama-server chat against the server's exact count: refit if it is
+        over, and once if our count left room that the server's shows.
 
         A shrunk text is estimated, and a text can tokenize a token differently inside the
         template: the server's total for the whole request is the truth. A few rounds at most, each
         one tightening the budget by what our count of the last one missed. A refit that cannot
         keep what must be kept under the tightened budget is refused with numbers against the
-        budget the client is told.
+        budget the client is told. Per-text counts run high (a text alone tokenizes longer than
+        inside the template), so a cut confirmed well under the budget is made once more to the
+        budget less what our count overstated, and kept if the server confirms it too: the window
+        is used, not wasted on the count's error. A turn that only repeated the last plan is not
+        refitted: nothing new was cut, and re-admitting would move the cached prefix. Returns the
+        fit, and how far our count of it ran over the server's: the conversation's next turn starts
+        from a budget that much looser (`start` is this turn's).
         """
-        tightened = budget
-        for _ in range(VERIFY_ROUNDS):
+        tightened, confirmed, overcount = start, None, 0
+        under: tuple[int, int] | None = None
+        """Our budget for the fullest fit the server confirmed, and its count of it."""
+        over: tuple[int, int] | None = None
+        """Our least budget whose fit the server counted over, and its count."""
+        for round in range(VERIFY_ROUNDS):
             sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
             total = await self.counters.exact_total(backend, parsed, sent, big)
             if total is None:
+                if confirmed is not None:
+                    return confirmed, overcount
                 fitted.report.exact = False
-                return fitted
+                return fitted, 0
+            ours, aim, last = fitted.report.final_tokens, None, round == VERIFY_ROUNDS - 1
             if total <= (budget.tokens if fitted.body is not None else budget.admits):
-                fitted.report.final_tokens = total
+                fitted.report.final_tokens, fitted.report.exact = total, True  # the server's own count
                 if fitted.body is None:
                     fitted.report.original_tokens = total
-                return fitted
-            miss = max(total - fitted.report.final_tokens, 1)
-            tightened = Budget(budget.window, budget.reserve, tightened.margin + miss)
+                    return fitted, 0
+                if confirmed is None or total >= confirmed.report.final_tokens:
+                    confirmed, under = fitted, (tightened.tokens, total)
+                    overcount = max(tightened.tokens - budget.tokens, 0)  # how much looser than the budget ours was
+                room = budget.tokens - confirmed.report.final_tokens
+                if last or room < max(FILL_SLACK, budget.tokens // 100) or _repeated(fitted.plan, previous):
+                    return confirmed, overcount
+                # none over yet: as much further as the server's count of the last one says is left
+                aim = _between(under, over, budget.tokens) if over is not None else under[0] * budget.tokens // max(under[1], 1)
+            elif confirmed is not None:  # a fuller fit went over: aim between it and the one confirmed
+                if over is None or tightened.tokens < over[0]:
+                    over = (tightened.tokens, total)
+                aim = None if last else _between(under, over, budget.tokens)
+            elif tightened.margin < budget.margin:  # last turn's overcount does not hold for this one
+                tightened = budget
+            else:
+                miss = max(total - ours, 1)
+                tightened = Budget(budget.window, budget.reserve, tightened.margin + miss, limit=tightened.limit)
+            if confirmed is not None:
+                if aim is None:
+                    return confirmed, overcount
+                tightened = Budget(budget.window, budget.reserve, budget.window - budget.reserve - aim, limit=0)  # admits no more
             try:
                 fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, tightened))
             except BudgetTooSmall as e:
+                if confirmed is not None:
+                    return confirmed, overcount
                 raise e.rescaled(budget.tokens) from None
+        if confirmed is not None:
+            return confirmed, overcount
         fitted.report.exact = False
         fitted.report.notes.append("the server's count could not be confirmed within the budget")
-        return fitted
+        return fitted, 0
+
+
+def _between(under: tuple[int, int] | None, over: tuple[int, int], target: int) -> int | None:
+    """Our budget whose fit the server should count at `target`, on the line through a fit it
+    counted under and one it counted over (None: no whole token lies between them)."""
+    assert under is not None, "a fit was confirmed before one went over"
+    (low, counted_low), (high, counted_high) = under, over
+    if high - low <= 1:
+        return None
+    aim = low + (target - counted_low) * (high - low) // max(counted_high - counted_low, 1)
+    return min(max(aim, low + 1), high - 1)
+
+
+def _repeated(plan: Plan | None, previous: Plan | None) -> bool:
+    """Whether a fit made last turn's cuts and no others."""
+    return plan is not None and previous is not None and plan.evicted == previous.evicted and plan.shrunk == previous.shrunk

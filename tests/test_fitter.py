@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from contextpaw import sizing
+from contextpaw import compact, sizing
 from contextpaw import wire
 from contextpaw.metrics import Stats
 from contextpaw.evicted import EvictedStore
@@ -494,6 +494,66 @@ async def test_a_fit_the_servers_count_finds_a_few_tokens_over_is_cut_further_no
     assert s.report is not None and s.report.final_tokens <= s.report.budget and s.report.exact
     # the refit's tightened budget stays internal: the client is told the budget and window it has
     assert (s.report.budget, s.report.window) == (12000 - 1024 - 64, 12000)
+
+
+class HighTextCounting(ToolBlindCounting):
+    """A llama-server whose counts of each text alone run a fifth high against its count of the
+    whole request (as SmolLM2's do: a text alone tokenizes longer than inside the template)."""
+
+    async def counter(
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
+    ) -> tuple[Counter, int] | None:
+        from contextpaw.counting import BackendCounter
+
+        return BackendCounter({t: tokens_of(t) * 6 // 5 for t in texts if t}, fallback, per_message=4), 8
+
+
+def agent_chat(turns: int) -> dict[str, Any]:
+    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix the build."}]
+    for n in range(turns):
+        messages.append({"role": "assistant", "content": f"step {n}: reading file {n}"})
+        messages.append({"role": "user", "content": f"output {n}\n" + f"line {n} of the tool output\n" * (40 + 17 * (n % 5))})
+    return {"model": "m", "max_tokens": 256, "messages": messages}
+
+
+async def test_a_cut_our_per_text_count_overstates_is_made_again_to_fill_the_window_the_server_counts() -> None:
+    f = with_counting(fitter(default_ctx=4096, discover_window=False), HighTextCounting())
+    s = state(agent_chat(60), OPENAI, LLAMACPP)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted and decision.body is not None
+    report = s.report
+    assert report is not None and report.exact and report.counter == "backend"
+    real = await f.services.counting.total("", json.loads(decision.body))
+    assert real == report.final_tokens <= report.budget
+    assert real >= compact.FILL * report.budget, f"{real} of {report.budget}: the room our count overstated is used"
+
+
+async def test_what_must_be_kept_is_priced_by_the_servers_whole_count_when_our_count_of_it_runs_over() -> None:
+    """Counted text by text, the system prompt with the least of the recent turns overflows the
+    budget; the server's count of the whole request shows that they fit, so the request is cut,
+    not refused."""
+    body = agent_chat(30)
+    body["messages"][0]["content"] = "You are a coding agent. " * 550
+    f = with_counting(fitter(default_ctx=4096, discover_window=False), HighTextCounting())
+    s = state(body, OPENAI, LLAMACPP)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted and decision.body is not None, s.report
+    assert s.report is not None and s.report.final_tokens <= s.report.budget and s.report.exact
+    assert await f.services.counting.total("", json.loads(decision.body)) == s.report.final_tokens
+
+
+async def test_a_turn_that_repeats_the_last_plan_is_counted_once_not_refitted() -> None:
+    f = with_counting(fitter(default_ctx=4096, discover_window=False), HighTextCounting())
+    first = state(agent_chat(60), OPENAI, LLAMACPP)
+    await f.fit(first)
+    again = agent_chat(60)
+    again["messages"].append({"role": "assistant", "content": "done"})
+    counting = f.services.counting
+    before = counting.totals
+    s = state(again, OPENAI, LLAMACPP)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted
+    assert counting.totals - before == 2, "the request as sent, then the fit: no third count for a refit"
 
 
 async def test_a_refusal_states_one_set_of_numbers_in_its_message_body_and_headers() -> None:

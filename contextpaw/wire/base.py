@@ -127,9 +127,12 @@ class Chat:
 
     def tokens(self, counter: Counter, fixed_tokens: int = 0) -> int:
         """The whole request as `counter` counts it, as `fit` does before cutting anything."""
-        conversation = self.conversation
-        fixed = fixed_tokens + (counter.text(self.fixed_text) if self.fixed_text else 0) + counter.tools(conversation.tools)
-        return fixed + sum(counter.message(m) for m in conversation.messages)
+        return self.fixed_cost(counter, fixed_tokens) + sum(counter.message(m) for m in self.conversation.messages)
+
+    def fixed_cost(self, counter: Counter, fixed_tokens: int = 0) -> int:
+        """What the request costs besides its messages: the template's tokens, the text never cut
+        and the tool definitions."""
+        return fixed_tokens + (counter.text(self.fixed_text) if self.fixed_text else 0) + counter.tools(self.conversation.tools)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ def test_reported_prompt_size_equals_llama_servers_own_count(llama_proxy: str, c
         body["tools"] = TOOLS
     answer = httpx.post(f"{llama_proxy}/v1/chat/completions", json=body, timeout=120).json()
     report = answer["contextpaw"]
-    assert report["counter"] == "backend" and report["exact"]
+    assert report["counter"] == "backend" and report["exact"], report
     assert report["final_tokens"] == answer["usage"]["prompt_tokens"]
 
 
