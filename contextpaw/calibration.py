@@ -134,6 +134,13 @@ class Calibration:
             return None
         return max(max(ratios) * KIND_SLACK / self.factor(key), 1.0)
 
+    def kind_reach(self, key: str, kind: str) -> int:
+        """The largest request (in base-estimate tokens) this kind's samples can bound: twice the
+        size that enough of them reach (0: too few). A guard held to it learns a bigger sample each
+        time, so the bound grows to the window in a few requests instead of never."""
+        sizes = sorted((size for size, _ in self.kinds.get((key, kind)) or ()), reverse=True)
+        return 2 * sizes[EARLY_SAMPLES - 1] if len(sizes) >= EARLY_SAMPLES else 0
+
     def observe(self, key: str, estimated: int, reported: int | None, *, whole: bool, kind: str | None = None) -> Verdict:
         """Learn from one response; `estimated` is the base counter's count of what was sent, `kind`
         its `content_kind`, and `whole` says whether the server surely evaluated all of it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Callable, Mapping
 
 from contextpaw import wire
@@ -109,8 +110,16 @@ class Sizer:
         if guard is not None and not counter.exact:
             key = calibration_key(backend, parsed.params.model)
             size = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
-            learned = self.calibration.kind_bound(key, guard, size)
+            # a request that is cut is sent at the budget's size at most, and that is what must be bounded
+            factor = self.calibration.factor(key)
+            sent = min(size, math.ceil(budget.tokens / factor))
+            learned = self.calibration.kind_bound(key, guard, sent)
             guarded = budget.within(learned if learned is not None else self.calibration.bounds(key)[1])
+            reach = self.calibration.kind_reach(key, guard)
+            if learned is None and 0 < reach < sent and (near := self.calibration.kind_bound(key, guard, reach)) is not None:
+                # bounded up to twice what was learned, and that is learned from in turn
+                within_reach = budget.within(near).at_most(math.floor(reach * factor))
+                guarded = within_reach if within_reach.tokens > guarded.tokens else guarded
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)
 

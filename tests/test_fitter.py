@@ -681,6 +681,23 @@ async def test_on_a_route_that_cannot_forbid_a_cut_a_kind_of_text_calibration_kn
     assert after.report is not None and not after.report.compacted and after.report.counter == "calibrated"
 
 
+async def test_a_request_many_times_the_window_is_cut_to_the_bound_learned_at_the_size_it_is_sent() -> None:
+    """What is cut is sent at the budget's size at most: samples of that size bound it, however
+    big the request was (an agent's history is many windows long)."""
+    f = fitter(default_ctx=4096, output_reserve=0)
+    for words in (1800, 2000, 2200):
+        await learned(f, prose_chat(words), ratio=0.9)
+    window_budget, uses = 4096 - 64, []
+    for turn in range(4):  # each is cut to what was learned, and learned from as sent
+        body = prose_chat(words=12000)
+        body["messages"][0]["content"] = f"Be brief, session {turn}."  # another conversation: no plan to repeat
+        long = await learned(f, body, ratio=0.9)
+        assert long.report is not None and long.report.compacted
+        uses.append(long.report.final_tokens / window_budget)
+    assert uses[0] < 0.6 and uses[-1] >= 0.85, uses
+    assert uses == sorted(uses), "each learned sample lets the next cut reach further"
+
+
 async def test_a_kind_of_text_calibration_has_not_seen_keeps_the_estimates_whole_width() -> None:
     """Learning prose says nothing of one-letter words, three times denser: they are still guarded."""
     f = fitter(default_ctx=4096, output_reserve=0)
