@@ -6,7 +6,11 @@ measured on ContextPaw and on a bare mitmdump in front of the same backend, in t
 For each attack: the worst latency another client saw meanwhile (a small chat request every 20 ms)
 through ContextPaw and through the bare mitmdump, each proxy's peak RSS during it, and the outcome
 (refused in the caller's shape, or passed whole). The fuzz row (N8) is `--passes` passes of the
-same seeded bodies: the proxy's RSS after each (flat within 50 MiB after the first, is the bound).
+same seeded bodies: the proxy's RSS after each (flat within 50 MiB after the first, is the bound)
+and its CPU time in each. With `--probe 0` (or a number of tracemalloc frames), scripts/heap_probe.py
+runs in both proxies and says after each pass what their memory is made of (live objects, garbage
+the collector had not reached yet, malloc's free pages, RSS once trimmed); it collects and trims as
+it looks, so the RSS figures of a probed run are not the product's.
 
 The backend is this script run as a llama-server look-alike (`--serve PORT`): it counts a token a
 word, and serves each attack as the request's `X-Attack` header says, from bytes made at start-up.
@@ -20,6 +24,7 @@ import concurrent.futures
 import contextlib
 import gzip
 import json
+import os
 import random
 import select
 import socket
@@ -39,8 +44,8 @@ from contextpaw.backends import MAX_BODY_MB
 from support.backends import ADDON, Backend, free_port, start_process
 from support.common import LOOPBACK
 
-from contextpaw.heap import TRIM_EVERY_S
-from support.measure import PeakMemory, memory_mib, worst_latency_while
+from contextpaw.heap import SETTLE_S, TRIM_EVERY_S
+from support.measure import PeakMemory, cpu_seconds, memory_mib, worst_latency_while
 
 N_CTX = 1024
 ROUTE = "/v1/chat/completions"
@@ -127,22 +132,43 @@ class Proxy:
     process: Backend
     url: str
     ping_url: str
+    probe_port: int = 0
 
     @property
     def pid(self) -> int:
         return self.process.process.pid
 
 
-def start_mitmdump(name: str, upstream: str, ping_upstream: str, work: Path, options: list[str] | None) -> Proxy:
-    """Bare mitmdump (`options` None) or mitmdump with ContextPaw and `options`."""
+def start_mitmdump(name: str, upstream: str, ping_upstream: str, work: Path, options: list[str] | None,
+                   probe: int = -1, env: dict[str, str] | None = None) -> Proxy:  # fmt: skip
+    """Bare mitmdump (`options` None) or mitmdump with ContextPaw and `options`; with `probe` at
+    least 0, scripts/heap_probe.py too, tracing that many frames (what `heap_report` asks it);
+    `env` is added to the environment."""
     port, ping_port = free_port(), free_port()
     argv = [sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q",
             "--mode", f"reverse:{upstream}@{LOOPBACK}:{port}", "--mode", f"reverse:{ping_upstream}@{LOOPBACK}:{ping_port}",
             "--set", "connection_strategy=lazy", "--set", f"confdir={work / name}-conf", "--set", "tcp_timeout=3600"]  # fmt: skip
+    environment = {**os.environ, **(env or {})}
+    probe_port = 0
+    if probe >= 0:
+        probe_port = free_port()
+        argv += ["-s", str(Path(__file__).with_name("heap_probe.py"))]
+        environment |= {"HEAP_PROBE_PORT": str(probe_port), "HEAP_PROBE_TRACE": str(probe)}
     if options is not None:
         argv += ["-s", str(ADDON), *(arg for option in options for arg in ("--set", option))]
     url = f"http://{LOOPBACK}:{port}"
-    return Proxy(start_process(argv, url, "/health", work / f"{name}.log", 30), url, f"http://{LOOPBACK}:{ping_port}")
+    process = start_process(argv, url, "/health", work / f"{name}.log", 30, env=environment)
+    return Proxy(process, url, f"http://{LOOPBACK}:{ping_port}", probe_port)
+
+
+def heap_report(proxy: Proxy) -> dict[str, Any]:
+    """What scripts/heap_probe.py in the proxy says its memory is made of."""
+    with socket.create_connection((LOOPBACK, proxy.probe_port), timeout=600) as s:
+        s.sendall(b"report\n")
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+    return json.loads(data)
 
 
 def ping(client: httpx.Client, base: str, failed: list[str]) -> None:
@@ -374,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tenth of every size, one fuzz pass of 60 bodies")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--only", default="", metavar="N1,N8", help="these faults' rows only")
+    ap.add_argument("--probe", type=int, default=-1, metavar="FRAMES",
+                    help="load scripts/heap_probe.py in both proxies (tracemalloc with FRAMES frames, 0: off) "
+                         "and write what it reports after each fuzz pass to --probe-out")  # fmt: skip
+    ap.add_argument("--probe-out", type=Path, default=Path("heap-probe.json"))
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set in both proxies' environment")
     ap.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--sizes", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -417,8 +448,9 @@ def main(argv: list[str] | None = None) -> int:
             stale.parent.mkdir(parents=True)
             stale.write_text("{")  # what a write killed half-way leaves (N11)
             proxies: dict[str, Proxy] = {}
+            env = dict(pair.split("=", 1) for pair in args.env)
             for name, opts in (("bare", None), ("contextpaw", options)):
-                proxies[name] = start_mitmdump(name, backend.url, ping_backend.url, work, opts)
+                proxies[name] = start_mitmdump(name, backend.url, ping_backend.url, work, opts, args.probe, env)
                 running.callback(proxies[name].process.stop)
             print("| fault | attack | others' worst ms: ContextPaw / bare | peak RSS MiB: ContextPaw / bare | ContextPaw's outcome | bare mitmdump's |")
             print("|---|---|---:|---:|---|---|")
@@ -433,16 +465,26 @@ def main(argv: list[str] | None = None) -> int:
             if only and "N8" not in only:
                 return 0
             rss: dict[str, list[int]] = {name: [] for name in proxies}
+            cpu: dict[str, list[float]] = {name: [] for name in proxies}
             stored: list[int] = []
-            for _ in range(args.passes):
+            reports: dict[str, list[dict[str, Any]]] = {name: [] for name in proxies}
+            for n in range(args.passes):
                 for name, p in proxies.items():
+                    started = cpu_seconds(p.pid)
                     fuzz_pass(p.url, fuzz)
                     rss[name].append(round(memory_after(p.pid)))
+                    cpu[name].append(cpu_seconds(p.pid) - started)
+                    if args.probe >= 0:
+                        reports[name].append(heap_report(p))
+                        args.probe_out.write_text(json.dumps(reports, indent=1))
+                        print(f"pass {n + 1} {name}: RSS {rss[name][-1]} MiB, probe: {json.dumps(reports[name][-1])[:600]}", flush=True)
                 stored.append(round(evicted_store_mib(proxies["contextpaw"].url)))
             c, b = rss["contextpaw"], rss["bare"]
             print(f"| N8 | {args.passes} fuzz passes of {len(fuzz)} bodies | | | RSS after each pass {' → '.join(map(str, c))} MiB, "
-                  f"of which the evicted store {' → '.join(map(str, stored))} MiB (RSS after the first pass spans "
-                  f"{max(c[1:] or c) - min(c[1:] or c)} MiB) | {' → '.join(map(str, b))} MiB |", flush=True)  # fmt: skip
+                  f"of which the evicted store {' → '.join(map(str, stored))} MiB (after the first pass: at most "
+                  f"{max(c) - c[0]:+} MiB from it); CPU {' + '.join(f'{s:.1f}' for s in cpu['contextpaw'])} s "
+                  f"| {' → '.join(map(str, b))} MiB (at most {max(b) - b[0]:+} MiB from the first); "
+                  f"CPU {' + '.join(f'{s:.1f}' for s in cpu['bare'])} s |", flush=True)  # fmt: skip
     return 0
 
 
@@ -455,7 +497,7 @@ def evicted_store_mib(base: str) -> float:
 
 def memory_after(pid: int) -> float:
     """RSS once the process has been quiet long enough for the trim after its last big request."""
-    time.sleep(TRIM_EVERY_S + 1)
+    time.sleep(TRIM_EVERY_S + SETTLE_S + 2)
     return memory_mib(pid)
 
 
