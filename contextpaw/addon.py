@@ -330,7 +330,7 @@ class Upstream:
         self.fitter = fitter
         self.states = states
         self.ledger = ledger
-        self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, RelaySettings().header_timeout, RelaySettings().idle_timeout), self._rescue)
+        self.relay = Relay(self._failed, Timeouts(PROBE_TIMEOUT_S, (relay := RelaySettings()).header_timeout, relay.idle_timeout), self._rescue)
         self._starting: asyncio.Task[None] | None = None
         self.carried: LRU = LRU(4096)
         """The key of a flow the relay carries -> its state (weakly), while its answer is awaited."""

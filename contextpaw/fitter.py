@@ -139,7 +139,7 @@ class Fitter:
         self.store.max_items = settings.evicted_items
         self.store.max_bytes = settings.evicted_bytes
         self.store.max_age_s = settings.evicted_ttl
-        self.plans.limit = settings.conversations
+        self.plans.limit = self.sizer.overcounts.limit = settings.conversations
 
     # -- the request ----------------------------------------------------------------------------
 

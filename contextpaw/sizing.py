@@ -113,12 +113,13 @@ class Sizer:
             # a request that is cut is sent at the budget's size at most, and that is what must be bounded
             factor = self.calibration.factor(key)
             sent = min(size, math.ceil(budget.tokens / factor))
-            learned = self.calibration.kind_bound(key, guard, sent)
-            guarded = budget.within(learned if learned is not None else self.calibration.bounds(key)[1])
+            # samples bound a request of up to `reach`; a bigger one is held to that size if it does
+            # better than the estimate's whole width, and is learned from in turn
             reach = self.calibration.kind_reach(key, guard)
-            if learned is None and 0 < reach < sent and (near := self.calibration.kind_bound(key, guard, reach)) is not None:
-                # bounded up to twice what was learned, and that is learned from in turn
-                within_reach = budget.within(near).at_most(math.floor(reach * factor))
+            learned = self.calibration.kind_bound(key, guard, min(sent, reach))
+            guarded = budget.within(learned if learned is not None and reach >= sent else self.calibration.bounds(key)[1])
+            if learned is not None and reach < sent:
+                within_reach = budget.within(learned).at_most(math.floor(reach * factor))
                 guarded = within_reach if within_reach.tokens > guarded.tokens else guarded
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)

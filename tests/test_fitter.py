@@ -542,6 +542,12 @@ async def test_what_must_be_kept_is_priced_by_the_servers_whole_count_when_our_c
     assert await f.services.counting.total("", json.loads(decision.body)) == s.report.final_tokens
 
 
+def test_the_conversations_option_bounds_the_carried_budgets_as_it_bounds_the_plans() -> None:
+    f = fitter()
+    f.configure(replace(f.settings, conversations=2))
+    assert f.plans.limit == f.sizer.overcounts.limit == 2
+
+
 async def test_a_turn_that_repeats_the_last_plan_is_counted_once_not_refitted() -> None:
     f = with_counting(fitter(default_ctx=4096, discover_window=False), HighTextCounting())
     first = state(agent_chat(60), OPENAI, LLAMACPP)
