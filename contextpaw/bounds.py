@@ -9,7 +9,7 @@ to refuse instead of cutting (`forbid_truncation`). Pure: the fitter supplies th
 from __future__ import annotations
 
 from contextpaw import wire
-from contextpaw.calibration import Calibration
+from contextpaw.calibration import Calibration, Guard
 from contextpaw.report import Report
 from contextpaw.tokens import EstimateCounter
 from contextpaw.truncation import EXACT_BOUNDS, could_exceed
@@ -41,7 +41,7 @@ def size_bound(raw: bytes) -> tuple[str, int] | None:
 
 
 def count_bounds(
-    parsed: wire.Chat | wire.Prompt, report: Report, key: str, kind: str | None, calibration: Calibration, estimate: EstimateCounter
+    parsed: wire.Chat | wire.Prompt, report: Report, key: str, guard: Guard | None, calibration: Calibration, estimate: EstimateCounter
 ) -> tuple[float, float]:
     """How far the true size of what is sent can be from our count of it, for the verdict.
 
@@ -51,9 +51,9 @@ def count_bounds(
     rest. Only the server's count of the whole request is exact as a whole. The high bound is
     the guard's: what calibration learned of this kind of request, where it knows it."""
     low, high = EXACT_BOUNDS if report.exact else calibration.bounds(key)
-    if kind is not None and report.counter == "calibrated":
+    if guard is not None and report.counter == "calibrated":
         size = round(report.final_tokens / calibration.factor(key))
-        high = calibration.kind_bound(key, kind, size) or high
+        high = calibration.kind_bound(key, guard.kind, size, guard.floor) or high
     if report.counter == "backend" or not isinstance(parsed, wire.Chat) or report.final_tokens <= 0:
         return low, high
     conversation = parsed.conversation

@@ -52,6 +52,37 @@ KIND_CLASSES = {"space": b" \t", "digit": b"0123456789", "mark": b"{}[]()<>'=|_-
 """The bytes whose shares set a request's kind, with non-ASCII. (Quotes, colons and commas are
 left out: the JSON around the texts is made of them.)"""
 NON_ASCII = bytes(range(128, 256))
+FLOOR_TEXT_TOKENS = 64
+"""A text this many estimated tokens long or more says how dense the request can be (a shorter one
+says little: "a b" is one-letter words, and costs nothing)."""
+FLOOR_CHUNK = 1 << 20
+"""Characters split at a time: a long text is split in pieces, so a worker thread never holds the
+GIL for more than a few ms."""
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """What bounds the count of a request on a route where a cut cannot be forbidden: its content
+    kind, and the least ratio to the estimate its densest text proves (`word_floor`)."""
+
+    kind: str
+    floor: float = 0.0
+
+
+def word_floor(texts: Iterable[str], estimate: Counter) -> float:
+    """The least ratio of tokens to the estimate that the densest of these texts proves.
+
+    Tokenizers split at whitespace before they merge (GPT-2's pre-tokenizer, SentencePiece's
+    word boundaries), so a text has at least as many tokens as words. One-letter words reach 1.6
+    times the estimate, prose about a third: where a kind's samples (of cut requests, markers in
+    them) say less than this, they do not describe this request."""
+    floor = 0.0
+    for text in texts:
+        estimated = estimate.text(text)
+        if estimated >= FLOOR_TEXT_TOKENS:
+            words = sum(len(text[i : i + FLOOR_CHUNK].split()) for i in range(0, len(text), FLOOR_CHUNK))
+            floor = max(floor, (words - len(text) // FLOOR_CHUNK) / estimated)  # a word across a seam counted once
+    return floor
 
 
 def content_kind(body: bytes) -> str:
@@ -123,16 +154,18 @@ class Calibration:
         factor = self.factor(key)
         return ESTIMATE_BOUNDS[0] / factor, ESTIMATE_BOUNDS[1] / factor
 
-    def kind_bound(self, key: str, kind: str, estimated: int) -> float | None:
+    def kind_bound(self, key: str, kind: str, estimated: int, floor: float = 0.0) -> float | None:
         """How many times too low this key's calibrated count of a request of `kind`, `estimated`
         tokens by the base estimate, can be: known once enough requests of that kind and at least
         half that size were learned from and they agreed; else None. (A small request says little
-        of a big one: the template's fixed cost weighs in its ratio.)"""
+        of a big one: the template's fixed cost weighs in its ratio.) Never below what the
+        request's own words prove (`floor`, from `word_floor`): a kind is a coarse class, and its
+        samples may be of cuts whose markers made them less dense than this request's texts."""
         learned = self.kinds.get((key, kind)) or ()
         ratios = [ratio for size, ratio in learned if 2 * size >= estimated]
         if len(ratios) < EARLY_SAMPLES or max(ratios) > KIND_SPREAD * min(ratios):
             return None
-        return max(max(ratios) * KIND_SLACK / self.factor(key), 1.0)
+        return max(max(*ratios, floor) * KIND_SLACK / self.factor(key), 1.0)
 
     def kind_reach(self, key: str, kind: str) -> int:
         """The largest request (in base-estimate tokens) this kind's samples can bound: twice the

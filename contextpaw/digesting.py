@@ -12,6 +12,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from contextpaw import logs, wire
+from contextpaw.calibration import Guard
 from contextpaw.counters import CounterChoice
 from contextpaw.fitting import Fitted
 from contextpaw.flow import FlowState
@@ -37,7 +38,7 @@ class Digesting:
         self.settings = settings
 
     async def summarized(
-        self, summarizer: Summarizer, state: FlowState, parsed: wire.Chat, fitted: Fitted, budget: Budget, big: bool, guard: str | None
+        self, summarizer: Summarizer, state: FlowState, parsed: wire.Chat, fitted: Fitted, budget: Budget, big: bool, guard: Guard | None
     ) -> Fitted:
         """Put a digest of each evicted span where its marker goes, inside the budget.
 

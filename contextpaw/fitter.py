@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from contextpaw import logs, wire
 from contextpaw.answers import AnswerCheck
 from contextpaw.bounds import NATIVE_OLLAMA, count_bounds, forbid_truncation, size_bound
-from contextpaw.calibration import Calibration, calibration_key, content_kind
+from contextpaw.calibration import Calibration, Guard, calibration_key, content_kind, word_floor
 from contextpaw.compact import BudgetTooSmall
 from contextpaw.counters import CounterChoice
 from contextpaw.digesting import Digesting
@@ -89,9 +89,12 @@ def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
     return {marker_id: encode(content) for marker_id, content in evicted.items()}
 
 
-async def _guard(state: FlowState, big: bool) -> str | None:
-    """The request's content kind where a cut cannot be forbidden (it sizes the guard); else None."""
-    return await off_loop(big, lambda: content_kind(state.original)) if _uncapped(state) else None
+async def _guard(state: FlowState, parsed: wire.Chat | wire.Prompt, estimate: EstimateCounter, big: bool) -> Guard | None:
+    """What sizes the guard where a cut cannot be forbidden (the request's content kind and word
+    floor); else None."""
+    if not _uncapped(state):
+        return None
+    return await off_loop(big, lambda: Guard(content_kind(state.original), word_floor(parsed.texts, estimate)))
 
 
 def _uncapped(state: FlowState) -> bool:
@@ -186,9 +189,9 @@ class Fitter:
             return UNCHANGED
         self._place(state, parsed.params.model)
         budget = await self.budgeter.budget(state.backend, parsed.params)
-        kind = await _guard(state, big)
+        guard = await _guard(state, parsed, self.estimate, big)
         try:
-            fitted = await self.sizer.fit(parsed, budget, state.backend, big, guard=kind)
+            fitted = await self.sizer.fit(parsed, budget, state.backend, big, guard=guard)
         except BudgetTooSmall as e:
             if policy != "off":
                 return self._refuse(state, budget.impossible(e), e.counter)
@@ -201,10 +204,10 @@ class Fitter:
         key = calibration_key(state.backend, parsed.params.model)
         if report.counter == "calibrated":
             sent = fitted.body if fitted.body is not None else state.original
-            unchanged = fitted.body is None and kind is not None  # the guard read the same bytes
-            sent_kind = kind if unchanged else await off_loop(big, lambda: content_kind(sent))
+            unchanged = fitted.body is None and guard is not None  # the guard read the same bytes
+            sent_kind = guard.kind if unchanged and guard is not None else await off_loop(big, lambda: content_kind(sent))
             state.calibration = (key, self.calibration.factor(key), sent_kind)
-        state.bounds = count_bounds(parsed, report, key, kind, self.calibration, self.estimate)
+        state.bounds = count_bounds(parsed, report, key, guard, self.calibration, self.estimate)
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
             state.observed, state.sent_tokens, state.uncuttable = report, report.original_tokens, said
@@ -212,7 +215,7 @@ class Fitter:
         if policy == "strict" and report.compacted:
             return self._refuse(state, budget.refusal(report.original_tokens), report.counter)
         if self.summarizer is not None and isinstance(parsed, wire.Chat) and report.evicted_tokens:
-            fitted = await self.digesting.summarized(self.summarizer, state, parsed, fitted, budget, big, kind)
+            fitted = await self.digesting.summarized(self.summarizer, state, parsed, fitted, budget, big, guard)
             report = fitted.report
         body = fitted.body
         forbid = self.settings.forbid_truncation and forbid_truncation(state.route, parsed, report, budget, state.bounds)

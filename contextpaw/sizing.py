@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from contextpaw import wire
-from contextpaw.calibration import CalibratedCounter, Calibration, calibration_key
+from contextpaw.calibration import CalibratedCounter, Calibration, Guard, calibration_key
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.counters import CounterChoice, rough_size
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
@@ -71,7 +71,7 @@ class Sizer:
         big: bool,
         digests: Mapping[str, str] | None = None,
         previous: Plan | None = None,
-        guard: str | None = None,
+        guard: Guard | None = None,
     ) -> Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big.
 
@@ -80,10 +80,11 @@ class Sizer:
         between its count and ours is the template's real cost (a template that renders no tools
         makes it negative), so what must be kept is priced as the server prices it.
 
-        With a `guard` (the request's content kind, on a route that cannot ask Ollama to refuse
-        instead of cutting), an inexact count gets a budget its upper error bound still fits in,
-        where what must be kept allows it: a cut there cannot be undone. Once calibration knows
-        this kind of text, that bound is what it learned, not the estimate's whole width."""
+        With a `guard` (the request's content kind and word floor, on a route that cannot ask
+        Ollama to refuse instead of cutting), an inexact count gets a budget its upper error bound
+        still fits in, where what must be kept allows it: a cut there cannot be undone. Once
+        calibration knows this kind of text, that bound is what it learned (never below what the
+        request's words prove), not the estimate's whole width."""
         small = await self.counters.small(backend, parsed, budget.tokens, big)
         counter, fixed = await self.counters.best(backend, parsed, small, big)
         # a request that may not fit is counted whole where the server can (even when its per-text
@@ -115,8 +116,8 @@ class Sizer:
             sent = min(size, math.ceil(budget.tokens / factor))
             # samples bound a request of up to `reach`; a bigger one is held to that size if it does
             # better than the estimate's whole width, and is learned from in turn
-            reach = self.calibration.kind_reach(key, guard)
-            learned = self.calibration.kind_bound(key, guard, min(sent, reach))
+            reach = self.calibration.kind_reach(key, guard.kind)
+            learned = self.calibration.kind_bound(key, guard.kind, min(sent, reach), guard.floor)
             guarded = budget.within(learned if learned is not None and reach >= sent else self.calibration.bounds(key)[1])
             if learned is not None and reach < sent:
                 within_reach = budget.within(learned).at_most(math.floor(reach * factor))

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contextpaw.calibration import MIN_SAMPLE_TOKENS, SAFETY, Calibration, content_kind
+from contextpaw.calibration import FLOOR_CHUNK, MIN_SAMPLE_TOKENS, SAFETY, Calibration, content_kind, word_floor
 from contextpaw.conversation import Message
 from contextpaw.tokens import EstimateCounter, TokenizerCounter
 from contextpaw.truncation import ESTIMATE_BOUNDS, EXACT_BOUNDS, Evaluation, cut_counts, judge
@@ -293,6 +293,34 @@ def test_a_kind_whose_samples_disagree_keeps_no_bound_of_its_own():
     for ratio in (0.6, 0.8, 1.0):
         cal.observe("k", 1000, int(1000 * ratio), whole=True, kind="mixed")
     assert cal.kind_bound("k", "mixed", 1000) is None
+
+
+def test_the_words_of_a_text_prove_a_floor_under_its_token_count():
+    """Tokenizers split at whitespace first: one-letter words are at least 1.6 times the estimate,
+    prose far less, and a short text says nothing."""
+    estimate = EstimateCounter()
+    dense, prose = "a b c d 1 2 3 " * 300, "The quick brown fox jumps over the lazy dog. " * 100
+    assert 1.55 <= word_floor([dense], estimate) <= 1.6
+    assert word_floor([prose], estimate) < 0.8
+    assert word_floor([prose, dense], estimate) == word_floor([dense], estimate), "the densest text sets it"
+    assert word_floor(["a b c d"], estimate) == 0.0
+    long = "x " * (FLOOR_CHUNK + 17)
+    assert word_floor([long], estimate) <= len(long.split()) / estimate.text(long), "a seam never adds a word"
+
+
+def test_a_kind_learned_from_sparser_cuts_is_never_trusted_below_what_a_requests_words_prove():
+    """The never-silent matrix's miss: a kind's samples were cuts whose markers made them sparse
+    (1.13), a request of the same coarse kind kept one-letter words (1.57), and a budget held to the
+    samples' bound overflowed Ollama's /v1 window in silence."""
+    cal = Calibration()
+    for _ in range(4):
+        cal.observe("k", 1000, 1126, whole=True, kind="space4 digit2")
+    factor = cal.factor("k")
+    learned = cal.kind_bound("k", "space4 digit2", 1500)
+    assert learned is not None and learned * factor < 1.57, "the samples alone under-bound the dense request"
+    floored = cal.kind_bound("k", "space4 digit2", 1500, floor=1.57)
+    assert floored is not None and floored * factor >= 1.57
+    assert cal.kind_bound("k", "space4 digit2", 1500, floor=0.3) == learned, "a sparse request keeps the learned bound"
 
 
 def test_what_was_learned_of_kinds_survives_a_restart():
