@@ -35,6 +35,10 @@ CONNECTION_HEADERS = frozenset(name.encode() for name in shared.CONNECTION_HEADE
 """Headers of the backend connection, not of the answer: the tunnel frames and keeps its own."""
 MAX_HEAD_EVENT = 1 << 20
 """The largest request or answer head h11 accepts (its own default, 16 KiB, is below mitmproxy's)."""
+WRITE_SIZE = 1 << 20
+"""A read answer goes on to the client in writes of about this size: one write of 300 MB copies it
+three times over (the join, h11, the transport) in one step of the event loop, and every other
+client waits for it."""
 KEEP_ALIVE_S = 2.0
 """A backend connection idle for longer is not reused: servers close idle ones after 5 s or more."""
 
@@ -168,25 +172,22 @@ class Exchange:
         response = await self._ask(self.body)
         if self._streams(response):
             return await self._relay_stream(response)
-        body: bytes | None = await self._read_body()
+        pieces: list[bytes] | None = await self._read_body()
         decide = self._decision() if response.status_code in RESCUABLE else None
         if decide is not None:
             async def send(retry: bytes) -> tuple[int, bytes | None]:
-                nonlocal response, body
+                nonlocal response, pieces
                 response = await self._ask(retry)
-                body = None if self._streams(response) else await self._read_body()
-                return response.status_code, body
+                pieces = None if self._streams(response) else await self._read_body()
+                return response.status_code, None if pieces is None else b"".join(pieces)
 
-            refusal = await rescued(response.status_code, body, decide, send)
+            refusal = await rescued(response.status_code, b"".join(pieces), decide, send)
             if refusal is not None:  # nothing that must be kept fits: the addon's own answer
                 return await self._answer(*_whole_answer(refusal.status, refusal.body))
-            if body is None:
+            if pieces is None:
                 return await self._relay_stream(response)
-        assert body is not None
-        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
-        headers.append((b"Content-Length", str(len(body)).encode()))
-        head = h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)
-        await self._answer(head, h11.Data(data=body), h11.EndOfMessage())
+        assert pieces is not None
+        await self._answer_read(response, pieces)
 
     async def _ask(self, body: bytes) -> h11.Response:
         """Send the request with `body` to the backend; the head of its answer.
@@ -243,13 +244,14 @@ class Exchange:
         self.framing = "ndjson" if "ndjson" in content_type else "sse"
         return True
 
-    async def _read_body(self) -> bytes:
-        """A whole answer is read before its headers go on: if it breaks off, the client gets an error status."""
-        body = bytearray()
+    async def _read_body(self) -> list[bytes]:
+        """A whole answer is read before its headers go on: if it breaks off, the client gets an
+        error status. Kept in the pieces it came in, never joined unless the rescue reads it."""
+        pieces = []
         while not isinstance(event := await self._next_event(self.relay.timeouts.idle, "in the middle of its answer", "stalled in its answer"), h11.EndOfMessage):
-            if isinstance(event, h11.Data):
-                body += event.data
-        return bytes(body)
+            if isinstance(event, h11.Data) and event.data:
+                pieces.append(bytes(event.data))
+        return pieces
 
     def _decision(self) -> Decide | None:
         """The addon's rescue decision for this request's flow, or None; a failure of ours in it
@@ -350,6 +352,21 @@ class Exchange:
             pass
 
     # -- answering --------------------------------------------------------------------------------
+
+    async def _answer_read(self, response: h11.Response, pieces: list[bytes]) -> None:
+        """A whole answer on to the client, a batch of pieces of WRITE_SIZE at a time, each
+        drained before the next."""
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
+        headers.append((b"Content-Length", str(sum(map(len, pieces))).encode()))
+        events: list[h11.Event] = [h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)]
+        batch, size = [], 0
+        for piece in pieces:
+            batch.append(piece)
+            size += len(piece)
+            if size >= WRITE_SIZE:
+                await self._answer(*events, h11.Data(data=b"".join(batch)))
+                events, batch, size = [], [], 0
+        await self._answer(*events, *([h11.Data(data=b"".join(batch))] if batch else []), h11.EndOfMessage())
 
     async def _answer(self, *events: h11.Event) -> None:
         self.writer.write(b"".join(self.down.send(event) or b"" for event in events))  # one write, one send

@@ -19,7 +19,7 @@ import h11
 import pytest
 
 from contextpaw.exchange import ERROR_HEADER as ERROR_NAME
-from contextpaw.exchange import FLOW_HEADER, Failure, Timeouts
+from contextpaw.exchange import FLOW_HEADER, WRITE_SIZE, Failure, Timeouts
 from contextpaw.relay import Relay
 
 ERROR_HEADER = ERROR_NAME.encode()
@@ -474,6 +474,30 @@ async def test_a_chunked_backend_answer_is_relayed_with_its_whole_body(relay: Ru
     response, body = await tunnel.exchange("GET", "/props")
     assert response.status_code == 200 and body == b'{"a":1}'
     assert header(response, b"content-length") == b"7" and header(response, b"transfer-encoding") is None
+
+
+async def test_a_big_buffered_answer_reaches_the_client_whole_in_writes_of_about_a_mib(
+    relay: Running, backends, tunnels, monkeypatch
+) -> None:
+    """One write of the whole answer copies it three times in one step of the event loop: with
+    300 MB every other client waited seconds (the N4 row of measure_hardening.py)."""
+    answer = json.dumps({"text": "x" * (5 * WRITE_SIZE)}).encode()
+    writes: list[int] = []
+    write = asyncio.StreamWriter.write
+    monkeypatch.setattr(asyncio.StreamWriter, "write", lambda self, data: (writes.append(len(data)), write(self, data))[1])
+
+    async def handler(conn: BackendConn) -> None:
+        await conn.read_request()
+        whole = buffered(answer)
+        for start in range(0, len(whole), 1 << 16):
+            await conn.send(whole[start : start + (1 << 16)])
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    response, body = await tunnel.exchange("GET", "/api/show")
+    assert response.status_code == 200 and body == answer
+    assert header(response, b"content-length") == str(len(answer)).encode()
+    assert max(writes) <= WRITE_SIZE + (1 << 16) + 1024 < len(answer)
 
 
 async def test_the_answer_header_names_keep_their_case(relay: Running, backends, tunnels) -> None:
