@@ -667,14 +667,11 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             gaps = [r for r in loop["turns"] if "failed" not in r["contextpaw"] and "ceiling" in r
                     and table["first_compacted_turn"] is not None and r["turn"] >= table["first_compacted_turn"]
                     and r["contextpaw"]["cached"] < r["ceiling"] - CEILING_SLACK]
-            why = "; ".join(f"turn {c['turn']}: {pct(c['reuse'])} of {pct(c['ceiling'])}"
-                            + (f" (message {c['first_difference']}: {c['why']})" if c.get("why") else "")
-                            for c in table["recuts"] if c["reuse"] < c["ceiling"] - CEILING_SLACK)
             rows.append((f"agent loop on real llama-server ({table['turns']} turns, -c {table['window']}), prompt from cache",
                          f"ceiling (all but what each turn adds): {pct(table['ceiling_mean'])} mean, {pct(table['ceiling_worst'])} worst",
                          f"{pct(table['reuse_mean'])} mean, {pct(table['reuse_worst'])} worst; {table['recut_turns']} re-cut turns at "
                          f"{pct(table['recut_reuse_mean'])} against {pct(table['recut_ceiling_mean'])}",
-                         "every turn at its ceiling", "met" if not gaps else f"not met: {len(gaps)} turns below; {why}"))
+                         "every turn at its ceiling", "met" if not gaps else f"not met: {len(gaps)} turns below; {recut_reasons(gaps)}"))
     if prefix := result.get("prefix"):
         for w in prefix["windows"]:
             unnoted = sum(1 for c in w["recuts"] if c["before_last_marker"] and not c["earlier_cut_noted"])
@@ -692,6 +689,20 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                          f"≥ {u['goal']:.0%}, never over 100%",
                          "met" if u["met"] else f"not met: {u['below_goal']} below, {u['over_100']} over 100%"))
     return rows
+
+
+def recut_reasons(gaps: list[dict[str, Any]]) -> str:
+    """Why the turns below their ceiling fell short, counted: a re-cut after the last marker (what
+    follows the changed message is evaluated again), one the budget forced before it (the report
+    notes it), one before it not noted; and the worst turn."""
+    details = [t.get("recut_detail") or {} for t in gaps]
+    after = sum(1 for d in details if d and not d.get("before_last_marker") and not d.get("earlier_cut_noted"))
+    forced = sum(1 for d in details if d.get("earlier_cut_noted"))
+    unnoted = sum(1 for d in details if d and d.get("before_last_marker") and not d.get("earlier_cut_noted"))
+    worst = min(gaps, key=lambda t: t["contextpaw"]["cached"])
+    return (f"{after} re-cut after the last marker (what follows the change is evaluated again), {forced} forced "
+            f"before it by the budget (noted), {unnoted} before it unnoted, {len(gaps) - after - forced - unnoted} other; "
+            f"worst turn {worst['turn']}: {pct(worst['contextpaw']['cached'])} of {pct(worst['ceiling'])}")
 
 
 def stall_verdict(ours_ms: float, bare_ms: float) -> str:
