@@ -204,8 +204,8 @@ class Fitter:
         key = calibration_key(state.backend, parsed.params.model)
         if report.counter == "calibrated":
             sent = fitted.body if fitted.body is not None else state.original
-            unchanged = fitted.body is None and guard is not None  # the guard read the same bytes
-            sent_kind = guard.kind if unchanged and guard is not None else await off_loop(big, lambda: content_kind(sent))
+            # unchanged, it is the bytes the guard read
+            sent_kind = guard.kind if guard is not None and fitted.body is None else await off_loop(big, lambda: content_kind(sent))
             state.calibration = (key, self.calibration.factor(key), sent_kind)
         state.bounds = count_bounds(parsed, report, key, guard, self.calibration, self.estimate)
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
