@@ -70,9 +70,8 @@ class AnswerCheck:
         first = state.phase is not Phase.JUDGED
         state.advance(Phase.JUDGED)
         if first and state.calibration is not None and self.calibrate and evaluated is not None:
-            key, factor, kind = state.calibration
-            whole = verdict.evaluation is Evaluation.WHOLE
-            learned = self.calibration.observe(key, round(sent / factor), evaluated, whole=whole, kind=kind)
+            sample, whole = state.calibration, verdict.evaluation is Evaluation.WHOLE
+            learned = self.calibration.observe(sample.key, sample.estimated, evaluated, whole=whole, kind=sample.kind, shaped=sample.shaped)
             if learned.reason.startswith("impossible"):
                 logger.warning("%s: %s; not learned from (the backend's count is evidence, not truth)", state.path, learned.reason)
         return report.to_json() if on_wire or report.upstream_truncated is not None else None

@@ -9,10 +9,10 @@ to refuse instead of cutting (`forbid_truncation`). Pure: the fitter supplies th
 from __future__ import annotations
 
 from contextpaw import wire
-from contextpaw.calibration import Calibration, Guard
+from contextpaw.calibration import Calibration, Guard, Sample
 from contextpaw.report import Report
 from contextpaw.tokens import EstimateCounter
-from contextpaw.truncation import EXACT_BOUNDS, could_exceed
+from contextpaw.truncation import ESTIMATE_BOUNDS, EXACT_BOUNDS, could_exceed
 from contextpaw.windows import Budget
 
 NATIVE_OLLAMA = ("ollama.chat", "ollama.generate")
@@ -41,7 +41,13 @@ def size_bound(raw: bytes) -> tuple[str, int] | None:
 
 
 def count_bounds(
-    parsed: wire.Chat | wire.Prompt, report: Report, key: str, guard: Guard | None, calibration: Calibration, estimate: EstimateCounter
+    parsed: wire.Chat | wire.Prompt,
+    report: Report,
+    sample: Sample | None,
+    key: str,
+    guard: Guard | None,
+    calibration: Calibration,
+    estimate: EstimateCounter,
 ) -> tuple[float, float]:
     """How far the true size of what is sent can be from our count of it, for the verdict.
 
@@ -49,8 +55,12 @@ def count_bounds(
     template may leave the tool definitions out (SmolLM2's does) and spend fewer tokens per
     message than we allow. So the low bound leaves those out: what was surely sent is the
     rest. Only the server's count of the whole request is exact as a whole. The high bound is
-    the guard's: what calibration learned of this kind of request, where it knows it."""
+    the guard's: what calibration learned of this kind of request, where it knows it. A count by
+    shape has no bounds of its own: the byte estimate of what was sent (the `sample`) gives them."""
     low, high = EXACT_BOUNDS if report.exact else calibration.bounds(key)
+    if sample is not None and not report.exact and report.final_tokens > 0:
+        scale = sample.estimated / report.final_tokens
+        low, high = min(low, ESTIMATE_BOUNDS[0] * scale), max(high, ESTIMATE_BOUNDS[1] * scale)
     if guard is not None and report.counter == "calibrated":
         size = round(report.final_tokens / calibration.factor(key))
         high = calibration.kind_bound(key, guard.kind, size, guard.floor) or high

@@ -61,6 +61,17 @@ GIL for more than a few ms."""
 
 
 @dataclass(frozen=True, slots=True)
+class Sample:
+    """What calibration learns from once a request's answer counts it: exactly what was sent, as
+    the byte estimate and the shape count make it, and its content kind."""
+
+    key: str
+    estimated: int
+    shaped: int
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
 class Guard:
     """What bounds the count of a request on a route where a cut cannot be forbidden: its content
     kind, and the least ratio to the estimate its densest text proves (`word_floor`)."""
@@ -133,6 +144,9 @@ class Calibration:
         """Key -> recent ratios; bounded, since a key holds the model name the client sent."""
         self.kinds: LRU = LRU(MAX_KEYS)
         """(key, content kind) -> recent (estimated size, ratio) of requests of that kind."""
+        self.shapes: LRU = LRU(MAX_KEYS)
+        """Key -> recent ratios of reported tokens to the `ShapeCounter`'s count, learned beside the
+        byte estimate's from the same samples."""
         self.refused = 0
 
     def factor(self, key: str) -> float:
@@ -144,6 +158,12 @@ class Calibration:
 
     def counter(self, key: str, base: Counter) -> CalibratedCounter:
         return CalibratedCounter(base, self.factor(key))
+
+    def shape_factor(self, key: str) -> float | None:
+        """The learned ratio to the shape count (the largest recent one, plus the margin); None until
+        `EARLY_SAMPLES` are learned, since a shape count has no physical bound to hold it in."""
+        ratios = self.shapes.get(key)
+        return max(ratios) * SAFETY if ratios and len(ratios) >= EARLY_SAMPLES else None
 
     def bounds(self, key: str) -> tuple[float, float]:
         """How far the true size can be from this key's calibrated count, as (low, high) ratios.
@@ -174,15 +194,20 @@ class Calibration:
         sizes = sorted((size for size, _ in self.kinds.get((key, kind)) or ()), reverse=True)
         return 2 * sizes[EARLY_SAMPLES - 1] if len(sizes) >= EARLY_SAMPLES else 0
 
-    def observe(self, key: str, estimated: int, reported: int | None, *, whole: bool, kind: str | None = None) -> Verdict:
+    def observe(
+        self, key: str, estimated: int, reported: int | None, *, whole: bool, kind: str | None = None, shaped: int | None = None
+    ) -> Verdict:
         """Learn from one response; `estimated` is the base counter's count of what was sent, `kind`
-        its `content_kind`, and `whole` says whether the server surely evaluated all of it."""
+        its `content_kind`, `shaped` the shape count of it, and `whole` says whether the server
+        surely evaluated all of it. A sample the byte estimate's checks refuse teaches neither."""
         verdict = self._judge(key, estimated, reported, whole)
         if verdict.accepted:
             ratio = reported / estimated
             self._learn(self.ratios, key, ratio)
             if kind is not None:
                 self._learn(self.kinds, (key, kind), (estimated, ratio))
+            if shaped:
+                self._learn(self.shapes, key, reported / shaped)
         else:
             self.refused += 1
         return verdict
@@ -212,6 +237,7 @@ class Calibration:
         return {
             "factors": {k: round(self.factor(k), 4) for k in list(self.ratios)},  # `factor` reorders the LRU
             "samples": {k: len(v) for k, v in self.ratios.items()},
+            "shape_factors": {k: round(f, 4) for k in list(self.shapes) if (f := self.shape_factor(k)) is not None},
             "refused": self.refused,
         }
 
@@ -219,21 +245,24 @@ class Calibration:
         return {
             "ratios": {k: list(v) for k, v in self.ratios.items()},
             "kinds": [[key, kind, [list(pair) for pair in v]] for (key, kind), v in self.kinds.items()],
+            "shapes": {k: list(v) for k, v in self.shapes.items()},
         }
 
     def restore(self, state: object) -> bool:
         """Take back a saved state; a damaged one costs the learning, never the proxy."""
         try:
-            ratios, kinds = LRU(MAX_KEYS), LRU(MAX_KEYS)
+            ratios, kinds, shapes = LRU(MAX_KEYS), LRU(MAX_KEYS), LRU(MAX_KEYS)
             for k, v in state["ratios"].items():  # type: ignore[index]
                 ratios.put(str(k), self._restored(v))
+            for k, v in state.get("shapes", {}).items():  # type: ignore[union-attr]  # absent in older files
+                shapes.put(str(k), self._restored(v))
             for key, kind, v in state.get("kinds", []):  # type: ignore[union-attr]  # absent in older files
                 pairs = ((int(size), float(ratio)) for size, ratio in v)
                 kinds.put((str(key), str(kind)), deque((p for p in pairs if p[1] > 0), maxlen=self.window))
-            self.ratios, self.kinds = ratios, kinds
+            self.ratios, self.kinds, self.shapes = ratios, kinds, shapes
             return True
         except (ValueError, KeyError, TypeError, AttributeError):
-            self.ratios, self.kinds = LRU(MAX_KEYS), LRU(MAX_KEYS)
+            self.ratios, self.kinds, self.shapes = LRU(MAX_KEYS), LRU(MAX_KEYS), LRU(MAX_KEYS)
             return False
 
     def _restored(self, ratios: Iterable[object]) -> deque[float]:

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from contextpaw import wire
-from contextpaw.calibration import Calibration, calibration_key
+from contextpaw.calibration import CalibratedCounter, Calibration, calibration_key
 from contextpaw.offload import off_loop
 from contextpaw.settings import FitSettings
-from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.tokens import Counter, EstimateCounter, ShapeCounter
 from contextpaw.windows import BackendWindows
 
 if TYPE_CHECKING:
@@ -27,16 +27,29 @@ class CounterChoice:
     """Picks and asks the counters for one request at a time."""
 
     def __init__(
-        self, services: Services, windows: BackendWindows, calibration: Calibration, estimate: EstimateCounter, settings: FitSettings
+        self,
+        services: Services,
+        windows: BackendWindows,
+        calibration: Calibration,
+        estimate: EstimateCounter,
+        shape: ShapeCounter,
+        settings: FitSettings,
     ) -> None:
         self.services = services
         self.windows = windows
         self.calibration = calibration
         self.estimate = estimate
+        self.shape = shape
         self.settings = settings
 
-    def calibrated(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt) -> Counter:
-        return self.calibration.counter(calibration_key(backend, parsed.params.model), self.estimate)
+    def calibrated(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, shaped: bool = False) -> Counter:
+        """The estimate scaled by what the backend reported before: the byte estimate's, or where
+        a miss is refused rather than cut (`shaped`) and enough was learned, the shape count's,
+        which prices prose and dense tool output each near its own rate."""
+        key = calibration_key(backend, parsed.params.model)
+        if shaped and (factor := self.calibration.shape_factor(key)) is not None:
+            return CalibratedCounter(self.shape, factor)
+        return self.calibration.counter(key, self.estimate)
 
     async def small(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, budget: int, big: bool) -> bool:
         """Whether the estimate puts the request at under half the `budget`: then it cannot
@@ -44,16 +57,16 @@ class CounterChoice:
         return await off_loop(big, functools.partial(rough_size, parsed, self.calibrated(backend, parsed))) <= budget // 2
 
     async def best(
-        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, small: bool = False, big: bool = False
+        self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, small: bool = False, big: bool = False, shaped: bool = False
     ) -> tuple[Counter, int]:
         """The best counter for this request, and the template's fixed cost when it is known.
 
         Best source first: a tokenizer file the operator named; llama-server's own tokenizer and
         template; the tokenizer in the GGUF file Ollama names for the model; the calibrated estimate,
-        which alone counts a `small` request.
+        which alone counts a `small` request (`shaped`: see `calibrated`).
         """
         model = parsed.params.model
-        calibrated = self.calibrated(backend, parsed)
+        calibrated = self.calibrated(backend, parsed, shaped)
         if small:
             return calibrated, 0
         if self.settings.tokenizer:

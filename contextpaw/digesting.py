@@ -38,7 +38,15 @@ class Digesting:
         self.settings = settings
 
     async def summarized(
-        self, summarizer: Summarizer, state: FlowState, parsed: wire.Chat, fitted: Fitted, budget: Budget, big: bool, guard: Guard | None
+        self,
+        summarizer: Summarizer,
+        state: FlowState,
+        parsed: wire.Chat,
+        fitted: Fitted,
+        budget: Budget,
+        big: bool,
+        guard: Guard | None,
+        shaped: bool = False,
     ) -> Fitted:
         """Put a digest of each evicted span where its marker goes, inside the budget.
 
@@ -49,7 +57,7 @@ class Digesting:
         """
         cap = self.settings.summary_tokens
         backend = state.backend
-        roomy = await self.sizer.fit(parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big, guard=guard)
+        roomy = await self.sizer.fit(parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big, guard=guard, shaped=shaped)
         holes = {mid: content for mid, content in roomy.report.evicted.items() if not isinstance(content, str)}
         if not holes:
             return fitted
@@ -64,7 +72,7 @@ class Digesting:
         if not digests:
             fitted.report.summary_reason = reasons
             return fitted
-        final = await self.sizer.fit(parsed, budget, backend, big, digests=digests, previous=roomy.plan, guard=guard)
+        final = await self.sizer.fit(parsed, budget, backend, big, digests=digests, previous=roomy.plan, guard=guard, shaped=shaped)
         final.report.summary_reason = reasons
         return final
 

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 from contextpaw import logs, wire
 from contextpaw.answers import AnswerCheck
 from contextpaw.bounds import NATIVE_OLLAMA, count_bounds, forbid_truncation, size_bound
-from contextpaw.calibration import Calibration, Guard, calibration_key, content_kind, word_floor
+from contextpaw.calibration import Calibration, Guard, Sample, calibration_key, content_kind, word_floor
 from contextpaw.compact import BudgetTooSmall
-from contextpaw.counters import CounterChoice
+from contextpaw.counters import CounterChoice, rough_size
 from contextpaw.digesting import Digesting
 from contextpaw.evicted import EvictedStore, encode
 from contextpaw.fitting import Fitted
@@ -41,7 +41,7 @@ from contextpaw.sizing import Sizer
 from contextpaw.state import SizedLRU
 from contextpaw.streams import report_bytes
 from contextpaw.summarize import Complete, Summarizer
-from contextpaw.tokens import EXACT_COUNTERS, Counter, EstimateCounter
+from contextpaw.tokens import EXACT_COUNTERS, Counter, EstimateCounter, ShapeCounter
 from contextpaw.windows import BackendWindows, Budgeter, Fetch, NoDiscovery
 
 logger = logs.get(__name__)
@@ -97,6 +97,17 @@ async def _guard(state: FlowState, parsed: wire.Chat | wire.Prompt, estimate: Es
     return await off_loop(big, lambda: Guard(content_kind(state.original), word_floor(parsed.texts, estimate)))
 
 
+def _refusable(state: FlowState, parsed: wire.Chat | wire.Prompt, settings: FitSettings) -> bool:
+    """Whether a request that overshoots its window will be refused rather than cut: on Ollama's
+    native routes, which carry our `truncate: false` (unless the client set `truncate` itself).
+    There the fit may count by shape (closer, but with no physical bound): a miss costs a rescue,
+    never a silent cut."""
+    return (
+        settings.forbid_truncation and state.backend.kind == wire.Kind.OLLAMA and state.route.name in NATIVE_OLLAMA
+        and "truncate" not in parsed.body
+    )  # fmt: skip
+
+
 def _uncapped(state: FlowState) -> bool:
     """Ollama's `/v1` routes cannot carry `truncate: false`: a prompt over the window is cut there."""
     return state.backend.kind == wire.Kind.OLLAMA and state.route.name not in NATIVE_OLLAMA
@@ -113,8 +124,9 @@ class Fitter:
         """Each conversation's last `Plan` (by `wire.Chat.key`): the next turn evicts the same units."""
         self.windows = BackendWindows(services.fetch)
         self.estimate = EstimateCounter()
+        self.shape = ShapeCounter()
         self.calibration = Calibration()
-        self.counters = CounterChoice(services, self.windows, self.calibration, self.estimate, settings)
+        self.counters = CounterChoice(services, self.windows, self.calibration, self.estimate, self.shape, settings)
         self.answers = AnswerCheck(self.calibration, stats)
         """Each answer's count of what was evaluated, checked (the verdict) and learned from."""
         self.sizer = Sizer(self.counters, self.calibration, self.estimate, self.plans, settings.keep_recent)
@@ -190,8 +202,9 @@ class Fitter:
         self._place(state, parsed.params.model)
         budget = await self.budgeter.budget(state.backend, parsed.params)
         guard = await _guard(state, parsed, self.estimate, big)
+        shaped = _refusable(state, parsed, self.settings)
         try:
-            fitted = await self.sizer.fit(parsed, budget, state.backend, big, guard=guard)
+            fitted = await self.sizer.fit(parsed, budget, state.backend, big, guard=guard, shaped=shaped)
         except BudgetTooSmall as e:
             if policy != "off":
                 return self._refuse(state, budget.impossible(e), e.counter)
@@ -202,12 +215,8 @@ class Fitter:
         report = fitted.report
         self.stats.add("original_tokens", report.original_tokens, state.where)
         key = calibration_key(state.backend, parsed.params.model)
-        if report.counter == "calibrated":
-            sent = fitted.body if fitted.body is not None else state.original
-            # unchanged, it is the bytes the guard read
-            sent_kind = guard.kind if guard is not None and fitted.body is None else await off_loop(big, lambda: content_kind(sent))
-            state.calibration = (key, self.calibration.factor(key), sent_kind)
-        state.bounds = count_bounds(parsed, report, key, guard, self.calibration, self.estimate)
+        await self._sample(state, key, parsed, fitted, guard, big)
+        state.bounds = count_bounds(parsed, report, state.calibration, key, guard, self.calibration, self.estimate)
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
             state.observed, state.sent_tokens, state.uncuttable = report, report.original_tokens, said
@@ -215,8 +224,11 @@ class Fitter:
         if policy == "strict" and report.compacted:
             return self._refuse(state, budget.refusal(report.original_tokens), report.counter)
         if self.summarizer is not None and isinstance(parsed, wire.Chat) and report.evicted_tokens:
-            fitted = await self.digesting.summarized(self.summarizer, state, parsed, fitted, budget, big, guard)
-            report = fitted.report
+            fitted = await self.digesting.summarized(self.summarizer, state, parsed, fitted, budget, big, guard, shaped)
+            if fitted.report is not report:
+                report = fitted.report
+                await self._sample(state, key, parsed, fitted, guard, big)
+                state.bounds = count_bounds(parsed, report, state.calibration, key, guard, self.calibration, self.estimate)
         body = fitted.body
         forbid = self.settings.forbid_truncation and forbid_truncation(state.route, parsed, report, budget, state.bounds)
         if forbid:
@@ -227,6 +239,26 @@ class Fitter:
             await self._note_compaction(state, report, parsed.params.model, big, started)
         state.sent, state.sent_tokens, state.uncuttable = body, report.final_tokens, said or forbid
         return Forward(body, fitted.body is not None)
+
+    async def _sample(
+        self, state: FlowState, key: str, parsed: wire.Chat | wire.Prompt, fitted: Fitted, guard: Guard | None, big: bool
+    ) -> None:
+        """Size exactly what is sent for calibration, where the calibrated counter counted it: by
+        the byte estimate (its factor, and the verdict's bounds) and by shape (the fit's count on
+        routes that refuse an overshoot), with its content kind."""
+        if fitted.report.counter != "calibrated":
+            state.calibration = None
+            return
+        if fitted.body is None:  # unchanged, it is the bytes the guard read
+            sent, kind = parsed, guard.kind if guard is not None else None
+        else:
+            sent, kind = await off_loop(big, functools.partial(state.route.read, fitted.body)), None
+        body = fitted.body if fitted.body is not None else state.original
+
+        def sized() -> Sample:
+            return Sample(key, rough_size(sent, self.estimate), rough_size(sent, self.shape), kind or content_kind(body))
+
+        state.calibration = await off_loop(big, sized)
 
     def _fits_by_size(self, state: FlowState) -> Report | None:
         """A request proved to fit from its byte length alone (`size_bound`), with nothing parsed,
@@ -329,11 +361,12 @@ class Fitter:
         sent = state.sent_tokens if state.sent_tokens is not None else state.report.final_tokens
         budget = self.budgeter.after_upstream_overflow(overflow, sent, parsed.params)
         try:
-            fitted = await self.sizer.fit(parsed, budget, state.backend, big)
+            fitted = await self.sizer.fit(parsed, budget, state.backend, big, shaped=_refusable(state, parsed, self.settings))
         except BudgetTooSmall as e:
             return self._refuse(state, budget.impossible(e), e.counter)
         if fitted.body is None:
             return None
+        await self._sample(state, calibration_key(state.backend, parsed.params.model), parsed, fitted, None, big)
         body = fitted.body
         native = state.route.name in NATIVE_OLLAMA and "truncate" not in parsed.body
         if native:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from contextpaw import wire
+from contextpaw.calibration import Sample
 from contextpaw.metrics import UNPLACED, Where
 from contextpaw.report import Report
 from contextpaw.truncation import EXACT_BOUNDS
@@ -84,8 +85,8 @@ class FlowState:
     """Under policy off: what would have been done; checked against the answer, never sent."""
     headers: dict[str, str] = field(default_factory=dict)
     """The X-ContextPaw-* headers for the response."""
-    calibration: tuple[str, float, str | None] | None = None
-    """(calibration key, factor used, content kind) when the calibrated counter counted this request."""
+    calibration: Sample | None = None
+    """What was sent, sized for calibration, when the calibrated counter counted this request."""
     sent: bytes | None = None
     """The body sent instead of the original, if any (the rescue's retry is the last one)."""
     sent_tokens: int | None = None

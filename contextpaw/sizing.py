@@ -72,6 +72,7 @@ class Sizer:
         digests: Mapping[str, str] | None = None,
         previous: Plan | None = None,
         guard: Guard | None = None,
+        shaped: bool = False,
     ) -> Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big.
 
@@ -84,9 +85,10 @@ class Sizer:
         Ollama to refuse instead of cutting), an inexact count gets a budget its upper error bound
         still fits in, where what must be kept allows it: a cut there cannot be undone. Once
         calibration knows this kind of text, that bound is what it learned (never below what the
-        request's words prove), not the estimate's whole width."""
+        request's words prove), not the estimate's whole width. Where an overshoot is refused
+        rather than cut (`shaped`), the calibrated count is the shape's once it is learned."""
         small = await self.counters.small(backend, parsed, budget.tokens, big)
-        counter, fixed = await self.counters.best(backend, parsed, small, big)
+        counter, fixed = await self.counters.best(backend, parsed, small, big, shaped)
         # a request that may not fit is counted whole where the server can (even when its per-text
         # counting failed: the whole count is one call, and the decision rests on it)
         whole = None if small else await self.counters.exact_total(backend, parsed, parsed.body, big)

@@ -66,6 +66,48 @@ class EstimateCounter(Counter):
         return math.ceil(len(text.encode("utf-8", "surrogatepass")) / self.bytes_per_token)
 
 
+class ShapeCounter(Counter):
+    """An estimate from a text's shape: its words, digits, punctuation, non-ASCII bytes and breaks.
+
+    Bytes alone are off by a factor of five across kinds of text (digits cost a token each, an
+    English word one or two whatever its length), so one learned ratio to the byte estimate prices
+    prose by what dense tool output taught it. Counted by shape, prose, code, JSON, logs and numbers
+    land within about 1.3 of each other on a byte-level BPE tokenizer (SmolLM2's, where the weights
+    were fitted), and calibration learns the level. A letter run of any length is one word, so a
+    text is never priced under a token per `LONGEST_TOKEN` bytes; past that it has no physical
+    bound, and the verdict's bounds stay the byte estimate's.
+    """
+
+    name = "shape"
+
+    def text(self, text: str) -> int:
+        if not text:
+            return 0
+        raw = text.encode("utf-8", "surrogatepass")
+        digits = len(raw) - len(raw.translate(None, _DIGITS))
+        marks = len(raw) - len(raw.translate(None, _MARKS))
+        wide = len(raw) - len(raw.translate(None, _WIDE))
+        words = len(raw.translate(_LETTERS).split())
+        spaced = raw.translate(_SPACES)
+        breaks = raw.count(b"\n") + spaced.count(b"x  ") + spaced.startswith(b"  ")  # runs of two spaces or more
+        shaped = WORD_TOKENS * words + DIGIT_TOKENS * digits + MARK_TOKENS * marks + WIDE_TOKENS * wide + BREAK_TOKENS * breaks
+        return math.ceil(max(shaped, len(raw) / LONGEST_TOKEN))
+
+
+WORD_TOKENS, DIGIT_TOKENS, MARK_TOKENS, WIDE_TOKENS, BREAK_TOKENS = 1.1, 1.15, 0.8, 0.5, 1.0
+"""Tokens per word (a run of Latin letters), digit, punctuation mark, non-ASCII byte and line break
+or run of spaces: a least-squares fit to SmolLM2's tokenizer over code, prose, JSON and agents' texts."""
+LONGEST_TOKEN = 8
+"""Bytes of text one token holds at most, but for runs of whitespace (which a shape prices high)."""
+_DIGITS = b"0123456789"
+_MARKS = b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
+_WIDE = bytes(range(128, 256))
+_LETTERS = bytes(c if chr(c).isascii() and chr(c).isalpha() else 32 for c in range(256))
+"""Latin letters kept, all else a space: its `split()` is the words, in C."""
+_SPACES = bytes(32 if c in b" \t" else 120 for c in range(256))
+"""Spaces and tabs as spaces, all else an x: each run of two spaces or more begins an `x  `."""
+
+
 class TokenizerCounter(Counter):
     """Exact content counts from the model's own tokenizer (a `tokenizers.Tokenizer`).
 

