@@ -225,8 +225,11 @@ class Sizer:
                 # none over yet: as much further as the server's count of the last one says is left
                 aim = _between(under, over, budget.tokens) if over is not None else under[0] * budget.tokens // max(under[1], 1)
             elif confirmed is not None:  # a fuller fit went over: aim between it and the one confirmed
-                if over is None or tightened.tokens < over[0]:
-                    over = (tightened.tokens, total)
+                # every budget from our count of it up gives this same fit: aiming between budgets
+                # would repeat it, a few tokens at a time, when the server's count is just over
+                reach = min(tightened.tokens, ours)
+                if over is None or reach < over[0]:
+                    over = (reach, total)
                 aim = None if last else _between(under, over, budget.tokens)
             elif tightened.margin < budget.margin:  # last turn's overcount does not hold for this one
                 tightened = budget

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -527,6 +528,36 @@ async def test_a_cut_our_per_text_count_overstates_is_made_again_to_fill_the_win
     real = await f.services.counting.total("", json.loads(decision.body))
     assert real == report.final_tokens <= report.budget
     assert real >= compact.FILL * report.budget, f"{real} of {report.budget}: the room our count overstated is used"
+
+
+class HalfAgainTextCounting(ToolBlindCounting):
+    """SmolLM2's per-text counts of an agent's dumps: half again what the whole request counts."""
+
+    async def counter(
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
+    ) -> tuple[Counter, int] | None:
+        from contextpaw.counting import BackendCounter
+
+        return BackendCounter({t: tokens_of(t) * 3 // 2 for t in texts if t}, fallback, per_message=4), 8
+
+
+async def test_a_fill_that_overshoots_aims_below_what_its_own_count_was_so_the_next_fit_differs() -> None:
+    """The measured case (-c 2048, an agent chat 4 times the window): our count of the first cut
+    runs half again over the server's, so the fill's first aim holds too much. Any budget at or
+    above our count of that fit gives the same fit; aiming between it and the confirmed one, not
+    between the budgets, reaches a fit that fills the window instead of repeating the one over."""
+    f = with_counting(fitter(default_ctx=2048, discover_window=False), HalfAgainTextCounting())
+    rng = random.Random(9)  # one of the histories where the fill's last aims kept landing on the same fit (65% of the budget)
+    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix the build."}]
+    for n in range(40):
+        messages.append({"role": "assistant", "content": f"step {n}: reading file {n}"})
+        messages.append({"role": "user", "content": f"output {n}\n" + f"line {n} of the tool output\n" * rng.randint(10, 120)})
+    s = state({"model": "m", "max_tokens": 1, "messages": messages}, OPENAI, LLAMACPP)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.body is not None and s.report is not None
+    real = await f.services.counting.total("", json.loads(decision.body))
+    assert real == s.report.final_tokens <= s.report.budget
+    assert real >= compact.FILL * s.report.budget, f"{real} of {s.report.budget}"
 
 
 async def test_what_must_be_kept_is_priced_by_the_servers_whole_count_when_our_count_of_it_runs_over() -> None:
