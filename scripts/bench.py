@@ -681,7 +681,7 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                          f"{noted} before the last marker (the budget forced it, noted)", "identical unless the budget forces a cut (noted)",
                          "met" if unnoted == 0 else f"not met: {unnoted} unnoted"))
     use = result.get("window_use_through", {}).get("summary") or {}
-    for path, label in (("llama-server", "llama-server's counts"), ("ollama /api/chat", "calibrated estimate, Ollama /api/chat"),
+    for path, label in (("llama-server", "llama-server's counts"), ("ollama /api/chat", "calibrated shape count, Ollama /api/chat"),
                         ("ollama /v1", "calibrated estimate, Ollama /v1 (no truncate: false)")):
         if (u := use.get(path)) and u["measured"]:
             rows.append((f"real-token window use, {label} (the server's count of what was sent / budget)", "-",

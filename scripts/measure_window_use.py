@@ -28,7 +28,8 @@ and its bound per content kind, the rescue of a 400. Per window, one llama-serve
 Each measured chat is a conversation of its own (a tag in its first user message): ContextPaw fits a
 conversation it saw before as its next turn, cutting deeper for headroom, which is not the first
 overflow measured here. "ContextPaw's count" is the report's `final_tokens`: llama-server's count on
-the first path, the calibrated estimate on the others.
+the first path, the calibrated estimate on the others (by shape on /api/chat, where `truncate: false`
+makes an overshoot a rescued 400; by bytes on /v1).
 
 The budget is the one the window gives (window - answer reserve - margin, contextpaw/windows.py), which
 is the report's `contextpaw.budget` (X-ContextPaw-Budget) on a plain fit, checked per row. Where the fit
@@ -89,7 +90,7 @@ OLLAMA_V1 = "ollama /v1"
 PATHS = (LLAMACPP, OLLAMA_CHAT, OLLAMA_V1)
 GOALS = {LLAMACPP: 0.97, OLLAMA_CHAT: 0.92, OLLAMA_V1: 0.92}
 """The least use of the budget each path should reach; none may go over 1.0."""
-COUNTER_KIND = {LLAMACPP: "llama-server's counts", OLLAMA_CHAT: "calibrated estimate", OLLAMA_V1: "calibrated estimate"}
+COUNTER_KIND = {LLAMACPP: "llama-server's counts", OLLAMA_CHAT: "calibrated shape count", OLLAMA_V1: "calibrated estimate"}
 GUARD_NOTE = re.compile(r"budget (\d+) of (\d+)")
 
 
