@@ -12,6 +12,7 @@ holders of the access token.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import json
@@ -60,7 +61,10 @@ def authorized(client_host: str, host: str | None, presented: str | None, token:
     return loopback_address(client_host) and loopback_host(host)
 
 
+@functools.lru_cache(maxsize=256)
 def loopback_address(text: str) -> bool:
+    """Whether a client address is this machine's (asked for every request, of a few addresses:
+    remembered, since parsing one costs more than the rest of the check)."""
     try:
         address = ipaddress.ip_address(text.strip("[]"))
     except ValueError:
@@ -81,6 +85,7 @@ def loopback_host(host: str | None) -> bool:
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
 
 
+@functools.lru_cache(maxsize=256)
 def local_host(host: str | None, hostname: str) -> bool:
     """A Host header a local client may name for a backend: what Ollama's own check lets through
     on a loopback listener (a loopback name, an IP address, this machine's `hostname`, or a name
