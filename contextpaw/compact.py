@@ -46,8 +46,10 @@ from contextpaw.report import Report
 from contextpaw.shrink import PLACEHOLDER_ID, SHRINK_FLOOR, Cut, shrink_text
 from contextpaw.tokens import Counter
 
-FILL = 0.95
-"""Below this share of the budget, leftover room is filled with the head and tail of an evicted unit."""
+FILL = 0.995
+"""Below this share of the budget, leftover room is filled with the head and tail of an evicted unit
+(where they fit in it with their note: a room smaller than that stays). Near the whole budget: room
+that whole units leave is context the model could have had (an agent chat cut to -c 2048 left 7%)."""
 
 HEADROOM = 0.25
 """When a conversation overflows again, evict this share of the budget more than needed: the next

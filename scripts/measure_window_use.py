@@ -269,6 +269,7 @@ def row(path: str, window: int, shape: str, chat_tokens: int, sent: dict[str, An
         "recovered_400": report.get("recovered_from_upstream_400"), "notes": report.get("notes", []),
         "upstream_truncated": report.get("upstream_truncated"), "seconds": round(sent["seconds"], 2),
         "calibration_factor": factor, "error": None,
+        "smallest_removed": min((int(r["tokens"]) for r in report.get("removals", []) if r.get("action") == "dropped"), default=None),
     }  # fmt: skip
     plain = not report.get("recovered_from_upstream_400") and not any(GUARD_NOTE.match(n) for n in out["notes"])
     if plain and report.get("budget") is not None and report["budget"] != budget:
@@ -284,6 +285,27 @@ def row(path: str, window: int, shape: str, chat_tokens: int, sent: dict[str, An
     if cut is not None:
         out["simulator"] = cut
     return out
+
+
+def shortfall(r: dict[str, Any]) -> str | None:
+    """Why a measured row used less of the budget than its path's goal, in numbers: the fit held to
+    less than the budget (the guard of a route that cannot refuse a cut), ContextPaw's count of what
+    it sent running over the server's, the fit ending under its budget in its own count (next to
+    the smallest message it removed, which did not fit in what was left). None for a row at its goal."""
+    if r.get("error") or r.get("use") is None or r["use"] >= GOALS[r["path"]]:
+        return None
+    budget, final, real = r["budget"], r.get("final_tokens"), r["real_tokens"]
+    fitted = r.get("fitted_to") or budget
+    reasons = []
+    if fitted < budget:
+        reasons.append(f"held to {fitted} of {budget} ({fitted / budget:.1%}): the estimate's bound, where a cut cannot be refused")
+    if final and real and final > real:
+        reasons.append(f"ContextPaw's count ran {final / real - 1:.1%} over the server's")
+    if final is not None and final < fitted:
+        smallest = r.get("smallest_removed")
+        reasons.append(f"the fit ends {fitted - final} tokens under its budget in its own count"
+                       + (f" (the smallest message it removed: {smallest})" if smallest else ""))  # fmt: skip
+    return "; ".join(reasons) or None
 
 
 def failed_row(path: str, window: int, shape: str, chat_tokens: int, error: str) -> dict[str, Any]:
@@ -371,6 +393,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "over_100": sum(1 for u in uses if u > 1.0), "below_goal": sum(1 for u in uses if u < goal),
             "counters": sorted({str(r.get("counter")) for r in mine if r.get("counter")}),
         }  # fmt: skip
+        out[path]["shortfalls"] = [f"-c {r['window']} {r['shape']}: {why}" for r in mine if (why := shortfall(r))]
         out[path]["met"] = bool(uses) and out[path]["below_goal"] == 0 and out[path]["over_100"] == 0 and not out[path]["failed"]
     return out
 
@@ -384,10 +407,11 @@ def table(result: dict[str, Any]) -> str:
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|"]  # fmt: skip
     for r in result["rows"]:
         note = r.get("error") or "; ".join(r.get("notes") or []) or ("recovered a 400" if r.get("recovered_400") else "")
+        note = "; ".join(n for n in (note, shortfall(r)) if n)
         fitted = "" if r.get("fitted_to") in (None, r.get("budget")) else str(r.get("fitted_to"))
         lines.append(f"| {r['path']} | {r['window']} | {r.get('shape')} | {r['chat_tokens']} | {r.get('budget') or '-'} | {fitted} | "
                      f"{r.get('final_tokens') or '-'} | {r.get('real_tokens') or '-'} | {pct(r.get('use'))} | {r.get('counter') or '-'} | "
-                     f"{r.get('strategy') or '-'} | {note[:140]} |")  # fmt: skip
+                     f"{r.get('strategy') or '-'} | {note[:240]} |")  # fmt: skip
     lines += ["", "| path | counted by | goal | min | mean | max | over 100% | below goal | failed | met |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for path, s in result["summary"].items():

@@ -435,6 +435,16 @@ def test_room_whole_units_cannot_use_is_filled_with_a_shrunk_one(budget):
     check_pairing(result.messages)
 
 
+@pytest.mark.parametrize("budget", range(8000, 20001, 1500))
+def test_room_of_a_few_percent_is_filled_too_where_a_shrunk_unit_fits_in_it(budget):
+    """Dumps of ~1,500 tokens leave up to 4% of the budget that no whole unit fits in: that is
+    more than a shrunk unit needs (its floor and the note), and it goes to the model, not to waste."""
+    msgs = agent_loop(12, dump_lines=600)
+    result = compact_chat(Conversation.from_wire(msgs), budget, COUNTER)
+    assert 0.99 * budget <= result.report.final_tokens <= budget
+    check_pairing(result.messages)
+
+
 # -- a fit never ends a few tokens short; cuts and markers read the same next turn ------------------
 
 

@@ -527,7 +527,7 @@ async def test_a_cut_our_per_text_count_overstates_is_made_again_to_fill_the_win
     assert report is not None and report.exact and report.counter == "backend"
     real = await f.services.counting.total("", json.loads(decision.body))
     assert real == report.final_tokens <= report.budget
-    assert real >= compact.FILL * report.budget, f"{real} of {report.budget}: the room our count overstated is used"
+    assert real >= 0.97 * report.budget, f"{real} of {report.budget}: the room our count overstated is used"
 
 
 class HalfAgainTextCounting(ToolBlindCounting):
@@ -557,7 +557,7 @@ async def test_a_fill_that_overshoots_aims_below_what_its_own_count_was_so_the_n
     assert isinstance(decision, Forward) and decision.body is not None and s.report is not None
     real = await f.services.counting.total("", json.loads(decision.body))
     assert real == s.report.final_tokens <= s.report.budget
-    assert real >= compact.FILL * s.report.budget, f"{real} of {s.report.budget}"
+    assert real >= 0.97 * s.report.budget, f"{real} of {s.report.budget}"
 
 
 async def test_what_must_be_kept_is_priced_by_the_servers_whole_count_when_our_count_of_it_runs_over() -> None:

@@ -55,3 +55,20 @@ def test_scaled_chats_have_dumps_of_an_eighth_of_the_window_and_ollama_form_keep
     call = next(m for m in native if m.get("tool_calls"))
     assert call["content"] == "" and isinstance(call["tool_calls"][0]["function"]["arguments"], dict)
     assert Conversation.from_wire(json.loads(json.dumps(chat))).messages
+
+
+def test_a_row_below_its_goal_says_why_in_numbers_and_one_at_its_goal_says_nothing() -> None:
+    removals = [{"index": 3, "role": "tool", "tokens": 262, "action": "dropped"}, {"index": 5, "role": "tool", "tokens": 90, "action": "shrunk"}]
+    exact = {"compacted": True, "budget": 1983, "final_tokens": 1838, "counter": "backend", "notes": [], "removals": removals}
+    short = wu.row(wu.LLAMACPP, 2048, wu.SCALED, 8000, {"real_tokens": 1838, "report": exact, "headers": {}, "seconds": 1.0})
+    assert wu.shortfall(short) == "the fit ends 145 tokens under its budget in its own count (the smallest message it removed: 262)"
+    high = exact | {"final_tokens": 1918, "counter": "calibrated", "removals": []}
+    over = wu.row(wu.OLLAMA_CHAT, 2048, wu.FIXED, 7000, {"real_tokens": 1777, "report": high, "headers": {}, "seconds": 1.0})
+    assert wu.shortfall(over) == "ContextPaw's count ran 7.9% over the server's; the fit ends 65 tokens under its budget in its own count"
+    guarded = high | {"final_tokens": 464, "notes": ["budget 472 of 959: the count is an estimate, and this route cannot ask"]}
+    held = wu.row(wu.OLLAMA_V1, 1024, wu.FIXED, 4000, {"real_tokens": 335, "report": guarded | {"budget": 959}, "headers": {}, "seconds": 1.0})
+    assert wu.shortfall(held).startswith("held to 472 of 959 (49.2%)")
+    full = wu.row(wu.LLAMACPP, 2048, wu.SCALED, 8000, {"real_tokens": 1960, "report": exact | {"final_tokens": 1960}, "headers": {}, "seconds": 1.0})
+    assert wu.shortfall(full) is None
+    summary = wu.summary([short, full])[wu.LLAMACPP]
+    assert summary["shortfalls"] == [f"-c 2048 scaled: {wu.shortfall(short)}"] and not summary["met"]
