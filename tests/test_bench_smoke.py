@@ -42,3 +42,21 @@ def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
     assert {"bench-overhead.png", "bench-compaction.png", "bench-window-use.png"} <= {
         p.name for p in (tmp_path / "img").glob("*.png")
     }
+    reran = tmp_path / "reran"
+    again = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--skip-real", "--out", str(reran),
+         "--reuse", str(tmp_path / "bench.json"), "--only", "scaling"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    partial = json.loads((reran / "bench.json").read_text())
+    assert partial["overhead"] == overhead and partial["compaction"] == result["compaction"]
+    assert partial["scaling"] != result["scaling"]  # measured again: its timings are new
+    assert "overhead" in partial["reused"]["sections"] and "scaling" not in partial["reused"]["sections"]
+    assert f"from the run of {result['machine']['date']}" in (reran / "bench.md").read_text()
+
+
+def test_only_without_reuse_is_refused() -> None:
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--only", "scaling"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert done.returncode == 2 and "--only needs --reuse" in done.stderr
