@@ -541,6 +541,34 @@ class HalfAgainTextCounting(ToolBlindCounting):
         return BackendCounter({t: tokens_of(t) * 3 // 2 for t in texts if t}, fallback, per_message=4), 8
 
 
+async def test_a_re_cut_keeps_its_headroom_in_the_servers_tokens_so_the_next_turns_append() -> None:
+    """An agent loop against a llama-server whose per-text counts run half again over its whole
+    count. A re-cut is made to the budget less the engine's headroom; the fill step, which makes a
+    cut as full as the server's count allows, used to fill the re-cut to the budget as well, and
+    every following turn then cut again (measured: 13 re-cuts in 21 turns at -c 2048)."""
+    f = with_counting(fitter(default_ctx=2048, discover_window=False), HalfAgainTextCounting())
+    rng = random.Random(3)
+    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix the build."}]
+    recuts, cut_turns, previous_sent = 0, 0, None
+    for n in range(40):
+        messages.append({"role": "assistant", "content": f"step {n}: reading file {n}"})
+        messages.append({"role": "user", "content": f"output {n}\n" + f"line {n} of the tool output\n" * rng.randint(8, 24)})
+        s = state({"model": "m", "max_tokens": 1, "messages": messages}, OPENAI, LLAMACPP)
+        decision = await f.fit(s)
+        assert isinstance(decision, Forward) and s.report is not None
+        if decision.body is None:
+            continue
+        cut_turns += 1
+        sent = json.loads(decision.body)
+        real = await f.services.counting.total("", sent)
+        assert real == s.report.final_tokens <= s.report.budget
+        if previous_sent is not None and sent["messages"][: len(previous_sent)] != previous_sent:  # not an appending turn
+            recuts += 1
+            assert real <= s.report.budget - int(s.report.budget * compact.HEADROOM) + s.report.budget // 50, f"turn {n}: {real}"
+        previous_sent = sent["messages"]
+    assert cut_turns >= 20 and recuts <= cut_turns // 3, f"{recuts} re-cuts in {cut_turns} cut turns"
+
+
 async def test_a_fill_that_overshoots_aims_below_what_its_own_count_was_so_the_next_fit_differs() -> None:
     """The measured case (-c 2048, an agent chat 4 times the window): our count of the first cut
     runs half again over the server's, so the fill's first aim holds too much. Any budget at or
