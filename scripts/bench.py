@@ -613,6 +613,11 @@ def plots(result: dict[str, Any], img: Path) -> list[str]:
         ax.set_ylabel("prompt served from cache")
         ax.legend(fontsize=8)
         save(fig, "bench-agent-loop.png")
+    for loop in result.get("agent_loops") or []:  # per window: reuse per turn against the ceiling
+        if table := loop.get("table"):
+            name = f"agent-loop-{table['window']}.png"
+            bench_agent_loop.plot(loop, img / name)
+            made.append(name)
     return made
 
 
@@ -912,10 +917,11 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
                       f"({handoff['body_bytes'] / 1e6:.2f} MB body).", ""]
     if scale := result.get("scaling"):
         lines += ["## 7. The engine at 1,200 to 10,000 messages", "",
-                  f"{scale['tokens']:,} tokens compacted into {scale['budget']:,} with the estimate; median of 3.", "",
-                  "| messages | ms | growth per doubling |", "|---:|---:|---:|"]
-        lines += [f"| {r['messages']:,} | {r['ms']:.0f} | {r['per_doubling']:.2f}x |" if "per_doubling" in r
-                  else f"| {r['messages']:,} | {r['ms']:.0f} | |" for r in scale["rows"]]
+                  f"{scale['tokens']:,} tokens compacted into {scale['budget']:,} with the estimate; each size's fastest of "
+                  f"{SCALING_ROUNDS} runs, the sizes taking turns (the median beside it).", "",
+                  "| messages | ms | median ms | growth per doubling |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r['messages']:,} | {r['ms']:.0f} | {r.get('median_ms', r['ms']):.0f} | "
+                  + (f"{r['per_doubling']:.2f}x |" if "per_doubling" in r else "|") for r in scale["rows"]]
         lines.append("")
     return "\n".join(lines)
 
