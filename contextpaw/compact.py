@@ -62,6 +62,11 @@ EARLIER_CUT = "cut at or before the last turn's last marker"
 """Said in the report's notes when the budget cannot hold last turn's prompt up to its last marker."""
 
 
+def recut_target(budget: int) -> int:
+    """What a re-cut is made to: the budget less the headroom, so that the next turns append."""
+    return budget - int(budget * HEADROOM)
+
+
 class BudgetTooSmall(Exception):
     """What must be kept does not fit; carries the numbers for the caller's refusal."""
 
@@ -291,7 +296,7 @@ class _ChatCompaction:
         last is cut deeper next, then protected messages after the last cut are shrunk, as long as
         the prefix leaves the headroom for them. Only when the budget cannot hold the prefix with
         what must follow is anything before it cut, and the report says so."""
-        target = self.budget - int(self.budget * HEADROOM)
+        target = recut_target(self.budget)
         latest_first = sorted(self.evictable, key=lambda u: u.indices, reverse=True)
         self.evict_until(target, [u for u in latest_first if min(u.indices) > last])
         changed = None

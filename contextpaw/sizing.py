@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 from contextpaw import wire
 from contextpaw.calibration import CalibratedCounter, Calibration, Guard, calibration_key
-from contextpaw.compact import HEADROOM, BudgetTooSmall, Plan
+from contextpaw.compact import BudgetTooSmall, Plan, recut_target
 from contextpaw.counters import CounterChoice, rough_size
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.offload import off_loop
@@ -207,14 +207,17 @@ class Sizer:
         """Our least budget whose fit the server counted over the target, and its count."""
         spare: tuple[Fitted, int] | None = None
         """A re-cut's fit within the budget but over the target (and its overcount): sent if none nearer comes."""
+
+        def best() -> tuple[Fitted, int] | None:
+            """What goes out when the rounds end: the fullest fit confirmed under the target, else the spare."""
+            return (confirmed, overcount) if confirmed is not None else spare
+
         for round in range(VERIFY_ROUNDS):
             sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
             total = await self.counters.exact_total(backend, parsed, sent, big)
             if total is None:
-                if confirmed is not None:
-                    return confirmed, overcount
-                if spare is not None:
-                    return spare
+                if (kept := best()) is not None:
+                    return kept
                 fitted.report.exact = False
                 return fitted, 0
             ours, aim, last = fitted.report.final_tokens, None, round == VERIFY_ROUNDS - 1
@@ -261,15 +264,11 @@ class Sizer:
             try:
                 fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, tightened))
             except BudgetTooSmall as e:
-                if confirmed is not None:
-                    return confirmed, overcount
-                if spare is not None:
-                    return spare
+                if (kept := best()) is not None:
+                    return kept
                 raise e.rescaled(budget.tokens) from None
-        if confirmed is not None:
-            return confirmed, overcount
-        if spare is not None:
-            return spare
+        if (kept := best()) is not None:
+            return kept
         fitted.report.exact = False
         fitted.report.notes.append("the server's count could not be confirmed within the budget")
         return fitted, 0
@@ -288,7 +287,7 @@ def _target(budget: Budget, previous: Plan | None) -> int:
     a re-cut (last turn cut it already), the budget less the engine's headroom, so that the next
     turns append. Filling a re-cut to the budget made every following turn cut again (an agent loop
     at -c 2048: 13 re-cuts in 21 turns, each ending at 93-97% of the budget)."""
-    return budget.tokens - int(budget.tokens * HEADROOM) if previous is not None and (previous.evicted or previous.shrunk) else budget.tokens
+    return recut_target(budget.tokens) if previous is not None and (previous.evicted or previous.shrunk) else budget.tokens
 
 
 def _between(under: tuple[int, int] | None, over: tuple[int, int], target: int) -> int | None:

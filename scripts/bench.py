@@ -403,7 +403,7 @@ def scaling(quick: bool, progress: Progress) -> dict[str, Any]:
     rows = [{"messages": n, "ms": min(times[n]) * 1000, "median_ms": statistics.median(times[n]) * 1000} for n in sizes]
     for before, after in zip(rows, rows[1:]):
         after["per_doubling"] = after["ms"] / before["ms"] / (after["messages"] / before["messages"] / 2)
-    return {"tokens": 160_000, "budget": 32_000, "rows": rows}
+    return {"tokens": 160_000, "budget": 32_000, "rounds": rounds, "rows": rows}
 
 
 # -- 2./3. compaction cost and window use -----------------------------------------------------------
@@ -918,7 +918,7 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
     if scale := result.get("scaling"):
         lines += ["## 7. The engine at 1,200 to 10,000 messages", "",
                   f"{scale['tokens']:,} tokens compacted into {scale['budget']:,} with the estimate; each size's fastest of "
-                  f"{SCALING_ROUNDS} runs, the sizes taking turns (the median beside it).", "",
+                  f"{scale.get('rounds', SCALING_ROUNDS)} runs, the sizes taking turns (the median beside it).", "",
                   "| messages | ms | median ms | growth per doubling |", "|---:|---:|---:|---:|"]
         lines += [f"| {r['messages']:,} | {r['ms']:.0f} | {r.get('median_ms', r['ms']):.0f} | "
                   + (f"{r['per_doubling']:.2f}x |" if "per_doubling" in r else "|") for r in scale["rows"]]
@@ -952,18 +952,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", type=Path, help="write the report of an earlier run's bench.json, measuring nothing")
     ap.add_argument("--reuse", type=Path, help="an earlier run's bench.json (--docs keeps one in docs/bench.json): the "
                                                "sections --only does not name are taken from it, and the report says so")
-    ap.add_argument("--only", nargs="+", choices=MEASURED, default=list(MEASURED), metavar="SECTION",
+    ap.add_argument("--only", nargs="+", choices=MEASURED, metavar="SECTION",
                     help=f"with --reuse, the sections to measure again: {', '.join(MEASURED)}")
     args = ap.parse_args(argv)
     if args.from_json:
         return report(json.loads(args.from_json.read_text()), args.from_json.parent, args.docs)
     earlier = json.loads(args.reuse.read_text()) if args.reuse else None
-    if earlier is None and args.only != list(MEASURED):
+    if earlier is None and args.only:
         ap.error("--only needs --reuse: the sections it does not name come from there")
     binary, model = locate_llama_server(), locate_smollm2()
     skip_real = "--skip-real" if args.skip_real else (binary.reason or model.reason or None)
     result: dict[str, Any] = {"machine": machine(binary.path), "quick": args.quick}
-    wanted = set(args.only)
+    wanted = set(args.only or MEASURED)
     if earlier is not None:
         kept = [name for name in MEASURED if name not in wanted]
         result |= {key: earlier[key] for name in kept for key in MEASURED[name] if key in earlier}

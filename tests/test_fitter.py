@@ -564,7 +564,7 @@ async def test_a_re_cut_keeps_its_headroom_in_the_servers_tokens_so_the_next_tur
         assert real == s.report.final_tokens <= s.report.budget
         if previous_sent is not None and sent["messages"][: len(previous_sent)] != previous_sent:  # not an appending turn
             recuts += 1
-            assert real <= s.report.budget - int(s.report.budget * compact.HEADROOM) + s.report.budget // 50, f"turn {n}: {real}"
+            assert real <= compact.recut_target(s.report.budget) + s.report.budget // 50, f"turn {n}: {real}"
         previous_sent = sent["messages"]
     assert cut_turns >= 20 and recuts <= cut_turns // 3, f"{recuts} re-cuts in {cut_turns} cut turns"
 
