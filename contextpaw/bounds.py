@@ -9,7 +9,7 @@ to refuse instead of cutting (`forbid_truncation`). Pure: the fitter supplies th
 from __future__ import annotations
 
 from contextpaw import wire
-from contextpaw.calibration import Calibration, Guard, Sample
+from contextpaw.calibration import Calibration, Sample
 from contextpaw.report import Report
 from contextpaw.tokens import EstimateCounter
 from contextpaw.truncation import ESTIMATE_BOUNDS, EXACT_BOUNDS, could_exceed
@@ -45,7 +45,7 @@ def count_bounds(
     report: Report,
     sample: Sample | None,
     key: str,
-    guard: Guard | None,
+    bound: float | None,
     calibration: Calibration,
     estimate: EstimateCounter,
 ) -> tuple[float, float]:
@@ -54,16 +54,16 @@ def count_bounds(
     A count of each text is exact for the texts, not for how the server renders them: a
     template may leave the tool definitions out (SmolLM2's does) and spend fewer tokens per
     message than we allow. So the low bound leaves those out: what was surely sent is the
-    rest. Only the server's count of the whole request is exact as a whole. The high bound is
-    the guard's: what calibration learned of this kind of request, where it knows it. A count by
+    rest. Only the server's count of the whole request is exact as a whole. Where a guard sized
+    the fit, the high bound is the one it sized it with (`bound`: what calibration learned of this
+    kind of request, by bytes or by shape, or the estimate's whole width). Otherwise a count by
     shape has no bounds of its own: the byte estimate of what was sent (the `sample`) gives them."""
     low, high = EXACT_BOUNDS if report.exact else calibration.bounds(key)
     if sample is not None and not report.exact and report.final_tokens > 0:
         scale = sample.estimated / report.final_tokens
         low, high = min(low, ESTIMATE_BOUNDS[0] * scale), max(high, ESTIMATE_BOUNDS[1] * scale)
-    if guard is not None and report.counter == "calibrated":
-        size = round(report.final_tokens / calibration.factor(key))
-        high = calibration.kind_bound(key, guard.kind, size, guard.floor) or high
+    if bound is not None:
+        high = bound
     if report.counter == "backend" or not isinstance(parsed, wire.Chat) or report.final_tokens <= 0:
         return low, high
     conversation = parsed.conversation

@@ -89,12 +89,16 @@ def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
     return {marker_id: encode(content) for marker_id, content in evicted.items()}
 
 
-async def _guard(state: FlowState, parsed: wire.Chat | wire.Prompt, estimate: EstimateCounter, big: bool) -> Guard | None:
+async def _guard(
+    state: FlowState, parsed: wire.Chat | wire.Prompt, estimate: EstimateCounter, shape: ShapeCounter, big: bool
+) -> Guard | None:
     """What sizes the guard where a cut cannot be forbidden (the request's content kind and word
     floor); else None."""
     if not _uncapped(state):
         return None
-    return await off_loop(big, lambda: Guard(content_kind(state.original), word_floor(parsed.texts, estimate)))
+    return await off_loop(
+        big, lambda: Guard(content_kind(state.original), word_floor(parsed.texts, estimate), word_floor(parsed.texts, shape))
+    )
 
 
 def _refusable(state: FlowState, parsed: wire.Chat | wire.Prompt, settings: FitSettings) -> bool:
@@ -201,7 +205,7 @@ class Fitter:
             return UNCHANGED
         self._place(state, parsed.params.model)
         budget = await self.budgeter.budget(state.backend, parsed.params)
-        guard = await _guard(state, parsed, self.estimate, big)
+        guard = await _guard(state, parsed, self.estimate, self.shape, big)
         shaped = _refusable(state, parsed, self.settings)
         try:
             fitted = await self.sizer.fit(parsed, budget, state.backend, big, guard=guard, shaped=shaped)
@@ -216,7 +220,7 @@ class Fitter:
         self.stats.add("original_tokens", report.original_tokens, state.where)
         key = calibration_key(state.backend, parsed.params.model)
         await self._sample(state, key, parsed, fitted, guard, big)
-        state.bounds = count_bounds(parsed, report, state.calibration, key, guard, self.calibration, self.estimate)
+        state.bounds = count_bounds(parsed, report, state.calibration, key, fitted.bound, self.calibration, self.estimate)
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
             state.observed, state.sent_tokens, state.uncuttable = report, report.original_tokens, said
@@ -228,7 +232,7 @@ class Fitter:
             if fitted.report is not report:
                 report = fitted.report
                 await self._sample(state, key, parsed, fitted, guard, big)
-                state.bounds = count_bounds(parsed, report, state.calibration, key, guard, self.calibration, self.estimate)
+                state.bounds = count_bounds(parsed, report, state.calibration, key, fitted.bound, self.calibration, self.estimate)
         body = fitted.body
         forbid = self.settings.forbid_truncation and forbid_truncation(state.route, parsed, report, budget, state.bounds)
         if forbid:

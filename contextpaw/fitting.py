@@ -24,6 +24,9 @@ class Fitted:
     report: Report
     plan: Plan | None = None
     """The chat's decisions, to hand back next turn; prompts have no turns."""
+    bound: float | None = None
+    """Where a cut cannot be forbidden, how many times our count the true size can be, as the
+    guard sized the fit with it: the verdict's upper bound."""
 
 
 def fit_chat(

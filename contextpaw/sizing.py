@@ -9,6 +9,7 @@ bound still fits in. No mitmproxy; what it asks the world goes through the count
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -22,7 +23,7 @@ from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.offload import off_loop
 from contextpaw.report import Report
 from contextpaw.state import LRU, SizedLRU
-from contextpaw.tokens import EstimateCounter
+from contextpaw.tokens import Counter, EstimateCounter
 from contextpaw.windows import Budget
 
 VERIFY_ROUNDS = 5
@@ -109,21 +110,9 @@ class Sizer:
         start = budget
         if whole is not None and (overcount := self.overcounts.get(parsed.key)):
             start = Budget(budget.window, budget.reserve, budget.margin - overcount, limit=0)
-        guarded = start
+        guarded, bound, why = start, None, ""
         if guard is not None and not counter.exact:
-            key = calibration_key(backend, parsed.params.model)
-            size = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
-            # a request that is cut is sent at the budget's size at most, and that is what must be bounded
-            factor = self.calibration.factor(key)
-            sent = min(size, math.ceil(budget.tokens / factor))
-            # samples bound a request of up to `reach`; a bigger one is held to that size if it does
-            # better than the estimate's whole width, and is learned from in turn
-            reach = self.calibration.kind_reach(key, guard.kind)
-            learned = self.calibration.kind_bound(key, guard.kind, min(sent, reach), guard.floor)
-            guarded = budget.within(learned if learned is not None and reach >= sent else self.calibration.bounds(key)[1])
-            if learned is not None and reach < sent:
-                within_reach = budget.within(learned).at_most(math.floor(reach * factor))
-                guarded = within_reach if within_reach.tokens > guarded.tokens else guarded
+            guarded, bound, counter, why = await self._guarded(parsed, budget, backend, big, guard, counter)
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)
 
@@ -151,14 +140,15 @@ class Sizer:
                 # fits, else the full budget, and the check after the answer says what happened
                 needed = budget.at_most(e.required)
                 guarded = needed if guarded.tokens < needed.tokens < budget.tokens else budget
+                why = "what must be kept needs this much"
         fitted.report.window = budget.window
         if guarded not in (budget, start):
             fitted.report.notes.append(
                 f"budget {guarded.tokens} of {budget.tokens}: the count is an estimate, and this route cannot ask "
-                "Ollama to refuse instead of cutting"
+                f"Ollama to refuse instead of cutting ({why})"
             )
         if whole is None:
-            return fitted
+            return fitted if bound is None else dataclasses.replace(fitted, bound=bound)
         try:
             fitted, overcount = await self._verified(parsed, fitted, budget, start, backend, big, fit, previous)
         except BudgetTooSmall as e:
@@ -170,6 +160,38 @@ class Sizer:
         report = fitted.report
         report.counter, report.original_tokens, report.window, report.budget = "backend", whole, budget.window, budget.tokens
         return fitted
+
+    async def _guarded(
+        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, guard: Guard, counter: Counter
+    ) -> tuple[Budget, float, Counter, str]:
+        """Where a cut cannot be forbidden: the budget the count's upper error bound still fits in,
+        that bound (the verdict's), the counter it bounds, and what held the budget there.
+
+        A request that is cut is sent at the budget's size at most, and that is what must be
+        bounded. Samples of its kind bound a request of up to `reach`; a bigger one is held to that
+        size if it does better than the estimate's whole width, and is learned from in turn. Once
+        the kind is learned by shape, the calibrated shape count fits it: the byte factor, learned
+        on whole requests, prices the prose a cut keeps at the rate of the dumps it evicts (an agent
+        chat on Ollama's /v1 used 35-77% of its window so)."""
+        key = calibration_key(backend, parsed.params.model)
+        size = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
+        factor = self.calibration.factor(key)
+        sent = min(size, math.ceil(budget.tokens / factor))
+        reach = self.calibration.kind_reach(key, guard.kind)
+        by_shape = self.calibration.kind_bound(key, guard.kind, min(sent, reach), guard.shape_floor, shaped=True)
+        learned = by_shape if by_shape is not None else self.calibration.kind_bound(key, guard.kind, min(sent, reach), guard.floor)
+        bound = self.calibration.bounds(key)[1]
+        guarded, why = budget.within(bound), f"this kind of text is not learned yet: its count may be {bound:.2f} times low"
+        if learned is not None:
+            by_kind = budget.within(learned) if reach >= sent else budget.within(learned).at_most(math.floor(reach * factor))
+            if by_kind.tokens > guarded.tokens or reach >= sent:
+                guarded, bound = by_kind, learned
+                why = f"its count of this kind of text may be {learned:.2f} times low"
+                if by_kind.tokens < budget.within(learned).tokens:
+                    why = f"what was learned of this kind reaches requests of {by_kind.tokens} tokens"
+                if by_shape is not None:
+                    counter = CalibratedCounter(self.counters.shape, self.calibration.shape_factor(key) or 1.0)
+        return guarded, bound, counter, why
 
     async def _verified(
         self,

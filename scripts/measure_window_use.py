@@ -92,6 +92,8 @@ GOALS = {LLAMACPP: 0.97, OLLAMA_CHAT: 0.92, OLLAMA_V1: 0.92}
 """The least use of the budget each path should reach; none may go over 1.0."""
 COUNTER_KIND = {LLAMACPP: "llama-server's counts", OLLAMA_CHAT: "calibrated shape count", OLLAMA_V1: "calibrated estimate"}
 GUARD_NOTE = re.compile(r"budget (\d+) of (\d+)")
+HELD_BY = re.compile(r"cannot ask Ollama to refuse instead of cutting \((.+)\)$")
+"""What held a guarded fit under its budget, as the report's note says."""
 
 
 class Failed(RuntimeError):
@@ -298,7 +300,8 @@ def shortfall(r: dict[str, Any]) -> str | None:
     fitted = r.get("fitted_to") or budget
     reasons = []
     if fitted < budget:
-        reasons.append(f"held to {fitted} of {budget} ({fitted / budget:.1%}): the estimate's bound, where a cut cannot be refused")
+        said = next((m.group(1) for note in r.get("notes") or () if (m := HELD_BY.search(note))), "the guard's bound")
+        reasons.append(f"held to {fitted} of {budget} ({fitted / budget:.1%}), where a cut cannot be refused: {said}")
     if final and real and final > real:
         reasons.append(f"ContextPaw's count ran {final / real - 1:.1%} over the server's")
     if final is not None and final < fitted:

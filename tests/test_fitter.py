@@ -22,7 +22,8 @@ from contextpaw.fitter import MAX_RESCUES, Fitter
 from contextpaw.flow import PHASES, UNCHANGED, FlowState, Forward, IllegalPhase, Phase, Refuse
 from contextpaw.settings import FitSettings
 from contextpaw.summarize import Complete
-from contextpaw.tokens import Counter
+from contextpaw.tokens import Counter, TokenizerCounter
+from support.backends import locate_smollm2
 
 OLLAMA = wire.Backend.parse(wire.Kind.OLLAMA, "http://127.0.0.1:11435")
 LLAMACPP = wire.Backend.parse(wire.Kind.LLAMACPP, "http://127.0.0.1:8091")
@@ -772,7 +773,47 @@ async def test_a_kind_of_text_calibration_has_not_seen_keeps_the_estimates_whole
     dense = state(prose_chat(words=2800, text="a b c d e f g h i j k l m n o p q r s t u v w x y z a b c d e f g h i j k l m n o p "), OPENAI, OLLAMA)
     await f.fit(dense)
     assert dense.report is not None and dense.report.compacted
-    assert any("cannot ask Ollama to refuse" in note for note in dense.report.notes)
+    assert any("cannot ask Ollama to refuse" in note and "this kind of text is not learned yet" in note for note in dense.report.notes)
+
+
+def tool_chat(turns: int, session: str = "") -> dict[str, Any]:
+    """An agent's chat: prose remarks around JSON dumps of numbers, each turn the same whatever the
+    chat's length (so shorter ones are its earlier turns)."""
+    messages = [{"role": "system", "content": "You are a coding agent. Be brief."}, {"role": "user", "content": f"Fix the failing test.{session}"}]
+    for i in range(turns):
+        dump = [{"id": 100 * i + j, "line": (37 * i + 11 * j) % 997, "hits": [j, i, i * j % 13]} for j in range(8)]
+        remark = f"Step {i}: the coverage of this module is low, so I will read the failing test again and then the helper it calls. " * 3
+        messages += [{"role": "assistant", "content": remark}, {"role": "user", "content": json.dumps(dump)}]
+    return {"model": "m", "max_tokens": 64, "messages": messages}
+
+
+async def test_on_v1_a_cut_that_keeps_prose_and_evicts_dumps_fills_the_window_in_the_models_tokens() -> None:
+    """The byte factor is learned on whole chats, whose tool dumps tokenize densest: it priced the
+    prose a cut keeps at the dumps' rate, and an agent chat on Ollama's /v1 used 35-77% of its
+    window. Once its kind is learned by shape, the shape count fits it, within the bound learned
+    of that kind: the cut's true size (SmolLM2's tokenizer) is near the budget, and under it (here
+    73% of the budget by bytes, 85% by shape)."""
+    located = locate_smollm2()
+    if located.path is None:
+        pytest.skip(located.reason)
+    model = TokenizerCounter.from_file(str(located.path))
+    f = fitter(default_ctx=4096, output_reserve=0)
+
+    def true_size(s: FlowState) -> int:
+        return rough_size(s.route.read(s.sent if s.sent is not None else s.original), model)
+
+    for turns in (2, 4, 6, 8, 10):  # the chat's earlier turns, served whole on /api/chat and learned from
+        warm = state(tool_chat(turns) | {"options": {"num_ctx": 4096}}, CHAT)
+        await f.fit(warm)
+        assert warm.report is not None and not warm.report.compacted
+        f.answers.final_report(warm, {"done": True, "prompt_eval_count": true_size(warm)})
+    long = state(tool_chat(40, session=" (a later session)"), OPENAI, OLLAMA)
+    await f.fit(long)
+    assert long.report is not None and long.report.compacted and long.report.counter == "calibrated"
+    budget = 4096 - f.settings.margin
+    assert 0.8 * budget <= true_size(long) <= budget, (true_size(long), long.report.final_tokens, long.report.notes)
+    assert any("its count of this kind of text may be 1.0" in note for note in long.report.notes), long.report.notes
+    assert long.bounds[1] * long.report.final_tokens <= 4096, "the verdict's bound is the one the fit was held to"
 
 
 async def test_a_flow_goes_from_received_to_forwarded_to_judged_and_is_learned_from_once() -> None:

@@ -65,9 +65,11 @@ def test_a_row_below_its_goal_says_why_in_numbers_and_one_at_its_goal_says_nothi
     high = exact | {"final_tokens": 1918, "counter": "calibrated", "removals": []}
     over = wu.row(wu.OLLAMA_CHAT, 2048, wu.FIXED, 7000, {"real_tokens": 1777, "report": high, "headers": {}, "seconds": 1.0})
     assert wu.shortfall(over) == "ContextPaw's count ran 7.9% over the server's; the fit ends 65 tokens under its budget in its own count"
-    guarded = high | {"final_tokens": 464, "notes": ["budget 472 of 959: the count is an estimate, and this route cannot ask"]}
+    why = "this kind of text is not learned yet: its count may be 2.34 times low"
+    note = f"budget 472 of 959: the count is an estimate, and this route cannot ask Ollama to refuse instead of cutting ({why})"
+    guarded = high | {"final_tokens": 464, "notes": [note]}
     held = wu.row(wu.OLLAMA_V1, 1024, wu.FIXED, 4000, {"real_tokens": 335, "report": guarded | {"budget": 959}, "headers": {}, "seconds": 1.0})
-    assert wu.shortfall(held).startswith("held to 472 of 959 (49.2%)")
+    assert wu.shortfall(held).startswith(f"held to 472 of 959 (49.2%), where a cut cannot be refused: {why}; ")
     full = wu.row(wu.LLAMACPP, 2048, wu.SCALED, 8000, {"real_tokens": 1960, "report": exact | {"final_tokens": 1960}, "headers": {}, "seconds": 1.0})
     assert wu.shortfall(full) is None
     summary = wu.summary([short, full])[wu.LLAMACPP]
