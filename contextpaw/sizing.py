@@ -29,6 +29,8 @@ from contextpaw.windows import Budget
 VERIFY_ROUNDS = 5
 """Counts by the server of one request's fits: the first, then refits over the budget (cut further)
 or well under it (made fuller)."""
+MAX_FITS = 2 * VERIFY_ROUNDS
+"""Fits made for one request at most, those that repeat a counted one included."""
 FILL_SLACK = 8
 """Tokens (or a hundredth of the budget, if more) our count may overstate a cut before it is made
 again to use what the server's count shows is left."""
@@ -218,7 +220,9 @@ class Sizer:
         the engine leaves (`_target`), and cut further when the server counts it past that. A fit
         that only repeats the last plan (the turn appends) is sent as soon as the server counts it
         within the budget: nothing new was cut, and re-admitting would move the cached prefix.
-        Returns the fit, and how much looser than the budget our count of the conversation's next
+        Every budget from our count of a fit up to the next unit gives that same fit, so an aim
+        often repeats one; the server is asked about each body once (`counted`), and the rounds
+        go to fits not counted yet. Returns the fit, and how much looser than the budget our count of the conversation's next
         turn starts (`_overcount`; `start` is this turn's).
         """
         tightened, confirmed, overcount = start, None, 0
@@ -234,15 +238,21 @@ class Sizer:
             """What goes out when the rounds end: the fullest fit confirmed under the target, else the spare."""
             return (confirmed, overcount) if confirmed is not None else spare
 
-        for round in range(VERIFY_ROUNDS):
-            sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
-            total = await self.counters.exact_total(backend, parsed, sent, big)
+        counted: dict[bytes | None, int] = {}
+        """The server's count of each body it counted this request: a budget whose fit repeats one
+        costs no call, so the rounds are spent on fits not counted yet."""
+        for fits in range(MAX_FITS):
+            total = counted.get(fitted.body)
             if total is None:
-                if (kept := best()) is not None:
-                    return kept
-                fitted.report.exact = False
-                return fitted, 0
-            ours, aim, last = fitted.report.final_tokens, None, round == VERIFY_ROUNDS - 1
+                sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
+                total = await self.counters.exact_total(backend, parsed, sent, big)
+                if total is None:
+                    if (kept := best()) is not None:
+                        return kept
+                    fitted.report.exact = False
+                    return fitted, 0
+                counted[fitted.body] = total
+            ours, aim, last = fitted.report.final_tokens, None, len(counted) == VERIFY_ROUNDS or fits == MAX_FITS - 1
             within = total <= (budget.tokens if fitted.body is not None else budget.admits)
             if within:
                 fitted.report.final_tokens, fitted.report.exact = total, True  # the server's own count
