@@ -17,13 +17,14 @@ from collections.abc import Callable, Mapping
 
 from contextpaw import wire
 from contextpaw.calibration import CalibratedCounter, Calibration, Guard, calibration_key
-from contextpaw.compact import BudgetTooSmall, Plan, recut_target
+from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.counters import CounterChoice, rough_size
 from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.offload import off_loop
 from contextpaw.report import Report
 from contextpaw.state import LRU, SizedLRU
 from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.verification import Search, Send
 from contextpaw.windows import Budget
 
 VERIFY_ROUNDS = 5
@@ -31,9 +32,6 @@ VERIFY_ROUNDS = 5
 or well under it (made fuller)."""
 MAX_FITS = 2 * VERIFY_ROUNDS
 """Fits made for one request at most, those that repeat a counted one included."""
-FILL_SLACK = 8
-"""Tokens (or a hundredth of the budget, if more) our count may overstate a cut before it is made
-again to use what the server's count shows is left."""
 
 Fit = Callable[[Budget], Fitted]
 """One fit of a parsed request with its counter and template cost, to a budget."""
@@ -206,133 +204,49 @@ class Sizer:
         fit: Fit,
         previous: Plan | None,
     ) -> tuple[Fitted, int]:
-        """Check a compacted llama-server chat against the server's exact count: refit if it is
-        over, and once if our count left room that the server's shows.
-
-        A shrunk text is estimated, and a text can tokenize a token differently inside the
-        template: the server's total for the whole request is the truth. A few rounds at most, each
-        one tightening the budget by what our count of the last one missed. A refit that cannot
-        keep what must be kept under the tightened budget is refused with numbers against the
-        budget the client is told. Per-text counts run high (a text alone tokenizes longer than
-        inside the template), so a cut confirmed well under the budget is made once more to the
-        budget less what our count overstated, and kept if the server confirms it too: the window
-        is used, not wasted on the count's error; a re-cut is made fuller only up to the headroom
-        the engine leaves (`_target`), and cut further when the server counts it past that. A fit
-        that only repeats the last plan (the turn appends) is sent as soon as the server counts it
-        within the budget: nothing new was cut, and re-admitting would move the cached prefix.
-        Every budget from our count of a fit up to the next unit gives that same fit, so an aim
-        often repeats one; the server is asked about each body once (`counted`), and the rounds
-        go to fits not counted yet. Returns the fit, and how much looser than the budget our count of the conversation's next
-        turn starts (`_overcount`; `start` is this turn's).
+        """Check a compacted llama-server chat against the server's exact count, and cut it again
+        as `verification.Search` says, until it sends a fit: over the budget, cut further; well
+        under it, made fuller. At most `VERIFY_ROUNDS` counts, and a body is counted once (every
+        budget from our count of a fit up to the next unit gives that same fit, so an aim often
+        repeats one). A refit that cannot keep what must be kept under the tightened budget is
+        refused with numbers against the budget the client is told. Returns the fit, and how much
+        looser than the budget our count of the conversation's next turn starts (`start` is this
+        turn's).
         """
-        tightened, confirmed, overcount = start, None, 0
-        target = _target(budget, previous)
-        under: tuple[int, int] | None = None
-        """Our budget for the fullest fit the server confirmed at or under the target, and its count of it."""
-        over: tuple[int, int] | None = None
-        """Our least budget whose fit the server counted over the target, and its count."""
-        spare: tuple[Fitted, int] | None = None
-        """A re-cut's fit within the budget but over the target (and its overcount): sent if none nearer comes."""
-
-        def best() -> tuple[Fitted, int] | None:
-            """What goes out when the rounds end: the fullest fit confirmed under the target, else the spare."""
-            return (confirmed, overcount) if confirmed is not None else spare
-
+        search = Search(budget, start, previous)
         counted: dict[bytes | None, int] = {}
         """The server's count of each body it counted this request: a budget whose fit repeats one
-        costs no call, so the rounds are spent on fits not counted yet."""
+        costs no call, so the counts go to fits not counted yet."""
         for fits in range(MAX_FITS):
             total = counted.get(fitted.body)
             if total is None:
+                if len(counted) == VERIFY_ROUNDS:
+                    break
                 sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
                 total = await self.counters.exact_total(backend, parsed, sent, big)
                 if total is None:
-                    if (kept := best()) is not None:
-                        return kept
-                    fitted.report.exact = False
-                    return fitted, 0
+                    return _sent(search.best()) or _unconfirmed(fitted)
                 counted[fitted.body] = total
-            ours, aim, last = fitted.report.final_tokens, None, len(counted) == VERIFY_ROUNDS or fits == MAX_FITS - 1
-            within = total <= (budget.tokens if fitted.body is not None else budget.admits)
-            if within:
-                fitted.report.final_tokens, fitted.report.exact = total, True  # the server's own count
-                if fitted.body is None:
-                    fitted.report.original_tokens = total
-                    return fitted, 0
-            if within and _repeated(fitted.plan, previous):  # it only appends: the whole cached prefix is served
-                return fitted, _overcount(tightened, ours, total, budget)
-            if within and total <= target:
-                if confirmed is None or total >= confirmed.report.final_tokens:
-                    confirmed, under = fitted, (tightened.tokens, total)
-                    overcount = _overcount(tightened, ours, total, budget)
-                room = target - confirmed.report.final_tokens
-                if last or room < max(FILL_SLACK, budget.tokens // 100):
-                    return confirmed, overcount
-                # none over yet: as much further as the server's count of the last one says is left
-                aim = _between(under, over, target) if over is not None else under[0] * target // max(under[1], 1)
-            elif confirmed is not None:  # a fuller fit went over: aim between it and the one confirmed
-                # every budget from our count of it up gives this same fit: aiming between budgets
-                # would repeat it, a few tokens at a time, when the server's count is just over
-                reach = min(tightened.tokens, ours)
-                if over is None or reach < over[0]:
-                    over = (reach, total)
-                aim = None if last else _between(under, over, target)
-            elif within:  # a re-cut the server counts past its headroom: as much tighter as it says
-                if spare is None or total < spare[0].report.final_tokens:
-                    spare = (fitted, _overcount(tightened, ours, total, budget))
-                if last:
-                    return spare
-                aimed = tightened.tokens * target // total
-                tightened = Budget(budget.window, budget.reserve, budget.window - budget.reserve - aimed, limit=0)
-            elif tightened.margin < budget.margin:  # last turn's overcount does not hold for this one
-                tightened = budget
-            else:
-                miss = max(total - ours, 1)
-                tightened = Budget(budget.window, budget.reserve, tightened.margin + miss, limit=tightened.limit)
-            if confirmed is not None:
-                if aim is None:
-                    return confirmed, overcount
-                tightened = Budget(budget.window, budget.reserve, budget.window - budget.reserve - aim, limit=0)  # admits no more
+            step = search.counted(fitted, total, last=len(counted) == VERIFY_ROUNDS or fits == MAX_FITS - 1)
+            if isinstance(step, Send):
+                return step.fitted, step.overcount
             try:
-                fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, tightened))
+                fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, step.budget))
             except BudgetTooSmall as e:
-                if (kept := best()) is not None:
-                    return kept
+                if (kept := search.best()) is not None:
+                    return kept.fitted, kept.overcount
                 raise e.rescaled(budget.tokens) from None
-        if (kept := best()) is not None:
-            return kept
-        fitted.report.exact = False
+        if (kept := search.best()) is not None:
+            return kept.fitted, kept.overcount
         fitted.report.notes.append("the server's count could not be confirmed within the budget")
-        return fitted, 0
+        return _unconfirmed(fitted)
 
 
-def _overcount(tightened: Budget, ours: int, total: int, budget: Budget) -> int:
-    """How much looser than the budget, in our count, the conversation's next turn starts: at
-    least the budget this fit was made to (so that it repeats), and as far as the budget in our
-    count at the rate ours ran over the server's on this fit (`ours` against `total`), so that a
-    turn that only appends is seen to fit at once, however high our per-text counts run."""
-    return max(tightened.tokens, ours * budget.tokens // max(total, 1), budget.tokens) - budget.tokens
+def _sent(step: Send | None) -> tuple[Fitted, int] | None:
+    return (step.fitted, step.overcount) if step is not None else None
 
 
-def _target(budget: Budget, previous: Plan | None) -> int:
-    """What the server's count of a fit is aimed at: the budget for a conversation's first cut; for
-    a re-cut (last turn cut it already), the budget less the engine's headroom, so that the next
-    turns append. Filling a re-cut to the budget made every following turn cut again (an agent loop
-    at -c 2048: 13 re-cuts in 21 turns, each ending at 93-97% of the budget)."""
-    return recut_target(budget.tokens) if previous is not None and (previous.evicted or previous.shrunk) else budget.tokens
-
-
-def _between(under: tuple[int, int] | None, over: tuple[int, int], target: int) -> int | None:
-    """Our budget whose fit the server should count at `target`, on the line through a fit it
-    counted under and one it counted over (None: no whole token lies between them)."""
-    assert under is not None, "a fit was confirmed before one went over"
-    (low, counted_low), (high, counted_high) = under, over
-    if high - low <= 1:
-        return None
-    aim = low + (target - counted_low) * (high - low) // max(counted_high - counted_low, 1)
-    return min(max(aim, low + 1), high - 1)
-
-
-def _repeated(plan: Plan | None, previous: Plan | None) -> bool:
-    """Whether a fit made last turn's cuts and no others."""
-    return plan is not None and previous is not None and plan.evicted == previous.evicted and plan.shrunk == previous.shrunk
+def _unconfirmed(fitted: Fitted) -> tuple[Fitted, int]:
+    """A fit sent on our count alone: the server's could not be had, or not within the budget."""
+    fitted.report.exact = False
+    return fitted, 0
