@@ -100,6 +100,10 @@ class Plan:
     """Message (its unit's key and place in the unit) -> where its text was cut (so the same cut repeats)."""
     notes: Mapping[str, str] = field(default_factory=dict)
     """Marker id -> the marker's text as it was sent (so the same hole reads the same next turn)."""
+    continued: bool = False
+    """Whether this turn began from an earlier turn's cuts (and was cut again after them if it had
+    to be): a check of the fit by the server aims it below the budget by the headroom, as the
+    engine did."""
 
     @property
     def footprint(self) -> int:
@@ -244,6 +248,7 @@ class _ChatCompaction:
             evicted=frozenset(u.key for u in self.evicted),
             shrunk={self.cut_key(i): cut for i, (_, _, cut) in self.shrunk.items() if self.unit_of[i] not in self.evicted},
             notes=sent.notes,
+            continued=last is not None,
         )
         return ChatResult([m.raw for m in sent.messages], report, plan)
 

@@ -213,7 +213,7 @@ class Sizer:
         looser than the budget our count of the conversation's next turn starts (`start` is this
         turn's).
         """
-        search = Search(budget, start, previous)
+        search = Search(budget, start, previous, continued=fitted.plan is not None and fitted.plan.continued)
         counted: dict[bytes | None, int] = {}
         """The server's count of each body it counted this request: a budget whose fit repeats one
         costs no call, so the counts go to fits not counted yet."""

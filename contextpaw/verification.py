@@ -7,7 +7,7 @@ each count means (`Reading`) and what follows from it (`Send` a fit, or `Refit` 
 of ours), one step per count, in a table of steps by reading. The sizer does the fitting and the
 asking; nothing here does I/O, so every path is tested with made-up counts.
 
-What the search aims at (`target`): the budget for a conversation's first cut; for a re-cut, the
+What the search aims at (`Search.target`): the budget for a conversation's first cut; for a re-cut, the
 budget less the engine's headroom, so that the next turns append. A fit within the budget that
 only repeats last turn's cuts goes out at once: nothing new was cut. A fit over is cut further by
 what our count missed; one well under is made fuller, between the fullest the server confirmed
@@ -62,13 +62,18 @@ Step = Send | Refit
 class Search:
     """One request's search: fed each fit with the server's count of it, says the next step."""
 
-    def __init__(self, budget: Budget, start: Budget, previous: Plan | None) -> None:
+    def __init__(self, budget: Budget, start: Budget, previous: Plan | None, continued: bool) -> None:
         self.budget = budget
         """The budget the client is told, in the server's tokens."""
         self.previous = previous
         self.tightened = start
         """Our budget for the fit being counted."""
-        self.target = target(budget, previous)
+        self.target = recut_target(budget.tokens) if continued else budget.tokens
+        """What the server's count of a fit is aimed at: the budget for a conversation's first cut;
+        where the engine began from last turn's cuts (`Plan.continued`), the budget less its
+        headroom, so that the next turns append. Filling a re-cut to the budget made every
+        following turn cut again (an agent loop at -c 2048: 13 re-cuts in 21 turns, each ending at
+        93-97% of the budget)."""
         self.confirmed: Send | None = None
         """The fullest fit the server counted at or under the target."""
         self.under: tuple[int, int] | None = None
@@ -188,14 +193,6 @@ class Search:
         a turn that only appends is seen to fit at once, however high our per-text counts run."""
         budget = self.budget.tokens
         return max(self.tightened.tokens, ours * budget // max(total, 1), budget) - budget
-
-
-def target(budget: Budget, previous: Plan | None) -> int:
-    """What the server's count of a fit is aimed at: the budget for a conversation's first cut; for
-    a re-cut (last turn cut it already), the budget less the engine's headroom, so that the next
-    turns append. Filling a re-cut to the budget made every following turn cut again (an agent loop
-    at -c 2048: 13 re-cuts in 21 turns, each ending at 93-97% of the budget)."""
-    return recut_target(budget.tokens) if previous is not None and (previous.evicted or previous.shrunk) else budget.tokens
 
 
 def _between(under: tuple[int, int], over: tuple[int, int], target: int) -> int | None:

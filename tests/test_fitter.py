@@ -570,6 +570,30 @@ async def test_a_re_cut_keeps_its_headroom_in_the_servers_tokens_so_the_next_tur
     assert cut_turns >= 20 and recuts <= cut_turns // 3, f"{recuts} re-cuts in {cut_turns} cut turns"
 
 
+async def test_a_conversation_whose_client_dropped_what_was_cut_is_cut_afresh_and_filled_to_the_budget() -> None:
+    """An agent that compacts its own history (Claude Code's /compact, aider's summary) keeps its
+    system prompt and task, so ContextPaw knows it as the same conversation, but none of last
+    turn's cuts are in it any more. The engine cuts it as a first cut, to the whole budget; the
+    server's check used to aim it at a re-cut's target (a quarter below) because last turn had cuts."""
+    f = with_counting(fitter(default_ctx=2048, discover_window=False), HalfAgainTextCounting())
+    rng = random.Random(5)
+    task = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix the build."}]
+
+    def turns(tag: str) -> list[dict[str, Any]]:
+        out = []
+        for n in range(30):
+            out.append({"role": "assistant", "content": f"{tag} step {n}: reading file {n}"})
+            out.append({"role": "user", "content": f"{tag} output {n}\n" + f"line {n} of the {tag} output\n" * rng.randint(10, 60)})
+        return out
+
+    first = state({"model": "m", "max_tokens": 1, "messages": [*task, *turns("old")]}, OPENAI, LLAMACPP)
+    assert isinstance(await f.fit(first), Forward) and first.report is not None and first.report.compacted
+    again = state({"model": "m", "max_tokens": 1, "messages": [*task, *turns("new")]}, OPENAI, LLAMACPP)
+    decision = await f.fit(again)
+    assert isinstance(decision, Forward) and decision.body is not None and again.report is not None
+    assert again.report.final_tokens >= 0.97 * again.report.budget, f"{again.report.final_tokens} of {again.report.budget}"
+
+
 async def test_a_fill_that_overshoots_aims_below_what_its_own_count_was_so_the_next_fit_differs() -> None:
     """The measured case (-c 2048, an agent chat 4 times the window): our count of the first cut
     runs half again over the server's, so the fill's first aim holds too much. Any budget at or

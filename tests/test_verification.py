@@ -18,7 +18,7 @@ def fit(ours: int, plan: Plan = FIRST_CUT, body: bytes | None = b"{}") -> Fitted
 
 
 def test_a_fit_the_server_counts_over_the_budget_is_cut_tighter_by_what_our_count_missed() -> None:
-    search = Search(BUDGET, BUDGET, None)
+    search = Search(BUDGET, BUDGET, None, continued=False)
     first = fit(1950)
     assert search.read(first, 2010) is Reading.OVER
     step = search.counted(first, 2010, last=False)
@@ -27,7 +27,7 @@ def test_a_fit_the_server_counts_over_the_budget_is_cut_tighter_by_what_our_coun
 
 
 def test_a_cut_confirmed_well_under_the_target_is_made_fuller_at_the_rate_the_server_counted_it() -> None:
-    search = Search(BUDGET, BUDGET, None)
+    search = Search(BUDGET, BUDGET, None, continued=False)
     under = fit(1957)
     step = search.counted(under, 1339, last=False)
     assert isinstance(step, Refit) and step.budget.tokens == 1983 * 1983 // 1339 and step.budget.limit == 0
@@ -36,7 +36,7 @@ def test_a_cut_confirmed_well_under_the_target_is_made_fuller_at_the_rate_the_se
 
 
 def test_once_a_fuller_fit_went_over_the_next_aim_lies_between_it_and_the_one_confirmed() -> None:
-    search = Search(BUDGET, BUDGET, None)
+    search = Search(BUDGET, BUDGET, None, continued=False)
     search.counted(fit(1957), 1339, last=False)
     fuller = search.counted(fit(2878), 1882, last=False)
     assert isinstance(fuller, Refit) and fuller.budget.tokens == 2936 * 1983 // 1882
@@ -47,7 +47,7 @@ def test_once_a_fuller_fit_went_over_the_next_aim_lies_between_it_and_the_one_co
 
 
 def test_with_no_whole_token_between_a_fit_under_and_one_over_the_fullest_confirmed_goes_out() -> None:
-    search = Search(BUDGET, BUDGET, None)
+    search = Search(BUDGET, BUDGET, None, continued=False)
     search.counted(fit(1900), 1800, last=False)
     confirmed = fit(2000)
     search.counted(confirmed, 1900, last=False)  # aimed at 2000 * 1983 // 1900 = 2087
@@ -57,7 +57,7 @@ def test_with_no_whole_token_between_a_fit_under_and_one_over_the_fullest_confir
 
 
 def test_a_turn_that_only_repeats_last_turns_cuts_goes_out_as_soon_as_it_is_within_the_budget() -> None:
-    search = Search(BUDGET, BUDGET, FIRST_CUT)
+    search = Search(BUDGET, BUDGET, FIRST_CUT, continued=True)
     repeat = fit(1700)
     assert search.read(repeat, 1200) is Reading.APPENDS
     step = search.counted(repeat, 1200, last=False)
@@ -65,7 +65,7 @@ def test_a_turn_that_only_repeats_last_turns_cuts_goes_out_as_soon_as_it_is_with
 
 
 def test_a_re_cut_past_its_headroom_is_cut_tighter_and_kept_in_case_none_nearer_comes() -> None:
-    search = Search(BUDGET, BUDGET, Plan(evicted=frozenset({"b"})))
+    search = Search(BUDGET, BUDGET, Plan(evicted=frozenset({"b"})), continued=True)
     assert search.target == recut_target(BUDGET.tokens) < BUDGET.tokens
     recut = fit(1950)
     assert search.read(recut, 1900) is Reading.PAST_HEADROOM
@@ -77,7 +77,7 @@ def test_a_re_cut_past_its_headroom_is_cut_tighter_and_kept_in_case_none_nearer_
 
 def test_a_turn_started_loose_by_last_turns_overcount_that_goes_over_starts_again_from_the_budget() -> None:
     loose = Budget(BUDGET.window, BUDGET.reserve, BUDGET.margin - 900, limit=0)
-    search = Search(BUDGET, loose, None)
+    search = Search(BUDGET, loose, None, continued=False)
     over = fit(2800)
     assert search.read(over, 2100) is Reading.PAST_LOOSENED
     step = search.counted(over, 2100, last=False)
@@ -85,7 +85,7 @@ def test_a_turn_started_loose_by_last_turns_overcount_that_goes_over_starts_agai
 
 
 def test_the_request_as_it_came_goes_out_when_the_server_counts_it_within_what_the_budget_admits() -> None:
-    search = Search(BUDGET, BUDGET, None)
+    search = Search(BUDGET, BUDGET, None, continued=False)
     whole = fit(2100, plan=Plan(), body=None)
     step = search.counted(whole, BUDGET.admits, last=False)
     assert isinstance(step, Send) and step.overcount == 0
@@ -93,5 +93,5 @@ def test_the_request_as_it_came_goes_out_when_the_server_counts_it_within_what_t
 
 
 def test_every_reading_has_a_step() -> None:
-    search = Search(BUDGET, BUDGET, None)
+    search = Search(BUDGET, BUDGET, None, continued=False)
     assert set(search._steps) == set(Reading)
