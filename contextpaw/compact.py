@@ -256,13 +256,17 @@ class _ChatCompaction:
 
     def evict(self, unit: Unit) -> None:
         self.evicted.add(unit)
-        self.kept -= sum(self.size(i) for i in unit.indices)
+        self.kept -= self.unit_size(unit)
         self.holes.add(unit.indices)
 
     def readmit(self, unit: Unit) -> None:
         self.evicted.discard(unit)
-        self.kept += sum(self.size(i) for i in unit.indices)
+        self.kept += self.unit_size(unit)
         self.holes.remove(unit.indices)
+
+    def unit_size(self, unit: Unit) -> int:
+        """What a unit adds to the kept messages as its messages stand (shrunk or whole)."""
+        return sum(self.size(i) for i in unit.indices)
 
     def size(self, i: int) -> int:
         return self.shrunk[i][1] if i in self.shrunk else self.cost[i]
@@ -441,6 +445,10 @@ class _ChatCompaction:
                 self.evict(unit)
                 evicted.append(unit)
         for unit in evicted:
+            if size is None and (markers := self.holes.taken_back(unit.indices)) is not None:
+                if self.unit_size(unit) + markers <= 0:  # its marker costs more than it did
+                    self.readmit(unit)
+                continue
             before = measure()
             self.readmit(unit)
             if measure() > before:
@@ -450,6 +458,11 @@ class _ChatCompaction:
         """Re-admit units evicted this turn that fit in the room left (up to `limit`), biggest first."""
         for unit in sorted(self.evicted - self.sticky, key=lambda u: (-self.unit_cost[u], u.indices)):
             if self.fixed + self.kept + self.unit_cost[unit] > limit:
+                continue
+            markers = self.holes.taken_back(unit.indices)
+            if markers is not None:
+                if self.total() + self.unit_size(unit) + markers <= limit:
+                    self.readmit(unit)
                 continue
             self.readmit(unit)
             if self.total() > limit:

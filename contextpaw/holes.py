@@ -69,6 +69,22 @@ class Holes:
                 if a <= b:
                     self._add(a, b)
 
+    def taken_back(self, indices: Iterable[int]) -> int | None:
+        """How much `marker_total` would change if these messages were taken back (`remove`),
+        without taking them back: the engine weighs many units that stay out. None for messages in
+        more than one run (a result that strayed from its call), which `remove` must weigh."""
+        runs = _runs(indices)
+        if len(runs) != 1:
+            return None
+        (lo, hi), = runs
+        start = self.starts[bisect.bisect_right(self.starts, lo) - 1]
+        end = self.end[start]
+        change = -self.marker_cost((start, end))
+        for a, b in ((start, lo - 1), (hi + 1, end)):
+            if a <= b:
+                change += self.marker_cost((a, b))
+        return change
+
     def _add(self, start: int, end: int) -> None:
         self.end[start], self.start[end] = end, start
         bisect.insort(self.starts, start)

@@ -581,3 +581,37 @@ def test_no_refusal_is_a_few_tokens_short_of_a_fit_the_engine_can_make(capsys: p
     margin = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(margin)
     assert margin.main(["--cases", "120"]) == 0, capsys.readouterr().out
+
+
+@given(st.lists(st.sampled_from(["user", "assistant", "tool"]), min_size=1, max_size=40), st.data())
+def test_what_taking_messages_back_would_cost_in_markers_is_what_taking_them_back_costs(roles: list[str], data: st.DataObject) -> None:
+    """The engine weighs a unit it may take back without taking it back (`Holes.taken_back`): that
+    must be exactly what `remove` does to the markers' total, for a unit inside a hole, at its
+    edge, or alone in it."""
+    from contextpaw.holes import Holes
+
+    msgs = [Message.from_wire({"role": role, "content": f"message {i} " * (1 + i % 7)}) for i, role in enumerate(roles)]
+    counter = EstimateCounter()
+    holes = Holes(msgs, [counter.message(m) for m in msgs], counter, {})
+    evicted = sorted(data.draw(st.sets(st.integers(0, len(msgs) - 1), min_size=1)))
+    for i in evicted:
+        holes.add([i])
+    lo = data.draw(st.sampled_from(evicted))
+    hi = lo
+    while hi + 1 in evicted and data.draw(st.booleans()):
+        hi += 1
+    run = list(range(lo, hi + 1))
+    before = holes.marker_total
+    predicted = holes.taken_back(run)
+    holes.remove(run)
+    assert predicted == holes.marker_total - before
+
+
+def test_messages_in_two_runs_are_left_for_remove_to_weigh() -> None:
+    from contextpaw.holes import Holes
+
+    msgs = [Message.from_wire({"role": "user", "content": f"message {i}"}) for i in range(6)]
+    counter = EstimateCounter()
+    holes = Holes(msgs, [counter.message(m) for m in msgs], counter, {})
+    holes.add([1, 2, 3, 4])
+    assert holes.taken_back([1, 4]) is None and holes.taken_back([2, 3]) is not None
