@@ -74,12 +74,10 @@ class Sample:
 @dataclass(frozen=True, slots=True)
 class Guard:
     """What bounds the count of a request on a route where a cut cannot be forbidden: its content
-    kind, and the least ratio to the estimate (and to the shape count) its densest text proves
-    (`word_floor`)."""
+    kind, and the least ratio to the estimate its densest text proves (`word_floor`)."""
 
     kind: str
     floor: float = 0.0
-    shape_floor: float = 0.0
 
 
 def word_floor(texts: Iterable[str], estimate: Counter) -> float:
@@ -145,8 +143,7 @@ class Calibration:
         self.ratios: LRU = LRU(MAX_KEYS)
         """Key -> recent ratios; bounded, since a key holds the model name the client sent."""
         self.kinds: LRU = LRU(MAX_KEYS)
-        """(key, content kind) -> recent (estimated size, ratio, ratio to the shape count or None)
-        of requests of that kind."""
+        """(key, content kind) -> recent (estimated size, ratio) of requests of that kind."""
         self.shapes: LRU = LRU(MAX_KEYS)
         """Key -> recent ratios of reported tokens to the `ShapeCounter`'s count, learned beside the
         byte estimate's from the same samples."""
@@ -177,32 +174,24 @@ class Calibration:
         factor = self.factor(key)
         return ESTIMATE_BOUNDS[0] / factor, ESTIMATE_BOUNDS[1] / factor
 
-    def kind_bound(self, key: str, kind: str, estimated: int, floor: float = 0.0, *, shaped: bool = False) -> float | None:
+    def kind_bound(self, key: str, kind: str, estimated: int, floor: float = 0.0) -> float | None:
         """How many times too low this key's calibrated count of a request of `kind`, `estimated`
         tokens by the base estimate, can be: known once enough requests of that kind and at least
         half that size were learned from and they agreed; else None. (A small request says little
         of a big one: the template's fixed cost weighs in its ratio.) Never below what the
         request's own words prove (`floor`, from `word_floor`): a kind is a coarse class, and its
-        samples may be of cuts whose markers made them less dense than this request's texts.
-
-        `shaped`: the bound of the calibrated shape count instead (the samples' ratios to the shape
-        count, over its factor; `floor` is then the words' ratio to the shape count), known once
-        the shape factor is. A cut keeps other text than it evicts (prose stays, tool dumps go),
-        and the byte factor, learned on whole requests, prices what stays at the dumps' rate; the
-        shape count prices each near its own."""
+        samples may be of cuts whose markers made them less dense than this request's texts."""
         learned = self.kinds.get((key, kind)) or ()
-        column = 2 if shaped else 1
-        ratios = [entry[column] for entry in learned if 2 * entry[0] >= estimated and entry[column]]
-        factor = self.shape_factor(key) if shaped else self.factor(key)
-        if factor is None or len(ratios) < EARLY_SAMPLES or max(ratios) > KIND_SPREAD * min(ratios):
+        ratios = [ratio for size, ratio in learned if 2 * size >= estimated]
+        if len(ratios) < EARLY_SAMPLES or max(ratios) > KIND_SPREAD * min(ratios):
             return None
-        return max(max(*ratios, floor) * KIND_SLACK / factor, 1.0)
+        return max(max(*ratios, floor) * KIND_SLACK / self.factor(key), 1.0)
 
     def kind_reach(self, key: str, kind: str) -> int:
         """The largest request (in base-estimate tokens) this kind's samples can bound: twice the
         size that enough of them reach (0: too few). A guard held to it learns a bigger sample each
         time, so the bound grows to the window in a few requests instead of never."""
-        sizes = sorted((entry[0] for entry in self.kinds.get((key, kind)) or ()), reverse=True)
+        sizes = sorted((size for size, _ in self.kinds.get((key, kind)) or ()), reverse=True)
         return 2 * sizes[EARLY_SAMPLES - 1] if len(sizes) >= EARLY_SAMPLES else 0
 
     def observe(
@@ -216,7 +205,7 @@ class Calibration:
             ratio = reported / estimated
             self._learn(self.ratios, key, ratio)
             if kind is not None:
-                self._learn(self.kinds, (key, kind), (estimated, ratio, reported / shaped if shaped else None))
+                self._learn(self.kinds, (key, kind), (estimated, ratio))
             if shaped:
                 self._learn(self.shapes, key, reported / shaped)
         else:
@@ -268,8 +257,8 @@ class Calibration:
             for k, v in state.get("shapes", {}).items():  # type: ignore[union-attr]  # absent in older files
                 shapes.put(str(k), self._restored(v))
             for key, kind, v in state.get("kinds", []):  # type: ignore[union-attr]  # absent in older files
-                entries = (_kind_entry(*entry) for entry in v)
-                kinds.put((str(key), str(kind)), deque((e for e in entries if e[1] > 0), maxlen=self.window))
+                pairs = ((int(size), float(ratio)) for size, ratio in v)
+                kinds.put((str(key), str(kind)), deque((p for p in pairs if p[1] > 0), maxlen=self.window))
             self.ratios, self.kinds, self.shapes = ratios, kinds, shapes
             return True
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -278,12 +267,6 @@ class Calibration:
 
     def _restored(self, ratios: Iterable[object]) -> deque[float]:
         return deque((float(r) for r in ratios if float(r) > 0), maxlen=self.window)  # type: ignore[arg-type]
-
-
-def _kind_entry(size: object, ratio: object, shaped: object = None) -> tuple[int, float, float | None]:
-    """A saved sample of a kind; files from before shape ratios were kept have none."""
-    shape_ratio = float(shaped) if shaped is not None else None  # type: ignore[arg-type]
-    return int(size), float(ratio), shape_ratio if shape_ratio is None or shape_ratio > 0 else None  # type: ignore[arg-type]
 
 
 def calibration_key(backend: Backend, model: str) -> str:

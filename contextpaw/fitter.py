@@ -89,16 +89,12 @@ def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
     return {marker_id: encode(content) for marker_id, content in evicted.items()}
 
 
-async def _guard(
-    state: FlowState, parsed: wire.Chat | wire.Prompt, estimate: EstimateCounter, shape: ShapeCounter, big: bool
-) -> Guard | None:
+async def _guard(state: FlowState, parsed: wire.Chat | wire.Prompt, estimate: EstimateCounter, big: bool) -> Guard | None:
     """What sizes the guard where a cut cannot be forbidden (the request's content kind and word
     floor); else None."""
     if not _uncapped(state):
         return None
-    return await off_loop(
-        big, lambda: Guard(content_kind(state.original), word_floor(parsed.texts, estimate), word_floor(parsed.texts, shape))
-    )
+    return await off_loop(big, lambda: Guard(content_kind(state.original), word_floor(parsed.texts, estimate)))
 
 
 def _refusable(state: FlowState, parsed: wire.Chat | wire.Prompt, settings: FitSettings) -> bool:
@@ -205,7 +201,7 @@ class Fitter:
             return UNCHANGED
         self._place(state, parsed.params.model)
         budget = await self.budgeter.budget(state.backend, parsed.params)
-        guard = await _guard(state, parsed, self.estimate, self.shape, big)
+        guard = await _guard(state, parsed, self.estimate, big)
         shaped = _refusable(state, parsed, self.settings)
         try:
             fitted = await self.sizer.fit(parsed, budget, state.backend, big, guard=guard, shaped=shaped)

@@ -23,7 +23,7 @@ from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.offload import off_loop
 from contextpaw.report import Report
 from contextpaw.state import LRU, SizedLRU
-from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.tokens import EstimateCounter
 from contextpaw.verification import Search, Send
 from contextpaw.windows import Budget
 
@@ -60,7 +60,7 @@ class Sizer:
         self.keep_recent = keep_recent
         self.overcounts = LRU(plans.limit)
         """Conversation -> how much looser than the budget, in our count, its next turn's fit starts
-        (`_overcount`: our count of its last cut ran that much over the server's): that turn
+        (`verification.Search._overcount`: our count of its last cut ran that much over the server's): that turn
         repeats the cut and appends, instead of making a new cut to our count's error, which would
         move the cached prefix."""
 
@@ -112,7 +112,7 @@ class Sizer:
             start = Budget(budget.window, budget.reserve, budget.margin - overcount, limit=0)
         guarded, bound, why = start, None, ""
         if guard is not None and not counter.exact:
-            guarded, bound, counter, why = await self._guarded(parsed, budget, backend, big, guard, counter)
+            guarded, bound, why = await self._guarded(parsed, budget, backend, big, guard)
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)
 
@@ -162,24 +162,24 @@ class Sizer:
         return fitted
 
     async def _guarded(
-        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, guard: Guard, counter: Counter
-    ) -> tuple[Budget, float, Counter, str]:
-        """Where a cut cannot be forbidden: the budget the count's upper error bound still fits in,
-        that bound (the verdict's), the counter it bounds, and what held the budget there.
+        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, guard: Guard
+    ) -> tuple[Budget, float, str]:
+        """Where a cut cannot be forbidden: the budget the calibrated estimate's upper error bound
+        still fits in, that bound (the verdict's), and what held the budget there.
 
         A request that is cut is sent at the budget's size at most, and that is what must be
         bounded. Samples of its kind bound a request of up to `reach`; a bigger one is held to that
-        size if it does better than the estimate's whole width, and is learned from in turn. Once
-        the kind is learned by shape, the calibrated shape count fits it: the byte factor, learned
-        on whole requests, prices the prose a cut keeps at the rate of the dumps it evicts (an agent
-        chat on Ollama's /v1 used 35-77% of its window so)."""
+        size if it does better than the estimate's whole width, and is learned from in turn. The
+        bound is of the byte estimate, learned on whole requests of the kind: a cut keeps other
+        text than it evicts, and only a count whose factor is the densest text's prices what stays
+        no lower than it is (a shape count learned on prose and JSON prices camelCase code at 0.7
+        of its tokens, and a cut that kept it overflowed the window in silence)."""
         key = calibration_key(backend, parsed.params.model)
         size = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
         factor = self.calibration.factor(key)
         sent = min(size, math.ceil(budget.tokens / factor))
         reach = self.calibration.kind_reach(key, guard.kind)
-        by_shape = self.calibration.kind_bound(key, guard.kind, min(sent, reach), guard.shape_floor, shaped=True)
-        learned = by_shape if by_shape is not None else self.calibration.kind_bound(key, guard.kind, min(sent, reach), guard.floor)
+        learned = self.calibration.kind_bound(key, guard.kind, min(sent, reach), guard.floor)
         bound = self.calibration.bounds(key)[1]
         guarded, why = budget.within(bound), f"this kind of text is not learned yet: its count may be {bound:.2f} times low"
         if learned is not None:
@@ -188,10 +188,8 @@ class Sizer:
                 guarded, bound = by_kind, learned
                 why = f"its count of this kind of text may be {learned:.2f} times low"
                 if by_kind.tokens < budget.within(learned).tokens:
-                    why = f"what was learned of this kind reaches requests of {by_kind.tokens} tokens"
-                if by_shape is not None:
-                    counter = CalibratedCounter(self.counters.shape, self.calibration.shape_factor(key) or 1.0)
-        return guarded, bound, counter, why
+                    why = f"samples of this kind reach requests of {reach} estimated tokens, and the cut is held to that size"
+        return guarded, bound, why
 
     async def _verified(
         self,

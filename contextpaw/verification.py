@@ -70,8 +70,9 @@ class Search:
         """Our budget for the fit being counted."""
         self.target = recut_target(budget.tokens) if continued else budget.tokens
         """What the server's count of a fit is aimed at: the budget for a conversation's first cut;
-        where the engine began from last turn's cuts (`Plan.continued`), the budget less its
-        headroom, so that the next turns append. Filling a re-cut to the budget made every
+        once a fit began from last turn's cuts (`Plan.continued`: this one, or a refit after a
+        whole request was counted over), the budget less the engine's headroom, so that the next
+        turns append. Filling a re-cut to the budget made every
         following turn cut again (an agent loop at -c 2048: 13 re-cuts in 21 turns, each ending at
         93-97% of the budget)."""
         self.confirmed: Send | None = None
@@ -119,6 +120,8 @@ class Search:
     def counted(self, fitted: Fitted, total: int, last: bool) -> Step:
         """The step after the server counted `fitted` at `total` (`last`: no more counts to come).
         A fit within the budget carries the server's count from here on."""
+        if fitted.plan is not None and fitted.plan.continued:  # a refit may be the first to start from last turn's cuts
+            self.target = min(self.target, recut_target(self.budget.tokens))
         ours = fitted.report.final_tokens
         reading = self.read(fitted, total)
         if self.within(fitted, total):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contextpaw.calibration import FLOOR_CHUNK, KIND_SLACK, MIN_SAMPLE_TOKENS, SAFETY, Calibration, content_kind, word_floor
+from contextpaw.calibration import FLOOR_CHUNK, MIN_SAMPLE_TOKENS, SAFETY, Calibration, content_kind, word_floor
 from contextpaw.conversation import Message
 from contextpaw.tokens import BREAK_TOKENS, WORD_TOKENS, EstimateCounter, ShapeCounter, TokenizerCounter
 from contextpaw.truncation import ESTIMATE_BOUNDS, EXACT_BOUNDS, Evaluation, cut_counts, judge
@@ -324,25 +324,6 @@ def test_a_kind_learned_from_sparser_cuts_is_never_trusted_below_what_a_requests
     assert cal.kind_bound("k", "space4 digit2", 1500, floor=0.3) == learned, "a sparse request keeps the learned bound"
 
 
-def test_a_kind_learned_by_shape_bounds_the_shape_count_once_the_shape_factor_is_known():
-    """The shape count's own bound for a kind: its samples' ratios to the shape count, over the
-    shape factor; none before three samples of the kind agree, and a request's words still floor it."""
-    cal = Calibration()
-    for n in (1000, 2000):
-        cal.observe("k", n, int(n * 1.8), whole=True, kind="json", shaped=int(n * 1.7))
-    assert cal.kind_bound("k", "json", 2000, shaped=True) is None, "two samples are not yet a kind"
-    cal.observe("k", 3000, 5400, whole=True, kind="json", shaped=5200)
-    by_shape, by_bytes = cal.kind_bound("k", "json", 2000, shaped=True), cal.kind_bound("k", "json", 2000)
-    assert by_shape is not None and by_bytes is not None
-    shape_factor = cal.shape_factor("k")
-    assert shape_factor is not None and 1.0 <= by_shape <= 1.1 and by_shape * shape_factor >= 1.8 / 1.7 * 1.1 - 1e-9
-    assert cal.kind_bound("k", "json", 2000, floor=1.5, shaped=True) == 1.5 * KIND_SLACK / shape_factor
-    learned_by_bytes_only = Calibration()
-    for n in (1000, 2000, 3000):
-        learned_by_bytes_only.observe("k", n, n, whole=True, kind="json")
-    assert learned_by_bytes_only.kind_bound("k", "json", 2000, shaped=True) is None
-
-
 def test_what_was_learned_of_kinds_survives_a_restart():
     cal = Calibration()
     for n in (1000, 2000, 3000):
@@ -351,14 +332,6 @@ def test_what_was_learned_of_kinds_survives_a_restart():
     assert again.restore(json.loads(json.dumps(cal.state())))
     assert again.kind_bound("k", "prose", 2000) == cal.kind_bound("k", "prose", 2000) is not None
     assert again.restore({"ratios": {"k": [1.0]}}), "a file from before kinds were kept still restores"
-    by_shape = Calibration()
-    for n in (1000, 2000, 3000):
-        by_shape.observe("k", n, n, whole=True, kind="prose", shaped=n)
-    assert again.restore(json.loads(json.dumps(by_shape.state())))
-    assert again.kind_bound("k", "prose", 2000, shaped=True) == by_shape.kind_bound("k", "prose", 2000, shaped=True) is not None
-    older = {"ratios": {"k": [1.0]}, "kinds": [["k", "prose", [[1000, 1.0], [2000, 1.0], [3000, 1.0]]]]}
-    assert again.restore(older) and again.kind_bound("k", "prose", 2000) is not None, "samples saved before shape ratios were kept"
-    assert again.kind_bound("k", "prose", 2000, shaped=True) is None
 
 
 # -- the shape count -------------------------------------------------------------------------------

@@ -95,3 +95,23 @@ def test_the_request_as_it_came_goes_out_when_the_server_counts_it_within_what_t
 def test_every_reading_has_a_step() -> None:
     search = Search(BUDGET, BUDGET, None, continued=False)
     assert set(search._steps) == set(Reading)
+
+
+def test_a_refit_that_starts_from_last_turns_cuts_is_aimed_at_the_re_cut_target_though_the_first_fit_was_whole() -> None:
+    """Started loose by last turn's overcount, the whole request fitted uncut; counted over, it is
+    cut again from last turn's cuts, and that re-cut keeps the engine's headroom."""
+    loose = Budget(BUDGET.window, BUDGET.reserve, BUDGET.margin - 900, limit=0)
+    search = Search(BUDGET, loose, FIRST_CUT, continued=False)
+    assert search.counted(fit(2800, plan=Plan(), body=None), 2100, last=False) == Refit(BUDGET)
+    recut = fit(1950, plan=Plan(evicted=frozenset({"a", "b"}), continued=True))
+    assert search.read(recut, 1900) is Reading.CONFIRMED, "before it is counted, the target is the budget"
+    step = search.counted(recut, 1900, last=False)
+    assert search.target == recut_target(BUDGET.tokens) and isinstance(step, Refit), "over the re-cut target: cut tighter"
+
+
+def test_on_the_last_count_a_fit_past_the_confirmed_one_sends_the_confirmed_one() -> None:
+    search = Search(BUDGET, BUDGET, None, continued=False)
+    confirmed = fit(1957)
+    search.counted(confirmed, 1339, last=False)
+    step = search.counted(fit(2878), 2100, last=True)
+    assert isinstance(step, Send) and step.fitted is confirmed
