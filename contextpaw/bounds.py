@@ -56,7 +56,7 @@ def count_bounds(
     message than we allow. So the low bound leaves those out: what was surely sent is the
     rest. Only the server's count of the whole request is exact as a whole. Where a guard sized
     the fit, the high bound is the one it sized it with (`bound`: what calibration learned of this
-    kind of request, by bytes or by shape, or the estimate's whole width). Otherwise a count by
+    kind of request, or the estimate's whole width). Otherwise a count by
     shape has no bounds of its own: the byte estimate of what was sent (the `sample`) gives them."""
     low, high = EXACT_BOUNDS if report.exact else calibration.bounds(key)
     if sample is not None and not report.exact and report.final_tokens > 0:

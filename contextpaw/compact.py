@@ -264,6 +264,18 @@ class _ChatCompaction:
         self.kept += self.unit_size(unit)
         self.holes.remove(unit.indices)
 
+    def total_taken_back(self, unit: Unit) -> int:
+        """What `total` would be with an evicted unit taken back: weighed by the holes without
+        taking it back (the engine weighs many units that stay out), or, for a unit in more than
+        one run, by taking it back and evicting it again."""
+        markers = self.holes.taken_back(unit.indices)
+        if markers is not None:
+            return self.total() + self.unit_size(unit) + markers
+        self.readmit(unit)
+        total = self.total()
+        self.evict(unit)
+        return total
+
     def unit_size(self, unit: Unit) -> int:
         """What a unit adds to the kept messages as its messages stand (shrunk or whole)."""
         return sum(self.size(i) for i in unit.indices)
@@ -445,8 +457,8 @@ class _ChatCompaction:
                 self.evict(unit)
                 evicted.append(unit)
         for unit in evicted:
-            if size is None and (markers := self.holes.taken_back(unit.indices)) is not None:
-                if self.unit_size(unit) + markers <= 0:  # its marker costs more than it did
+            if size is None:
+                if self.total_taken_back(unit) <= self.total():  # its marker costs more than it did
                     self.readmit(unit)
                 continue
             before = measure()
@@ -457,13 +469,5 @@ class _ChatCompaction:
     def refill(self, limit: int) -> None:
         """Re-admit units evicted this turn that fit in the room left (up to `limit`), biggest first."""
         for unit in sorted(self.evicted - self.sticky, key=lambda u: (-self.unit_cost[u], u.indices)):
-            if self.fixed + self.kept + self.unit_cost[unit] > limit:
-                continue
-            markers = self.holes.taken_back(unit.indices)
-            if markers is not None:
-                if self.total() + self.unit_size(unit) + markers <= limit:
-                    self.readmit(unit)
-                continue
-            self.readmit(unit)
-            if self.total() > limit:
-                self.evict(unit)
+            if self.fixed + self.kept + self.unit_cost[unit] <= limit and self.total_taken_back(unit) <= limit:
+                self.readmit(unit)

@@ -150,12 +150,13 @@ class Sizer:
         if whole is None:
             return fitted if bound is None else dataclasses.replace(fitted, bound=bound)
         try:
-            fitted, overcount = await self._verified(parsed, fitted, budget, start, backend, big, fit, previous)
+            sent = await self._verified(parsed, fitted, budget, start, backend, big, fit, previous)
         except BudgetTooSmall as e:
             e.counter = "backend"
             raise
+        fitted = sent.fitted
         if fitted.body is not None and isinstance(parsed, wire.Chat):
-            self.overcounts.put(parsed.key, overcount)
+            self.overcounts.put(parsed.key, sent.overcount)
         # a refit under a tightened budget is told against the budget the client is told
         report = fitted.report
         report.counter, report.original_tokens, report.window, report.budget = "backend", whole, budget.window, budget.tokens
@@ -183,11 +184,12 @@ class Sizer:
         bound = self.calibration.bounds(key)[1]
         guarded, why = budget.within(bound), f"this kind of text is not learned yet: its count may be {bound:.2f} times low"
         if learned is not None:
-            by_kind = budget.within(learned) if reach >= sent else budget.within(learned).at_most(math.floor(reach * factor))
+            held = budget.within(learned)
+            by_kind = held if reach >= sent else held.at_most(math.floor(reach * factor))
             if by_kind.tokens > guarded.tokens or reach >= sent:
                 guarded, bound = by_kind, learned
                 why = f"its count of this kind of text may be {learned:.2f} times low"
-                if by_kind.tokens < budget.within(learned).tokens:
+                if by_kind.tokens < held.tokens:
                     why = f"samples of this kind reach requests of {reach} estimated tokens, and the cut is held to that size"
         return guarded, bound, why
 
@@ -201,17 +203,17 @@ class Sizer:
         big: bool,
         fit: Fit,
         previous: Plan | None,
-    ) -> tuple[Fitted, int]:
+    ) -> Send:
         """Check a compacted llama-server chat against the server's exact count, and cut it again
         as `verification.Search` says, until it sends a fit: over the budget, cut further; well
         under it, made fuller. At most `VERIFY_ROUNDS` counts, and a body is counted once (every
         budget from our count of a fit up to the next unit gives that same fit, so an aim often
         repeats one). A refit that cannot keep what must be kept under the tightened budget is
-        refused with numbers against the budget the client is told. Returns the fit, and how much
+        refused with numbers against the budget the client is told. Returns the fit, with how much
         looser than the budget our count of the conversation's next turn starts (`start` is this
         turn's).
         """
-        search = Search(budget, start, previous, continued=fitted.plan is not None and fitted.plan.continued)
+        search = Search(budget, start, previous)
         counted: dict[bytes | None, int] = {}
         """The server's count of each body it counted this request: a budget whose fit repeats one
         costs no call, so the counts go to fits not counted yet."""
@@ -223,28 +225,24 @@ class Sizer:
                 sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
                 total = await self.counters.exact_total(backend, parsed, sent, big)
                 if total is None:
-                    return _sent(search.best()) or _unconfirmed(fitted)
+                    return search.best() or _unconfirmed(fitted)
                 counted[fitted.body] = total
             step = search.counted(fitted, total, last=len(counted) == VERIFY_ROUNDS or fits == MAX_FITS - 1)
             if isinstance(step, Send):
-                return step.fitted, step.overcount
+                return step
             try:
                 fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, step.budget))
             except BudgetTooSmall as e:
                 if (kept := search.best()) is not None:
-                    return kept.fitted, kept.overcount
+                    return kept
                 raise e.rescaled(budget.tokens) from None
         if (kept := search.best()) is not None:
-            return kept.fitted, kept.overcount
+            return kept
         fitted.report.notes.append("the server's count could not be confirmed within the budget")
         return _unconfirmed(fitted)
 
 
-def _sent(step: Send | None) -> tuple[Fitted, int] | None:
-    return (step.fitted, step.overcount) if step is not None else None
-
-
-def _unconfirmed(fitted: Fitted) -> tuple[Fitted, int]:
+def _unconfirmed(fitted: Fitted) -> Send:
     """A fit sent on our count alone: the server's could not be had, or not within the budget."""
     fitted.report.exact = False
-    return fitted, 0
+    return Send(fitted, 0)

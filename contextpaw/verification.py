@@ -62,19 +62,18 @@ Step = Send | Refit
 class Search:
     """One request's search: fed each fit with the server's count of it, says the next step."""
 
-    def __init__(self, budget: Budget, start: Budget, previous: Plan | None, continued: bool) -> None:
+    def __init__(self, budget: Budget, start: Budget, previous: Plan | None) -> None:
         self.budget = budget
         """The budget the client is told, in the server's tokens."""
         self.previous = previous
         self.tightened = start
         """Our budget for the fit being counted."""
-        self.target = recut_target(budget.tokens) if continued else budget.tokens
+        self.target = budget.tokens
         """What the server's count of a fit is aimed at: the budget for a conversation's first cut;
-        once a fit began from last turn's cuts (`Plan.continued`: this one, or a refit after a
-        whole request was counted over), the budget less the engine's headroom, so that the next
-        turns append. Filling a re-cut to the budget made every
-        following turn cut again (an agent loop at -c 2048: 13 re-cuts in 21 turns, each ending at
-        93-97% of the budget)."""
+        once a fit counted began from last turn's cuts (`Plan.continued`: the first, or a refit
+        after a whole request was counted over), the budget less the engine's headroom, so that
+        the next turns append. Filling a re-cut to the budget made every following turn cut again
+        (an agent loop at -c 2048: 13 re-cuts in 21 turns, each ending at 93-97% of the budget)."""
         self.confirmed: Send | None = None
         """The fullest fit the server counted at or under the target."""
         self.under: tuple[int, int] | None = None
@@ -120,8 +119,8 @@ class Search:
     def counted(self, fitted: Fitted, total: int, last: bool) -> Step:
         """The step after the server counted `fitted` at `total` (`last`: no more counts to come).
         A fit within the budget carries the server's count from here on."""
-        if fitted.plan is not None and fitted.plan.continued:  # a refit may be the first to start from last turn's cuts
-            self.target = min(self.target, recut_target(self.budget.tokens))
+        if fitted.plan is not None and fitted.plan.continued:
+            self.target = recut_target(self.budget.tokens)
         ours = fitted.report.final_tokens
         reading = self.read(fitted, total)
         if self.within(fitted, total):

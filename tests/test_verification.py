@@ -18,7 +18,7 @@ def fit(ours: int, plan: Plan = FIRST_CUT, body: bytes | None = b"{}") -> Fitted
 
 
 def test_a_fit_the_server_counts_over_the_budget_is_cut_tighter_by_what_our_count_missed() -> None:
-    search = Search(BUDGET, BUDGET, None, continued=False)
+    search = Search(BUDGET, BUDGET, None)
     first = fit(1950)
     assert search.read(first, 2010) is Reading.OVER
     step = search.counted(first, 2010, last=False)
@@ -27,7 +27,7 @@ def test_a_fit_the_server_counts_over_the_budget_is_cut_tighter_by_what_our_coun
 
 
 def test_a_cut_confirmed_well_under_the_target_is_made_fuller_at_the_rate_the_server_counted_it() -> None:
-    search = Search(BUDGET, BUDGET, None, continued=False)
+    search = Search(BUDGET, BUDGET, None)
     under = fit(1957)
     step = search.counted(under, 1339, last=False)
     assert isinstance(step, Refit) and step.budget.tokens == 1983 * 1983 // 1339 and step.budget.limit == 0
@@ -36,7 +36,7 @@ def test_a_cut_confirmed_well_under_the_target_is_made_fuller_at_the_rate_the_se
 
 
 def test_once_a_fuller_fit_went_over_the_next_aim_lies_between_it_and_the_one_confirmed() -> None:
-    search = Search(BUDGET, BUDGET, None, continued=False)
+    search = Search(BUDGET, BUDGET, None)
     search.counted(fit(1957), 1339, last=False)
     fuller = search.counted(fit(2878), 1882, last=False)
     assert isinstance(fuller, Refit) and fuller.budget.tokens == 2936 * 1983 // 1882
@@ -47,7 +47,7 @@ def test_once_a_fuller_fit_went_over_the_next_aim_lies_between_it_and_the_one_co
 
 
 def test_with_no_whole_token_between_a_fit_under_and_one_over_the_fullest_confirmed_goes_out() -> None:
-    search = Search(BUDGET, BUDGET, None, continued=False)
+    search = Search(BUDGET, BUDGET, None)
     search.counted(fit(1900), 1800, last=False)
     confirmed = fit(2000)
     search.counted(confirmed, 1900, last=False)  # aimed at 2000 * 1983 // 1900 = 2087
@@ -57,7 +57,7 @@ def test_with_no_whole_token_between_a_fit_under_and_one_over_the_fullest_confir
 
 
 def test_a_turn_that_only_repeats_last_turns_cuts_goes_out_as_soon_as_it_is_within_the_budget() -> None:
-    search = Search(BUDGET, BUDGET, FIRST_CUT, continued=True)
+    search = Search(BUDGET, BUDGET, FIRST_CUT)
     repeat = fit(1700)
     assert search.read(repeat, 1200) is Reading.APPENDS
     step = search.counted(repeat, 1200, last=False)
@@ -65,11 +65,11 @@ def test_a_turn_that_only_repeats_last_turns_cuts_goes_out_as_soon_as_it_is_with
 
 
 def test_a_re_cut_past_its_headroom_is_cut_tighter_and_kept_in_case_none_nearer_comes() -> None:
-    search = Search(BUDGET, BUDGET, Plan(evicted=frozenset({"b"})), continued=True)
-    assert search.target == recut_target(BUDGET.tokens) < BUDGET.tokens
-    recut = fit(1950)
-    assert search.read(recut, 1900) is Reading.PAST_HEADROOM
+    search = Search(BUDGET, BUDGET, Plan(evicted=frozenset({"b"})))
+    recut = fit(1950, plan=Plan(evicted=frozenset({"a"}), continued=True))
     step = search.counted(recut, 1900, last=False)
+    assert search.target == recut_target(BUDGET.tokens) < BUDGET.tokens, "the fit began from last turn's cuts"
+    assert search.read(recut, 1900) is Reading.PAST_HEADROOM
     assert isinstance(step, Refit) and step.budget.tokens == 1983 * search.target // 1900
     assert search.best() is not None and search.best().fitted is recut
     assert search.counted(fit(1940), 1890, last=True).fitted.report.final_tokens == 1890, "on the last count the nearest goes"
@@ -77,7 +77,7 @@ def test_a_re_cut_past_its_headroom_is_cut_tighter_and_kept_in_case_none_nearer_
 
 def test_a_turn_started_loose_by_last_turns_overcount_that_goes_over_starts_again_from_the_budget() -> None:
     loose = Budget(BUDGET.window, BUDGET.reserve, BUDGET.margin - 900, limit=0)
-    search = Search(BUDGET, loose, None, continued=False)
+    search = Search(BUDGET, loose, None)
     over = fit(2800)
     assert search.read(over, 2100) is Reading.PAST_LOOSENED
     step = search.counted(over, 2100, last=False)
@@ -85,7 +85,7 @@ def test_a_turn_started_loose_by_last_turns_overcount_that_goes_over_starts_agai
 
 
 def test_the_request_as_it_came_goes_out_when_the_server_counts_it_within_what_the_budget_admits() -> None:
-    search = Search(BUDGET, BUDGET, None, continued=False)
+    search = Search(BUDGET, BUDGET, None)
     whole = fit(2100, plan=Plan(), body=None)
     step = search.counted(whole, BUDGET.admits, last=False)
     assert isinstance(step, Send) and step.overcount == 0
@@ -93,7 +93,7 @@ def test_the_request_as_it_came_goes_out_when_the_server_counts_it_within_what_t
 
 
 def test_every_reading_has_a_step() -> None:
-    search = Search(BUDGET, BUDGET, None, continued=False)
+    search = Search(BUDGET, BUDGET, None)
     assert set(search._steps) == set(Reading)
 
 
@@ -101,7 +101,7 @@ def test_a_refit_that_starts_from_last_turns_cuts_is_aimed_at_the_re_cut_target_
     """Started loose by last turn's overcount, the whole request fitted uncut; counted over, it is
     cut again from last turn's cuts, and that re-cut keeps the engine's headroom."""
     loose = Budget(BUDGET.window, BUDGET.reserve, BUDGET.margin - 900, limit=0)
-    search = Search(BUDGET, loose, FIRST_CUT, continued=False)
+    search = Search(BUDGET, loose, FIRST_CUT)
     assert search.counted(fit(2800, plan=Plan(), body=None), 2100, last=False) == Refit(BUDGET)
     recut = fit(1950, plan=Plan(evicted=frozenset({"a", "b"}), continued=True))
     assert search.read(recut, 1900) is Reading.CONFIRMED, "before it is counted, the target is the budget"
@@ -110,7 +110,7 @@ def test_a_refit_that_starts_from_last_turns_cuts_is_aimed_at_the_re_cut_target_
 
 
 def test_on_the_last_count_a_fit_past_the_confirmed_one_sends_the_confirmed_one() -> None:
-    search = Search(BUDGET, BUDGET, None, continued=False)
+    search = Search(BUDGET, BUDGET, None)
     confirmed = fit(1957)
     search.counted(confirmed, 1339, last=False)
     step = search.counted(fit(2878), 2100, last=True)
