@@ -116,6 +116,9 @@ class Backends:
         """The relay that carries model requests (`Upstream`'s); it answers while it listens."""
         self._found: weakref.WeakKeyDictionary[http.HTTPFlow, wire.Backend | None] = weakref.WeakKeyDictionary()
         self._probes = InFlight()
+        self._open: set[tuple[str, tuple[str, int]]] = set()
+        """(client connection, backend) for each direct connection mitmproxy holds open to a
+        backend: the client's next request goes out on it, so the backend is known to answer."""
 
     def load(self, loader: Any) -> None:
         declare(loader, BACKEND_OPTIONS)
@@ -147,6 +150,12 @@ class Backends:
 
     def server_connected(self, data: ServerConnectionHookData) -> None:
         self.ledger.connected(_address(data))
+        if data.server.address is not None and data.server.via is None:
+            self._open.add((data.client.id, endpoint(*data.server.address[:2])))
+
+    def server_disconnected(self, data: ServerConnectionHookData) -> None:
+        if data.server.address is not None:
+            self._open.discard((data.client.id, endpoint(*data.server.address[:2])))
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Find the flow's backend once (a probe, for a reverse-mode target not seen before)."""
@@ -172,7 +181,7 @@ class Backends:
             await self._refuse(flow, 400, reason, "bad_request")
         elif relayed:
             return  # the relay answers for a backend that does not answer
-        elif not flow.server_conn.connected and not await self.answers(flow.request.host, flow.request.port):
+        elif not self._held_open(flow) and not await self.answers(flow.request.host, flow.request.port):
             reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"
             await self._refuse(flow, 502, reason, "unreachable")
 
@@ -204,6 +213,12 @@ class Backends:
         route = kind and wire.route_for(kind, flow.request.method, flow.request.path)
         self.ledger.stats.add(count, where=self.ledger.stats.where(kind, route and route.name))
         logger.warning("%s %s: answered %d: %s", flow.request.method, flow.request.url, status, reason.removeprefix("ContextPaw: "))
+
+    def _held_open(self, flow: http.HTTPFlow) -> bool:
+        """Whether mitmproxy sends this flow on a backend connection that is open now (its own, or
+        one it keeps for the client's next request): then no probe is needed, and a backend that
+        fails from here on is answered as mitmproxy answers it."""
+        return flow.server_conn.connected or (flow.client_conn.id, _destination(flow)) in self._open
 
     def relayed(self, flow: http.HTTPFlow) -> bool:
         """Whether the relay carries this flow: a model request over plain HTTP to a backend of known

@@ -8,6 +8,7 @@ hook order, and what only the addons together do.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -18,9 +19,10 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import pytest
-from mitmproxy import exceptions, hooks, http
+from mitmproxy import connection, exceptions, hooks, http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import mode_specs
+from mitmproxy.proxy.server_hooks import ServerConnectedHook, ServerConnectionHookData, ServerDisconnectedHook
 from mitmproxy.proxy.layers.http import HttpRequestHeadersHook, HttpRequestHook, HttpResponseHeadersHook, HttpResponseHook
 from mitmproxy.test import taddons, tflow, tutils
 
@@ -388,6 +390,46 @@ async def test_an_unreachable_backend_gets_a_json_502_in_the_callers_convention(
     assert flow.response.status_code == 502
     assert json.loads(flow.response.content)["error"]["code"] == "backend_unreachable"
     assert backends.addon.ledger.stats.counts["unreachable"] == 1
+
+
+@contextlib.asynccontextmanager
+async def counting_listener() -> AsyncIterator[tuple[int, list[int]]]:
+    """A loopback port that accepts and closes connections, and the count of those it accepted."""
+    accepted: list[int] = []
+
+    def accept(reader: Any, writer: Any) -> None:
+        accepted.append(1)
+        writer.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], accepted
+    finally:
+        server.close()
+
+
+async def test_a_backend_connection_mitmproxy_holds_open_for_the_client_is_not_probed_again(backends: Alone[Backends]) -> None:
+    async with counting_listener() as (port, accepted):
+        backends.configure(contextpaw_llamacpp=[f"http://127.0.0.1:{port}"])
+        first = post("/v1/chat/completions", {"messages": []}, port=port)
+        first.server_conn.state = ConnectionState.CLOSED  # lazily opened: not yet connected at the request hook
+        await backends.send(first)
+        assert first.response is None and len(accepted) == 1, "a backend whose state is unknown is probed"
+        opened = connection.Server(address=("127.0.0.1", port))
+        await backends.run(ServerConnectedHook(ServerConnectionHookData(opened, first.client_conn)))
+        kept = post("/v1/chat/completions", {"messages": []}, port=port)
+        kept.client_conn, kept.server_conn.state = first.client_conn, ConnectionState.CLOSED
+        await backends.send(kept)
+        assert kept.response is None and len(accepted) == 1, "the client's next request goes out on the open connection"
+        other = post("/v1/chat/completions", {"messages": []}, port=port)
+        other.server_conn.state = ConnectionState.CLOSED
+        await backends.send(other)
+        assert len(accepted) == 2, "another client's request opens its own connection: probed"
+        await backends.run(ServerDisconnectedHook(ServerConnectionHookData(opened, first.client_conn)))
+    closed = post("/v1/chat/completions", {"messages": []}, port=port)
+    closed.client_conn, closed.server_conn.state = first.client_conn, ConnectionState.CLOSED
+    await backends.send(closed)
+    assert closed.response is not None and closed.response.status_code == 502, "once it is closed, a dead backend gets the JSON 502"
 
 
 async def test_regular_mode_handles_only_configured_destinations(backends: Alone[Backends]) -> None:
