@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 from contextpaw.conversation import Message
@@ -137,20 +138,63 @@ class TokenizerCounter(Counter):
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-# llama.cpp pre-tokenizer names whose splitting is GPT-2's byte-level regex, with or without
-# single-digit splitting first (llama-vocab.cpp groups them the same way).
-_GPT2_PRE = {"gpt2", "default", "olmo", "jais", "poro-chat"}
-_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LINES_AND_SPACES = r"\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
-def tokenizer_from_gguf(path: str) -> Any:
-    """Build a `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata (no hub download).
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How a byte-level BPE vocabulary splits text before its merges, as llama.cpp's
+    `llm_tokenizer_bpe` does for a `tokenizer.ggml.pre` name: each pattern splits the pieces the
+    last one left (what no pattern matches stays a piece of its own), and `ignore_merges` takes a
+    piece that is a whole token in the vocabulary as it is."""
 
-    Supports the byte-level BPE family (`tokenizer.ggml.model == "gpt2"`) with the pre-tokenizers
-    named above; other vocabularies raise `ValueError`, and the caller falls back to calibration.
-    """
+    patterns: tuple[str, ...]
+    ignore_merges: bool = False
+
+
+_GPT2 = PreTokenizer((_GPT2_SPLIT,))
+_DIGITS_FIRST = PreTokenizer((r"\p{N}", _GPT2_SPLIT))
+_LLAMA3 = PreTokenizer(
+    (rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|{_LINES_AND_SPACES}",), ignore_merges=True
+)
+_QWEN2 = PreTokenizer((rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|{_LINES_AND_SPACES}",))
+_QWEN35 = PreTokenizer(
+    (rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]+|\p{{N}}| ?[^\s\p{{L}}\p{{M}}\p{{N}}]+[\r\n]*|{_LINES_AND_SPACES}",)
+)
+_DEEPSEEK_CODER = PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"))
+_FALCON = PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, "[0-9][0-9][0-9]"))
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling"), _GPT2),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), _DIGITS_FIRST),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2),
+    "qwen35": _QWEN35,
+    "deepseek-coder": _DEEPSEEK_CODER,
+    "falcon": _FALCON,
+}
+"""The `tokenizer.ggml.pre` names rebuilt here, by llama.cpp's grouping of them (llama-vocab.cpp at
+the pinned llama.cpp). Each group is checked against llama.cpp's own test vectors for one of its
+vocabularies (`tests/test_gguf_vocabularies.py`); a name not listed falls back to calibration
+rather than count with a splitting that is not the model's."""
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What a GGUF file says of its tokenizer (`tokenizer.ggml.*`)."""
+
+    model: str | None
+    pre: str
+    tokens: list[str]
+    merges: list[str]
+    types: list[int]
+
+
+def read_vocabulary(path: str) -> Vocabulary:
+    """The tokenizer metadata of a GGUF file (seconds for a big vocabulary: `gguf` reads every field)."""
     from gguf import GGUFReader
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     fields = GGUFReader(path).fields
 
@@ -158,21 +202,41 @@ def tokenizer_from_gguf(path: str) -> Any:
         field = fields.get(key)
         return None if field is None else field.contents()
 
-    kind, pre = value("tokenizer.ggml.model"), value("tokenizer.ggml.pre") or "default"
-    if kind != "gpt2" or pre not in _GPT2_PRE | _DIGIT_SPLIT_PRE:
-        raise ValueError(f"cannot rebuild a {kind}/{pre} tokenizer from GGUF; use a tokenizer.json")
-    tokens = value("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges")]
-    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if pre in _DIGIT_SPLIT_PRE
-        else byte_level
+    return Vocabulary(value("tokenizer.ggml.model"), value("tokenizer.ggml.pre") or "default", value("tokenizer.ggml.tokens") or [],
+                      value("tokenizer.ggml.merges") or [], value("tokenizer.ggml.token_type") or [])  # fmt: skip
+
+
+def tokenizer_from_gguf(path: str) -> Any:
+    """Build a `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata (no hub download)."""
+    return tokenizer_of(read_vocabulary(path))
+
+
+def tokenizer_of(vocabulary: Vocabulary) -> Any:
+    """A `tokenizers.Tokenizer` for a byte-level BPE vocabulary (`model == "gpt2"`) with a
+    pre-tokenizer in `PRE_TOKENIZERS` (Qwen 2 and 3, Llama 3, DeepSeek Coder, StarCoder, SmolLM,
+    GPT-2 and their kin); other vocabularies raise `ValueError`, and the caller falls back to
+    calibration."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    split = PRE_TOKENIZERS.get(vocabulary.pre) if vocabulary.model == "gpt2" else None
+    if split is None:
+        raise ValueError(f"cannot rebuild a {vocabulary.model}/{vocabulary.pre} tokenizer from GGUF; use a tokenizer.json")
+    tokens = vocabulary.tokens
+    merges = [tuple(m.split(" ", 1)) for m in vocabulary.merges]
+    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, ignore_merges=split.ignore_merges)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in split.patterns]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    types = value("tokenizer.ggml.token_type") or []
-    tokenizer.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
-    )
+    types = vocabulary.types
+    # control tokens, and user-defined ones (MPT's runs of spaces, Qwen's <tool_call>), which llama.cpp
+    # takes whole wherever they stand in a text
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == CONTROL])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == USER_DEFINED])
     return tokenizer
+
+
+CONTROL, USER_DEFINED = 3, 4
+"""GGUF's `tokenizer.ggml.token_type` values for the tokens that are matched before the merges."""

@@ -704,7 +704,8 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                          "met" if unnoted == 0 else f"not met: {unnoted} unnoted"))
     use = result.get("window_use_through", {}).get("summary") or {}
     for path, label in (("llama-server", "llama-server's counts"), ("ollama /api/chat", "calibrated shape count, Ollama /api/chat"),
-                        ("ollama /v1", "calibrated estimate, Ollama /v1 (no truncate: false)")):
+                        ("ollama /v1", "calibrated estimate, Ollama /v1 (no truncate: false)"),
+                        ("ollama /v1, model file read", "the model's tokenizer from the GGUF Ollama names, Ollama /v1")):
         if (u := use.get(path)) and u["measured"]:
             rows.append((f"real-token window use, {label} (the server's count of what was sent / budget)", "-",
                          f"{u['min']:.1%} to {u['max']:.1%}, mean {u['mean']:.1%} over {u['measured']} chats",

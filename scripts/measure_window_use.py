@@ -24,12 +24,16 @@ and its bound per content kind, the rescue of a 400. Per window, one llama-serve
   the window). Real tokens are the answer's `prompt_eval_count` (`usage.prompt_tokens` on /v1): the
   server's `cache_n + prompt_n`. A prompt the simulator cut (its /_fake/last) fails the row.
   Goal: at least 92% of the budget, never over 100%.
+- path "ollama /v1, model file read": the same on /v1, with /api/show naming SmolLM2's GGUF file, so
+  ContextPaw counts with the tokenizer it rebuilds from that file (the case of a local Ollama whose
+  model's vocabulary it knows: Qwen 2 and 3, Llama 3, DeepSeek Coder, StarCoder and their kin).
+  No warm-ups (nothing is calibrated). Goal: at least 92% of the budget, never over 100%.
 
 Each measured chat is a conversation of its own (a tag in its first user message): ContextPaw fits a
 conversation it saw before as its next turn, cutting deeper for headroom, which is not the first
 overflow measured here. "ContextPaw's count" is the report's `final_tokens`: llama-server's count on
-the first path, the calibrated estimate on the others (by shape on /api/chat, where `truncate: false`
-makes an overshoot a rescued 400; by bytes on /v1).
+the first path, the calibrated estimate on the next two (by shape on /api/chat, where `truncate: false`
+makes an overshoot a rescued 400; by bytes on /v1), the tokenizer's on the last.
 
 The budget is the one the window gives (window - answer reserve - margin, contextpaw/windows.py), which
 is the report's `contextpaw.budget` (X-ContextPaw-Budget) on a plain fit, checked per row. Where the fit
@@ -87,10 +91,12 @@ MODEL = "smollm2:135m"
 LLAMACPP = "llama-server"
 OLLAMA_CHAT = "ollama /api/chat"
 OLLAMA_V1 = "ollama /v1"
-PATHS = (LLAMACPP, OLLAMA_CHAT, OLLAMA_V1)
-GOALS = {LLAMACPP: 0.97, OLLAMA_CHAT: 0.92, OLLAMA_V1: 0.92}
+OLLAMA_V1_GGUF = "ollama /v1, model file read"
+PATHS = (LLAMACPP, OLLAMA_CHAT, OLLAMA_V1, OLLAMA_V1_GGUF)
+GOALS = {LLAMACPP: 0.97, OLLAMA_CHAT: 0.92, OLLAMA_V1: 0.92, OLLAMA_V1_GGUF: 0.92}
 """The least use of the budget each path should reach; none may go over 1.0."""
-COUNTER_KIND = {LLAMACPP: "llama-server's counts", OLLAMA_CHAT: "calibrated shape count", OLLAMA_V1: "calibrated estimate"}
+COUNTER_KIND = {LLAMACPP: "llama-server's counts", OLLAMA_CHAT: "calibrated shape count", OLLAMA_V1: "calibrated estimate",
+                OLLAMA_V1_GGUF: "the model's tokenizer, from the GGUF file Ollama names"}
 GUARD_NOTE = re.compile(r"budget (\d+) of (\d+)")
 HELD_BY = re.compile(r"cannot ask Ollama to refuse instead of cutting \((.+)\)$")
 """What held a guarded fit under its budget, as the report's note says."""
@@ -343,6 +349,17 @@ def measure_window(binary: Path, model: Path, window: int, args: argparse.Namesp
             chat = session(messages, f"{path} {name}")
             return chat, whole_count(client, server.url, chat)
 
+        def simulated(path: str, sim: str, front: str, name: str, shape: str, untagged: list[dict]) -> None:
+            """One chat through ContextPaw to the simulator; the row says whether the simulator cut it."""
+            messages, tokens = tagged(path, name, untagged)
+            say(f"window {window}: {path}, a {tokens}-token {shape} chat")
+            try:
+                sent = send(client, path, front, messages, window)
+                cut = client.get(sim + "/_fake/last").json()
+                rows.append(row(path, window, shape, tokens, sent, cut, calibration_factor(client, front)))
+            except (Failed, httpx.HTTPError) as e:
+                rows.append(failed_row(path, window, shape, tokens, str(e)))
+
         if LLAMACPP in args.paths:
             with proxy(server.url, "llamacpp", work, f"llamacpp-{window}") as front:
                 for name, shape, untagged in chats:
@@ -370,14 +387,12 @@ def measure_window(binary: Path, model: Path, window: int, args: argparse.Namesp
                 out["factor_after_warmups"] = calibration_factor(client, front.url)
                 for name, shape, untagged in chats:
                     for path in ollama_paths:
-                        messages, tokens = tagged(path, name, untagged)
-                        say(f"window {window}: {path}, a {tokens}-token {shape} chat")
-                        try:
-                            sent = send(client, path, front.url, messages, window)
-                            cut = client.get(sim + "/_fake/last").json()
-                            rows.append(row(path, window, shape, tokens, sent, cut, calibration_factor(client, front.url)))
-                        except (Failed, httpx.HTTPError) as e:
-                            rows.append(failed_row(path, window, shape, tokens, str(e)))
+                        simulated(path, sim, front.url, name, shape, untagged)
+        if OLLAMA_V1_GGUF in args.paths:  # /api/show names SmolLM2's GGUF: ContextPaw counts with its tokenizer
+            app = ollama_app(OllamaSettings(model=MODEL, num_ctx=window), LlamaServerEngine(server.url))
+            with running(app, timeout=60) as sim, proxy(sim, "ollama", work, f"ollama-gguf-{window}") as front:
+                for name, shape, untagged in chats:
+                    simulated(OLLAMA_V1_GGUF, sim, front.url, name, shape, untagged)
     return out
 
 

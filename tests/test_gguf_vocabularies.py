@@ -1,0 +1,69 @@
+"""The tokenizers ContextPaw rebuilds from a GGUF file give the model's own token ids.
+
+Ollama names the model's GGUF file, and a tokenizer rebuilt from it counts exactly where the byte
+estimate would price every text at the densest text's rate. llama.cpp's source ships vocabulary-only
+GGUF files with test inputs and the ids its reference tokenizer makes of them
+(`scripts/get_vocabularies.py` takes them out of the pinned source once); each pre-tokenizer group
+ContextPaw knows is checked against one of them, input for input.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGUFWriter
+
+from contextpaw.tokens import PRE_TOKENIZERS, TokenizerCounter, read_vocabulary, tokenizer_from_gguf, tokenizer_of
+
+REPO = Path(__file__).resolve().parent.parent
+VOCABULARIES = {"gpt-2": "gpt-2", "mpt": "mpt", "starcoder": "starcoder", "refact": "refact", "llama-bpe": "llama-bpe",
+                "qwen2": "qwen2", "qwen35": "qwen35", "deepseek-coder": "deepseek-coder", "falcon": "falcon"}
+"""Each vocabulary file checked, and the `tokenizer.ggml.pre` it names (asserted from the file)."""
+SEPARATOR = "\n__ggml_vocab_test__\n"
+
+
+@pytest.fixture(scope="module")
+def vocabularies() -> Path:
+    got = subprocess.run([sys.executable, str(REPO / "scripts" / "get_vocabularies.py")], capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.fail(f"scripts/get_vocabularies.py exited {got.returncode}: {got.stderr.strip()[-800:]}")
+    return Path(got.stdout.strip())
+
+
+@pytest.mark.parametrize("vocabulary", VOCABULARIES)
+def test_a_tokenizer_rebuilt_from_gguf_gives_llama_cpps_own_token_ids(vocabularies: Path, vocabulary: str) -> None:
+    read = read_vocabulary(str(vocabularies / f"ggml-vocab-{vocabulary}.gguf"))
+    assert read.pre == VOCABULARIES[vocabulary]
+    tokenizer = tokenizer_of(read)
+    inputs = (vocabularies / f"ggml-vocab-{vocabulary}.gguf.inp").read_text(encoding="utf-8").split(SEPARATOR)
+    expected = (vocabularies / f"ggml-vocab-{vocabulary}.gguf.out").read_text(encoding="utf-8").split("\n")
+    assert len(inputs) == len(expected) > 40
+    wrong = [(text, ids) for text, ids in zip(inputs, expected, strict=True)
+             if tokenizer.encode(text, add_special_tokens=False).ids != [int(i) for i in ids.split()]]  # fmt: skip
+    assert not wrong, f"{len(wrong)} of {len(inputs)} inputs tokenized otherwise than llama.cpp, first {wrong[0][0]!r}"
+    assert TokenizerCounter(tokenizer).text(inputs[-1]) == len(expected[-1].split())
+
+
+def test_every_pre_tokenizer_group_is_checked_against_llama_cpps_ids() -> None:
+    checked = {id(PRE_TOKENIZERS[pre]) for pre in VOCABULARIES.values()}
+    assert checked == {id(group) for group in PRE_TOKENIZERS.values()}
+
+
+@pytest.mark.parametrize("pre", ["default", "tekken", "gpt-4o", "poro-chat"])
+def test_a_vocabulary_whose_splitting_is_not_known_here_is_refused_not_guessed(tmp_path: Path, pre: str) -> None:
+    path = tmp_path / "vocab.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.add_token_types([1, 1, 1])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"gpt2/{pre}"):
+        tokenizer_from_gguf(str(path))
