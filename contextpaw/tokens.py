@@ -190,6 +190,9 @@ class Vocabulary:
     tokens: list[str]
     merges: list[str]
     types: list[int]
+    scores: list[float]
+    unknown: int | None = None
+    add_space_prefix: bool = True
 
 
 def read_vocabulary(path: str) -> Vocabulary:
@@ -198,12 +201,12 @@ def read_vocabulary(path: str) -> Vocabulary:
 
     fields = GGUFReader(path).fields
 
-    def value(key: str) -> Any:
-        field = fields.get(key)
-        return None if field is None else field.contents()
+    def value(key: str, default: Any = None) -> Any:
+        field = fields.get(f"tokenizer.ggml.{key}")
+        return default if field is None else field.contents()
 
-    return Vocabulary(value("tokenizer.ggml.model"), value("tokenizer.ggml.pre") or "default", value("tokenizer.ggml.tokens") or [],
-                      value("tokenizer.ggml.merges") or [], value("tokenizer.ggml.token_type") or [])  # fmt: skip
+    return Vocabulary(value("model"), value("pre") or "default", value("tokens", []), value("merges", []), value("token_type", []),
+                      value("scores", []), value("unknown_token_id"), bool(value("add_space_prefix", True)))  # fmt: skip
 
 
 def tokenizer_from_gguf(path: str) -> Any:
@@ -212,29 +215,67 @@ def tokenizer_from_gguf(path: str) -> Any:
 
 
 def tokenizer_of(vocabulary: Vocabulary) -> Any:
-    """A `tokenizers.Tokenizer` for a byte-level BPE vocabulary (`model == "gpt2"`) with a
-    pre-tokenizer in `PRE_TOKENIZERS` (Qwen 2 and 3, Llama 3, DeepSeek Coder, StarCoder, SmolLM,
-    GPT-2 and their kin); other vocabularies raise `ValueError`, and the caller falls back to
-    calibration."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A `tokenizers.Tokenizer` that splits text as llama.cpp does for this vocabulary: a byte-level
+    BPE one (`model == "gpt2"`) with a pre-tokenizer in `PRE_TOKENIZERS` (Qwen 2 and 3, Llama 3,
+    DeepSeek Coder, StarCoder, SmolLM, GPT-2 and their kin), or a SentencePiece one (`"llama"`:
+    Llama 2, Mistral 7B, Phi-3 and their kin). Other vocabularies raise `ValueError`, and the caller
+    falls back to calibration."""
+    from tokenizers import AddedToken
 
-    split = PRE_TOKENIZERS.get(vocabulary.pre) if vocabulary.model == "gpt2" else None
-    if split is None:
+    if vocabulary.model == "gpt2":
+        tokenizer = _byte_level(vocabulary)
+    elif vocabulary.model == "llama":
+        tokenizer = _sentencepiece(vocabulary)
+    else:
+        tokenizer = None
+    if tokenizer is None:
         raise ValueError(f"cannot rebuild a {vocabulary.model}/{vocabulary.pre} tokenizer from GGUF; use a tokenizer.json")
-    tokens = vocabulary.tokens
+    tokens, types = vocabulary.tokens, vocabulary.types
+    # control tokens, and user-defined ones (MPT's runs of spaces, Qwen's <tool_call>), which llama.cpp
+    # takes whole wherever they stand in a text
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == CONTROL])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == USER_DEFINED])
+    return tokenizer
+
+
+def _byte_level(vocabulary: Vocabulary) -> Any:
+    """Byte-level BPE: the pre-tokenizer's patterns split the text, its bytes map to printable
+    characters, and the vocabulary's merges join them."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    split = PRE_TOKENIZERS.get(vocabulary.pre)
+    if split is None:
+        return None
     merges = [tuple(m.split(" ", 1)) for m in vocabulary.merges]
-    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, ignore_merges=split.ignore_merges)
-    tokenizer = Tokenizer(bpe)
+    ids = {t: i for i, t in enumerate(vocabulary.tokens)}
+    tokenizer = Tokenizer(models.BPE(ids, merges, fuse_unk=False, ignore_merges=split.ignore_merges))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in split.patterns]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    types = vocabulary.types
-    # control tokens, and user-defined ones (MPT's runs of spaces, Qwen's <tool_call>), which llama.cpp
-    # takes whole wherever they stand in a text
-    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == CONTROL])
-    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == USER_DEFINED])
+    return tokenizer
+
+
+def _sentencepiece(vocabulary: Vocabulary) -> Any:
+    """SentencePiece BPE as llama.cpp runs it: spaces become "▁" (and one leads the text unless
+    `add_space_prefix` is off), adjacent pieces join while the joined piece is in the vocabulary,
+    the highest scored first, and a character outside it falls back to its UTF-8 bytes (`<0xNN>`).
+    A BPE whose merges rank each split of a piece by that piece's score does the same."""
+    from tokenizers import Tokenizer, models, normalizers
+
+    tokens, scores = vocabulary.tokens, vocabulary.scores
+    ids = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str, float]] = []
+    for piece, i in ids.items():
+        splits = [(piece[:k], piece[k:], scores[i]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+        merges += sorted(splits, key=lambda m: (ids[m[0]], ids[m[1]]))
+    merges.sort(key=lambda m: m[2], reverse=True)  # stable: a piece's splits stay in the order above
+    unknown = tokens[vocabulary.unknown] if vocabulary.unknown is not None else None
+    model = models.BPE(ids, [(left, right) for left, right, _ in merges], unk_token=unknown, fuse_unk=True, byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    spaces = [normalizers.Replace(" ", "\u2581")]
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), *spaces] if vocabulary.add_space_prefix else spaces)
     return tokenizer
 
 
