@@ -60,3 +60,16 @@ def test_only_without_reuse_is_refused() -> None:
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--only", "scaling"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
     assert done.returncode == 2 and "--only needs --reuse" in done.stderr
+
+
+def test_the_interleaved_ab_bench_measures_each_path_against_the_first() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_ab.py"), "bare=bare", f"paw={REPO}", f"plain={REPO},contextpaw_relay=false",
+         "--rounds", "2", "--requests", "3"],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()}
+    assert rows.keys() == {"bare", "paw", "plain"}
+    assert "throughput 1.00x" in rows["bare"] and "CPU 1.00x of bare" in rows["bare"]
+    assert all("ms a request" in row for row in rows.values())
