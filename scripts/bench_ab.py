@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     first = names[0]
     for name in names:
         mean, per_request = statistics.fmean(latency[name]), cpu[name] / len(latency[name])
+        share = f"{cpu[name] / cpu[first]:.2f}x" if cpu[first] > 0 else "- (too short a run for the CPU clock's ticks)"
         print(f"{name:24s} mean {mean * 1000:.3f} ms  p50 {statistics.median(latency[name]) * 1000:.3f} ms  "
               f"CPU {per_request * 1000:.3f} ms a request  throughput {statistics.fmean(latency[first]) / mean:.2f}x  "
-              f"CPU {cpu[name] / cpu[first]:.2f}x of {first}")  # fmt: skip
+              f"CPU {share} of {first}")  # fmt: skip
     return 0
 
 
