@@ -8,16 +8,19 @@ calibrated by what the backend reported before. What needs the network goes thro
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from contextpaw import wire
+from contextpaw import logs, wire
 from contextpaw.calibration import CalibratedCounter, Calibration, calibration_key
 from contextpaw.offload import off_loop
 from contextpaw.settings import FitSettings
 from contextpaw.tokens import Counter, EstimateCounter, ShapeCounter
 from contextpaw.windows import BackendWindows
+
+logger = logs.get(__name__)
 
 if TYPE_CHECKING:
     from contextpaw.fitter import Services
@@ -41,6 +44,9 @@ class CounterChoice:
         self.estimate = estimate
         self.shape = shape
         self.settings = settings
+        self._warmed: set[tuple[str, str]] = set()
+        """(backend, model) whose tokenizer was sent for ahead of need."""
+        self._warming: set[asyncio.Task[None]] = set()
 
     def calibrated(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, shaped: bool = False) -> Counter:
         """The estimate scaled by what the backend reported before: the byte estimate's, or where
@@ -68,6 +74,7 @@ class CounterChoice:
         model = parsed.params.model
         calibrated = self.calibrated(backend, parsed, shaped)
         if small:
+            self._warm(backend, model)
             return calibrated, 0
         if self.settings.tokenizer:
             named = await self.services.tokenizer(self.settings.tokenizer)
@@ -85,6 +92,26 @@ class CounterChoice:
             if local is not None:
                 return local, 0
         return calibrated, 0
+
+    def _warm(self, backend: wire.Backend, model: str) -> None:
+        """Start loading the tokenizer a bigger request of this model will count with (a GGUF
+        vocabulary takes seconds to read, and the request that needs it would wait for it): once
+        per model, in the background, best effort."""
+        key = (backend.url, model)
+        if key in self._warmed or (backend.kind == wire.Kind.LLAMACPP and not self.settings.tokenizer):
+            return  # llama-server counts with its own
+        self._warmed.add(key)
+        task = asyncio.ensure_future(self._load(backend, model))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _load(self, backend: wire.Backend, model: str) -> None:
+        try:
+            path = self.settings.tokenizer or await self._model_file(backend, model)
+            if path:
+                await self.services.tokenizer(path)
+        except Exception:  # the request that needs it loads it again, and says why it cannot
+            logger.exception("loading the tokenizer of %s ahead of need failed", model)
 
     async def _model_file(self, backend: wire.Backend, model: str) -> str | None:
         """The model's GGUF blob, when Ollama's Modelfile names one (the services say whether this

@@ -4,6 +4,7 @@ session, and the `Services` the fitter asks them through."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from typing import Any
 
@@ -11,6 +12,7 @@ import aiohttp
 
 from contextpaw import logs
 from contextpaw.counting import LlamaCppCounting
+from contextpaw.state import InFlight
 from contextpaw.summarize import ChatCompletions, Complete
 from contextpaw.tokens import Counter, TokenizerCounter
 
@@ -63,6 +65,7 @@ class HttpServices:
         self.fetch = session.fetch
         self.tokenizers: dict[str, Counter | None] = {}
         """Tokenizer file path -> its counter (None: the file could not be used)."""
+        self._loads = InFlight()
         self._counting: LlamaCppCounting | None = None
 
     @property
@@ -72,17 +75,21 @@ class HttpServices:
         return self._counting
 
     async def tokenizer(self, path: str) -> Counter | None:
-        """Load a tokenizer once, in a worker thread (a GGUF vocabulary takes seconds to read); a
-        file this machine cannot read (Ollama's blob on another host) means: count another way."""
+        """Load a tokenizer once, in a worker thread (a GGUF vocabulary takes seconds to read), one
+        load shared by whoever asks meanwhile; a file this machine cannot read (Ollama's blob on
+        another host) means: count another way."""
         if path not in self.tokenizers:
             if not os.path.isfile(path):
                 return None
-            try:
-                self.tokenizers[path] = await asyncio.to_thread(TokenizerCounter.from_file, path)
-            except Exception as e:  # any unreadable or unsupported file means: count another way
-                logger.warning("cannot count with %s (%s); using another counter", path, e)
-                self.tokenizers[path] = None
-        return self.tokenizers[path]
+            await self._loads.shared(path, functools.partial(self._load, path))
+        return self.tokenizers.get(path)
+
+    async def _load(self, path: str) -> None:
+        try:
+            self.tokenizers[path] = await asyncio.to_thread(TokenizerCounter.from_file, path)
+        except Exception as e:  # any unreadable or unsupported file means: count another way
+            logger.warning("cannot count with %s (%s); using another counter", path, e)
+            self.tokenizers[path] = None
 
     def completions(self, url: str, model: str, timeout: float, authorization: str | None) -> Complete:
         headers = {"Authorization": authorization} if authorization else None

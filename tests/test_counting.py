@@ -388,3 +388,27 @@ def test_the_shape_factor_is_learned_beside_the_byte_estimates_from_the_same_sam
     assert again.restore(json.loads(json.dumps(cal.state())))
     assert again.shape_factor("k") == cal.shape_factor("k")
     assert cal.to_json()["shape_factors"] == {"k": round(cal.shape_factor("k"), 4)}
+
+
+async def test_requests_that_ask_for_one_tokenizer_meanwhile_share_one_load(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF vocabulary takes seconds to read: the load sent for ahead of need and the request that
+    needs it meanwhile wait for the same one."""
+    import asyncio
+    import time
+
+    from contextpaw.session import HttpServices, Session
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    loads: list[str] = []
+
+    def load(path: str) -> EstimateCounter:
+        loads.append(path)
+        time.sleep(0.05)
+        return EstimateCounter()
+
+    monkeypatch.setattr(TokenizerCounter, "from_file", staticmethod(load))
+    services = HttpServices(Session())
+    first, second = await asyncio.gather(services.tokenizer(str(model)), services.tokenizer(str(model)))
+    assert loads == [str(model)] and first is second is not None
+    assert await services.tokenizer(str(model)) is first and len(loads) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
@@ -356,6 +357,40 @@ def test_remembered_plans_are_bounded_by_the_bytes_they_hold() -> None:
         f.plans.put(f"conversation-{n}", huge)
     assert f.plans.bytes <= PLAN_BYTES and 1 <= len(f.plans) < 200
     assert "conversation-199" in f.plans, "the newest plan is kept"
+
+
+class NamingServices(FakeServices):
+    """An Ollama whose /api/show names the model's GGUF file; the tokenizer loads are recorded."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__()
+        self.model_file = model_file
+        self.loaded: list[str] = []
+
+    async def fetch(self, method: str, url: str, body: dict[str, Any] | None) -> Any:
+        self.fetched.append((method, url))
+        return {"modelfile": f"FROM {self.model_file}\n", "parameters": ""} if url.endswith("/api/show") else None
+
+    async def tokenizer(self, path: str) -> Counter | None:
+        self.loaded.append(path)
+        return None
+
+
+async def test_a_small_request_starts_loading_the_tokenizer_its_model_will_count_with() -> None:
+    """A GGUF vocabulary takes seconds to read: the first request big enough to need it must not
+    wait for it. A small one is counted with the estimate, and sends for the tokenizer meanwhile."""
+    services = NamingServices("/root/.ollama/models/blobs/sha256-0a1b")
+    f = Fitter(services, Stats(store := EvictedStore(max_items=100, max_bytes=1 << 20, max_age_s=60)), store, FitSettings())
+    small = state(chat(turns=3, num_ctx=8192))
+    await f.fit(small)
+    assert small.report is not None and not small.report.compacted and small.report.counter == "calibrated", "counted with the estimate"
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert services.loaded == ["/root/.ollama/models/blobs/sha256-0a1b"]
+    await f.fit(state(chat(turns=3, num_ctx=8192)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(services.loaded) == 1, "sent for once per model"
 
 
 async def test_a_small_request_is_proved_to_fit_by_its_size_without_being_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
