@@ -8,15 +8,15 @@ calibrated by what the backend reported before. What needs the network goes thro
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from contextpaw import logs, wire
-from contextpaw.calibration import CalibratedCounter, Calibration, calibration_key
+from contextpaw.calibration import MAX_KEYS, CalibratedCounter, Calibration, calibration_key
 from contextpaw.offload import off_loop
 from contextpaw.settings import FitSettings
+from contextpaw.state import LRU, InFlight
 from contextpaw.tokens import Counter, EstimateCounter, ShapeCounter
 from contextpaw.windows import BackendWindows
 
@@ -44,9 +44,10 @@ class CounterChoice:
         self.estimate = estimate
         self.shape = shape
         self.settings = settings
-        self._warmed: set[tuple[str, str]] = set()
-        """(backend, model) whose tokenizer was sent for ahead of need."""
-        self._warming: set[asyncio.Task[None]] = set()
+        self._warmed = LRU(MAX_KEYS)
+        """(backend, model) whose tokenizer was sent for ahead of need (bounded: the client names
+        the model)."""
+        self._warming = InFlight()
 
     def calibrated(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, shaped: bool = False) -> Counter:
         """The estimate scaled by what the backend reported before: the byte estimate's, or where
@@ -100,10 +101,8 @@ class CounterChoice:
         key = (backend.url, model)
         if key in self._warmed or (backend.kind == wire.Kind.LLAMACPP and not self.settings.tokenizer):
             return  # llama-server counts with its own
-        self._warmed.add(key)
-        task = asyncio.ensure_future(self._load(backend, model))
-        self._warming.add(task)
-        task.add_done_callback(self._warming.discard)
+        self._warmed.put(key, True)
+        self._warming.task(key, functools.partial(self._load, backend, model))
 
     async def _load(self, backend: wire.Backend, model: str) -> None:
         try:

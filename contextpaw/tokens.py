@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,12 +223,8 @@ def tokenizer_of(vocabulary: Vocabulary) -> Any:
     falls back to calibration."""
     from tokenizers import AddedToken
 
-    if vocabulary.model == "gpt2":
-        tokenizer = _byte_level(vocabulary)
-    elif vocabulary.model == "llama":
-        tokenizer = _sentencepiece(vocabulary)
-    else:
-        tokenizer = None
+    build = _BUILDERS.get(vocabulary.model or "")
+    tokenizer = build(vocabulary) if build is not None else None
     if tokenizer is None:
         raise ValueError(f"cannot rebuild a {vocabulary.model}/{vocabulary.pre} tokenizer from GGUF; use a tokenizer.json")
     tokens, types = vocabulary.tokens, vocabulary.types
@@ -278,6 +275,9 @@ def _sentencepiece(vocabulary: Vocabulary) -> Any:
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), *spaces] if vocabulary.add_space_prefix else spaces)
     return tokenizer
 
+
+_BUILDERS: dict[str, Callable[[Vocabulary], Any]] = {"gpt2": _byte_level, "llama": _sentencepiece}
+"""`tokenizer.ggml.model` -> how its tokenizer is rebuilt (None: not for this pre-tokenizer)."""
 
 CONTROL, USER_DEFINED = 3, 4
 """GGUF's `tokenizer.ggml.token_type` values for the tokens that are matched before the merges."""
