@@ -6,11 +6,13 @@ The seam between the engine (`compact`, which knows conversations and budgets) a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from contextpaw import wire
 from contextpaw.compact import Plan, compact_chat
+from contextpaw.markers import Marker
 from contextpaw.prompt import compact_prompt
 from contextpaw.report import Report
 from contextpaw.tokens import Counter
@@ -50,8 +52,13 @@ def fit_chat(
         digests=digests,
         admit=admit,
     )
-    body = None if result.messages is None else wire.write(chat.body, **{chat.field: result.messages})
+    body = None if result.messages is None else wire.write(chat.body, **{chat.field: _on_wire(chat, result.messages)})
     return Fitted(body, result.report, result.plan)
+
+
+def _on_wire(chat: wire.Chat, messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The messages as sent, each marker that stands alone written in the chat's API's shape."""
+    return [chat.marker(m["role"], m["content"]) if isinstance(m, Marker) else m for m in messages]
 
 
 def fit_prompt(prompt: wire.Prompt, budget: int, counter: Counter, *, fixed_tokens: int = 0, admit: int | None = None) -> Fitted:

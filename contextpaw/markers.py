@@ -5,13 +5,20 @@ and on two consecutive messages of the same role. A marker therefore never uses 
 becomes a message of its own whose role differs from both neighbours, and where no role can (a user
 message before the hole and an assistant message after it), it is folded into the start of the next
 message instead.
+
+A standalone marker is written by the engine as a `Marker`, `{"role", "content": text}`; where the
+engine meets the wire (`fitting`), each API writes it in its own shape (`wire.Chat.marker`: a typed
+Responses item, for one). A Responses item without a role (a call, reasoning) joins the assistant
+message before it, so a marker before one may speak as the assistant. A folded marker is a text part
+of the type the message's API and role take, after an Anthropic turn's thinking.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from contextpaw.conversation import Message
+from contextpaw.conversation import OUTPUT_ITEMS, REASONING, Message
 
 MARKER_PREFIX = "[ContextPaw:"
 
@@ -55,6 +62,62 @@ def marker_role(before: str | None, after: str | None) -> str | None:
     return None
 
 
+class Marker(dict[str, Any]):
+    """A marker that stands as a message of its own, as the engine writes it (`{"role", "content"}`).
+
+    Its own type so that the seam (`fitting`) finds it and writes it in the API's shape."""
+
+
+def standalone(role: str, note: str) -> Marker:
+    return Marker(role=role, content=note)
+
+
+def speaker_after(message: Message) -> str | None:
+    """The role a marker before `message` must differ from: its speaker, or None for a Responses item
+    without a role that joins the assistant message before it (a call, reasoning)."""
+    if "role" not in message.raw and message.role in ("assistant", REASONING):
+        return None
+    return message.speaker
+
+
+def can_fold(message: Message) -> bool:
+    """Whether a marker can go at the start of this message's text: not into a call item (no text),
+    nor into reasoning (templates drop it from the history, and the marker with it)."""
+    return message.foldable and message.role != REASONING
+
+
+TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+LEADING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+"""Anthropic blocks that open an assistant turn: a text part goes after them."""
+
+
 def fold(message: Message, note: str) -> Message:
-    """Put a marker at the start of a kept message's text."""
-    return message.with_content(f"{note}\n\n{message.content_text}" if message.content_text else note)
+    """Put a marker at the start of a kept message's text; a content list with no text to put it in
+    gets a text part of its API's type for the role, after the turn's thinking."""
+    raw = message.raw
+    field = "output" if raw.get("type") in OUTPUT_ITEMS else "content"
+    parts = raw.get(field)
+    if not isinstance(parts, list) or any(_holds_text(p) for p in parts):
+        return message.with_content(f"{note}\n\n{message.content_text}" if message.content_text else note)
+    at = 0
+    while at < len(parts) and isinstance(parts[at], Mapping) and parts[at].get("type") in LEADING_BLOCKS:
+        at += 1
+    part = {"type": text_part(message.speaker) if _responses(raw, parts) else "text", "text": note}
+    return Message.from_wire({**raw, field: [*parts[:at], part, *parts[at:]]})
+
+
+def text_part(role: str) -> str:
+    """The Responses API's text part for a role: the assistant's output, anyone else's input."""
+    return "output_text" if role == "assistant" else "input_text"
+
+
+def _holds_text(part: Any) -> bool:
+    """A text part, or an Anthropic tool result (its text is where `with_content` puts a marker)."""
+    return isinstance(part, Mapping) and (part.get("type") in TEXT_PARTS or "tool_use_id" in part)
+
+
+def _responses(raw: Mapping[str, Any], parts: list[Any]) -> bool:
+    """Whether a message is a Responses item: typed as one, or with its API's part types."""
+    if raw.get("type") == "message" or raw.get("type") in OUTPUT_ITEMS:
+        return True
+    return any(isinstance(p, Mapping) and str(p.get("type", "")).startswith(("input_", "output_")) for p in parts)

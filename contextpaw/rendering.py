@@ -9,7 +9,7 @@ from typing import Any
 
 from contextpaw.conversation import Message, content_id
 from contextpaw.holes import Holes
-from contextpaw.markers import fold, marker_role
+from contextpaw.markers import can_fold, fold, marker_role, speaker_after, standalone
 from contextpaw.report import Removal, Report
 from contextpaw.shrink import Cut
 from contextpaw.tokens import Counter
@@ -74,14 +74,14 @@ def render(
             if not digest:
                 notes[marker_id] = note
             after = last + 1
-            role = marker_role(out[-1].speaker if out else None, msgs[after].speaker if after < len(msgs) else None)
-            if role is None and after < len(msgs) and msgs[after].foldable:
+            role = marker_role(out[-1].speaker if out else None, speaker_after(msgs[after]) if after < len(msgs) else None)
+            if role is None and after < len(msgs) and can_fold(msgs[after]):
                 pending_fold = note
-            elif role is None and after == len(msgs) and out[-1].foldable:
+            elif role is None and after == len(msgs) and can_fold(out[-1]):
                 out[-1] = fold(out[-1], note)
                 final += holes.folded_cost(note)
             else:  # a role of its own, or next to items that hold no text (a Responses call)
-                out.append(Message.from_wire({"role": role or "user", "content": note}))
+                out.append(Message.from_wire(standalone(role or "user", note)))
                 final += counter.message(out[-1])
             i = after
             continue

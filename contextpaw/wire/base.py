@@ -85,6 +85,11 @@ def answer_params(body: Mapping[str, Any], *max_output_fields: str) -> Params:
     )
 
 
+def plain_marker(role: str, text: str) -> dict[str, Any]:
+    """A marker as a message of its own where content may be a string (Ollama, OpenAI chat, Anthropic)."""
+    return {"role": role, "content": text}
+
+
 @dataclass(frozen=True, slots=True)
 class Chat:
     body: dict[str, Any]
@@ -96,6 +101,8 @@ class Chat:
     """Where llama-server counts a whole request in this API, and the fields it reads."""
     field: str = "messages"
     """The body's field that holds the conversation (the Responses API's is `input`)."""
+    marker: Callable[[str, str], dict[str, Any]] = plain_marker
+    """(role, text) -> a marker that stands as a message of its own, in this API's shape."""
 
     def counted(self, sent: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         """(path, body) that asks llama-server for the exact size of `sent`, a body in this API."""

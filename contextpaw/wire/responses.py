@@ -42,7 +42,16 @@ def _responses(body: dict[str, Any]) -> Chat:
     if instructions is not None and not isinstance(instructions, str):
         raise NotCompactable("instructions is not a string")
     conversation = Conversation.from_wire(items, body.get("tools"))
-    return Chat(body, conversation, answer_params(body, "max_output_tokens"), instructions or "", EXACT_COUNT, field="input")
+    params = answer_params(body, "max_output_tokens")
+    return Chat(body, conversation, params, instructions or "", EXACT_COUNT, field="input", marker=marker_item)
+
+
+def marker_item(role: str, text: str) -> dict[str, Any]:
+    """A marker as a typed message item, as Codex writes its own: llama-server refuses an assistant
+    item without `"type": "message"` ("Cannot determine type of 'item'"), and OpenAI takes only
+    `output_text` parts from the assistant and `input_text` parts from anyone else."""
+    part = "output_text" if role == "assistant" else "input_text"
+    return {"type": "message", "role": role, "content": [{"type": part, "text": text}]}
 
 
 def _is_final(record: Mapping[str, Any]) -> bool:
