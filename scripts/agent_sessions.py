@@ -188,11 +188,43 @@ def run_agent(agent: str, binary: Path, base: str, task: str, home: Path, projec
     if agent == "claude":
         return agent_cli.run_claude(binary, base, task, home=home, cwd=project, timeout=timeout)
     if agent == "codex":
-        return agent_cli.run_codex(binary, base, task, home=home, cwd=project, timeout=timeout)
+        return run_codex(binary, base, task, home=home, cwd=project, timeout=timeout)
     if agent == "opencode":
         return agent_cli.run_opencode(binary, base, task, home=home, cwd=project, context=spec.n_ctx, output=4096,
                                       timeout=timeout)  # fmt: skip
     raise ValueError(agent)
+
+
+CODEX_TOOL_OUTPUT_LIMIT = 50_000
+"""Codex keeps about 2,500 tokens of a command's output in its history by default (it keeps the
+start and the end, and says "Warning: truncated output"), whatever the call asked for. The sessions
+raise that (`tool_output_token_limit`) so that a whole file reaches the model unless a cut
+shrinks it, as with the other agents."""
+
+
+def run_codex(binary: Path, base: str, task: str, *, home: Path, cwd: Path, timeout: float) -> agent_cli.AgentRun:
+    """``support.agents.run_codex``'s run, with the same provider block and the tool output limit
+    raised (``tool_output_token_limit`` in its config.toml)."""
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    (codex_home / "config.toml").write_text(
+        f'model = "fake-model"\nmodel_provider = "local"\ntool_output_token_limit = {CODEX_TOOL_OUTPUT_LIMIT}\n\n'
+        f'[model_providers.local]\nname = "local"\nbase_url = "{base.rstrip("/")}/v1"\nwire_api = "responses"\n'
+        'env_key = "LOCAL_KEY"\nrequest_max_retries = 0\nstream_max_retries = 0\n\n[analytics]\nenabled = false\n'
+    )
+    env = agent_cli.scratch_env(home, {"CODEX_HOME": str(codex_home), "LOCAL_KEY": "local"})
+    argv = [str(binary), "exec", "--json", "--skip-git-repo-check", "-"]
+    cwd.mkdir(parents=True, exist_ok=True)
+    code, out, err, seconds = agent_cli.run_process(argv, env, cwd, timeout, stdin=task)
+    events = [e for e in (_json_line(line) for line in out.splitlines() if line.strip()) if isinstance(e, dict)]
+    return agent_cli.AgentRun(argv, code, out, err, events, seconds, home)
+
+
+def _json_line(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def final_text(agent: str, run: agent_cli.AgentRun) -> str:
@@ -240,11 +272,12 @@ def conversation(api: str, body: Mapping[str, Any]) -> sm.Conversation:
 def last_key(api: str, body: Mapping[str, Any]) -> str:
     """What pairs a request the model received with the one the client sent: its last message (a
     tool result by its call's id, which no cut changes; else the role and the text's start)."""
-    messages = conversation(api, body).messages
-    if not messages:
-        return "-"
-    last = messages[-1]
-    return f"r:{last.result_of}" if last.result_of else f"m:{last.role}:{last.text[:120]}"
+    talk = conversation(api, body)
+    tools = len(talk.tools)  # opencode's title request ends in the same task as its first agent request
+    if not talk.messages:
+        return f"{tools}:-"
+    last = talk.messages[-1]
+    return f"{tools}:r:{last.result_of}" if last.result_of else f"{tools}:m:{last.role}:{last.text[:120]}"
 
 
 def head(api: str, body: Mapping[str, Any]) -> str:
@@ -303,7 +336,9 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
     result.refused = sum(1 for e in model_log if e["status"] != 200)
     result.turns = sum(1 for e in agent_turns if e["status"] == 200)
     final = [e for e in agent_turns if e.get("reply", {}).get("kind") == "final"]
-    result.finished = result.exit_code == 0 and bool(final) and result.final_answer.strip().startswith("Done.")
+    # opencode prints every text part of the run: a compaction's summary and its "Continue" come first
+    result.final_answer = result.final_answer[max(result.final_answer.rfind("Done."), 0) :]
+    result.finished = result.exit_code == 0 and bool(final) and result.final_answer.startswith("Done.")
     answer = result.final_answer if result.final_answer else (final[-1]["reply"]["text"] if final else "")
     result.facts = sum(1 for f in files if f.fact in answer)
     # the client's requests, by their last message, for pairing
@@ -368,16 +403,22 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
         results_ = {m.result_of for m in talk.messages if m.result_of is not None}
         result.pairs_checked += 1
         result.pairs_intact += calls == results_
-        # the head, and the markers: what the client sent against what the model received
-        if front_log is None:
+        # the head: what the client sent against what the model received, and what the model saw
+        seen_head = True
+        if entry["status"] == 200 and entry.get("cut"):
+            first_user = next((i for i, m in enumerate(talk.messages) if m.role == "user"), len(talk.messages) - 1)
+            seen_head = str(entry.get("seen_text") or "").startswith(
+                sm.render_head(talk) + sm.render_messages(talk.messages[: first_user + 1])
+            )
+        same = seen_head
+        if front_log is not None and client is not None:
+            same = same and head(api, client["body"]) == head(api, body)
+        if front_log is None or client is not None:
             result.head_checked += 1
-            result.head_identical += 1
-        elif client is not None:
-            result.head_checked += 1
-            same = head(api, client["body"]) == head(api, body)
             result.head_identical += same
             if not same and len(result.head_changes) < 5:
-                result.head_changes.append(f"request {entry['n']}: {_head_change(api, client['body'], body)}")
+                change = _head_change(api, client["body"], body) if client is not None else ""
+                result.head_changes.append(f"request {entry['n']}: {change or 'the server cut into the head'}")
         text = json.dumps(body, ensure_ascii=False)
         if MARKER in text:
             result.marked += 1
@@ -400,6 +441,8 @@ def whole_size(text: str) -> int:
 def _head_change(api: str, sent: Mapping[str, Any], received: Mapping[str, Any]) -> str:
     a, b = json.loads(head(api, sent)), json.loads(head(api, received))
     changed = [k for k in a if a[k] != b[k]]
+    if not changed:
+        return ""
     if "messages" in changed:
         ma, mb = a["messages"], b["messages"]
         which = [i for i in range(max(len(ma), len(mb))) if i >= len(ma) or i >= len(mb) or ma[i] != mb[i]]

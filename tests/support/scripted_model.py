@@ -349,9 +349,8 @@ class Script:
 
     def reply(self, session: Session | None, conversation: Conversation, seen: str) -> Reply:
         last = conversation.messages[-1] if conversation.messages else None
-        if last is not None and last.role == "user" and "summar" in last.text.lower() and not task_files(
-            Conversation("", [], [last])
-        ):
+        asks = last.text.lower() if last is not None and last.role == "user" else ""
+        if "summar" in asks or "conversation so far" in asks:  # the task itself asks neither
             done = session.confirmed if session else 0
             return Reply(f"Summary: the task is to read the files one per turn; files 1..{done} are read.", kind="summary")
         tool = read_tool(conversation.tools)
