@@ -119,6 +119,10 @@ class Compactor:
         raw = flow.request.raw_content
         if raw is None:
             return
+        content_type = flow.request.headers.get("content-type", "")
+        if (utf8 := wire.as_utf8(raw, content_type)) is not None:  # read by its declared charset, sent as JSON's own
+            flow.request.content = raw = utf8
+            flow.request.headers["content-type"] = wire.utf8_type(content_type)
         state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"))
         self.states[flow] = state
         decision = await self.fitter.fit(state)

@@ -18,7 +18,6 @@ The steps have their own modules: `bounds` (the size proof, the verdict's bounds
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
@@ -82,7 +81,7 @@ class Services(Protocol):
 
 def _without_truncation(body: bytes | Mapping[str, Any]) -> bytes:
     """The body with `truncate: false` (Ollama answers 400 instead of cutting)."""
-    return wire.write(json.loads(body) if isinstance(body, bytes) else body, truncate=False)
+    return wire.write(wire.load(body) if isinstance(body, bytes) else body, truncate=False)
 
 
 def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
@@ -192,6 +191,11 @@ class Fitter:
         big = is_big(state.original)
         try:
             parsed = await off_loop(big, functools.partial(state.route.read, state.original))
+        except wire.Unreadable as e:  # it may overflow, and nothing can be judged: said, never silent
+            logger.warning("%s forwarded unjudged: %s", state.path, e)
+            self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=[f"not judged: {e}; it went as it came"]))
+            state.headers["X-ContextPaw-Error"] = f"not judged: {e}; forwarded as it came"
+            return UNCHANGED
         except wire.NotFittable as e:
             logger.info("%s forwarded as is: %s", state.route.name, e)
             self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=[f"not fitted: {e}"]))

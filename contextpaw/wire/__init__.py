@@ -15,12 +15,14 @@ from typing import Any
 from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses
 from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     answer_params,
+    as_utf8,
     Backend,
     Chat,
     evaluated_tokens,
     identify,
     int_field,
     Kind,
+    load,
     MODEL_FIELD,
     model_of,
     NotCompactable,
@@ -31,7 +33,9 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     Prompt,
     Route,
     upstream_overflow,
+    Unreadable,
     UpstreamOverflow,
+    utf8_type,
     write,
 )
 

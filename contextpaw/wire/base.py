@@ -5,9 +5,12 @@ dicts in, bytes and dicts out, no mitmproxy, no I/O and no compaction."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import math
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -35,6 +38,111 @@ class NotCompactable(ValueError):
 class NotFittable(NotCompactable):
     """A request ContextPaw understands but may not fit (its history lives on the server): it is
     forwarded untouched, and the report says why."""
+
+
+class Unreadable(NotCompactable):
+    """A body that may be valid JSON but that ContextPaw cannot read (nested deeper than Python's
+    parser goes): it goes as it came, unjudged, and the client is told so (a header and a report)."""
+
+
+# -- the client's JSON, read and written back as it was written ----------------------------------------
+
+
+class Number(float):
+    """A number kept as the client wrote it, where Python would not write it back the same: `1e400`
+    (which it reads as infinity and writes as `Infinity`, not JSON), `1.50`, `-0`, an integer of
+    more digits than `int` reads (4,300). The engine sees its value (infinite where it has none);
+    `write` writes the literal."""
+
+    __slots__ = ("literal",)
+    literal: str
+
+    def __new__(cls, literal: str) -> Number:
+        number = super().__new__(cls, float(literal))
+        number.literal = literal
+        return number
+
+
+class Body(dict[str, Any]):
+    """A request body as read, and whether it holds a `Number` (only then is it walked to write)."""
+
+    __slots__ = ("numbers",)
+
+    def __init__(self, value: Mapping[str, Any], numbers: bool) -> None:
+        super().__init__(value)
+        self.numbers = numbers
+
+
+_NONCE = secrets.token_hex(8)
+"""A literal is written as this string first, then put in its place: no client string can be one."""
+_LITERAL = re.compile(r'"\\u0000' + _NONCE + r':([^"\\]*)\\u0000"')
+
+
+def load(raw: bytes) -> Any:
+    """JSON bytes as `json.loads` reads them (UTF-8, -16 or -32), every number that Python would not
+    write back as written read as a `Number`; an object comes back as a `Body`."""
+    numbers = False
+
+    def kept(literal: str) -> Number:
+        nonlocal numbers
+        numbers = True
+        return Number(literal)
+
+    def real(literal: str) -> float | Number:
+        value = float(literal)
+        return value if math.isfinite(value) and repr(value) == literal else kept(literal)
+
+    def integer(literal: str) -> int | Number:
+        if literal != "-0":
+            try:
+                return int(literal)
+            except ValueError:  # more digits than int reads (sys.get_int_max_str_digits)
+                pass
+        return kept(literal)
+
+    decoder = json.JSONDecoder(parse_float=real, parse_int=integer, parse_constant=kept)
+    value = decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+    return Body(value, numbers) if isinstance(value, dict) else value
+
+
+def _placeholders(value: Any) -> Any:
+    """`value` with each `Number` as the string `write` replaces by its literal."""
+    if isinstance(value, Number):
+        return f"\x00{_NONCE}:{value.literal}\x00"
+    if isinstance(value, Mapping):
+        return {k: _placeholders(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_placeholders(v) for v in value]
+    return value
+
+
+# -- a body in another charset -----------------------------------------------------------------------
+
+_CHARSET = re.compile(r';\s*charset\s*=\s*"?([^\s;"]+)"?', re.IGNORECASE)
+
+
+def as_utf8(raw: bytes, content_type: str) -> bytes | None:
+    """A body whose Content-Type declares a charset other than UTF-8 (`charset=iso-8859-1`), decoded
+    by it and in UTF-8, as JSON is read; None where nothing needs doing (no charset, UTF-8, a body that
+    is ASCII) or the charset is not known or does not decode the body."""
+    found = _CHARSET.search(content_type)
+    if found is None:
+        return None
+    try:
+        codec = codecs.lookup(found.group(1)).name
+    except LookupError:
+        return None
+    if codec in ("utf-8", "ascii") or raw.isascii() and not codec.startswith(("utf-16", "utf-32")):
+        return None
+    try:
+        return raw.decode(codec).encode("utf-8", "surrogatepass")
+    except (UnicodeError, ValueError):
+        return None
+
+
+def utf8_type(content_type: str) -> str:
+    """The Content-Type of a body now in UTF-8: the declared charset replaced."""
+    return _CHARSET.sub("; charset=utf-8", content_type, count=1)
 
 
 def int_field(container: Any, *names: str) -> int | None:
@@ -207,11 +315,11 @@ class Route:
 
     def read(self, raw: bytes) -> Chat | Prompt:
         try:
-            body = json.loads(raw)
+            body = load(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise NotCompactable(f"body is not JSON: {e}") from None
         except RecursionError:
-            raise NotCompactable("body is nested too deeply to read") from None
+            raise Unreadable("the body is nested deeper than ContextPaw reads JSON") from None
         if not isinstance(body, dict):
             raise NotCompactable("body is not a JSON object")
         try:
@@ -226,9 +334,14 @@ def write(body: Mapping[str, Any], **changes: Any) -> bytes:
     """The request body with one field replaced; everything else is kept as the client sent it.
 
     A lone surrogate (a JavaScript string cut inside an emoji) is written back as the JSON escape it
-    came in as, not as bytes no UTF-8 decoder accepts.
+    came in as, not as bytes no UTF-8 decoder accepts. A number Python would not write back as it
+    was written (`1e400`) goes as the client wrote it (`Number`, where `load` read the body).
     """
-    return json.dumps({**body, **changes}, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
+    merged = {**body, **changes}
+    if not getattr(body, "numbers", False):
+        return json.dumps(merged, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
+    text = json.dumps(_placeholders(merged), ensure_ascii=False, separators=(",", ":"))
+    return _LITERAL.sub(lambda found: found.group(1), text).encode("utf-8", "backslashreplace")
 
 
 MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([A-Za-z0-9._:/@+-]{1,256})"')

@@ -330,10 +330,17 @@ def test_a_lone_surrogate_escape_is_compacted_not_an_internal_error(runner: Any,
     assert check(runner, kit, OLLAMA_PORT, "/api/chat", raw) == "compacted"
 
 
-def test_deeply_nested_json_is_not_compactable_rather_than_an_internal_error(runner: Any, kit: Any, cases: Any) -> None:
+def test_deeply_nested_json_is_forwarded_unjudged_and_said_rather_than_an_internal_error(runner: Any, kit: Any, cases: Any) -> None:
+    """Deeper than Python's parser goes: it goes as it came, and the client is told it went unjudged
+    (`test_unreadable_bodies.py` has the case on every route)."""
     raw = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     cases["bad_input.named"] += 1
-    assert check(runner, kit, OLLAMA_PORT, "/api/chat", raw) == "forwarded"
+    errors = runner.harness.stats["errors"]
+    flow = kit.flow_for("/api/chat", raw, port=OLLAMA_PORT)
+    runner.send(flow)
+    state = runner.harness.compactor.states[flow]
+    assert flow.response is None and flow.request.raw_content == raw and runner.harness.stats["errors"] == errors
+    assert state.headers["X-ContextPaw-Error"].startswith("not judged") and state.report is not None
 
 
 def test_many_small_messages_compact_quickly(runner: Any, kit: Any, cases: Any) -> None:
