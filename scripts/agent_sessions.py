@@ -487,13 +487,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="options", action="append", default=[], help="a ContextPaw option, name=value")
     parser.add_argument("--work", type=Path, default=None, help="where the sessions run (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=Path("agent_sessions.json"))
+    parser.add_argument("--commit", default=None,
+                        help="run ContextPaw as committed at this revision (git archive), not the working tree")  # fmt: skip
     args = parser.parse_args(argv)
+    args.out = args.out.resolve()
     names = [a for a in args.agents.split(",") if a]
     found = agent_cli.locate_agents(*names)
     if not found.paths:
         print(f"no agent CLIs: {found.reason}", file=sys.stderr)
         return 1
-    work = args.work or Path(__import__("tempfile").mkdtemp(prefix="agent-sessions-"))
+    work = (args.work or Path(__import__("tempfile").mkdtemp(prefix="agent-sessions-"))).resolve()
+    if args.commit:
+        use_commit(args.commit, work)
     via = set(args.via.split(","))
     specs = [s for s in matrix(names, args.behaviours.split(","), args.tokenizers.split(","), args.files, args.n_ctx) if s.via in via]
     results = []
@@ -506,6 +511,24 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     print(f"\nJSON: {args.out}; logs: {work}")
     return 0
+
+
+def use_commit(revision: str, work: Path) -> None:
+    """ContextPaw's package as committed at ``revision``, first on the path of every process this
+    one starts (mitmdump runs ``python -c``, which puts its working directory first: so the sessions
+    run from ``work``, not from the checkout)."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    tree = work / f"contextpaw-{revision}"
+    tree.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", revision, "contextpaw", "contextpaw_addon.py"],
+                             capture_output=True, check=True)  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    agent_cli.ADDON = tree / "contextpaw_addon.py"  # mitmdump puts a script's folder first while loading it
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    os.chdir(work)
 
 
 def _json(result: Result) -> dict[str, Any]:

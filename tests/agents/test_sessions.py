@@ -1,0 +1,162 @@
+"""The real agent CLIs through ContextPaw in file-reading sessions that overflow the window (issue 38).
+
+One short session per pinned agent (Claude Code, Codex, opencode) and backend behaviour: the scripted
+model (tests/support/scripted_model.py) behaving like Ollama (a silent cut), with and without a
+tokenizer ContextPaw can load, and like llama-server (400 on overflow). Each session reads
+``FILES`` generated files of 20-40 KB (about 8-12k tokens each) in a ``N_CTX`` window, one per turn
+with the agent's own read tool, so the history overflows from the third turn on; then the agent
+gives the final answer. Each session runs once (about 10-25 s) and every test below reads its
+measures (scripts/agent_sessions.py, which runs the whole matrix, direct too).
+
+What must hold through ContextPaw: the agent finishes; every tool call reaches the model with its
+result; no cut by the server goes untold; the head (system, tools, every message up to and including
+the first user message) reaches the model as the client sent it; every ``[ContextPaw:`` marker is
+in the report the client got. What should hold and does not yet everywhere (the engine is being
+changed for it; the cases marked xfail say what was measured): the file just read reaches the model
+whole, and a cut fills the window.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.agents import CLAUDE_CODE_VERSION, check_recorded, require_agents
+from support.recorder import read_log
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import agent_sessions as sessions  # noqa: E402
+
+FIXTURES = Path(__file__).with_name("fixtures")
+FILES = 4
+N_CTX = 32768
+MIN_CUT_SHARE = 0.80
+"""What a cut should leave of the window at least, by the server's count (issue 38: from the first
+cut on, at least 80 % of the window on average, each cut within 5 % of its target)."""
+
+CASES = [
+    ("claude", "ollama", False),
+    ("claude", "ollama", True),
+    ("claude", "llamacpp", True),
+    ("codex", "ollama", False),
+    ("codex", "ollama", True),
+    ("codex", "llamacpp", True),
+    ("opencode", "ollama", False),
+    ("opencode", "ollama", True),
+    ("opencode", "llamacpp", True),
+]
+
+ESTIMATE_SHRINKS_FRESH = (
+    "ContextPaw today: on Ollama's /v1 routes without a tokenizer every fresh file (8-12k tokens) is "
+    "shrunk to a few hundred characters (measured 0 of 4 turns whole for each agent)"
+)
+LLAMACPP_SHRINKS_FRESH = (
+    "ContextPaw today: on llama-server the cut shrinks every tool result, the fresh one too, and stops "
+    "near 60 % of the window (measured Claude Code 1/4 whole, Codex 3/4, opencode 3/4)"
+)
+ESTIMATE_WINDOW = (
+    "ContextPaw today: without a tokenizer on Ollama's /v1 routes the budget is held to a fraction of "
+    "the window (measured cuts at 38-39 % of 32768 for Claude Code, 28-29 % for Codex, 24-25 % for opencode)"
+)
+LLAMACPP_WINDOW = (
+    "ContextPaw today: on llama-server a cut lands at 52-76 % of the window though its budget is 97 % "
+    "(measured Claude Code 62-63 %, Codex 52-76 %, opencode 61-88 %)"
+)
+XFAIL: dict[tuple[str, str, str, bool], str] = {
+    **{("fresh", a, "ollama", False): ESTIMATE_SHRINKS_FRESH for a in ("claude", "codex", "opencode")},
+    **{("fresh", a, "llamacpp", True): LLAMACPP_SHRINKS_FRESH for a in ("claude", "codex", "opencode")},
+    **{("window", a, "ollama", False): ESTIMATE_WINDOW for a in ("claude", "codex", "opencode")},
+    **{("window", a, "llamacpp", True): LLAMACPP_WINDOW for a in ("claude", "codex", "opencode")},
+    ("window", "codex", "ollama", True): (
+        "ContextPaw today: with the model's tokenizer on Ollama, Codex's first cut landed at 78 % of the "
+        "window (target 97 %), the next at 97 %"
+    ),
+}
+
+
+def cases(check: str) -> list[Any]:
+    out = []
+    for agent, behaviour, tokenizer in CASES:
+        reason = XFAIL.get((check, agent, behaviour, tokenizer))
+        marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+        out.append(pytest.param(agent, behaviour, tokenizer, marks=marks, id=f"{agent}-{behaviour}-{'tok' if tokenizer else 'est'}"))
+    return out
+
+
+_results: dict[tuple[str, str, bool], sessions.Result] = {}
+
+
+@pytest.fixture
+def session(tmp_path_factory: pytest.TempPathFactory, agent: str, behaviour: str, tokenizer: bool) -> sessions.Result:
+    """The session of this case, run once for all the checks on it."""
+    key = (agent, behaviour, tokenizer)
+    if key not in _results:
+        binary = require_agents(agent)[agent]
+        spec = sessions.Spec(agent, behaviour, tokenizer, "contextpaw", FILES, N_CTX)
+        work = tmp_path_factory.mktemp(spec.name)
+        _results[key] = sessions.run_session(spec, binary, work, timeout=240)
+        _results[key].notes.append(f"logs: {work}")
+    return _results[key]
+
+
+def about(result: sessions.Result) -> str:
+    return f"{result.spec.name}: {result.row()}\nnotes: {result.notes}\nhead: {result.head_changes}"
+
+
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("finish"))
+def test_the_agent_finishes(session: sessions.Result) -> None:
+    assert session.finished, about(session) + f"\nfinal answer: {session.final_answer[:500]!r}"
+    assert session.turns >= FILES + 1, about(session)
+    assert session.cuts, "the session never outgrew the window: " + about(session)
+
+
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("pairs"))
+def test_tool_pairs_intact(session: sessions.Result) -> None:
+    assert session.pairs_checked and session.pairs_intact == session.pairs_checked, about(session)
+
+
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("silent"))
+def test_no_silent_cut(session: sessions.Result) -> None:
+    assert session.silent_cuts == 0, about(session)
+
+
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("head"))
+def test_head_byte_identical(session: sessions.Result) -> None:
+    assert session.head_checked >= session.turns and session.head_identical == session.head_checked, about(session)
+
+
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("markers"))
+def test_markers_reported(session: sessions.Result) -> None:
+    assert session.marked, "no request carried a marker: " + about(session)
+    assert session.markers_reported == session.marked, about(session)
+
+
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("fresh"))
+def test_fresh_tool_result_whole(session: sessions.Result) -> None:
+    """Each file is 8-12k tokens, the head 8-12k: the file just read fits beside what must be kept."""
+    assert session.fresh_turns and session.fresh_whole == session.fresh_turns, (
+        f"characters of the fresh file that reached the model, per turn: {session.fresh_sizes}\n" + about(session)
+    )
+
+
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("window"))
+def test_cuts_fill_the_window(session: sessions.Result) -> None:
+    shares = [round(c["share"], 3) for c in session.cuts]
+    assert shares and min(shares) >= MIN_CUT_SHARE, f"window share at each cut: {shares}\n" + about(session)
+
+
+def test_claude_code_counts_what_read_returns(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Claude Code's Read tool asks the server to count a file before it returns it
+    (``POST /v1/messages/count_tokens`` with the file as the one user message and no tools): recorded
+    once in fixtures/, compared by shape since."""
+    binary = require_agents("claude")["claude"]
+    spec = sessions.Spec("claude", "llamacpp", True, "contextpaw", 1, N_CTX)
+    work = tmp_path_factory.mktemp(spec.name)
+    result = sessions.run_session(spec, binary, work, timeout=120)
+    counted = [e for e in read_log(work / "stack" / "sent.jsonl") if e["path"].startswith("/v1/messages/count_tokens")]
+    assert result.finished and counted, about(result)
+    problem = check_recorded(counted[0], FIXTURES / f"claude-code-{CLAUDE_CODE_VERSION}-read-count-tokens.json", "Claude Code")
+    assert problem is None, problem
