@@ -287,7 +287,7 @@ class Compactor:
     def _stream_report(self, flow: http.HTTPFlow, state: FlowState, keep: int = 0) -> StreamReport:
         route = state.route
         report = functools.partial(self._final_report, flow, state)
-        return StreamReport(route.framing, route.is_final, report, route.evaluated, keep=keep)
+        return StreamReport(route.framing, route.is_final, report, route.evaluated, keep=keep, unasked=self.fitter.answers.unasked_records(state))
 
     def _final_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None = None) -> bytes | None:
         """The fitter's report for the answer's final record (`counted`: the prompt size an earlier

@@ -1,23 +1,86 @@
 """What the server says it evaluated, checked against what was sent: the never-silent verdict, and
-the calibration sample it yields.
+the samples it yields.
 
 Ollama answers 200 after cutting a prompt, and counts what it evaluated after the cut. So every
 answer's final record is read for that count (`truncation.judge` decides) before it reaches the
-client: a cut is said in the report, the log and the metrics under every policy, and a whole
-evaluation teaches the calibrated counter once. No I/O.
+client: a cut, or a cut the numbers cannot rule out, is said in the report (in the body or the
+stream's final record), the log and the metrics under every policy, and a whole evaluation teaches
+the calibrated counter once. Every answer that carries a count leaves an `Evaluated` sample: the
+server's count of that prompt, with its route, model and conversation, for whoever sizes the next
+turn (`AnswerCheck.evaluated`).
+
+A streamed OpenAI chat says its count only in a usage chunk, which comes only when asked for: it is
+asked for where the client did not (`ask_usage`), and taken out of the stream again
+(`unasked_records`), so the client gets the stream it asked for. No I/O.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from contextpaw import logs, wire
+from contextpaw.bounds import SIZE_PROOF_BYTES, as_sent
 from contextpaw.calibration import Calibration
 from contextpaw.flow import FlowState, Phase
 from contextpaw.metrics import Stats
-from contextpaw.truncation import Evaluation, judge, unknowable
+from contextpaw.report import Report
+from contextpaw.state import LRU
+from contextpaw.truncation import Evaluation, Verdict, judge, unknowable
+from contextpaw.wire import openai
 
 logger = logs.get(__name__)
+
+REMEMBERED = 4096
+"""Requests awaiting their answer, and conversations whose last count is kept (bounded, as every cache here)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    """One answer's count of the prompt it evaluated, beside what was sent: the sample every
+    answered request leaves, on every route, streamed or not (`AnswerCheck.evaluated`).
+
+    `prompt_tokens` is the server's own count (`prompt_eval_count`, `usage.prompt_tokens`,
+    `usage.input_tokens`, `tokens_evaluated`): after a cut, what was left of the prompt."""
+
+    route: str
+    """The route's name (`openai.chat`, `anthropic.messages`, ...)."""
+    model: str
+    conversation: str | None
+    """The request's conversation key (`wire.Chat.key`: the same across a conversation's turns);
+    None for a raw prompt, and for a request proved to fit by its size, which is never parsed
+    (that is what the proof saves): the first turn that is parsed starts the conversation's keys."""
+    prompt_tokens: int
+    sent_tokens_estimate: int | None
+    """Our count of what was sent (None: not counted)."""
+    certain_cut: bool
+    """The verdict: the server surely cut the prompt (`prompt_tokens` is what was left of it)."""
+    possible_cut: bool = False
+    """The numbers cannot rule a cut out (said to the client as possible)."""
+    window: int | None = None
+    """The window the request was judged against."""
+
+    @property
+    def whole(self) -> bool:
+        """The server evaluated the whole prompt, as far as the verdict can tell."""
+        return not (self.certain_cut or self.possible_cut)
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What an answer is read against, from its parsed request."""
+
+    model: str
+    conversation: str | None
+    stream: bool
+    usage_asked: bool
+    """The client asked for the stream's usage itself."""
+    usage_added: bool = False
+    """ContextPaw asked for it in the client's stead: the usage chunk is taken out of the stream."""
 
 
 class AnswerCheck:
@@ -28,50 +91,168 @@ class AnswerCheck:
         self.stats = stats
         self.calibrate = calibrate
         """Whether whole evaluations are learned from (`contextpaw_calibrate`)."""
+        self._expected: LRU = LRU(REMEMBERED)
+        """id(state) -> (a weak reference to it, its `Expected`), until the answer is read."""
+        self._answered: LRU = LRU(REMEMBERED)
+        """Conversation key -> the `Evaluated` of its last answered request."""
+        self.last: Evaluated | None = None
+        """The last answer's sample, on any route."""
+
+    # -- before the request goes --------------------------------------------------------------
+
+    def expect(self, state: FlowState, parsed: wire.Chat | wire.Prompt) -> None:
+        """Note what the answer to `state` is read against, from its parsed request."""
+        key = parsed.key if isinstance(parsed, wire.Chat) else None
+        usage = openai.usage_asked(parsed.body)
+        self._remember(state, Expected(parsed.params.model, key, parsed.params.stream, usage))
+
+    def ask_usage(self, state: FlowState, body: bytes | None) -> bytes | None:
+        """The body to send instead of `body` (what the fitter decided; None: the client's own)
+        so that a streamed OpenAI chat answer says its prompt count: one that asks for its usage
+        chunk, where the client did not. None when nothing is to be added: another route, an
+        answer that is not streamed (it always carries usage), a client that asked, a flow whose
+        answer is not read. A request proved to fit by its size was not parsed, and is not parsed
+        here either when its bytes say enough (one `"stream"` key, no `"stream_options"`)."""
+        if state.route is not openai.CHAT or state.watched is None:
+            return None
+        expected = self._expected_of(state) or _by_bytes(state.original)
+        if expected is None or not expected.stream or expected.usage_asked:
+            return None
+        try:
+            client = json.loads(state.original) if b'"stream_options"' in state.original else {}  # read only if it may say
+            asked = openai.asking_usage(body if body is not None else state.original, client)
+        except ValueError:
+            return None
+        self._remember(state, replace(expected, usage_added=True))
+        return asked
+
+    def unasked_records(self, state: FlowState) -> Callable[[Mapping[str, Any]], bool] | None:
+        """The records of the answer's stream the client did not ask for (the usage chunk asked
+        for in its stead), which the stream takes out; None when there are none."""
+        expected = self._expected_of(state)
+        return openai.is_usage_chunk if expected is not None and expected.usage_added else None
+
+    # -- the answer ------------------------------------------------------------------------------
+
+    def evaluated(self, conversation: str) -> Evaluated | None:
+        """The last answered request of a conversation (by `wire.Chat.key`): what the server
+        counted of its prompt, beside what was sent."""
+        return self._answered.get(conversation)
 
     def final_report(self, state: FlowState, final: Any, counted: int | None = None) -> dict[str, Any] | None:
         """The report (its JSON form) for the answer's final record, after checking the count the
         server reports there.
 
         Ollama evaluating clearly fewer tokens than it was sent means it cut the prompt in silence:
-        that is said in the report, the log and the metrics, under every policy. The same count
-        teaches the calibrated counter. Under policy off the answer is passed on as it came (None)
-        unless the server cut it: then the report goes on the wire all the same, in the
-        body or the stream's final record, so that no cut is silent under any policy. A count the
-        final record lacks may have come earlier in the stream (`counted`).
+        that is said in the report, the log and the metrics, under every policy; a cut the numbers
+        cannot rule out is said to be possible. The same count teaches the calibrated counter, and
+        is kept as the request's `Evaluated`. Under policy off the answer is passed on as it came
+        (None) unless the server cut it or may have: then a report of what was sent (the client's
+        own request) goes on the wire all the same, in the body or the stream's final record, so
+        that no cut is silent under any policy. A count the final record lacks may have come
+        earlier in the stream (`counted`).
         """
         report = state.watched
         evaluated = state.route.evaluated(final) if isinstance(final, dict) else None
         evaluated = counted if evaluated is None else evaluated
-        on_wire = state.report is not None
         answered = isinstance(final, dict) and not final.get("error")  # a Responses body says "error": null
         if report is None or state.sent_tokens is None or not answered:
+            if answered and evaluated is not None and state.phase is not Phase.JUDGED:
+                self._sample(state, evaluated, None, report.window if report is not None else None)
             return state.report.to_json() if state.report is not None else None
         sent = state.sent_tokens
         if state.backend.kind != wire.Kind.OLLAMA:
             verdict = judge(sent, evaluated, report.window, state.bounds, truncation_forbidden=True)
-        elif evaluated is None:  # a /v1 stream without stream_options.include_usage says no count
+        elif evaluated is None:  # a /v1 stream without usage says no count
             verdict = unknowable(sent, report.window, state.bounds, state.uncuttable)
         else:
             verdict = judge(sent, evaluated, report.window, state.bounds, state.uncuttable)
-        if verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None and report.upstream_truncation_possible is None:
-            report.upstream_truncation_possible = verdict.truncation
+        if verdict.evaluation is Evaluation.UNSURE and (possible := verdict.truncation) is not None and report.upstream_truncation_possible is None:
+            report.upstream_truncation_possible = possible
+            _noted(report, possible.note)
             self.stats.add("upstream_truncation_possible", where=state.where)
             logger.warning("%s: the server may have cut a prompt counted at %d in a %d-token window (%s)",
-                           state.path, sent, report.window or 0, verdict.truncation.reason)  # fmt: skip
+                           state.path, possible.sent_tokens, report.window or 0, possible.reason)  # fmt: skip
         if verdict.evaluation is Evaluation.CUT and (truncation := verdict.truncation) is not None and report.upstream_truncated is None:
             report.upstream_truncated = truncation
             report.recovered_from_upstream_400 = False
+            _noted(report, truncation.note)
             self.stats.add("upstream_truncated", where=state.where)
             logger.warning(
-                "%s: the server evaluated %d of the %d prompt tokens it was sent (%s): silent truncation",
-                state.path, evaluated, sent, truncation.reason,
+                "%s: the server evaluated %s of the %d prompt tokens it was sent (%s): silent truncation",
+                state.path, evaluated if evaluated is not None else "an unknown number", truncation.sent_tokens, truncation.reason,
             )  # fmt: skip
         first = state.phase is not Phase.JUDGED
         state.advance(Phase.JUDGED)
+        if first and evaluated is not None:
+            self._sample(state, evaluated, verdict, report.window)
         if first and state.calibration is not None and self.calibrate and evaluated is not None:
             sample, whole = state.calibration, verdict.evaluation is Evaluation.WHOLE
             learned = self.calibration.observe(sample.key, sample.estimated, evaluated, whole=whole, kind=sample.kind, shaped=sample.shaped)
             if learned.reason.startswith("impossible"):
                 logger.warning("%s: %s; not learned from (the backend's count is evidence, not truth)", state.path, learned.reason)
-        return report.to_json() if on_wire or report.upstream_truncated is not None else None
+        if state.report is not None:
+            return state.report.to_json()
+        if report.upstream_truncated is None and report.upstream_truncation_possible is None:
+            return None
+        return _as_sent(report, sent).to_json()
+
+    # -- what is kept of each request -----------------------------------------------------------
+
+    def _sample(self, state: FlowState, evaluated: int, verdict: Verdict | None, window: int | None) -> None:
+        expected = self._expected_of(state)
+        cut = verdict is not None and verdict.evaluation is Evaluation.CUT
+        possible = verdict is not None and verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None
+        model = expected.model if expected is not None else (wire.model_of(state.original) or state.where.model)
+        conversation = expected.conversation if expected is not None else None
+        sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window)
+        self.last = sample
+        if conversation is not None:
+            self._answered.put(conversation, sample)
+
+    def _remember(self, state: FlowState, expected: Expected) -> None:
+        self._expected.put(id(state), (weakref.ref(state), expected))
+
+    def _expected_of(self, state: FlowState) -> Expected | None:
+        kept = self._expected.get(id(state))
+        return kept[1] if kept is not None and kept[0]() is state else None
+
+
+
+STREAMED = re.compile(rb'"stream"\s*:\s*true\b')
+
+
+def _by_bytes(raw: bytes) -> Expected | None:
+    """What a body the fitter did not parse (proved to fit by its size) is read against, from its
+    bytes where they say enough: one `"stream"` key (so it cannot be another object's), no
+    `"stream_options"`; else from the body parsed (such a body is small)."""
+    if raw.count(b'"stream"') == 1 and b'"stream_options"' not in raw:
+        return Expected(wire.model_of(raw) or "", None, STREAMED.search(raw) is not None, usage_asked=False)
+    if len(raw) > SIZE_PROOF_BYTES:
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    return Expected(str(body.get("model", "")), None, body.get("stream") is True, openai.usage_asked(body))
+
+
+def _noted(report: Report, note: str | None) -> None:
+    if note is not None and note not in report.notes:
+        report.notes.append(note)
+
+
+def _as_sent(observed: Report, sent: int) -> Report:
+    """Under policy off, the report the client is told: of its own request, as it was sent, with
+    the verdict on it (what would have been compacted is in the notes, never claimed)."""
+    told = as_sent(observed)
+    told.original_tokens = told.final_tokens = sent
+    told.upstream_truncated = observed.upstream_truncated
+    told.upstream_truncation_possible = observed.upstream_truncation_possible
+    told.notes = ["policy off: the request was sent as the client sent it"]
+    if observed.compacted:
+        told.notes.append(f"ContextPaw would have {observed.summary()}")
+    told.notes += [note for note in observed.notes if note.startswith("ContextPaw counted")]
+    return told

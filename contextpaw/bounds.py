@@ -2,8 +2,9 @@
 
 A small body is proved to fit by its byte length alone, before anything is parsed (`size_bound`);
 a counted request carries bounds on how far its true size can be from our count, for the verdict
-after the answer (`count_bounds`); and where those bounds let it exceed its window, Ollama is told
-to refuse instead of cutting (`forbid_truncation`). Pure: the fitter supplies the numbers.
+after the answer (`count_bounds`), the least among them being what the request's words prove
+(`word_floor`); and where those bounds let it exceed its window, Ollama is told to refuse instead
+of cutting (`forbid_truncation`). Pure: the fitter supplies the numbers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ few bytes of base64 can cost hundreds of tokens)."""
 TEMPLATE_ALLOWANCE = 512
 MESSAGE_ALLOWANCE = 16
 """Tokens a chat template may add: once (a default system prompt, the generation prompt), and per message."""
+FLOOR_ROLES = ("system", "user")
+"""The messages every chat template renders whole. Tool results are left out of the word floor: a
+template written for a model without tools may leave them out of the prompt."""
+WORDS_CHUNK = 1 << 16
+"""Words are counted a chunk at a time (`str.split` of a megabyte builds a list of every word)."""
 
 
 def size_bound(raw: bytes) -> tuple[str, int] | None:
@@ -38,6 +44,33 @@ def size_bound(raw: bytes) -> tuple[str, int] | None:
     if len(raw) > SIZE_PROOF_BYTES or any(word in raw for word in UNPROVABLE) or (model := wire.model_of(raw)) is None:
         return None
     return model, len(raw) + TEMPLATE_ALLOWANCE + MESSAGE_ALLOWANCE * raw.count(b'"role"')
+
+
+def words(text: str) -> int:
+    """How many whitespace-separated words `text` has (a word across a chunk's seam counted once)."""
+    if len(text) <= WORDS_CHUNK:
+        return len(text.split())
+    pieces = range(0, len(text), WORDS_CHUNK)
+    return max(sum(len(text[i : i + WORDS_CHUNK].split()) for i in pieces) - (len(pieces) - 1), 0)
+
+
+def word_floor(parsed: wire.Chat | wire.Prompt) -> int:
+    """The least number of tokens the prompt of `parsed` has, whatever the tokenizer: tokenizers
+    split at whitespace before they merge (GPT-2's pre-tokenizer, SentencePiece's word boundaries),
+    so a text has at least as many tokens as words. Only what every template renders counts: the
+    system text and prompt, the system and user messages (a tool result may be left out by a
+    template without tools, an assistant's reasoning by one that drops old thinking)."""
+    if isinstance(parsed, wire.Prompt):
+        return words(parsed.prompt)
+    fixed = words(parsed.fixed_text) if parsed.fixed_text else 0
+    return fixed + sum(words(m.text) for m in parsed.conversation.messages if m.role in FLOOR_ROLES)
+
+
+def as_sent(report: Report) -> Report:
+    """The report of a request sent as the client sent it, beside the compaction `report` that was
+    computed for it but not sent (policy off): the verdict is of what was sent."""
+    size = report.original_tokens
+    return Report(False, "none", size, size, report.budget, counter=report.counter, exact=report.exact, window=report.window)
 
 
 def count_bounds(
@@ -57,18 +90,27 @@ def count_bounds(
     rest. Only the server's count of the whole request is exact as a whole. Where a guard sized
     the fit, the high bound is the one it sized it with (`bound`: what calibration learned of this
     kind of request, or the estimate's whole width). Otherwise a count by
-    shape has no bounds of its own: the byte estimate of what was sent (the `sample`) gives them."""
+    shape has no bounds of its own: the byte estimate of what was sent (the `sample`) gives them.
+
+    The low bound is never below what the words of what was sent prove (`word_floor`): a text has
+    at least as many tokens as words, so 5,800 words cannot fit in a 2,048-token window, whatever
+    the estimate says. `parsed` is what was sent when `report` is not a compaction (a compaction's
+    texts are not parsed again, and keep the bounds of the count)."""
     low, high = EXACT_BOUNDS if report.exact else calibration.bounds(key)
     if sample is not None and not report.exact and report.final_tokens > 0:
         scale = sample.estimated / report.final_tokens
         low, high = min(low, ESTIMATE_BOUNDS[0] * scale), max(high, ESTIMATE_BOUNDS[1] * scale)
     if bound is not None:
         high = bound
-    if report.counter == "backend" or not isinstance(parsed, wire.Chat) or report.final_tokens <= 0:
+    if report.final_tokens <= 0:
         return low, high
-    conversation = parsed.conversation
-    rendered_maybe = estimate.tools(conversation.tools) + len(conversation.messages) * estimate.message_overhead
-    return low * max(report.final_tokens - rendered_maybe, 0) / report.final_tokens, high
+    if report.counter != "backend" and isinstance(parsed, wire.Chat):
+        conversation = parsed.conversation
+        rendered_maybe = estimate.tools(conversation.tools) + len(conversation.messages) * estimate.message_overhead
+        low = low * max(report.final_tokens - rendered_maybe, 0) / report.final_tokens
+    if not report.compacted:
+        low = max(low, word_floor(parsed) / report.final_tokens)
+    return low, max(high, low)
 
 
 def forbid_truncation(

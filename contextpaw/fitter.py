@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from contextpaw import logs, wire
 from contextpaw.answers import AnswerCheck
-from contextpaw.bounds import NATIVE_OLLAMA, count_bounds, forbid_truncation, size_bound
+from contextpaw.bounds import NATIVE_OLLAMA, as_sent, count_bounds, forbid_truncation, size_bound
 from contextpaw.calibration import Calibration, Guard, Sample, calibration_key, content_kind, word_floor
 from contextpaw.compact import BudgetTooSmall
 from contextpaw.counters import CounterChoice, rough_size
@@ -172,8 +172,18 @@ class Fitter:
         finally:  # counted once the model is read, so that every count of the request has its labels
             self.stats.add("requests", where=state.where)
         if isinstance(decision, Forward):
+            decision = self._asking_usage(state, decision)
             state.advance(Phase.FORWARDED)
         return decision
+
+    def _asking_usage(self, state: FlowState, decision: Forward) -> Forward:
+        """A streamed OpenAI chat asks for its usage chunk where the client did not: the verdict and
+        calibration need the count (`AnswerCheck.ask_usage`; the chunk is taken out of the stream)."""
+        body = self.answers.ask_usage(state, decision.body)
+        if body is None:
+            return decision
+        state.sent = body
+        return Forward(body, decision.compacted)
 
     def _place(self, state: FlowState, model: str | None = None) -> None:
         state.where = self.stats.where(state.backend.kind, state.route.name, model)
@@ -204,6 +214,7 @@ class Fitter:
             logger.debug("%s forwarded as is: %s", state.path, e)
             return UNCHANGED
         self._place(state, parsed.params.model)
+        self.answers.expect(state, parsed)
         budget = await self.budgeter.budget(state.backend, parsed.params)
         guard = await _guard(state, parsed, self.estimate, big)
         shaped = _refusable(state, parsed, self.settings)
@@ -224,6 +235,7 @@ class Fitter:
         said = parsed.body.get("truncate") is False or state.backend.kind == wire.Kind.LLAMACPP
         if policy == "off":
             state.observed, state.sent_tokens, state.uncuttable = report, report.original_tokens, said
+            await self._judged_as_sent(state, key, parsed, fitted, guard, big)
             return UNCHANGED
         if policy == "strict" and report.compacted:
             return self._refuse(state, budget.refusal(report.original_tokens), report.counter)
@@ -243,6 +255,18 @@ class Fitter:
             await self._note_compaction(state, report, parsed.params.model, big, started)
         state.sent, state.sent_tokens, state.uncuttable = body, report.final_tokens, said or forbid
         return Forward(body, fitted.body is not None)
+
+    async def _judged_as_sent(
+        self, state: FlowState, key: str, parsed: wire.Chat | wire.Prompt, fitted: Fitted, guard: Guard | None, big: bool
+    ) -> None:
+        """Under policy off the request goes as the client sent it: the verdict's sample and bounds
+        are of that, not of the compaction that was computed but not sent (nor held to the guard's
+        bound, which sized that compaction)."""
+        if fitted.body is None:
+            return
+        sent = Fitted(None, as_sent(fitted.report))
+        await self._sample(state, key, parsed, sent, guard, big)
+        state.bounds = count_bounds(parsed, sent.report, state.calibration, key, None, self.calibration, self.estimate)
 
     async def _sample(
         self, state: FlowState, key: str, parsed: wire.Chat | wire.Prompt, fitted: Fitted, guard: Guard | None, big: bool

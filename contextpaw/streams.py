@@ -8,7 +8,10 @@ Streams are passed through record by record as they arrive. In NDJSON the report
 chunk, Anthropic's `message_delta`) is held back until the next event shows whether another
 final-looking one follows: the report goes into the last of them. Token events are never held, so
 the client's first token is not delayed. The prompt size a server reports early in a stream
-(Anthropic's `message_start`) is remembered for the final record's check. The transformer is a
+(Anthropic's `message_start`) is remembered for the final record's check. A record the client did
+not ask for (the usage chunk ContextPaw asked for in its stead: `unasked`) is read for its count and
+taken out, and what it carried that the client would have had without it (llama-server's `timings`)
+goes onto the record before it, so that the client gets the stream it asked for. The transformer is a
 mitmproxy stream callable: called per chunk and once with b"" at the end, it never returns b"" before
 that (an empty chunk would end a chunked body). A chunk is scanned for the record separator from
 where the last scan stopped, so a giant record costs its length once, not once per chunk; one past
@@ -51,14 +54,14 @@ def record_bytes(framing: Literal["ndjson", "sse"], value: Mapping[str, Any]) ->
     return named + b"data: " + line + b"\n\n"
 
 
-def splice(obj: bytes, value: bytes) -> bytes | None:
-    """`obj` (the bytes of one JSON object) with `"contextpaw": value` added; None if not an object."""
+def splice(obj: bytes, value: bytes, key: bytes = REPORT_KEY) -> bytes | None:
+    """`obj` (the bytes of one JSON object) with `"key": value` added last; None if not an object."""
     body = obj.rstrip()
     if not body.lstrip().startswith(b"{") or not body.endswith(b"}"):
         return None
     head = body[:-1].rstrip()
     comma = b"" if head.lstrip() == b"{" else b","
-    return head + comma + b'"' + REPORT_KEY + b'":' + value + b"}" + obj[len(body) :]
+    return head + comma + b'"' + key + b'":' + value + b"}" + obj[len(body) :]
 
 
 Amend = Callable[[Mapping[str, Any], int | None], bytes | None]
@@ -77,6 +80,7 @@ class StreamReport:
         report: bytes | Amend,
         count: Count | None = None,
         keep: int = 0,
+        unasked: Callable[[Mapping[str, Any]], bool] | None = None,
     ) -> None:
         self._separator = b"\n" if framing == "ndjson" else b"\n\n"
         self._sse = framing == "sse"
@@ -93,6 +97,10 @@ class StreamReport:
         self._keep = keep
         self.kept: bytearray | None = bytearray() if keep else None
         """What went on so far, while it is at most `keep` bytes (None: not kept)."""
+        self._unasked = unasked
+        """Records the client did not ask for: read for their count, then taken out."""
+        self.taken = 0
+        """How many records were taken out."""
 
     def __call__(self, data: bytes) -> list[bytes]:
         out = self._passed(data)
@@ -135,7 +143,11 @@ class StreamReport:
     def _record(self, record: bytes) -> list[bytes]:
         if self._placed:
             return [record]
-        final = self._final(record)
+        obj = self._object(record)
+        if obj is not None and self._unasked is not None and self._unasked(obj):
+            self._take(obj)
+            return []
+        final = self._final(obj)
         out: list[bytes] = []
         if self._held is not None:
             held, self._held = self._held, None
@@ -148,6 +160,26 @@ class StreamReport:
                 return out
             return [*out, self._merge(record)]
         return [*out, record]
+
+    def _take(self, obj: Mapping[str, Any]) -> None:
+        """Take out a record the client did not ask for: its count is read, and the fields the
+        record before it would have carried without it (llama-server puts `timings` on the last
+        event) go there."""
+        self.taken += 1
+        if self._count is not None and (counted := self._count(obj)) is not None:
+            self.counted = counted
+        timings = obj.get("timings")
+        if timings is None or self._held is None or (span := self._span(self._held)) is None:
+            return
+        start, end = span
+        try:
+            held = json.loads(self._held[start:end])
+        except ValueError:
+            return
+        if isinstance(held, dict) and "timings" not in held:
+            merged = splice(self._held[start:end], report_bytes(timings), b"timings")
+            if merged is not None:
+                self._held = self._held[:start] + merged + self._held[end:]
 
     def _finish(self) -> list[bytes]:
         out = [self._merge(self._held)] if self._held is not None else []
@@ -168,15 +200,19 @@ class StreamReport:
         end = record.find(b"\n", start)
         return start + len(b"data:"), end if end != -1 else len(record)
 
-    def _final(self, record: bytes) -> bool:
+    def _object(self, record: bytes) -> dict[str, Any] | None:
+        """The JSON object a record carries, or None."""
         span = self._span(record)
         if span is None:
-            return False
+            return None
         try:
             obj = json.loads(record[span[0] : span[1]])
         except ValueError:
-            return False
-        if not isinstance(obj, dict):
+            return None
+        return obj if isinstance(obj, dict) else None
+
+    def _final(self, obj: dict[str, Any] | None) -> bool:
+        if obj is None:
             return False
         if self._is_final(obj):
             return True

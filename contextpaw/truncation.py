@@ -25,9 +25,14 @@ one-letter words comes close), and long runs of whitespace or code take up to 13
 @dataclass(frozen=True, slots=True)
 class Truncation:
     sent_tokens: int
+    """What was sent, as far as is known: our count, or more where the server's own numbers prove
+    more (a cut means the prompt was longer than the window; a whole evaluation counts all of it)."""
     evaluated_tokens: int
+    """What the server says it evaluated (0: it said nothing)."""
     num_ctx: int | None
     reason: str
+    note: str | None = None
+    """Set where our count and the server's disagree: what we counted, and that the server is trusted."""
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -59,13 +64,32 @@ def could_exceed(sent_tokens: int, window: int, bounds: tuple[float, float]) -> 
     return sent_tokens * bounds[1] > window - 1
 
 
+def told(sent_tokens: int, evaluated_tokens: int, window: int, reason: str, cut: bool) -> Truncation:
+    """A cut or a possible cut, in numbers that never contradict each other: where the server's
+    count says more was sent than we counted, the server is trusted, and the note says so.
+
+    A prompt the server evaluated more of than we counted was sent at least that count, and, if it
+    was cut, more than the window (Ollama cuts only a prompt longer than its window)."""
+    if sent_tokens >= evaluated_tokens:
+        return Truncation(sent_tokens, evaluated_tokens, window, reason)
+    least = max(evaluated_tokens, window) if cut else evaluated_tokens
+    why = (f"a cut means the prompt was longer than the server's {window}-token window" if cut
+           else f"the server evaluated {evaluated_tokens}")  # fmt: skip
+    note = f"ContextPaw counted about {sent_tokens} prompt tokens, but {why}: the server's count is trusted"
+    return Truncation(least, evaluated_tokens, window, reason, note)
+
+
 def unknowable(sent_tokens: int, window: int | None, bounds: tuple[float, float], truncation_forbidden: bool) -> Verdict:
-    """The server reported no count (Ollama's /v1 streams carry none unless the client asks for
-    usage): a prompt that can exceed the window may have been cut, and that is said."""
+    """The server reported no count (an OpenAI-compatible stream whose usage was not asked for): a
+    prompt surely larger than the window was cut, and one that can exceed it may have been, and
+    that is said."""
     if truncation_forbidden or (window is not None and not could_exceed(sent_tokens, window, bounds)):
         return Verdict(Evaluation.WHOLE)
     if window is None:
         return Verdict(Evaluation.UNSURE)
+    if sent_tokens * bounds[0] > window:
+        reason = "the prompt sent is larger than the window the server used (the server reported no prompt count)"
+        return Verdict(Evaluation.CUT, told(sent_tokens, 0, window, reason, cut=True))
     doubt = "the server reported no prompt count, and the prompt may have been longer than the window"
     return Verdict(Evaluation.UNSURE, Truncation(sent_tokens, 0, window, doubt))
 
@@ -78,7 +102,8 @@ def judge(
     truncation_forbidden: bool = False,
 ) -> Verdict:
     """What the server did with a prompt we count at `sent_tokens` (true size within `bounds`
-    times that), given the window it used and the count it reported."""
+    times that: the low bound is the least the prompt sent can be, the word floor among what
+    proves it), given the window it used and the count it reported."""
     if evaluated_tokens is None or evaluated_tokens <= 0 or sent_tokens <= 0:
         return Verdict(Evaluation.UNSURE)
     if truncation_forbidden:
@@ -96,5 +121,5 @@ def judge(
         reason = "server evaluated fewer tokens than were sent"
     else:
         doubt = "the prompt may have been longer than the window; the count sent is an estimate"
-        return Verdict(Evaluation.UNSURE, Truncation(sent_tokens, evaluated_tokens, window, doubt))
-    return Verdict(Evaluation.CUT, Truncation(sent_tokens, evaluated_tokens, window, reason))
+        return Verdict(Evaluation.UNSURE, told(sent_tokens, evaluated_tokens, window, doubt, cut=False))
+    return Verdict(Evaluation.CUT, told(sent_tokens, evaluated_tokens, window, reason, cut=True))

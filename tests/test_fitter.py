@@ -239,7 +239,7 @@ async def test_a_cut_ollama_made_is_flagged_and_a_whole_evaluation_is_not() -> N
 
 
 async def test_under_policy_off_a_whole_evaluation_is_passed_on_as_it_came() -> None:
-    f, s = fitter(policy="off"), state(chat(turns=1))
+    f, s = fitter(policy="off"), state(chat(turns=1, num_ctx=8192))  # a window it cannot reach: surely whole
     await f.fit(s)
     assert s.observed is not None
     assert f.answers.final_report(s, {"done": True, "prompt_eval_count": s.observed.final_tokens}) is None

@@ -9,11 +9,12 @@ LangChain-style trimmers react to that code, where a 413 reads as a size limit.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
-from contextpaw.wire.base import Chat, NotCompactable, Overflow, Prompt, Route, answer_params
+from contextpaw.wire.base import Chat, NotCompactable, Overflow, Prompt, Route, answer_params, write
 
 MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
 """llama-server reads `n_predict` too; all three mean the same limit."""
@@ -82,3 +83,39 @@ CHAT = Route("openai.chat", _chat, refusal("messages"), proxy_error, "sse", _is_
 COMPLETIONS = Route(
     "openai.completions", _completion, refusal("prompt"), proxy_error, "sse", _is_final, refusal_status=REFUSAL_STATUS
 )
+
+
+# -- the usage a stream carries only when asked for -------------------------------------------------
+# A streamed chat answer says how many prompt tokens were evaluated only in a usage chunk, and that
+# chunk comes only when the request asks for it (`stream_options.include_usage`). ContextPaw asks for
+# it where the client did not (the verdict and calibration need the count), and takes the chunk out
+# again, so that the client gets the stream it asked for (`contextpaw.answers`, `contextpaw.streams`).
+
+USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+
+
+def usage_asked(body: Mapping[str, Any]) -> bool:
+    """Whether a request asks for the stream's usage chunk itself."""
+    options = body.get("stream_options")
+    return isinstance(options, Mapping) and options.get("include_usage") is True
+
+
+def asking_usage(raw: bytes, client: Mapping[str, Any]) -> bytes:
+    """`raw`, the bytes of a streamed chat request that does not ask for usage, asking for it
+    (`client`: the client's body, for its own `stream_options`).
+
+    Without `stream_options` of its own (the common case) the option goes first in the object and
+    every other byte stays as it was, nothing parsed; beside the client's own options it joins
+    them, and the body is written again."""
+    if "stream_options" not in client:
+        start = raw.index(b"{") + 1
+        comma = b"" if raw[start:].lstrip().startswith(b"}") else b","
+        return raw[:start] + USAGE_OPTION + comma + raw[start:]
+    body = json.loads(raw)
+    options = body.get("stream_options")
+    return write(body, stream_options={**(options if isinstance(options, Mapping) else {}), "include_usage": True})
+
+
+def is_usage_chunk(record: Mapping[str, Any]) -> bool:
+    """The chunk `include_usage` adds at the end of a chat stream: no choices, the usage."""
+    return record.get("choices") == [] and isinstance(record.get("usage"), Mapping)
