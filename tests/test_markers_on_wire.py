@@ -9,11 +9,14 @@ chat templates demand. `tests/real/test_markers_real.py` sends the same shapes t
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+from support.common import anthropic_chat
+from support.fake_llamacpp import responses_chat
 
 from contextpaw import wire
 from contextpaw.conversation import Message
@@ -21,8 +24,6 @@ from contextpaw.fitting import fit_chat
 from contextpaw.markers import MARKER_PREFIX, fold
 from contextpaw.tokens import EstimateCounter
 from contextpaw.wire import anthropic, ollama, openai, responses
-from support.common import anthropic_chat
-from support.fake_llamacpp import responses_chat
 
 COUNTER = EstimateCounter()
 BIG = "lorem ipsum " * 300
@@ -82,7 +83,7 @@ def _text(message: Mapping[str, Any]) -> str:
 def alternate(messages: Sequence[Mapping[str, Any]]) -> None:
     """No two messages of one role in a row (tool results aside), as strict templates demand."""
     roles = [m["role"] for m in messages if m["role"] not in ("system", "tool")]
-    assert all(a != b for a, b in zip(roles, roles[1:])), roles
+    assert all(a != b for a, b in itertools.pairwise(roles)), roles
 
 
 def anthropic_rules(messages: Sequence[Mapping[str, Any]]) -> None:

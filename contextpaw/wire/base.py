@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 from contextpaw.conversation import Conversation
@@ -57,7 +57,7 @@ class Number(float):
     __slots__ = ("literal",)
     literal: str
 
-    def __new__(cls, literal: str) -> Number:
+    def __new__(cls, literal: str) -> Self:
         number = super().__new__(cls, float(literal))
         number.literal = literal
         return number

@@ -114,7 +114,7 @@ def test_a_body_in_a_declared_charset_is_read_by_it_and_compacted(runner: Any, k
 @pytest.mark.parametrize(("port", "path"), ROUTES, ids=IDS)
 def test_a_field_nested_deeper_than_the_parser_goes_is_said_to_go_unjudged(runner: Any, kit: Any, cases: Any, port: int, path: str) -> None:
     raw = overflowing(path, b"[" * 10_000 + b"]" * 10_000)
-    flow, state = send(runner, kit, port, path, raw)
+    flow, _ = send(runner, kit, port, path, raw)
     cases["bad_input.deep"] += 1
     assert flow.request.raw_content == raw, "it goes as it came"
     response = answered(runner, flow)
