@@ -125,3 +125,57 @@ def test_a_record_over_the_limit_goes_on_as_it_comes_without_the_report(monkeypa
     stream = StreamReport("ndjson", ollama.CHAT.is_final, REPORT)
     out = b"".join(piece for i in range(0, len(body), 8192) for piece in stream(body[i : i + 8192])) + b"".join(stream(b""))
     assert out == body
+
+
+# -- the usage chunk asked for in the client's stead ------------------------------------------------
+
+LLAMA_CHAT_WITH_USAGE = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hel"}}],"id":"c","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],"id":"c","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[],"id":"c","object":"chat.completion.chunk","usage":{"prompt_tokens":7},"timings":{"prompt_n":7}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 7, 4096])
+def test_a_usage_chunk_the_client_did_not_ask_for_is_read_for_its_count_and_taken_out(size: int) -> None:
+    seen: list[tuple[dict, int | None]] = []
+
+    def report(final: dict, counted: int | None) -> bytes:
+        seen.append((final, counted))
+        return REPORT
+
+    transformer = StreamReport("sse", openai.CHAT.is_final, report, openai.CHAT.evaluated, unasked=openai.is_usage_chunk)
+    _, out = run(transformer, OPENAI_STREAM, size)
+    assert b'"usage"' not in out and transformer.taken == 1
+    assert seen == [({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, 3)]
+    finish = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"contextpaw":' + REPORT + b"}\n\n"
+    assert out == OPENAI_STREAM.replace(b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3}}\n\n', b"").replace(
+        b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n', finish
+    )
+
+
+def test_llama_servers_timings_go_back_onto_the_finish_chunk_where_they_ride_without_usage() -> None:
+    transformer = StreamReport("sse", openai.CHAT.is_final, lambda final, counted: None, openai.CHAT.evaluated, unasked=openai.is_usage_chunk)
+    out = transformer.transform(LLAMA_CHAT_WITH_USAGE)
+    assert out == (
+        b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hel"}}],"id":"c","object":"chat.completion.chunk"}\n\n'
+        b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],"id":"c","object":"chat.completion.chunk","timings":{"prompt_n":7}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert transformer.counted == 7
+
+
+def test_a_client_that_asked_for_usage_keeps_its_chunk_and_the_report_goes_into_it() -> None:
+    transformer = StreamReport("sse", openai.CHAT.is_final, REPORT, openai.CHAT.evaluated)
+    out = transformer.transform(OPENAI_STREAM)
+    assert b'"choices":[],"usage":{"prompt_tokens":3},"contextpaw":{"compacted":true}}' in out and transformer.taken == 0
+
+
+def test_asking_for_usage_adds_the_option_and_leaves_every_other_byte() -> None:
+    raw = b'{"model": "m",  "stream": true, "messages": [{"role": "user", "content": "\\u003c 1e400"}]}'
+    asked = openai.asking_usage(raw, {})
+    assert asked == b'{"stream_options":{"include_usage":true},"model": "m",  "stream": true, "messages": [{"role": "user", "content": "\\u003c 1e400"}]}'
+    beside = openai.asking_usage(b'{"stream":true,"stream_options":{"x":1}}', {"stream_options": {"x": 1}})
+    assert json.loads(beside)["stream_options"] == {"x": 1, "include_usage": True}
+    assert openai.usage_asked({"stream_options": {"include_usage": True}}) and not openai.usage_asked({"stream_options": None})
