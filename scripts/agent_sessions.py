@@ -521,7 +521,9 @@ def use_commit(revision: str, work: Path) -> None:
     import subprocess
 
     repo = Path(__file__).resolve().parents[1]
-    tree = work / f"contextpaw-{revision}"
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", revision], capture_output=True, text=True, check=True).stdout.strip()
+    print(f"ContextPaw as committed at {commit}", file=sys.stderr)
+    tree = work / f"contextpaw-{commit[:12]}"
     tree.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(repo), "archive", revision, "contextpaw", "contextpaw_addon.py"],
                              capture_output=True, check=True)  # fmt: skip
