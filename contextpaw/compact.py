@@ -33,6 +33,7 @@ evicted messages and what their markers cost), `shrink` (cutting a text middle-o
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -51,9 +52,18 @@ FILL = 0.995
 (where they fit in it with their note: a room smaller than that stays). Near the whole budget: room
 that whole units leave is context the model could have had (an agent chat cut to -c 2048 left 7%)."""
 
-HEADROOM = 0.25
-"""When a conversation overflows again, evict this share of the budget more than needed: the next
-turns then append to the cached prefix instead of each cutting it anew."""
+HEADROOM = (0.15, 0.35)
+"""The least and the most share of the budget a cut leaves free (`headroom_share`). A cut that fills
+the budget makes the next turn cut again, and every cut makes the server read again what follows
+it; a cut that leaves room for a turn lets the next one append. Past a third of the budget the
+window is mostly empty: an agent loop whose turns each add a third of it cuts every turn anyway."""
+HEADROOM_TURNS = 3
+"""How many of the latest turns size the headroom (their mean is what one turn adds)."""
+HEADROOM_ROOM = 2
+"""A cut leaves room for this many more turns like them: with room for one, every other turn cuts."""
+
+SIZE_CLASS = 1.5
+"""Units whose sizes are within this ratio are evicted oldest first (`_ChatCompaction.stalest_biggest`)."""
 
 SHRINK_ROUNDS = 8
 """Passes over the protected messages before a fit is given up as impossible."""
@@ -62,9 +72,26 @@ EARLIER_CUT = "cut at or before the last turn's last marker"
 """Said in the report's notes when the budget cannot hold last turn's prompt up to its last marker."""
 
 
-def recut_target(budget: int) -> int:
-    """What a re-cut is made to: the budget less the headroom, so that the next turns append."""
-    return budget - int(budget * HEADROOM)
+def recut_target(budget: int, headroom: float) -> int:
+    """What a cut is made to: the budget less the headroom, so that the next turns append."""
+    return budget - int(budget * headroom)
+
+
+def headroom_share(messages: tuple[Message, ...], cost: list[int], budget: int) -> float:
+    """The share of the budget a cut leaves free: what `HEADROOM_ROOM` turns add, as the latest did.
+
+    A turn starts at an assistant message (the answer, then what the client adds: a tool's result,
+    the user's next words); a conversation with no answer yet is sized by its last message. Bounded
+    by `HEADROOM`."""
+    starts = [i for i, m in enumerate(messages) if m.speaker == "assistant"]
+    if starts:
+        bounds = [*starts[-HEADROOM_TURNS:], len(messages)]
+        turns = [sum(cost[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        grows = HEADROOM_ROOM * sum(turns) / len(turns)
+    else:
+        grows = cost[-1] if cost else 0
+    low, high = HEADROOM
+    return min(max(grows / max(budget, 1), low), high)
 
 
 class BudgetTooSmall(Exception):
@@ -100,10 +127,15 @@ class Plan:
     """Message (its unit's key and place in the unit) -> where its text was cut (so the same cut repeats)."""
     notes: Mapping[str, str] = field(default_factory=dict)
     """Marker id -> the marker's text as it was sent (so the same hole reads the same next turn)."""
+    hole_starts: frozenset[str] = frozenset()
+    """Keys of the units that begin a hole: holes side by side stay apart next turn, each marker as
+    it was sent."""
+    headroom: float = 0.0
+    """The share of the budget this cut left free (0: nothing was cut): a check of the fit by the
+    server aims it there, as the engine did."""
     continued: bool = False
     """Whether this turn began from an earlier turn's cuts (and was cut again after them if it had
-    to be): a check of the fit by the server aims it below the budget by the headroom, as the
-    engine did."""
+    to be)."""
 
     @property
     def footprint(self) -> int:
@@ -136,11 +168,14 @@ def compact_chat(
     fixed_tokens: int = 0,
     digests: Mapping[str, str] | None = None,
     admit: int | None = None,
+    headroom: float | None = None,
 ) -> ChatResult:
     """Fit `conversation` into `budget` tokens (tools and `fixed_tokens` of template included).
 
     A conversation of up to `admit` tokens (default: the budget) is left as it is: the backend
-    would serve it whole. One over that is cut to `budget`.
+    would serve it whole. One over that is cut below `budget` by `headroom` (a share of it;
+    default: what a turn adds, `headroom_share`), so that the next turns append; what must be kept
+    may use the whole budget.
     `digests` maps a hole's marker id (from an earlier run's report) to a summary of what it held;
     a hole that comes out the same carries its digest inside the marker, within the budget.
     """
@@ -149,8 +184,10 @@ def compact_chat(
     limit = budget if admit is None else max(admit, budget)
     if fixed + sum(cost) <= limit:  # the common case, decided before any of the bookkeeping
         return ChatResult(None, as_sent(fixed + sum(cost), limit, counter), Plan())
+    share = headroom_share(conversation.messages, cost, budget) if headroom is None else headroom
+
     def fit(within: int) -> ChatResult:
-        return _ChatCompaction(conversation, within, counter, keep_recent, previous or Plan(), fixed, cost, digests or {}).run()
+        return _ChatCompaction(conversation, within, counter, keep_recent, previous or Plan(), fixed, cost, digests or {}, share).run()
 
     try:
         return fit(budget)
@@ -198,9 +235,14 @@ class _ChatCompaction:
         fixed: int,
         cost: list[int],
         digests: Mapping[str, str],
+        headroom: float,
     ) -> None:
         self.msgs = list(conv.messages)
         self.budget = budget
+        self.headroom = headroom
+        self.target = recut_target(budget, headroom)
+        """What evictions aim at: the budget less the headroom. Shrinking a kept message aims at the
+        budget itself: room for the next turns is not worth cutting into what must be kept."""
         self.counter = counter
         self.previous = previous
         self.fixed = fixed
@@ -211,11 +253,17 @@ class _ChatCompaction:
         n = len(self.msgs)
         users = [i for i, m in enumerate(self.msgs) if m.role == "user"]
         protected = set(range(max(0, n - keep_recent), n)) | ({users[0], users[-1]} if users else set())
-        pinned = {u for u in self.units if any(self.msgs[i].pinned for i in u.indices)}
+        # the head: everything up to the first user message, unless that is the request itself
+        head = users[0] if users and users[0] < n - 1 else -1
+        pinned = {u for u in self.units if any(self.msgs[i].pinned or i <= head for i in u.indices)}
+        self.fresh = frozenset(self.unit_of[n - 1].indices) if n else frozenset()
+        """The newest unit (the tool result just read, the user's latest words): shrunk last."""
         self.pinned = [u for u in self.units if u in pinned]
         self.protected = [u for u in self.units if u not in pinned and protected.intersection(u.indices)]
         guarded = pinned | set(self.protected)
         self.evictable = [u for u in self.units if u not in guarded]
+        self.largest = max((self.unit_cost[u] for u in self.evictable), default=1)
+        """The biggest evictable unit: sizes are classed by their ratio to it (`stalest_biggest`)."""
         self.evicted: set[Unit] = set()
         self.sticky: set[Unit] = set()
         """Units evicted last turn, evicted again before anything else is decided."""
@@ -228,26 +276,31 @@ class _ChatCompaction:
         report = as_sent(self.fixed + self.kept, self.budget, self.counter)
         pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
         if pinned > self.budget:
-            raise self.too_small("the system prompt and tool definitions")
+            raise self.too_small("the system prompt, the tool definitions and the conversation's opening")
 
         last = self.repeat_previous()
+        cut = last is None or self.total() > self.budget
         if last is None:
-            self.evict_until(self.budget, sorted(self.evictable, key=lambda u: (-self.unit_cost[u], u.indices)))
+            self.evict_until(self.target, sorted(self.evictable, key=self.stalest_biggest))
             self.shrink_protected(self.budget)
             self.must_fit()
-            self.refill(self.budget)
-            self.fill()
-        elif self.total() > self.budget:
+            self.refill(self.target)
+            self.fill(self.target)
+        elif cut:
             self.recut(last, report)
 
         sent = render(
             self.msgs, self.cost, self.shrunk, self.holes, written=self.previous.notes, fixed=self.fixed, counter=self.counter
         )
         sent.tell(report)
+        report.headroom = self.headroom if cut else self.previous.headroom
+        starts = {h[0] for h in self.holes}
         plan = Plan(
             evicted=frozenset(u.key for u in self.evicted),
-            shrunk={self.cut_key(i): cut for i, (_, _, cut) in self.shrunk.items() if self.unit_of[i] not in self.evicted},
+            shrunk={self.cut_key(i): c for i, (_, _, c) in self.shrunk.items() if self.unit_of[i] not in self.evicted},
             notes=sent.notes,
+            hole_starts=frozenset(u.key for u in self.evicted if min(u.indices) in starts),
+            headroom=report.headroom,
             continued=last is not None,
         )
         return ChatResult([m.raw for m in sent.messages], report, plan)
@@ -295,7 +348,10 @@ class _ChatCompaction:
         the index of the last message a cut stands for (None: last turn cut nothing here)."""
         for unit in self.evictable:
             if unit.key in self.previous.evicted:
+                if unit.key in self.previous.hole_starts:
+                    self.holes.walls.add(min(unit.indices))
                 self.evict(unit)
+        self.holes.seal()
         self.sticky = set(self.evicted)
         ends = [max(u.indices) for u in self.sticky]
         for unit in self.units:
@@ -308,37 +364,40 @@ class _ChatCompaction:
 
     def recut(self, last: int, report: Report) -> None:
         """A conversation that overflows again, last cut at message `last`: what was sent up to
-        there is what the server cached, so the new cut goes after it, and deep enough (headroom)
-        that the next turns append instead of each cutting anew.
+        there is what the server cached, so the new cut goes after it, to the target (the headroom
+        lets the next turns append instead of each cutting anew).
 
-        Units after the last cut go first, latest first, so the first message that changes is as
-        late as it can be (the last hole grows when the unit right after it goes too: only its
-        marker changes, and the prefix does not grow by a unit every re-cut). A message shrunk
-        last is cut deeper next, then protected messages after the last cut are shrunk, as long as
-        the prefix leaves the headroom for them. Only when the budget cannot hold the prefix with
-        what must follow is anything before it cut, and the report says so."""
-        target = recut_target(self.budget)
-        latest_first = sorted(self.evictable, key=lambda u: u.indices, reverse=True)
-        self.evict_until(target, [u for u in latest_first if min(u.indices) > last])
+        Units after the last cut go first, biggest first, each hole with a marker of its own: a
+        marker once sent is never rewritten. A message shrunk last is cut deeper next, then
+        protected messages after the last cut are shrunk (the newest last). Only when the budget
+        cannot hold the prefix with what must follow is anything before it cut, and the report
+        says so."""
+        target = self.target
+        after = [u for u in self.evictable if min(u.indices) > last]
+        self.evict_until(target, sorted(after, key=self.stalest_biggest))
         changed = None
         if self.total() > self.budget and last in self.shrunk and self.shrink(last, self.total() - target):
             changed = "its cut goes deeper"
-        if self.total() > self.budget and self.prefix_tokens(last) <= target:
-            self.shrink_protected(target, after=last)
+        if self.total() > self.budget and self.prefix_tokens(last) <= self.budget:
+            self.shrink_protected(self.budget, after=last)
         if self.total() > self.budget:
             prefix = self.prefix_tokens(last)
             changed = f"the {prefix} tokens up to it leave {self.budget - prefix} of the {self.budget}-token budget, too little for what must follow"
             # the prefix gives up its latest units until it leaves the headroom, no more: what it
             # keeps is still cached, and what follows it is shrunk into the room
+            latest_first = sorted(self.evictable, key=lambda u: u.indices, reverse=True)
             self.evict_until(target, latest_first, lambda: self.prefix_tokens(last))
-            self.shrink_protected(target, after=last)
+            self.shrink_protected(self.budget, after=last)
             if self.total() > self.budget:
                 self.evict_until(target, latest_first)
-                self.shrink_protected(target)
+                self.shrink_protected(self.budget)
                 self.must_fit()
+            earliest = min((min(u.indices) for u in self.evicted - self.sticky if min(u.indices) <= last), default=last)
+            self.holes.unwall(earliest)
         if changed:
             report.notes.append(f"{EARLIER_CUT} (message {last}): {changed}")
         self.refill(target)
+        self.fill(target)
 
     def prefix_tokens(self, last: int) -> int:
         """Tokens of what is sent up to message `last` as the cuts stand: kept messages and markers."""
@@ -346,9 +405,11 @@ class _ChatCompaction:
         return self.fixed + kept + sum(self.holes.marker_cost(h) for h in self.holes if h[1] <= last)
 
     def shrink_protected(self, limit: int, after: int = -1) -> None:
-        """Shrink protected messages middle-out, biggest first, until the rest fits in `limit` or
-        none can give more. With `after`, only messages after it, and of the units that straddle
-        it also those that are not protected (they cannot go without what comes before).
+        """Shrink protected messages middle-out, biggest first and the newest unit last (the file
+        the agent just read reaches it whole wherever the rest can give way), until the rest fits
+        in `limit` or none can give more. With `after`, only messages after it, and of the units
+        that straddle it also those that are not protected (they cannot go without what comes
+        before).
 
         A message's cost does not fall exactly as far as its text's (the note, a content part, how
         the cut tokenizes), so a pass that lands a few tokens over is followed by another, which
@@ -359,15 +420,16 @@ class _ChatCompaction:
             (i for u in units for i in u.indices if i > after and self.msgs[i].content_text),
             key=lambda i: (-self.cost[i], i),
         )
-        for _ in range(SHRINK_ROUNDS):
-            gave = False
-            for i in candidates:
-                over = self.total() - limit
-                if over <= 0:
-                    return
-                gave = self.shrink(i, over) or gave
-            if not gave:
-                return
+        for group in ([i for i in candidates if i not in self.fresh], [i for i in candidates if i in self.fresh]):
+            for _ in range(SHRINK_ROUNDS):
+                gave = False
+                for i in group:
+                    over = self.total() - limit
+                    if over <= 0:
+                        return
+                    gave = self.shrink(i, over) or gave
+                if not gave:
+                    break
 
     def must_fit(self) -> None:
         """The last resort when shrinking did not reach the budget: the least this request can be,
@@ -419,6 +481,12 @@ class _ChatCompaction:
         unit = self.unit_of[i]
         return f"{unit.key}:{unit.indices.index(i)}"
 
+    def stalest_biggest(self, unit: Unit) -> tuple[int, tuple[int, ...]]:
+        """The eviction order: the biggest units first, and among units of about one size (of one
+        class of `SIZE_CLASS` times, counted down from the biggest) the oldest, so that a run of like tool results is cut from its
+        stale end, and the holes gather before what the agent read last."""
+        return int(math.log(self.largest / max(self.unit_cost[unit], 1), SIZE_CLASS)), unit.indices
+
     def biggest(self, unit: Unit) -> int:
         return max(unit.indices, key=lambda i: (self.cost[i], -i))
 
@@ -426,18 +494,19 @@ class _ChatCompaction:
         _, size, _ = self.shrunk.pop(i)
         self.kept -= size - self.cost[i]
 
-    def fill(self) -> None:
-        """Use room that whole units could not: re-admit the smallest evicted unit that fits once its
-        biggest message is shrunk middle-out (its call and results stay together)."""
-        for unit in sorted(self.evicted, key=lambda u: (self.unit_cost[u], u.indices)):
-            if self.total() >= self.budget * FILL:
+    def fill(self, limit: int) -> None:
+        """Use room that whole units could not, up to `limit`: re-admit the smallest unit evicted
+        this turn that fits once its biggest message is shrunk middle-out (its call and results
+        stay together). Last turn's holes stay as they were sent."""
+        for unit in sorted(self.evicted - self.sticky, key=lambda u: (self.unit_cost[u], u.indices)):
+            if self.total() >= limit * FILL:
                 return
             biggest = self.biggest(unit)
             if not self.msgs[biggest].content_text:
                 continue
             self.readmit(unit)
-            over = self.total() - self.budget
-            if self.shrink(biggest, over) and self.total() <= self.budget:
+            over = self.total() - limit
+            if self.shrink(biggest, over) and self.total() <= limit:
                 return
             if biggest in self.shrunk:
                 self.unshrink(biggest)
@@ -467,7 +536,8 @@ class _ChatCompaction:
                 self.evict(unit)
 
     def refill(self, limit: int) -> None:
-        """Re-admit units evicted this turn that fit in the room left (up to `limit`), biggest first."""
-        for unit in sorted(self.evicted - self.sticky, key=lambda u: (-self.unit_cost[u], u.indices)):
+        """Re-admit units evicted this turn that fit in the room left (up to `limit`), biggest first
+        and, among units of about one size, the newest (the holes stay before what is kept)."""
+        for unit in sorted(self.evicted - self.sticky, key=lambda u: (self.stalest_biggest(u)[0], -max(u.indices))):
             if self.fixed + self.kept + self.unit_cost[unit] <= limit and self.total_taken_back(unit) <= limit:
                 self.readmit(unit)

@@ -35,6 +35,10 @@ class Holes:
         self.starts: list[int] = []
         """Hole starts in order, to find the hole that holds a message."""
         self.marker_total = 0
+        self.walls: set[int] = set()
+        """Indices no hole joins across (between `i - 1` and `i`): the ends of holes whose markers were
+        sent before, so that a new eviction beside one makes a hole and a marker of its own instead of
+        rewriting the marker the server has cached."""
         self._marker_cost: dict[Hole, int] = {}
         # Prefix sums, so a hole's note (its size and what kinds of message it held) costs O(1).
         self._cost_before = [0, *itertools.accumulate(cost)]
@@ -51,13 +55,29 @@ class Holes:
         """Messages that went: each run of them is a hole, joined with the holes just before and after it."""
         for lo, hi in _runs(indices):
             start, end = lo, hi
-            if lo - 1 in self.start:
+            if lo - 1 in self.start and lo not in self.walls:
                 start = self.start[lo - 1]
                 self._forget(start, lo - 1)
-            if hi + 1 in self.end:
+            if hi + 1 in self.end and hi + 1 not in self.walls:
                 end = self.end[hi + 1]
                 self._forget(hi + 1, end)
             self._add(start, end)
+
+    def seal(self) -> None:
+        """Wall in every hole as it stands: its marker is sent, and stays byte for byte."""
+        for start, end in self:
+            self.walls.update((start, end + 1))
+
+    def unwall(self, since: int) -> None:
+        """Let the holes after `since` join again: what follows a cut made there is read anew by
+        the server anyway, and markers side by side cost the window more than one would."""
+        for wall in sorted(w for w in self.walls if w > since):
+            self.walls.discard(wall)
+            if wall - 1 in self.start and wall in self.end:
+                first, last = self.start[wall - 1], self.end[wall]
+                self._forget(first, wall - 1)
+                self._forget(wall, last)
+                self._add(first, last)
 
     def remove(self, indices: Iterable[int]) -> None:
         """Messages taken back: the hole holding each run of them is split around it."""

@@ -73,6 +73,8 @@ def render(
                 note = written[marker_id]  # written once: the prefix stays the same
             if not digest:
                 notes[marker_id] = note
+            if pending_fold is not None:  # walled holes side by side: both markers, in order
+                note, pending_fold = f"{pending_fold}\n\n{note}", None
             after = last + 1
             role = marker_role(out[-1].speaker if out else None, speaker_after(msgs[after]) if after < len(msgs) else None)
             if role is None and after < len(msgs) and can_fold(msgs[after]):

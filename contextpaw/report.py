@@ -42,6 +42,8 @@ class Report:
     counter: str = "estimate"
     exact: bool = False
     window: int | None = None
+    headroom: float = 0.0
+    """The share of the budget a cut left free so that the next turns append (0: no cut)."""
     removals: list[Removal] = field(default_factory=list)
     markers: list[str] = field(default_factory=list)
     recovered_from_upstream_400: bool = False
@@ -65,6 +67,11 @@ class Report:
         return sum(r.tokens for r in self.removals)
 
     @property
+    def target(self) -> int:
+        """What a cut was aimed at: the budget less the headroom."""
+        return self.budget - int(self.budget * self.headroom)
+
+    @property
     def upper_bound(self) -> bool:
         """The sizes are what the body's length allows at most (`counter: size`), not a count: a
         request proved to fit by its size alone is never counted."""
@@ -86,6 +93,8 @@ class Report:
                 value = asdict(value) if isinstance(value, Truncation) else value
             out[name] = value
         out["evicted_tokens"] = self.evicted_tokens
+        if self.headroom:
+            out["target"] = self.target
         if self.upper_bound:
             out["upper_bound"] = True
         return out
@@ -112,6 +121,8 @@ class Report:
                 "X-ContextPaw-Evicted-Tokens": str(self.evicted_tokens),
                 "X-ContextPaw-Budget": str(self.budget),
             }
+            if self.headroom:
+                out["X-ContextPaw-Target"] = str(self.target)
         if self.required_tokens is not None:
             out["X-ContextPaw-Required-Tokens"] = str(self.required_tokens)
         if self.recovered_from_upstream_400:

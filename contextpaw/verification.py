@@ -36,7 +36,7 @@ class Reading(Enum):
     APPENDS = "within the budget, with last turn's cuts and no others"
     CONFIRMED = "within the target"
     PAST_CONFIRMED = "over the target, after a fit within it was confirmed"
-    PAST_HEADROOM = "within the budget but over a re-cut's target, none confirmed yet"
+    PAST_HEADROOM = "within the budget but over a cut's target, none confirmed yet"
     PAST_LOOSENED = "over, cut to the budget loosened by last turn's overcount"
     OVER = "over the budget"
 
@@ -69,11 +69,10 @@ class Search:
         self.tightened = start
         """Our budget for the fit being counted."""
         self.target = budget.tokens
-        """What the server's count of a fit is aimed at: the budget for a conversation's first cut;
-        once a fit counted began from last turn's cuts (`Plan.continued`: the first, or a refit
-        after a whole request was counted over), the budget less the engine's headroom, so that
-        the next turns append. Filling a re-cut to the budget made every following turn cut again
-        (an agent loop at -c 2048: 13 re-cuts in 21 turns, each ending at 93-97% of the budget)."""
+        """What the server's count of a fit is aimed at: the budget less the headroom the engine
+        left (`Plan.headroom`), so that the next turns append. Filling a cut to the budget made
+        every following turn cut again (an agent loop at -c 2048: 13 re-cuts in 21 turns, each
+        ending at 93-97% of the budget)."""
         self.confirmed: Send | None = None
         """The fullest fit the server counted at or under the target."""
         self.under: tuple[int, int] | None = None
@@ -119,8 +118,8 @@ class Search:
     def counted(self, fitted: Fitted, total: int, last: bool) -> Step:
         """The step after the server counted `fitted` at `total` (`last`: no more counts to come).
         A fit within the budget carries the server's count from here on."""
-        if fitted.plan is not None and fitted.plan.continued:
-            self.target = recut_target(self.budget.tokens)
+        if fitted.plan is not None and fitted.plan.headroom:
+            self.target = recut_target(self.budget.tokens, fitted.plan.headroom)
         ours = fitted.report.final_tokens
         reading = self.read(fitted, total)
         if self.within(fitted, total):

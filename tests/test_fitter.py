@@ -563,7 +563,7 @@ async def test_a_cut_our_per_text_count_overstates_is_made_again_to_fill_the_win
     assert report is not None and report.exact and report.counter == "backend"
     real = await f.services.counting.total("", json.loads(decision.body))
     assert real == report.final_tokens <= report.budget
-    assert real >= 0.97 * report.budget, f"{real} of {report.budget}: the room our count overstated is used"
+    assert real >= 0.97 * report.target, f"{real} of {report.budget}: the room our count overstated is used"
 
 
 class HalfAgainTextCounting(ToolBlindCounting):
@@ -600,7 +600,7 @@ async def test_a_re_cut_keeps_its_headroom_in_the_servers_tokens_so_the_next_tur
         assert real == s.report.final_tokens <= s.report.budget
         if previous_sent is not None and sent["messages"][: len(previous_sent)] != previous_sent:  # not an appending turn
             recuts += 1
-            assert real <= compact.recut_target(s.report.budget) + s.report.budget // 50, f"turn {n}: {real}"
+            assert real <= s.report.target + s.report.budget // 50, f"turn {n}: {real}"
         previous_sent = sent["messages"]
     assert cut_turns >= 20 and recuts <= cut_turns // 3, f"{recuts} re-cuts in {cut_turns} cut turns"
 
@@ -626,7 +626,7 @@ async def test_a_conversation_whose_client_dropped_what_was_cut_is_cut_afresh_an
     again = state({"model": "m", "max_tokens": 1, "messages": [*task, *turns("new")]}, OPENAI, LLAMACPP)
     decision = await f.fit(again)
     assert isinstance(decision, Forward) and decision.body is not None and again.report is not None
-    assert again.report.final_tokens >= 0.97 * again.report.budget, f"{again.report.final_tokens} of {again.report.budget}"
+    assert again.report.final_tokens >= 0.97 * again.report.target, f"{again.report.final_tokens} of {again.report.budget}"
 
 
 async def test_a_fill_that_overshoots_aims_below_what_its_own_count_was_so_the_next_fit_differs() -> None:
@@ -645,7 +645,7 @@ async def test_a_fill_that_overshoots_aims_below_what_its_own_count_was_so_the_n
     assert isinstance(decision, Forward) and decision.body is not None and s.report is not None
     real = await f.services.counting.total("", json.loads(decision.body))
     assert real == s.report.final_tokens <= s.report.budget
-    assert real >= 0.97 * s.report.budget, f"{real} of {s.report.budget}"
+    assert real >= 0.97 * s.report.target, f"{real} of {s.report.budget}"
 
 
 class RecordedCounting(HalfAgainTextCounting):
@@ -677,7 +677,7 @@ async def test_a_fill_that_repeats_a_fit_the_server_counted_costs_no_call_and_th
     decision = await f.fit(s)
     assert isinstance(decision, Forward) and decision.body is not None and s.report is not None
     assert len(counting.bodies) == len(set(counting.bodies)) <= sizing.VERIFY_ROUNDS + 1, "the request, then each fit once"
-    assert s.report.final_tokens <= s.report.budget and s.report.final_tokens >= 0.97 * s.report.budget
+    assert s.report.final_tokens <= s.report.budget and s.report.final_tokens >= 0.97 * s.report.target
 
 
 async def test_what_must_be_kept_is_priced_by_the_servers_whole_count_when_our_count_of_it_runs_over() -> None:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contextpaw.calibration import CalibratedCounter
-from contextpaw.compact import EARLIER_CUT, HEADROOM, BudgetTooSmall, Plan, compact_chat
+from contextpaw.compact import EARLIER_CUT, BudgetTooSmall, Plan, compact_chat, recut_target
 from contextpaw.conversation import Conversation, Message
 from contextpaw.markers import MARKER_PREFIX, elision_text, hole_text
 from contextpaw.shrink import PLACEHOLDER_ID, SHRINK_FLOOR
@@ -101,15 +101,15 @@ def least_after(msgs: list[dict], keep_recent: int, after: int, counter) -> int:
     """A lower bound on what must follow the prefix: the protected messages after it and the rest
     of the unit it ends in (when the prefix holds the start of that unit), each at no more than its
     shrink floor; and each run of other messages between them, kept (at its floors) or told by a
-    marker of its own, as a hole cannot reach across a kept message. A run right after `after` may
-    cost nothing: it can join the last marker's hole."""
+    marker of its own, as a hole cannot reach across a kept message, and a hole does not join the
+    last marker's (a marker once sent stays as it was)."""
     conv = Conversation.from_wire(msgs)
     straddling = {i for u in conv.units() if min(u.indices) < after for i in u.indices}
     kept = {i for i in protected(msgs, keep_recent) | straddling if i > after}
     floors = [floor(m, counter) for m in conv.messages]
     runs = itertools.groupby(range(after + 1, len(msgs)), key=kept.__contains__)
     gaps = [list(run) for is_kept, run in runs if not is_kept]
-    marked = sum(min(least_note(counter), sum(floors[i] for i in gap)) for gap in gaps if gap[0] - 1 in kept)
+    marked = sum(min(least_note(counter), sum(floors[i] for i in gap)) for gap in gaps)
     return sum(floors[i] for i in kept) + marked
 
 
@@ -160,7 +160,7 @@ def test_each_turn_resends_the_last_turns_prompt_through_its_last_marker_unless_
             prefix = sum(counter.message(Message.from_wire(m)) for m in sent[:last])
             marker = min(counter.message(Message.from_wire(sent[last])), least_marker(counter))  # it stays, in some form
             least = marker + least_after(msgs, keep_recent, boundary(sent, last, sent_removals), counter)
-            assert prefix + marker > budget * (1 - HEADROOM) - SLACK or prefix + least > budget - SLACK, notes
+            assert prefix + marker > recut_target(budget, result.plan.headroom) - SLACK or prefix + least > budget - SLACK, notes
         elif last is not None and shrunk_only(sent[last], sent_removals) and prompt[last : last + 1] != sent[last : last + 1]:
             assert notes, f"the shrunk message {last} was cut anew without saying so"
         assert result.report.final_tokens <= budget

@@ -10,6 +10,7 @@ from contextpaw.windows import Budget
 
 BUDGET = Budget(window=2048, reserve=1, margin=64)  # 1983 tokens, as -c 2048 with max_tokens 1
 FIRST_CUT = Plan(evicted=frozenset({"a"}))
+HEADROOM = 0.25
 
 
 def fit(ours: int, plan: Plan = FIRST_CUT, body: bytes | None = b"{}") -> Fitted:
@@ -66,9 +67,9 @@ def test_a_turn_that_only_repeats_last_turns_cuts_goes_out_as_soon_as_it_is_with
 
 def test_a_re_cut_past_its_headroom_is_cut_tighter_and_kept_in_case_none_nearer_comes() -> None:
     search = Search(BUDGET, BUDGET, Plan(evicted=frozenset({"b"})))
-    recut = fit(1950, plan=Plan(evicted=frozenset({"a"}), continued=True))
+    recut = fit(1950, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM, continued=True))
     step = search.counted(recut, 1900, last=False)
-    assert search.target == recut_target(BUDGET.tokens) < BUDGET.tokens, "the fit began from last turn's cuts"
+    assert search.target == recut_target(BUDGET.tokens, HEADROOM) < BUDGET.tokens, "the fit began from last turn's cuts"
     assert search.read(recut, 1900) is Reading.PAST_HEADROOM
     assert isinstance(step, Refit) and step.budget.tokens == 1983 * search.target // 1900
     assert search.best() is not None and search.best().fitted is recut
@@ -103,10 +104,10 @@ def test_a_refit_that_starts_from_last_turns_cuts_is_aimed_at_the_re_cut_target_
     loose = Budget(BUDGET.window, BUDGET.reserve, BUDGET.margin - 900, limit=0)
     search = Search(BUDGET, loose, FIRST_CUT)
     assert search.counted(fit(2800, plan=Plan(), body=None), 2100, last=False) == Refit(BUDGET)
-    recut = fit(1950, plan=Plan(evicted=frozenset({"a", "b"}), continued=True))
+    recut = fit(1950, plan=Plan(evicted=frozenset({"a", "b"}), headroom=HEADROOM, continued=True))
     assert search.read(recut, 1900) is Reading.CONFIRMED, "before it is counted, the target is the budget"
     step = search.counted(recut, 1900, last=False)
-    assert search.target == recut_target(BUDGET.tokens) and isinstance(step, Refit), "over the re-cut target: cut tighter"
+    assert search.target == recut_target(BUDGET.tokens, HEADROOM) and isinstance(step, Refit), "over the re-cut target: cut tighter"
 
 
 def test_on_the_last_count_a_fit_past_the_confirmed_one_sends_the_confirmed_one() -> None:
