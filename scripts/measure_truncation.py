@@ -1,7 +1,12 @@
 """Never silent, measured: route × policy × counter × cold/warm × stream, over requests of varied
 shapes (dense text, code, logs, multilingual text, tool calls) and sizes, each judged against the
-backend's own record of whether it cut the prompt. Prints the matrix of flagged / missed / falsely
-flagged responses, and the recall of a fact planted at the start, direct and through ContextPaw.
+backend's own record of whether it cut the prompt. Only what the CLIENT received counts: prints the
+matrix of told (the cut, in a header, the body or the stream's final record) / possible-told (that a
+cut is possible, the same ways) / missed (cut, and the client told neither) / false alarms (told of a
+cut the backend did not make), beside ContextPaw's own counter (flagged), and the recall of a fact
+planted at the start, direct and through ContextPaw. Streamed policy-off cases run on every route,
+with clients that did not ask for usage and one that did, and the verdict's word floor is tried with
+a chat whose words alone exceed the window.
 
     .venv/bin/python scripts/measure_truncation.py [--quick] [--json out.json]
 
@@ -34,12 +39,13 @@ def table(outcomes: list[matrix.Outcome], counter: str) -> list[str]:
     cells: dict[tuple, list[matrix.Outcome]] = collections.defaultdict(list)
     for o in outcomes:
         cells[(o.case.route, o.case.policy, "cold" if o.case.cold else "warm", "stream" if o.case.stream else "buffered")].append(o)
-    rows = [f"| {counter} | route | policy | start | answer | requests | cut by Ollama | flagged | missed | false |",
-            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [f"| {counter} | route | policy | start | answer | requests | cut by Ollama | told | possible-told (cut) | missed | false | flagged (counter) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for key, group in sorted(cells.items()):
+        t = totals(group)
         rows.append(
-            f"| {counter} | {' | '.join(key)} | {len(group)} | {sum(o.cut for o in group)} | {sum(o.flagged for o in group)} "
-            f"| {sum(o.missed for o in group)} | {sum(o.false_alarm for o in group)} |"
+            f"| {counter} | {' | '.join(key)} | {t['requests']} | {t['cut']} | {t['told']} | {t['possible_told']} ({t['possible_cut']}) "
+            f"| {t['missed']} | {t['false']} | {t['flagged']} |"
         )
     return rows
 
@@ -48,9 +54,13 @@ def totals(outcomes: list[matrix.Outcome]) -> dict[str, int]:
     return {
         "requests": len(outcomes),
         "cut": sum(o.cut for o in outcomes),
-        "flagged": sum(o.flagged for o in outcomes),
+        "told": sum(o.told for o in outcomes),
+        "possible_told": sum(o.possible_told and not o.told for o in outcomes),
+        "possible_cut": sum(o.possible_told and not o.told and o.cut for o in outcomes),
         "missed": sum(o.missed for o in outcomes),
         "false": sum(o.false_alarm for o in outcomes),
+        "flagged": sum(o.flagged for o in outcomes),
+        "usage_wrong": sum(o.usage_wrong for o in outcomes),
         "refused": sum(o.status != 200 for o in outcomes),
     }
 
@@ -77,7 +87,7 @@ def main() -> int:
         work = Path(tmp)
         fake_args = ["--n-ctx", str(SERVER_DEFAULT), "--model", "fake"]
         with start_module("support.fake_ollama", fake_args, "/", work / "fake.log") as fake:
-            cases = list(matrix.cases(sizes=sizes))
+            cases = list(matrix.cases(sizes=sizes)) + list(matrix.told_cases(starts=(True, False)))
             all_outcomes["estimate"] = matrix.measure(fake.url, "fake", work, cases, ["contextpaw_calibrate=true"],
                                                       progress=lambda o: print(".", end="", flush=True))  # fmt: skip
         print()
@@ -102,11 +112,12 @@ def main() -> int:
     for counter, outcomes in all_outcomes.items():
         print("\n".join(table(outcomes, counter)))
         print()
-    print("| counter | requests | cut by Ollama | flagged | missed | false | refused (413/400) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| counter | requests | cut by Ollama | told | possible-told (of them cut) | missed | false alarms | flagged (counter) | usage not as asked | refused (413/400) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for counter, outcomes in all_outcomes.items():
         t = totals(outcomes)
-        print(f"| {counter} | {t['requests']} | {t['cut']} | {t['flagged']} | {t['missed']} | {t['false']} | {t['refused']} |")
+        print(f"| {counter} | {t['requests']} | {t['cut']} | {t['told']} | {t['possible_told']} ({t['possible_cut']}) | {t['missed']} "
+              f"| {t['false']} | {t['flagged']} | {t['usage_wrong']} | {t['refused']} |")  # fmt: skip
     for counter, (direct_hits, direct_n, through_hits, through_n) in recall.items():
         print(f"\nrecall of the planted fact ({counter}, compact, warm, overflowing): direct {direct_hits}/{direct_n}, "
               f"through ContextPaw {through_hits}/{through_n}")  # fmt: skip

@@ -1,7 +1,10 @@
 """The never-silent invariant on every Ollama route, against the fake Ollama (which records whether
 it cut each prompt): a prompt Ollama cut is always flagged, one it evaluated whole never is; where
 ContextPaw may change the request (compact, strict) nothing is cut at all; under policy off, where
-it may not, a cut it cannot be sure of is said to be possible, never passed over."""
+it may not, a cut it cannot be sure of is said to be possible, never passed over. Only what the
+client itself received counts as told (the header, the body, the stream's final record): streamed
+policy-off cases on every route, clients that did not ask for usage and one that did, and the
+issue's chat whose words alone prove its cut."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def cutting(workdir: Path) -> Iterator[Backend]:
 
 @pytest.fixture(scope="module")
 def outcomes(cutting: Backend, tmp_path_factory: pytest.TempPathFactory) -> list[matrix.Outcome]:
-    cases = list(matrix.cases(shapes=("dense", "tools"), sizes=(300, 3000), windows=(None, OVERSIZED)))
+    cases = list(matrix.cases(shapes=("dense", "tools"), sizes=(300, 3000), windows=(None, OVERSIZED))) + list(matrix.told_cases())
     return matrix.measure(cutting.url, "fake", tmp_path_factory.mktemp("never-silent"), cases, [])
 
 
@@ -44,7 +47,7 @@ def test_no_cut_is_missed_and_no_whole_evaluation_is_flagged(outcomes: list[matr
 
 def test_where_contextpaw_may_change_the_request_nothing_is_cut_or_left_in_doubt(outcomes: list[matrix.Outcome]) -> None:
     acting = [o for o in outcomes if o.case.policy != "off"]
-    assert [o.case for o in acting if o.cut or o.warned] == []
+    assert [o.case for o in acting if o.cut or o.warned or o.possible_told] == []
     # strict never compacts: an overflow our estimate did not see is the server's own 400, passed on;
     # Anthropic's API refuses with a 400, as Anthropic does
     refused = lambda o: 400 if o.case.route == "/v1/messages" else 413  # noqa: E731
@@ -67,7 +70,21 @@ def test_a_cut_is_told_to_the_client_under_every_policy_streamed_or_not(outcomes
     streamed_off = [o for o in outcomes if o.cut and o.case.stream and o.case.policy == "off"]
     assert streamed_off, "the matrix must hold streamed cuts under policy off"
     assert any(o.told for o in streamed_off)
-    assert [o.case for o in outcomes if o.cut and not (o.told or o.warned)] == []
+    assert [o.case for o in outcomes if o.cut and not (o.told or o.possible_told)] == []
+    # what ContextPaw counted reached the client: a possible cut it counted was told as one
+    assert [o.case for o in outcomes if o.warned and not (o.possible_told or o.told)] == []
+
+
+def test_a_chat_whose_words_alone_exceed_the_window_is_told_as_a_certain_cut_on_every_route(outcomes: list[matrix.Outcome]) -> None:
+    """The verdict's floor: 5,800 words cannot fit in 2,048 tokens, whatever the estimate says."""
+    floor = [o for o in outcomes if o.case.shape == "notes" and o.case.policy == "off"]
+    assert {(o.case.route, o.case.stream) for o in floor} >= {(r, s) for r in matrix.ROUTES for s in (False, True)}
+    assert all(o.cut for o in floor) and [o.case for o in floor if not o.told] == []
+
+
+def test_every_streamed_chat_client_gets_the_usage_it_asked_for_and_no_other(outcomes: list[matrix.Outcome]) -> None:
+    asked = [o for o in outcomes if o.case.usage]
+    assert asked and [o.case for o in outcomes if o.usage_wrong] == []
 
 
 def test_a_window_above_the_trained_length_is_fitted_to_what_the_server_uses(outcomes: list[matrix.Outcome]) -> None:
@@ -76,4 +93,4 @@ def test_a_window_above_the_trained_length_is_fitted_to_what_the_server_uses(out
     # under policy off the fake's tokenizer is out of reach: a cut is certain where the count says
     # so (a raw prompt's), and said to be possible where whole messages went (a chat's)
     cut = [o for o in oversized if o.cut]
-    assert cut and all(o.told or o.warned for o in cut) and any(o.told for o in cut)
+    assert cut and all(o.told or o.possible_told for o in cut) and any(o.told for o in cut)

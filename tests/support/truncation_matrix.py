@@ -2,14 +2,18 @@
 an Ollama (the fake, or the simulator on a real llama-server), each checked against the backend's
 own record of whether it cut the prompt (`GET /_fake/last`).
 
-A response is *flagged* when ContextPaw's `upstream_truncated` count went up for it (that count
-moves under every policy, streamed or not), *told* when the client itself received the flag (the
+Only what the CLIENT received counts. A response is *told* when the client received the cut (the
 `X-ContextPaw-Upstream-Truncated` header, or `upstream_truncated` in the body or the stream's
-final record), and *warned* when `upstream_truncation_possible` went up (the numbers could not
-tell: counted apart, never as a flag); *missed* when the backend cut it and the client was neither
-told nor warned; *false* when it was flagged or told and the backend evaluated it whole. A case may
-ask for a window above the model's trained length (`num_ctx`, on the native routes), as aider does:
-the server caps it, and so must the verdict. Used by
+final record), *possible-told* when it received that a cut is possible (the
+`X-ContextPaw-Upstream-Truncation-Possible` header, or `upstream_truncation_possible` in the body
+or the final record); *missed* when the backend cut it and the client was told neither; *false*
+when the client was told of a cut and the backend evaluated it whole. ContextPaw's own counters
+(*flagged*: `upstream_truncated` went up; *warned*: `upstream_truncation_possible` went up) are
+kept beside, never counted as telling anyone. A case may ask for a window above the model's
+trained length (`num_ctx`, on the native routes), as aider does: the server caps it, and so must
+the verdict. A streamed `/v1/chat/completions` client may ask for usage itself (`usage`) or not:
+either way it gets exactly what it asked for (`usage_wrong`). The `notes` shape is the issue's
+chat (user notes of plain words): its word count alone proves a cut of the big size. Used by
 `scripts/measure_truncation.py` (the whole matrix) and by the tests (a slice of it).
 """
 
@@ -28,7 +32,7 @@ from .backends import Backend, start_proxy
 
 ROUTES = ("/api/chat", "/api/generate", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 POLICIES = ("compact", "strict", "off")
-SHAPES = ("dense", "code", "logs", "multilingual", "tools")
+SHAPES = ("dense", "code", "logs", "multilingual", "tools", "notes")
 SECRET = "kiwi"
 SYSTEM = f"The SECRET is {SECRET}. Answer in one short sentence."
 QUESTION = "What is the SECRET? Answer with the word only."
@@ -44,6 +48,8 @@ class Case:
     words: int
     num_ctx: int | None = None
     """The window the client asks for (`options.num_ctx`, native routes only), or None."""
+    usage: bool = False
+    """The client asks for the stream's usage itself (`stream_options.include_usage`)."""
 
 
 @dataclass(frozen=True)
@@ -56,15 +62,19 @@ class Outcome:
     warned: bool
     recalled: bool
     told: bool = False
-    """The client received the flag, in a header, the body or the stream's final record."""
+    """The client received the cut, in a header, the body or the stream's final record."""
+    possible_told: bool = False
+    """The client received that a cut is possible, in a header, the body or the final record."""
+    usage_wrong: bool = False
+    """A streamed OpenAI chat whose client got a usage chunk it did not ask for, or none it asked for."""
 
     @property
     def missed(self) -> bool:
-        return self.cut and not self.told and not self.warned
+        return self.cut and not self.told and not self.possible_told
 
     @property
     def false_alarm(self) -> bool:
-        return (self.flagged or self.told) and not self.cut
+        return self.told and not self.cut
 
 
 def filler(shape: str, words: int, rng: random.Random) -> str:
@@ -79,6 +89,8 @@ def filler(shape: str, words: int, rng: random.Random) -> str:
             f"2026-12-01T08:{i % 60:02d}:{rng.randint(0, 59):02d}Z INFO worker-{rng.randint(1, 9)} job={i} ok latency_ms={rng.randint(1, 999)}"
             for i in range(words // 7)
         )
+    if shape == "notes":
+        return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "result", "value", "note", "the"]) for _ in range(words))
     if shape == "multilingual":
         pieces = ["日本語のテキスト", "Überprüfung läuft", "ошибка сети", "naïve café", "数据已保存", "¿qué tal?"]
         return " ".join(rng.choice(pieces) for _ in range(words // 2))
@@ -131,7 +143,7 @@ def body(case: Case, model: str, seed: int = 0) -> dict:
     """The request for a case: the fact up front, filler in the middle, the question last."""
     rng = random.Random(f"{case}-{seed}")
     middle = filler(case.shape, case.words, rng)
-    common = {"model": model, "stream": case.stream}
+    common = {"model": model, "stream": case.stream} | ({"stream_options": {"include_usage": True}} if case.usage else {})
     step = max(len(middle) // 4, 1)
     chunks = [middle[i : i + step] for i in range(0, len(middle), step)]
     if case.route == "/v1/messages":
@@ -198,7 +210,15 @@ def run(case: Case, proxy: str, backend: str, model: str, seed: int = 0) -> Outc
     after = truncation_counts(proxy)
     recalled = response.status_code == 200 and SECRET in answer_text(case.route, case.stream, response.text).lower()
     told = "X-ContextPaw-Upstream-Truncated" in response.headers or '"upstream_truncated"' in response.text
-    return Outcome(case, response.status_code, cut, after[0] > before[0], after[1] > before[1], recalled, told)
+    possible = "X-ContextPaw-Upstream-Truncation-Possible" in response.headers or '"upstream_truncation_possible"' in response.text
+    usage_wrong = case.stream and case.route == "/v1/chat/completions" and response.status_code == 200 and usage_chunks(response.text) != case.usage
+    return Outcome(case, response.status_code, cut, after[0] > before[0], after[1] > before[1], recalled, told, possible, usage_wrong)
+
+
+def usage_chunks(text: str) -> int:
+    """How many usage chunks (no choices, the usage) an OpenAI chat stream carried."""
+    records = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+    return sum(1 for r in records if r.get("choices") == [] and isinstance(r.get("usage"), dict))
 
 
 def unload(backend: str, model: str) -> None:
@@ -207,15 +227,25 @@ def unload(backend: str, model: str) -> None:
 
 
 def cases(
-    routes=ROUTES, policies=POLICIES, shapes=SHAPES, sizes=(300, 1500, 4000), streams=(False, True), windows=(None,)
+    routes=ROUTES, policies=POLICIES, shapes=SHAPES, sizes=(300, 1500, 4000), streams=(False, True), windows=(None,), starts=(True, False)
 ) -> Iterator[Case]:
     """Every combination; a window of the client's own (`windows` other than None) only where the
     route can carry one."""
     for route, policy, cold, stream, shape, words, num_ctx in itertools.product(
-        routes, policies, (True, False), streams, shapes, sizes, windows
+        routes, policies, starts, streams, shapes, sizes, windows
     ):
         if num_ctx is None or route.startswith("/api/"):
             yield Case(route, policy, cold, stream, shape, words, num_ctx)
+
+
+def told_cases(policies=("off",), starts=(False,)) -> Iterator[Case]:
+    """What only the client's own hearing checks: streamed and buffered on every route, the
+    issue's chat of plain words far over the window (its word count alone proves the cut), and a
+    streamed OpenAI chat whose client asks for usage beside the one that does not."""
+    yield from cases(policies=policies, shapes=("notes",), sizes=(5800,), starts=starts)
+    for policy, cold in itertools.product(policies, starts):
+        for shape, words in (("notes", 5800), ("tools", 3000)):
+            yield Case("/v1/chat/completions", policy, cold, True, shape, words, usage=True)
 
 
 def measure(
