@@ -63,6 +63,9 @@ class Evaluated:
     """The numbers cannot rule a cut out (said to the client as possible)."""
     window: int | None = None
     """The window the request was judged against."""
+    estimated: int | None = None
+    """The byte estimate of what was sent (where the calibrated counter counted it): against
+    `prompt_tokens`, the conversation's own ratio of tokens to the estimate."""
 
     @property
     def whole(self) -> bool:
@@ -205,7 +208,8 @@ class AnswerCheck:
         possible = verdict is not None and verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None
         model = expected.model if expected is not None else (wire.model_of(state.original) or state.where.model)
         conversation = expected.conversation if expected is not None else None
-        sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window)
+        estimated = state.calibration.estimated if state.calibration is not None else None
+        sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window, estimated)
         self.last = sample
         if conversation is not None:
             self._answered.put(conversation, sample)

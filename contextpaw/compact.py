@@ -52,15 +52,15 @@ FILL = 0.995
 (where they fit in it with their note: a room smaller than that stays). Near the whole budget: room
 that whole units leave is context the model could have had (an agent chat cut to -c 2048 left 7%)."""
 
-HEADROOM = (0.15, 0.35)
+HEADROOM = (0.10, 0.35)
 """The least and the most share of the budget a cut leaves free (`headroom_share`). A cut that fills
 the budget makes the next turn cut again, and every cut makes the server read again what follows
 it; a cut that leaves room for a turn lets the next one append. Past a third of the budget the
 window is mostly empty: an agent loop whose turns each add a third of it cuts every turn anyway."""
 HEADROOM_TURNS = 3
-"""How many of the latest turns size the headroom (their mean is what one turn adds)."""
-HEADROOM_ROOM = 2
-"""A cut leaves room for this many more turns like them: with room for one, every other turn cuts."""
+"""How many of the latest turns size the headroom: a cut leaves room for one more turn like them
+(their mean), so a turn appends after each cut. Room for two held an agent reading a file a turn
+to 78% of the window on average; room for one, 85%."""
 
 SIZE_CLASS = 1.5
 """Units whose sizes are within this ratio are evicted oldest first (`_ChatCompaction.stalest_biggest`)."""
@@ -78,7 +78,7 @@ def recut_target(budget: int, headroom: float) -> int:
 
 
 def headroom_share(messages: tuple[Message, ...], cost: list[int], budget: int) -> float:
-    """The share of the budget a cut leaves free: what `HEADROOM_ROOM` turns add, as the latest did.
+    """The share of the budget a cut leaves free: what one turn adds, as the latest turns did.
 
     A turn starts at an assistant message (the answer, then what the client adds: a tool's result,
     the user's next words); a conversation with no answer yet is sized by its last message. Bounded
@@ -87,7 +87,7 @@ def headroom_share(messages: tuple[Message, ...], cost: list[int], budget: int) 
     if starts:
         bounds = [*starts[-HEADROOM_TURNS:], len(messages)]
         turns = [sum(cost[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-        grows = HEADROOM_ROOM * sum(turns) / len(turns)
+        grows = sum(turns) / len(turns)
     else:
         grows = cost[-1] if cost else 0
     low, high = HEADROOM
@@ -406,8 +406,9 @@ class _ChatCompaction:
 
     def shrink_protected(self, limit: int, after: int = -1) -> None:
         """Shrink protected messages middle-out, biggest first and the newest unit last (the file
-        the agent just read reaches it whole wherever the rest can give way), until the rest fits
-        in `limit` or none can give more. With `after`, only messages after it, and of the units
+        the agent just read reaches it whole wherever the rest can give way): the others down to
+        the target, as evicted units would make room, the newest until the rest fits in `limit`,
+        or none can give more. With `after`, only messages after it, and of the units
         that straddle it also those that are not protected (they cannot go without what comes
         before).
 
@@ -420,16 +421,20 @@ class _ChatCompaction:
             (i for u in units for i in u.indices if i > after and self.msgs[i].content_text),
             key=lambda i: (-self.cost[i], i),
         )
-        for group in ([i for i in candidates if i not in self.fresh], [i for i in candidates if i in self.fresh]):
+        # older messages give way down to the target, as evicted units would; the newest only to `limit`
+        rest = [i for i in candidates if i not in self.fresh]
+        for group, aim in ((rest, min(limit, self.target)), ([i for i in candidates if i in self.fresh], limit)):
             for _ in range(SHRINK_ROUNDS):
                 gave = False
                 for i in group:
-                    over = self.total() - limit
+                    over = self.total() - aim
                     if over <= 0:
-                        return
+                        break
                     gave = self.shrink(i, over) or gave
-                if not gave:
+                if not gave or self.total() <= aim:
                     break
+            if self.total() <= limit:
+                return
 
     def must_fit(self) -> None:
         """The last resort when shrinking did not reach the budget: the least this request can be,

@@ -41,6 +41,7 @@ def fit_chat(
     fixed_tokens: int = 0,
     digests: Mapping[str, str] | None = None,
     admit: int | None = None,
+    headroom: float | None = None,
 ) -> Fitted:
     result = compact_chat(
         chat.conversation,
@@ -51,6 +52,7 @@ def fit_chat(
         fixed_tokens=fixed_tokens + (counter.text(chat.fixed_text) if chat.fixed_text else 0),
         digests=digests,
         admit=admit,
+        headroom=headroom,
     )
     body = None if result.messages is None else wire.write(chat.body, **{chat.field: _on_wire(chat, result.messages)})
     return Fitted(body, result.report, result.plan)

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from contextpaw import wire
+from contextpaw.answers import Evaluated
 from contextpaw.calibration import CalibratedCounter, Calibration, Guard, calibration_key
 from contextpaw.compact import BudgetTooSmall, Plan
 from contextpaw.counters import CounterChoice, rough_size
@@ -24,6 +25,7 @@ from contextpaw.offload import off_loop
 from contextpaw.report import Report
 from contextpaw.state import LRU, SizedLRU
 from contextpaw.tokens import EstimateCounter
+from contextpaw.truncation import ESTIMATE_BOUNDS
 from contextpaw.verification import Search, Send
 from contextpaw.windows import Budget
 
@@ -32,6 +34,10 @@ VERIFY_ROUNDS = 5
 or well under it (made fuller)."""
 MAX_FITS = 2 * VERIFY_ROUNDS
 """Fits made for one request at most, those that repeat a counted one included."""
+ANCHOR_MARGIN = 1.06
+"""How far the server's count of a conversation's turn may run over our count at the ratio its
+last answered turn showed: what a turn adds (a file just read) may tokenize denser than the rest,
+and a cut aims below the budget by the headroom besides."""
 
 Fit = Callable[[Budget], Fitted]
 """One fit of a parsed request with its counter and template cost, to a budget."""
@@ -50,7 +56,13 @@ class Sizer:
     """Fits parsed requests to their budgets, counted as well as the backend allows."""
 
     def __init__(
-        self, counters: CounterChoice, calibration: Calibration, estimate: EstimateCounter, plans: SizedLRU, keep_recent: int
+        self,
+        counters: CounterChoice,
+        calibration: Calibration,
+        estimate: EstimateCounter,
+        plans: SizedLRU,
+        keep_recent: int,
+        answered: Callable[[str], Evaluated | None] = lambda conversation: None,
     ) -> None:
         self.counters = counters
         self.calibration = calibration
@@ -58,6 +70,8 @@ class Sizer:
         self.plans = plans
         """Each conversation's last `Plan` (the fitter's, which remembers them)."""
         self.keep_recent = keep_recent
+        self.answered = answered
+        """A conversation's last answered turn: the server's count of what was sent, beside ours."""
         self.overcounts = LRU(plans.limit)
         """Conversation -> how much looser than the budget, in our count, its next turn's fit starts
         (`verification.Search._overcount`: our count of its last cut ran that much over the server's): that turn
@@ -111,7 +125,11 @@ class Sizer:
         if whole is not None and (overcount := self.overcounts.get(parsed.key)):
             start = Budget(budget.window, budget.reserve, budget.margin - overcount, limit=0)
         guarded, bound, why = start, None, ""
-        if guard is not None and not counter.exact:
+        if guard is not None and not counter.exact and (anchored := self._anchored(parsed, guard)) is not None:
+            counter, bound = anchored, ANCHOR_MARGIN
+            guarded = budget.within(bound)
+            why = f"counted at this conversation's own rate, {anchored.factor:.2f} tokens to the estimate's one, which may run {bound:.2f} times low"
+        elif guard is not None and not counter.exact:
             guarded, bound, why = await self._guarded(parsed, budget, backend, big, guard)
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)
@@ -161,6 +179,21 @@ class Sizer:
         report = fitted.report
         report.counter, report.original_tokens, report.window, report.budget = "backend", whole, budget.window, budget.tokens
         return fitted
+
+    def _anchored(self, parsed: wire.Chat | wire.Prompt, guard: Guard) -> CalibratedCounter | None:
+        """The estimate at the rate the server counted this conversation's last answered turn: the
+        turn is mostly what was sent then, so its count is off only by how the new part differs
+        (where no such turn is known, the server cut it, or its count is one no text could give,
+        None: the guard's bounds hold). Never below what this request's words prove."""
+        if not isinstance(parsed, wire.Chat):
+            return None
+        last = self.answered(parsed.key)
+        if last is None or not last.whole or not last.estimated:
+            return None
+        rate = last.prompt_tokens / last.estimated
+        if not ESTIMATE_BOUNDS[0] <= rate <= ESTIMATE_BOUNDS[1]:  # no text tokenizes so: not a count of what was sent
+            return None
+        return CalibratedCounter(self.estimate, max(rate, guard.floor))
 
     async def _guarded(
         self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, guard: Guard
@@ -214,6 +247,10 @@ class Sizer:
         turn's).
         """
         search = Search(budget, start, previous)
+        if fitted.plan is not None and fitted.plan.headroom:
+            # refits keep the first fit's share of headroom: sized anew from each tightened budget,
+            # it would not fall in line with the budget, and the search aims along that line
+            fit = functools.partial(fit, headroom=fitted.plan.headroom)
         counted: dict[bytes | None, int] = {}
         """The server's count of each body it counted this request: a budget whose fit repeats one
         costs no call, so the counts go to fits not counted yet."""

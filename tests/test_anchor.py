@@ -1,0 +1,99 @@
+"""Counting from the conversation itself, where no tokenizer is known (Ollama's OpenAI route).
+
+Ollama's `/v1/chat/completions` cuts an overflowing prompt in silence and cannot be asked to
+refuse, so without the model's tokenizer the estimate's whole width (3.3 times) once held every
+cut to a third of the window, and the file the agent had just read reached the model as a few
+hundred characters. Each answer says exactly how many tokens its prompt took: the next turn is
+counted at that conversation's own rate, so a cut fills the window to its target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from support.common import FIXED_REPLY
+
+from contextpaw.counters import rough_size
+from contextpaw.flow import UNCHANGED, Forward
+from contextpaw.tokens import EstimateCounter
+from test_fitter import OLLAMA, OPENAI, fitter, state
+
+WINDOW = 16384
+RATE = 1.7
+"""The model's true tokens to one of the estimate's (code and JSON run denser than prose)."""
+
+
+def true_tokens(body: dict[str, Any]) -> int:
+    """The model's own count of a body: the estimate at a rate the proxy is never told."""
+    return math.ceil(rough_size(OPENAI.read(json.dumps(body).encode()), EstimateCounter()) * RATE)
+
+
+def source_file(n: int, lines: int) -> str:
+    return "".join(f"    value_{n}_{i} = compute(table[{i}], offset={n * i})  # FACT-{n}\n" for i in range(lines))
+
+
+def session_body(reads: int, lines: int) -> dict[str, Any]:
+    """An agent's chat: a system prompt and task, then one file read per turn."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. Use the tools."},
+        {"role": "user", "content": "Read the files one by one, then list every FACT line."},
+    ]
+    for n in range(reads):
+        call = {"id": f"call_{n}", "type": "function", "function": {"name": "read", "arguments": json.dumps({"path": f"f{n}.py"})}}
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{n}", "content": source_file(n, lines)},
+        ]
+    return {"model": "qwen-no-tokenizer", "messages": messages}
+
+
+def cut_of(report: Any) -> list[tuple[int, str]]:
+    return [(r.index, r.action) for r in report.removals]
+
+
+async def answer(f: Any, s: Any, sent: dict[str, Any]) -> int:
+    """The server's answer to what was sent, with its own count of the prompt."""
+    counted = true_tokens(sent)
+    assert counted <= WINDOW, f"the model would cut {counted} tokens into {WINDOW} in silence"
+    f.answers.final_report(s, {"choices": [{"message": {"content": FIXED_REPLY}}], "usage": {"prompt_tokens": counted}})
+    return counted
+
+
+async def test_without_a_tokenizer_each_cut_fills_the_window_to_its_target_at_the_conversations_own_rate() -> None:
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False)
+    uses, fresh_whole, cuts, removed = [], [], 0, []
+    for reads in range(1, 15):
+        body = session_body(reads, lines=50)
+        s = state(body, OPENAI, OLLAMA)
+        decision = await f.fit(s)
+        sent = body if decision == UNCHANGED else json.loads(decision.body)  # type: ignore[union-attr]
+        counted = await answer(f, s, sent)
+        assert s.report is not None
+        report = s.report
+        if isinstance(decision, Forward) and decision.compacted and cut_of(report) != removed:  # a new cut; else it appends
+            cuts, removed = cuts + 1, cut_of(report)
+            assert counted <= report.budget, f"turn {reads}: {counted} of {report.budget}"
+            if cuts > 1:  # the first cut follows turns that fit; from then on the turns are anchored
+                assert abs(counted - report.target) <= 0.05 * report.target, (reads, counted, report.target)
+            fresh = body["messages"][-1]["content"]
+            fresh_whole.append(fresh in json.dumps(sent["messages"][-1]["content"]) or sent["messages"][-1]["content"] == fresh)
+            assert sent["messages"][:2] == body["messages"][:2], "the head goes as it came"
+        if cuts:
+            uses.append(counted / WINDOW)
+    assert cuts >= 3, "the session overflowed the window several times"
+    assert all(fresh_whole), "the file the agent just read reaches the model whole"
+    assert sum(uses) / len(uses) >= 0.8, f"from the first cut on the prompts use {sum(uses) / len(uses):.0%} of the window"
+
+
+async def test_a_count_the_estimates_bounds_cannot_explain_is_not_taken_for_the_conversations_rate() -> None:
+    """A server that says it evaluated 200 tokens of thousands sent is not believed: counted at
+    that rate, the next turn would go out many times over the window."""
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False)
+    s = state(session_body(6, lines=50), OPENAI, OLLAMA)
+    await f.fit(s)
+    f.answers.final_report(s, {"choices": [], "usage": {"prompt_tokens": 200}})
+    again = state(session_body(7, lines=50), OPENAI, OLLAMA)
+    await f.fit(again)
+    assert again.report is not None and not any("own rate" in note for note in again.report.notes), again.report.notes
