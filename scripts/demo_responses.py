@@ -1,14 +1,19 @@
 """The proof over Codex's API: the needle over OpenAI's Responses API (/v1/responses), with the openai SDK.
 
     .venv/bin/python scripts/demo_responses.py [--trials 4] [--num-ctx 2048] [--seed 2026]
-                                               [--llama URL] [--direct-only]
+                                               [--llama URL] [--direct-only] [--shape codex|single]
 
 It starts a real llama-server with SmolLM2-135M-Instruct at ``-c --num-ctx`` (where an overflow is
 the 400 ``exceed_context_size_error``), the Ollama simulator over a second one (Ollama's /v1/responses
 takes no options, so an overflow is cut in silence to its default window, ``--num-ctx``), and
 mitmdump with the ContextPaw addon in front of each. Each trial plants a fresh secret at the start
 of a request that overflows the window and asks for it back at the end: ``instructions`` plus one
-user message item of ``input_text``, as Codex sends them. It goes four ways with the real openai
+user message item of ``input_text`` (``--shape single``, the default), or shaped as Codex sends a
+session (``--shape codex``): typed message items, the task with the secret, the log in turns of a
+user's ``input_text`` and the assistant's ``output_text`` acknowledgement, and the question, so that
+ContextPaw drops whole turns and stands a marker item in their place (answered 200 through
+ContextPaw; SmolLM2-135M then tends to repeat the last acknowledgement rather than the secret, so
+recall on that shape is not yet the proof's). It goes four ways with the real openai
 client, ``client.responses.create``: to each backend direct and through ContextPaw. Odd trials
 stream (the answer read from the ``response.output_text.delta`` events, the prompt size and the
 report from ``response.completed``). One row per request; recall ends as k/N per path.
@@ -52,6 +57,26 @@ from support.proof import (
 
 MODEL = "smollm2:135m"
 BACKENDS = ("llama-server", "Ollama")
+
+
+LINES_PER_TURN = 16
+"""Log lines in each user turn of a Codex-shaped session."""
+ACK = "I have read this part of the log, and I keep the password you gave me in mind."
+"""The assistant's turn between two parts of the log (a bare "Noted." is what a 135M model then
+repeats as its answer)."""
+
+
+def codex_session(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The needle chat as a Codex session: its user message cut into the task (the secret), turns of
+    log each acknowledged by the assistant, and the question; the system message as it was."""
+    system = [m for m in messages if m["role"] == "system"]
+    lines = "\n".join(m["content"] for m in messages if m["role"] == "user").split("\n")
+    task, log, question = lines[0], lines[1:-1], lines[-1]
+    turns: list[dict[str, Any]] = [{"role": "user", "content": f"{task} I will ask for it later."}]
+    for start in range(0, len(log), LINES_PER_TURN):
+        turns.append({"role": "assistant", "content": ACK})
+        turns.append({"role": "user", "content": "More of the log:\n" + "\n".join(log[start : start + LINES_PER_TURN])})
+    return [*system, *turns, {"role": "assistant", "content": ACK}, {"role": "user", "content": question}]
 
 
 def responses_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -123,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--llama", help="a running llama-server to use for both backends instead of starting two")
     ap.add_argument("--direct-only", action="store_true", help="only the direct rows (no mitmdump)")
+    ap.add_argument("--shape", choices=("codex", "single"), default="single", help="a Codex session of turns, or one user item")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     ways = ("direct",) if args.direct_only else ("direct", "ContextPaw")
@@ -148,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(args.trials):
             secret = make_secret(rng)
             messages = needle_chat(secret, filler_lines=overflow_lines(args.num_ctx, n), rng=rng)
+            if args.shape == "codex":
+                messages = codex_session(messages)
             stream = n % 2 == 1
             print(f"| trial {n + 1}: {'streamed' if stream else 'not streamed'}, secret {secret} | | | | | |", flush=True)
             for backend in BACKENDS:
