@@ -26,10 +26,12 @@ from typing import Any
 from contextpaw import logs, wire
 from contextpaw.bounds import SIZE_PROOF_BYTES, as_sent
 from contextpaw.calibration import Calibration
+from contextpaw.counters import rough_size
 from contextpaw.flow import FlowState, Phase
 from contextpaw.metrics import Stats
 from contextpaw.report import Report
 from contextpaw.state import LRU
+from contextpaw.tokens import EstimateCounter
 from contextpaw.truncation import Evaluation, Verdict, judge, unknowable
 from contextpaw.wire import openai
 
@@ -209,6 +211,8 @@ class AnswerCheck:
         model = expected.model if expected is not None else (wire.model_of(state.original) or state.where.model)
         conversation = expected.conversation if expected is not None else None
         estimated = state.calibration.estimated if state.calibration is not None else None
+        if conversation is None and estimated is None and len(state.original) <= SIZE_PROOF_BYTES:
+            conversation, estimated = _read_as_sent(state)
         sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window, estimated)
         self.last = sample
         if conversation is not None:
@@ -221,6 +225,19 @@ class AnswerCheck:
         kept = self._expected.get(id(state))
         return kept[1] if kept is not None and kept[0]() is state else None
 
+
+
+def _read_as_sent(state: FlowState) -> tuple[str | None, int | None]:
+    """A request proved to fit by its size went out unparsed (that is what the proof saves): read
+    now, small as it is, for its conversation's key and the byte estimate of it, so that the
+    conversation's next turn, the first that may overflow, is counted at its own rate."""
+    try:
+        parsed = state.route.read(state.original)
+    except (wire.Unreadable, wire.NotFittable, wire.NotCompactable, ValueError):
+        return None, None
+    if not isinstance(parsed, wire.Chat):
+        return None, None
+    return parsed.key, rough_size(parsed, EstimateCounter())
 
 
 STREAMED = re.compile(rb'"stream"\s*:\s*true\b')

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Callable, Mapping
 
@@ -259,7 +258,7 @@ class Sizer:
             if total is None:
                 if len(counted) == VERIFY_ROUNDS:
                     break
-                sent = await off_loop(big, functools.partial(json.loads, fitted.body)) if fitted.body is not None else parsed.body
+                sent = await off_loop(big, functools.partial(wire.load, fitted.body)) if fitted.body is not None else parsed.body
                 total = await self.counters.exact_total(backend, parsed, sent, big)
                 if total is None:
                     return search.best() or _unconfirmed(fitted)

@@ -62,6 +62,9 @@ async def answer(f: Any, s: Any, sent: dict[str, Any]) -> int:
 
 
 async def test_without_a_tokenizer_each_cut_fills_the_window_to_its_target_at_the_conversations_own_rate() -> None:
+    """The first turns are proved to fit by their size and go out unparsed; their answers still
+    teach the conversation's rate, so the first turn that may overflow is not cut for the
+    estimate's width."""
     f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False)
     uses, fresh_whole, cuts, removed = [], [], 0, []
     for reads in range(1, 15):
@@ -69,6 +72,8 @@ async def test_without_a_tokenizer_each_cut_fills_the_window_to_its_target_at_th
         s = state(body, OPENAI, OLLAMA)
         decision = await f.fit(s)
         sent = body if decision == UNCHANGED else json.loads(decision.body)  # type: ignore[union-attr]
+        if true_tokens(body) <= 0.9 * WINDOW and not cuts:
+            assert decision == UNCHANGED, f"turn {reads} fits the window ({true_tokens(body)} of {WINDOW}) but was cut"
         counted = await answer(f, s, sent)
         assert s.report is not None
         report = s.report
