@@ -26,7 +26,7 @@ from typing import Any
 from contextpaw import logs, wire
 from contextpaw.bounds import SIZE_PROOF_BYTES, as_sent
 from contextpaw.calibration import Calibration
-from contextpaw.counters import rough_size
+from contextpaw.counters import least_kept, rough_size
 from contextpaw.flow import FlowState, Phase
 from contextpaw.metrics import Stats
 from contextpaw.report import Report
@@ -68,6 +68,21 @@ class Evaluated:
     estimated: int | None = None
     """The byte estimate of what was sent (where the calibrated counter counted it): against
     `prompt_tokens`, the conversation's own ratio of tokens to the estimate."""
+    least: int = 0
+    """The byte estimate of what a server that cuts from the front keeps of it at the least."""
+
+    @property
+    def uncut(self) -> bool:
+        """The count is of the whole prompt: the verdict says so, or no cut can explain it. A
+        server that cut kept at least `least` of the estimate, at a rate that put the whole over
+        the window; when even that least, at the rate the count implies, would not have gone
+        over, the count is of everything that was sent (a guarded cut, judged only possibly cut
+        for the estimate's width, is such a case)."""
+        if self.whole:
+            return True
+        if self.certain_cut or not (self.estimated and self.least and self.window):
+            return False
+        return self.least * self.window >= self.prompt_tokens * self.estimated
 
     @property
     def whole(self) -> bool:
@@ -210,10 +225,11 @@ class AnswerCheck:
         possible = verdict is not None and verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None
         model = expected.model if expected is not None else (wire.model_of(state.original) or state.where.model)
         conversation = expected.conversation if expected is not None else None
-        estimated = state.calibration.estimated if state.calibration is not None else None
+        sized = state.calibration
+        estimated, least = (sized.estimated, sized.least) if sized is not None else (None, 0)
         if conversation is None and estimated is None and len(state.original) <= SIZE_PROOF_BYTES:
-            conversation, estimated = _read_as_sent(state)
-        sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window, estimated)
+            conversation, estimated, least = _read_as_sent(state)
+        sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window, estimated, least)
         self.last = sample
         if conversation is not None:
             self._answered.put(conversation, sample)
@@ -227,17 +243,18 @@ class AnswerCheck:
 
 
 
-def _read_as_sent(state: FlowState) -> tuple[str | None, int | None]:
+def _read_as_sent(state: FlowState) -> tuple[str | None, int | None, int]:
     """A request proved to fit by its size went out unparsed (that is what the proof saves): read
     now, small as it is, for its conversation's key and the byte estimate of it, so that the
     conversation's next turn, the first that may overflow, is counted at its own rate."""
     try:
         parsed = state.route.read(state.original)
     except (wire.Unreadable, wire.NotFittable, wire.NotCompactable, ValueError):
-        return None, None
+        return None, None, 0
     if not isinstance(parsed, wire.Chat):
-        return None, None
-    return parsed.key, rough_size(parsed, EstimateCounter())
+        return None, None, 0
+    estimate = EstimateCounter()
+    return parsed.key, rough_size(parsed, estimate), least_kept(parsed, estimate)
 
 
 STREAMED = re.compile(rb'"stream"\s*:\s*true\b')

@@ -69,6 +69,9 @@ class Sample:
     estimated: int
     shaped: int
     kind: str
+    least: int = 0
+    """The byte estimate of what a server that cuts from the front keeps of it at the least
+    (`counters.least_kept`): what tells a count of the whole from one after a cut."""
 
 
 @dataclass(frozen=True, slots=True)

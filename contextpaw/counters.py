@@ -129,6 +129,17 @@ class CounterChoice:
         return await self.services.counting.total(backend.url, counted, path=path, big=big)
 
 
+def least_kept(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
+    """What a server that cuts a prompt from the front keeps of it at the least, as `counter`
+    counts it: Ollama drops whole messages after the system messages, and keeps the latest one and
+    the tool definitions (the template renders them). 0 for a raw prompt: no claim."""
+    if not isinstance(parsed, wire.Chat) or not parsed.conversation.messages:
+        return 0
+    messages = parsed.conversation.messages
+    kept = [m for m in messages[:-1] if m.pinned] + [messages[-1]]
+    return parsed.fixed_cost(counter) + sum(counter.message(m) for m in kept)
+
+
 def rough_size(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
     """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it.
     A system prompt sent beside the messages (Anthropic's `system`, the Responses `instructions`)

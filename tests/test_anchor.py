@@ -17,6 +17,7 @@ from support.common import FIXED_REPLY
 
 from contextpaw.counters import rough_size
 from contextpaw.flow import UNCHANGED, Forward
+from contextpaw import wire
 from contextpaw.tokens import EstimateCounter
 from test_fitter import OLLAMA, OPENAI, fitter, state
 
@@ -102,3 +103,47 @@ async def test_a_count_the_estimates_bounds_cannot_explain_is_not_taken_for_the_
     again = state(session_body(7, lines=50), OPENAI, OLLAMA)
     await f.fit(again)
     assert again.report is not None and not any("own rate" in note for note in again.report.notes), again.report.notes
+
+
+MESSAGES = wire.route_for(wire.Kind.OLLAMA, "POST", "/v1/messages")
+
+
+def claude_like(reads: int) -> dict[str, Any]:
+    """Claude Code's shape: a long system prompt and many tool schemas (half the window here), so
+    that even its first request is over what the estimate's width allows, then a file read a turn
+    as tool_use / tool_result blocks."""
+    tools = [
+        {"name": f"Tool{t}", "description": "Does one thing well. " * 25,
+         "input_schema": {"type": "object", "properties": {f"arg{a}": {"type": "string", "description": "an argument " * 8} for a in range(4)}}}
+        for t in range(12)
+    ]  # fmt: skip
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read the files one by one, then list every FACT line."}]
+    for n in range(reads):
+        messages += [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{n}", "name": "Read", "input": {"file_path": f"f{n}.py"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{n}", "content": source_file(n, 40)}]},
+        ]
+    return {"model": "qwen-no-tokenizer", "max_tokens": 32000, "system": "You are Claude Code. " * 80, "tools": tools, "messages": messages}
+
+
+async def test_a_guarded_cut_whose_count_no_cut_from_the_front_can_explain_teaches_the_conversations_rate() -> None:
+    """Claude Code's first request is over what the estimate's width allows, so it is cut to what
+    must be kept, and its answer can only be judged possibly cut. But Ollama cuts from the front
+    and keeps the system prompt, the tools and the last message: when even those, at the rate the
+    count implies, could not have overflowed the window, the count is of the whole, and the next
+    turns are counted at that rate; the file just read then reaches the model whole."""
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False)
+    anchored = []
+    for reads in range(1, 9):
+        body = claude_like(reads)
+        s = state(body, MESSAGES, OLLAMA)
+        decision = await f.fit(s)
+        sent = body if decision == UNCHANGED else json.loads(decision.body)  # type: ignore[union-attr]
+        counted = math.ceil(rough_size(MESSAGES.read(json.dumps(sent).encode()), EstimateCounter()) * RATE)
+        assert counted <= WINDOW
+        f.answers.final_report(s, {"type": "message_delta", "usage": {"input_tokens": counted, "output_tokens": 3}}, counted)
+        assert s.report is not None
+        anchored.append(any("own rate" in note for note in s.report.notes))
+        if reads > 1:
+            assert sent["messages"][-1] == body["messages"][-1], f"turn {reads}: the file just read is sent whole"
+    assert all(anchored[1:]), anchored
