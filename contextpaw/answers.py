@@ -227,7 +227,7 @@ class AnswerCheck:
         conversation = expected.conversation if expected is not None else None
         sized = state.calibration
         estimated, least = (sized.estimated, sized.least) if sized is not None else (None, 0)
-        if conversation is None and estimated is None and len(state.original) <= SIZE_PROOF_BYTES:
+        if conversation is None and estimated is None and window and evaluated * NEARING >= window and len(state.original) <= SIZE_PROOF_BYTES:
             conversation, estimated, least = _read_as_sent(state)
         sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window, estimated, least)
         self.last = sample
@@ -243,9 +243,14 @@ class AnswerCheck:
 
 
 
+NEARING = 4
+"""A conversation whose answered prompt took a quarter of its window or more may overflow soon: a
+turn of it proved to fit by its size is read after its answer, for its rate."""
+
+
 def _read_as_sent(state: FlowState) -> tuple[str | None, int | None, int]:
     """A request proved to fit by its size went out unparsed (that is what the proof saves): read
-    now, small as it is, for its conversation's key and the byte estimate of it, so that the
+    now (a conversation `NEARING` its window only), small as it is, for its conversation's key and the byte estimate of it, so that the
     conversation's next turn, the first that may overflow, is counted at its own rate."""
     try:
         parsed = state.route.read(state.original)

@@ -44,6 +44,7 @@ WEB_COLUMNS = ["icon", "path", "method", "status", "size", "time", "comment"]
 
 OLD_FLAGS: dict[str, tuple[str, type | None, str]] = {
     "--keep-recent": ("contextpaw_keep_recent", int, "most recent messages that are never evicted"),
+    "--headroom": ("contextpaw_headroom", str, "room a cut leaves for the next turns: auto, or a percentage of the budget"),
     "--default-ctx": ("contextpaw_default_ctx", int, "window when neither the request nor the backend says"),
     "--margin": ("contextpaw_margin", int, "tokens kept for the chat template and counting error"),
     "--tokenizer": ("contextpaw_tokenizer", str, "a tokenizer.json or GGUF file to count with"),

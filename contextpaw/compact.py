@@ -57,6 +57,9 @@ HEADROOM = (0.10, 0.35)
 the budget makes the next turn cut again, and every cut makes the server read again what follows
 it; a cut that leaves room for a turn lets the next one append. Past a third of the budget the
 window is mostly empty: an agent loop whose turns each add a third of it cuts every turn anyway."""
+TURN_SLACK = 0.01
+"""Added to a turn's share of the budget: a turn just like the last ones must append, not land a
+marker's worth of tokens over."""
 HEADROOM_TURNS = 3
 """How many of the latest turns size the headroom: a cut leaves room for one more turn like them
 (their mean), so a turn appends after each cut. Room for two held an agent reading a file a turn
@@ -91,7 +94,7 @@ def headroom_share(messages: tuple[Message, ...], cost: list[int], budget: int) 
     else:
         grows = cost[-1] if cost else 0
     low, high = HEADROOM
-    return min(max(grows / max(budget, 1), low), high)
+    return min(max(grows / max(budget, 1) + TURN_SLACK, low), high)
 
 
 class BudgetTooSmall(Exception):

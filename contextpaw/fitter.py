@@ -129,6 +129,7 @@ class Fitter:
         self.answers = AnswerCheck(self.calibration, stats)
         """Each answer's count of what was evaluated, checked (the verdict) and learned from."""
         self.sizer = Sizer(self.counters, self.calibration, self.estimate, self.plans, settings.keep_recent, self.answers.evaluated)
+        self.sizer.headroom = settings.headroom
         self.digesting = Digesting(self.sizer, self.windows, self.counters, services, settings)
         self.summarizer: Summarizer | None = None
         self.settings = settings
@@ -142,6 +143,7 @@ class Fitter:
         self.answers.calibrate = settings.calibrate
         self.counters.settings = settings
         self.sizer.keep_recent = settings.keep_recent
+        self.sizer.headroom = settings.headroom
         self.digesting.settings = settings
         self.windows.ollama_default = settings.ollama_context_length or None
         self.budgeter = Budgeter(

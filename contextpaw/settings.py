@@ -77,6 +77,8 @@ class FitSettings:
 
     policy: str = "compact"
     keep_recent: int = 4
+    headroom: float | None = None
+    """The share of the budget a cut leaves free for the next turns (None: what one turn adds)."""
     default_ctx: int = 4096
     output_reserve: int = 1024
     margin: int = 64
@@ -128,6 +130,19 @@ def _tokenizer_file(path: str) -> str:
     return expanded
 
 
+def _headroom(value: str) -> float | None:
+    """`auto`, or a percentage of the budget from 0 to 50."""
+    if value == "auto":
+        return None
+    try:
+        percent = float(value)
+    except ValueError:
+        raise ValueError(f"must be auto or a percentage of the budget, not {value!r}") from None
+    if not 0 <= percent <= 50:
+        raise ValueError(f"must be between 0 and 50 (percent of the budget), not {value!r}")
+    return percent / 100
+
+
 def _summarizer_url(url: str) -> str:
     if url:
         wire.Backend.parse(wire.Kind.OLLAMA, url)
@@ -148,6 +163,10 @@ FIT_OPTIONS = _with_field_defaults(
         "compact: fit overflowing requests and report it; strict: refuse them in the API's own overflow error; off: pass through.",
         choices=POLICIES),
     keep_recent=Option(int, "Most recent messages that are never evicted.", least=0),
+    headroom=Option(str,
+        "Room a cut leaves below the budget so the next turns append to the cached prompt: auto (what one of "
+        "the latest turns adds, 10-35% of the budget) or a percentage of the budget (0-50).",
+        read=_headroom, default="auto"),
     default_ctx=Option(int, "Context window when neither the request nor the backend says.", least=1),
     output_reserve=Option(int,
         "Tokens left for the answer when a request must be cut anyway (the smaller of this and the request's own "

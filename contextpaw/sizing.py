@@ -69,6 +69,8 @@ class Sizer:
         self.plans = plans
         """Each conversation's last `Plan` (the fitter's, which remembers them)."""
         self.keep_recent = keep_recent
+        self.headroom: float | None = None
+        """The share of the budget a cut leaves free (`contextpaw_headroom`; None: what a turn adds)."""
         self.answered = answered
         """A conversation's last answered turn: the server's count of what was sent, beside ours."""
         self.overcounts = LRU(plans.limit)
@@ -136,7 +138,8 @@ class Sizer:
         def with_fixed(fixed: int) -> Fit:
             if isinstance(parsed, wire.Chat):
                 return functools.partial(fit_chat, parsed, counter=counter, fixed_tokens=fixed,
-                                         keep_recent=self.keep_recent, previous=previous, digests=digests)  # fmt: skip
+                                         keep_recent=self.keep_recent, previous=previous, digests=digests,
+                                         headroom=self.headroom)  # fmt: skip
             return functools.partial(fit_prompt, parsed, counter=counter, fixed_tokens=fixed)
 
         fit = with_fixed(fixed)

@@ -453,7 +453,7 @@ def test_room_whole_units_cannot_use_is_filled_with_a_shrunk_one(budget):
     msgs = agent_loop(10, dump_lines=120)  # units of ~700 tokens: whole ones leave gaps that big
     result = compact_chat(Conversation.from_wire(msgs), budget, COUNTER)
     target = recut_target(budget, result.plan.headroom)
-    assert 0.95 * target <= result.report.final_tokens <= target
+    assert 0.9 * target <= result.report.final_tokens <= target  # a shrunk unit's floor and note may not fit the last gap
     check_pairing(result.messages)
 
 
