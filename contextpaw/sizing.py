@@ -143,6 +143,7 @@ class Sizer:
             return functools.partial(fit_prompt, parsed, counter=counter, fixed_tokens=fixed)
 
         fit = with_fixed(fixed)
+        reserve_note = ""
         while True:
             try:
                 fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, guarded))
@@ -155,13 +156,22 @@ class Sizer:
                     fit = with_fixed(fixed)
                     continue
                 if guarded in (budget, start):
-                    raise
+                    if not budget.reserve or e.required > budget.admits:
+                        raise
+                    # the reserve is room for an answer to a request that must be cut: one whose
+                    # least fits the window without it goes out so, and the answer is judged
+                    budget = start = guarded = Budget(budget.window, 0, budget.margin, limit=budget.limit)
+                    reserve_note = (f"what must be kept needs {e.required} of the window's {budget.admits} tokens: "
+                                    f"cut to that, with less room for the answer than its reserve, rather than refused")  # fmt: skip
+                    continue
                 # what must be kept needs more than the guard leaves: as close to the guard as it
                 # fits, else the full budget, and the check after the answer says what happened
                 needed = budget.at_most(e.required)
                 guarded = needed if guarded.tokens < needed.tokens < budget.tokens else budget
                 why = "what must be kept needs this much"
         fitted.report.window = budget.window
+        if reserve_note:
+            fitted.report.notes.append(reserve_note)
         if guarded not in (budget, start):
             fitted.report.notes.append(
                 f"budget {guarded.tokens} of {budget.tokens}: the count is an estimate, and this route cannot ask "

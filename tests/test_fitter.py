@@ -1025,3 +1025,19 @@ async def test_a_shape_priced_cut_the_server_counts_over_the_window_is_refused_b
     assert isinstance(retry, bytes) and json.loads(retry)["truncate"] is False
     assert s.sent_tokens <= (4096 - 64) / 1.5 + 1, "cut to the server's count, in the shape's units"
     assert s.calibration.shaped == rough_size(CHAT.read(retry), f.shape), "the sample is of the retry as it was sent"
+
+
+async def test_a_request_whose_least_fits_the_window_only_without_the_answer_reserve_is_cut_not_refused() -> None:
+    """A 20-turn chat into a 1,024-token window, counted by the estimate alone: what must be kept
+    needs more than the window less the answer's reserve, but fits the window. llama-server serves
+    it (generation is capped by the room left), so it is cut to fit and sent, never refused."""
+    f = fitter(default_ctx=1024, discover_window=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go on."}]
+    for i in range(20):
+        messages.append({"role": "assistant" if i % 2 == 0 else "user", "content": f"turn {i}: " + "word " * 60})
+    messages[-1]["content"] = "the latest question: " + "detail " * 330
+    s = state({"model": "m", "max_tokens": 700, "messages": messages}, OPENAI, LLAMACPP)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.body is not None, s.report
+    assert s.report is not None and s.report.budget == 1024 - 64 and s.report.final_tokens <= 1024 - 64
+    assert any("rather than refused" in note for note in s.report.notes), s.report.notes
