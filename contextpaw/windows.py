@@ -111,6 +111,13 @@ Fetch = Callable[[str, str, dict[str, Any] | None], Awaitable[Any]]
 """(method, url, JSON body or None) -> the parsed JSON answer, or None when the server did not answer."""
 
 
+WINDOW_TTL_S = 5.0
+"""How long a window found is trusted: a backend restarted with another `-c` or `num_ctx` is seen
+within this long (the lookup is one small loopback call; at 30 s a window grown from 1,024 to
+8,192 was cut to the old one for five more turns)."""
+MISS_TTL_S = 30.0
+"""How long a backend that gave no window is not asked again: one timeout, not one per request."""
+
 MAX_MODELS = 1024
 MAX_NAME_BYTES = 1 << 20
 """Windows remembered at most (by backend and model name), and the bytes their names may hold."""
@@ -135,10 +142,10 @@ class BackendWindows:
     def __init__(
         self,
         fetch: Fetch,
-        ttl: float = 30.0,
+        ttl: float = WINDOW_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         ollama_default: int | None = None,
-        miss_ttl: float = 30.0,
+        miss_ttl: float = MISS_TTL_S,
     ) -> None:
         self.fetch = fetch
         self.ttl = ttl

@@ -113,3 +113,15 @@ async def test_the_windows_remembered_are_bounded_whatever_model_names_clients_s
     for n in range(MAX_MODELS + 500):
         await windows.window(OLLAMA, f"m{n}")
     assert len(windows.known) == MAX_MODELS
+
+
+async def test_a_window_that_grows_when_the_backend_restarts_is_used_within_seconds():
+    """llama-server restarted from -c 1024 to -c 8192: the next requests after a few seconds are
+    sized to the new window (they were cut to the old one for half a minute)."""
+    now = [0.0]
+    server = Server({("GET", "props"): {"default_generation_settings": {"n_ctx": 1024}}})
+    windows = BackendWindows(server, clock=lambda: now[0])
+    assert await windows.window(LLAMA, "m") == 1024
+    server.answers[("GET", "props")] = {"default_generation_settings": {"n_ctx": 8192}}
+    now[0] = 5.0
+    assert await windows.window(LLAMA, "m") == 8192
