@@ -136,6 +136,10 @@ class Plan:
     headroom: float = 0.0
     """The share of the budget this cut left free (0: nothing was cut): a check of the fit by the
     server aims it there, as the engine did."""
+    held: bool = False
+    """The fit is over its target because what must be kept needs the room: the newest unit is
+    kept whole up to the budget rather than cut for the next turns' room. A check of the fit by
+    the server takes it as it is (cut tighter, the newest unit would be shrunk)."""
     continued: bool = False
     """Whether this turn began from an earlier turn's cuts (and was cut again after them if it had
     to be)."""
@@ -304,6 +308,7 @@ class _ChatCompaction:
             notes=sent.notes,
             hole_starts=frozenset(u.key for u in self.evicted if min(u.indices) in starts),
             headroom=report.headroom,
+            held=cut and self.total() > self.target and self.evicted.issuperset(self.evictable),
             continued=last is not None,
         )
         return ChatResult([m.raw for m in sent.messages], report, plan)

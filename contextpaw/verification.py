@@ -34,7 +34,7 @@ class Reading(Enum):
 
     AS_SENT = "the request as it came, within what the budget admits"
     APPENDS = "within the budget, with last turn's cuts and no others"
-    CONFIRMED = "within the target"
+    CONFIRMED = "within the target, or within the budget where what must be kept holds it over the target"
     PAST_CONFIRMED = "over the target, after a fit within it was confirmed"
     PAST_HEADROOM = "within the budget but over a cut's target, none confirmed yet"
     PAST_LOOSENED = "over, cut to the budget loosened by last turn's overcount"
@@ -105,7 +105,7 @@ class Search:
             return Reading.AS_SENT
         if within and _repeated(fitted.plan, self.previous):
             return Reading.APPENDS
-        if within and total <= self.target:
+        if within and (total <= self.target or (fitted.plan is not None and fitted.plan.held)):
             return Reading.CONFIRMED
         if self.confirmed is not None:
             return Reading.PAST_CONFIRMED

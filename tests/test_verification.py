@@ -116,3 +116,15 @@ def test_on_the_last_count_a_fit_past_the_confirmed_one_sends_the_confirmed_one(
     search.counted(confirmed, 1339, last=False)
     step = search.counted(fit(2878), 2100, last=True)
     assert isinstance(step, Send) and step.fitted is confirmed
+
+
+def test_a_fit_held_over_its_target_by_what_must_be_kept_is_sent_as_it_is() -> None:
+    """The newest tool result kept whole takes the fit past the target, within the budget: cut
+    tighter, it would be shrunk, so the server's count of it within the budget sends it."""
+    search = Search(BUDGET, BUDGET, None)
+    held = fit(1900, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM, held=True))
+    assert search.read(held, 1880) is Reading.CONFIRMED
+    step = search.counted(held, 1880, last=False)
+    assert isinstance(step, Send) and step.fitted is held
+    unheld = fit(1900, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM))
+    assert isinstance(Search(BUDGET, BUDGET, None).counted(unheld, 1880, last=False), Refit), "a fit that could go lower is cut tighter"
