@@ -377,9 +377,9 @@ class _ChatCompaction:
 
         Units after the last cut go first, biggest first, each hole with a marker of its own: a
         marker once sent is never rewritten. A message shrunk last is cut deeper next, then
-        protected messages after the last cut are shrunk (the newest last). Only when the budget
-        cannot hold the prefix with what must follow is anything before it cut, and the report
-        says so."""
+        protected messages after the last cut are shrunk (not the newest). Only when the budget
+        cannot hold the prefix with what must follow, the newest unit whole, is anything before
+        it cut (and the newest shrunk only after that), and the report says so."""
         target = self.target
         after = [u for u in self.evictable if min(u.indices) > last]
         self.evict_until(target, sorted(after, key=self.stalest_biggest))
@@ -387,15 +387,15 @@ class _ChatCompaction:
         if self.total() > self.budget and last in self.shrunk and self.shrink(last, self.total() - target):
             changed = "its cut goes deeper"
         if self.total() > self.budget and self.prefix_tokens(last) <= self.budget:
-            self.shrink_protected(self.budget, after=last)
+            self.shrink_protected(self.budget, after=last, fresh=False)
         if self.total() > self.budget:
             prefix = self.prefix_tokens(last)
-            changed = f"the {prefix} tokens up to it leave {self.budget - prefix} of the {self.budget}-token budget, too little for what must follow"
+            changed = f"the {prefix} tokens up to it leave {self.budget - prefix} of the {self.budget}-token budget, too little for what must follow whole"
             # the prefix gives up its latest units until it leaves the headroom, no more: what it
             # keeps is still cached, and what follows it is shrunk into the room
             latest_first = sorted(self.evictable, key=lambda u: u.indices, reverse=True)
             self.evict_until(target, latest_first, lambda: self.prefix_tokens(last))
-            self.shrink_protected(self.budget, after=last)
+            self.shrink_protected(self.budget, after=last, fresh=False)
             if self.total() > self.budget:
                 self.evict_until(target, latest_first)
                 self.shrink_protected(self.budget)
@@ -412,13 +412,14 @@ class _ChatCompaction:
         kept = sum(self.size(i) for i in range(last + 1) if self.unit_of[i] not in self.evicted)
         return self.fixed + kept + sum(self.holes.marker_cost(h) for h in self.holes if h[1] <= last)
 
-    def shrink_protected(self, limit: int, after: int = -1) -> None:
+    def shrink_protected(self, limit: int, after: int = -1, fresh: bool = True) -> None:
         """Shrink protected messages middle-out, biggest first and the newest unit last (the file
         the agent just read reaches it whole wherever the rest can give way): the others down to
         the target, as evicted units would make room, the newest until the rest fits in `limit`,
         or none can give more. With `after`, only messages after it, and of the units
         that straddle it also those that are not protected (they cannot go without what comes
-        before).
+        before). Without `fresh`, the newest unit is left whole: the caller has older units to
+        evict first.
 
         A message's cost does not fall exactly as far as its text's (the note, a content part, how
         the cut tokenizes), so a pass that lands a few tokens over is followed by another, which
@@ -431,7 +432,8 @@ class _ChatCompaction:
         )
         # older messages give way down to the target, as evicted units would; the newest only to `limit`
         rest = [i for i in candidates if i not in self.fresh]
-        for group, aim in ((rest, min(limit, self.target)), ([i for i in candidates if i in self.fresh], limit)):
+        newest = [i for i in candidates if i in self.fresh] if fresh else []
+        for group, aim in ((rest, min(limit, self.target)), (newest, limit)):
             for _ in range(SHRINK_ROUNDS):
                 gave = False
                 for i in group:

@@ -602,7 +602,9 @@ async def test_a_re_cut_keeps_its_headroom_in_the_servers_tokens_so_the_next_tur
             recuts += 1
             assert real <= s.report.target + s.report.budget // 50, f"turn {n}: {real}"
         previous_sent = sent["messages"]
-    assert cut_turns >= 20 and recuts <= cut_turns // 3, f"{recuts} re-cuts in {cut_turns} cut turns"
+    # the newest output is kept whole before the cached prefix is: where it does not fit after the
+    # prefix, the cut goes earlier (10 re-cuts in 25 cut turns; shrinking it instead, 8)
+    assert cut_turns >= 20 and recuts <= cut_turns * 2 // 5, f"{recuts} re-cuts in {cut_turns} cut turns"
 
 
 async def test_a_conversation_whose_client_dropped_what_was_cut_is_cut_afresh_and_filled_to_the_budget() -> None:

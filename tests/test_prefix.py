@@ -97,16 +97,22 @@ def boundary(prompt: list[dict], last: int, removals: list) -> int:
     return max(ends)
 
 
-def least_after(msgs: list[dict], keep_recent: int, after: int, counter) -> int:
+def least_after(msgs: list[dict], keep_recent: int, after: int, counter, newest_whole: bool = False) -> int:
     """A lower bound on what must follow the prefix: the protected messages after it and the rest
     of the unit it ends in (when the prefix holds the start of that unit), each at no more than its
     shrink floor; and each run of other messages between them, kept (at its floors) or told by a
     marker of its own, as a hole cannot reach across a kept message, and a hole does not join the
-    last marker's (a marker once sent stays as it was)."""
+    last marker's (a marker once sent stays as it was). With `newest_whole`, the newest unit (the
+    file just read) at its whole size: it is shrunk only after the prefix gave way."""
     conv = Conversation.from_wire(msgs)
     straddling = {i for u in conv.units() if min(u.indices) < after for i in u.indices}
     kept = {i for i in protected(msgs, keep_recent) | straddling if i > after}
     floors = [floor(m, counter) for m in conv.messages]
+    if newest_whole:
+        newest = next(u for u in conv.units() if len(msgs) - 1 in u.indices)
+        for i in newest.indices:
+            floors[i] = counter.message(conv.messages[i])
+        kept |= {i for i in newest.indices if i > after}
     runs = itertools.groupby(range(after + 1, len(msgs)), key=kept.__contains__)
     gaps = [list(run) for is_kept, run in runs if not is_kept]
     marked = sum(min(least_note(counter), sum(floors[i] for i in gap)) for gap in gaps)
@@ -158,9 +164,15 @@ def test_each_turn_resends_the_last_turns_prompt_through_its_last_marker_unless_
             # and the budget really could not hold it: the prefix, at this turn's count, leaves less
             # than the headroom for what must follow, or less than the least of it
             prefix = sum(counter.message(Message.from_wire(m)) for m in sent[:last])
-            marker = min(counter.message(Message.from_wire(sent[last])), least_marker(counter))  # it stays, in some form
-            least = marker + least_after(msgs, keep_recent, boundary(sent, last, sent_removals), counter)
-            assert prefix + marker > recut_target(budget, result.plan.headroom) - SLACK or prefix + least > budget - SLACK, notes
+            # a marker stays byte for byte; a message shrunk there may be cut deeper, to a marker's size at least
+            marker = counter.message(Message.from_wire(sent[last]))
+            if shrunk_only(sent[last], sent_removals):
+                marker = min(marker, least_marker(counter))
+            after = boundary(sent, last, sent_removals)
+            least = marker + least_after(msgs, keep_recent, after, counter)
+            whole = marker + least_after(msgs, keep_recent, after, counter, newest_whole=True)
+            assert (prefix + marker > recut_target(budget, result.plan.headroom) - SLACK or prefix + least > budget - SLACK
+                    or prefix + whole > budget - SLACK), notes  # fmt: skip
         elif last is not None and shrunk_only(sent[last], sent_removals) and prompt[last : last + 1] != sent[last : last + 1]:
             assert notes, f"the shrunk message {last} was cut anew without saying so"
         assert result.report.final_tokens <= budget
