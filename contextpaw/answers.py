@@ -25,14 +25,14 @@ from typing import Any
 
 from contextpaw import logs, wire
 from contextpaw.bounds import SIZE_PROOF_BYTES, as_sent
-from contextpaw.calibration import Calibration
-from contextpaw.counters import least_kept, rough_size
+from contextpaw.calibration import Calibration, Sample
+from contextpaw.counters import rough_size
 from contextpaw.flow import FlowState, Phase
 from contextpaw.metrics import Stats
 from contextpaw.report import Report
 from contextpaw.state import LRU
 from contextpaw.tokens import EstimateCounter
-from contextpaw.truncation import Evaluation, Verdict, judge, unknowable
+from contextpaw.truncation import ESTIMATE_BOUNDS, Evaluation, Verdict, judge, unknowable
 from contextpaw.wire import openai
 
 logger = logs.get(__name__)
@@ -68,21 +68,6 @@ class Evaluated:
     estimated: int | None = None
     """The byte estimate of what was sent (where the calibrated counter counted it): against
     `prompt_tokens`, the conversation's own ratio of tokens to the estimate."""
-    least: int = 0
-    """The byte estimate of what a server that cuts from the front keeps of it at the least."""
-
-    @property
-    def uncut(self) -> bool:
-        """The count is of the whole prompt: the verdict says so, or no cut can explain it. A
-        server that cut kept at least `least` of the estimate, at a rate that put the whole over
-        the window; when even that least, at the rate the count implies, would not have gone
-        over, the count is of everything that was sent (a guarded cut, judged only possibly cut
-        for the estimate's width, is such a case)."""
-        if self.whole:
-            return True
-        if self.certain_cut or not (self.estimated and self.least and self.window):
-            return False
-        return self.least * self.window >= self.prompt_tokens * self.estimated
 
     @property
     def whole(self) -> bool:
@@ -187,6 +172,8 @@ class AnswerCheck:
             verdict = unknowable(sent, report.window, state.bounds, state.uncuttable)
         else:
             verdict = judge(sent, evaluated, report.window, state.bounds, state.uncuttable)
+            if verdict.evaluation is Evaluation.UNSURE and _no_cut_explains(state.calibration, evaluated, report.window):
+                verdict = Verdict(Evaluation.WHOLE)
         if verdict.evaluation is Evaluation.UNSURE and (possible := verdict.truncation) is not None and report.upstream_truncation_possible is None:
             report.upstream_truncation_possible = possible
             _noted(report, possible.note)
@@ -225,11 +212,10 @@ class AnswerCheck:
         possible = verdict is not None and verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None
         model = expected.model if expected is not None else (wire.model_of(state.original) or state.where.model)
         conversation = expected.conversation if expected is not None else None
-        sized = state.calibration
-        estimated, least = (sized.estimated, sized.least) if sized is not None else (None, 0)
+        estimated = state.calibration.estimated if state.calibration is not None else None
         if conversation is None and estimated is None and window and evaluated * NEARING >= window and len(state.original) <= SIZE_PROOF_BYTES:
-            conversation, estimated, least = _read_as_sent(state)
-        sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window, estimated, least)
+            conversation, estimated = _read_as_sent(state)
+        sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window, estimated)
         self.last = sample
         if conversation is not None:
             self._answered.put(conversation, sample)
@@ -243,23 +229,34 @@ class AnswerCheck:
 
 
 
+def _no_cut_explains(sized: Sample | None, evaluated: int, window: int | None) -> bool:
+    """Whether no cut from the front can explain what the server counted. Ollama drops whole
+    messages after the system prompt and keeps the tools and the latest message (`least` of the
+    byte estimate of what was sent); what it could have dropped is the rest, at most 3.3 tokens to
+    the estimate's one. When the count and all of that together stay within the window, nothing
+    was over it, so nothing was cut: the count is of everything sent (a guarded cut of an agent
+    whose tools and system prompt are most of its prompt is judged so, not "possible")."""
+    if sized is None or not sized.least or window is None:
+        return False
+    return evaluated + ESTIMATE_BOUNDS[1] * max(sized.estimated - sized.least, 0) <= window
+
+
 NEARING = 4
 """A conversation whose answered prompt took a quarter of its window or more may overflow soon: a
 turn of it proved to fit by its size is read after its answer, for its rate."""
 
 
-def _read_as_sent(state: FlowState) -> tuple[str | None, int | None, int]:
+def _read_as_sent(state: FlowState) -> tuple[str | None, int | None]:
     """A request proved to fit by its size went out unparsed (that is what the proof saves): read
     now (a conversation `NEARING` its window only), small as it is, for its conversation's key and the byte estimate of it, so that the
     conversation's next turn, the first that may overflow, is counted at its own rate."""
     try:
         parsed = state.route.read(state.original)
     except (wire.Unreadable, wire.NotFittable, wire.NotCompactable, ValueError):
-        return None, None, 0
+        return None, None
     if not isinstance(parsed, wire.Chat):
-        return None, None, 0
-    estimate = EstimateCounter()
-    return parsed.key, rough_size(parsed, estimate), least_kept(parsed, estimate)
+        return None, None
+    return parsed.key, rough_size(parsed, EstimateCounter())
 
 
 STREAMED = re.compile(rb'"stream"\s*:\s*true\b')

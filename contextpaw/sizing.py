@@ -200,7 +200,7 @@ class Sizer:
         if not isinstance(parsed, wire.Chat):
             return None
         last = self.answered(parsed.key)
-        if last is None or not last.uncut or not last.estimated:
+        if last is None or not last.whole or not last.estimated:
             return None
         rate = last.prompt_tokens / last.estimated
         if not ESTIMATE_BOUNDS[0] <= rate <= ESTIMATE_BOUNDS[1]:  # no text tokenizes so: not a count of what was sent
