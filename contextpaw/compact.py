@@ -377,26 +377,28 @@ class _ChatCompaction:
 
         Units after the last cut go first, biggest first, each hole with a marker of its own: a
         marker once sent is never rewritten. A message shrunk last is cut deeper next, then
-        protected messages after the last cut are shrunk (not the newest). Only when the budget
+        protected messages after the last cut are shrunk (not the newest). Only when the target
         cannot hold the prefix with what must follow, the newest unit whole, is anything before
-        it cut (and the newest shrunk only after that), and the report says so."""
+        it cut (and the newest shrunk only after that, into the budget), and the report says so."""
         target = self.target
         after = [u for u in self.evictable if min(u.indices) > last]
         self.evict_until(target, sorted(after, key=self.stalest_biggest))
         changed = None
-        if self.total() > self.budget and last in self.shrunk and self.shrink(last, self.total() - target):
+        for _ in range(SHRINK_ROUNDS if last in self.shrunk else 0):  # a cut's cost does not fall exactly as its text's
+            if self.total() <= target or not self.shrink(last, self.total() - target):
+                break
             changed = "its cut goes deeper"
-        if self.total() > self.budget and self.prefix_tokens(last) <= self.budget:
+        if self.total() > target and self.prefix_tokens(last) <= target:
             self.shrink_protected(self.budget, after=last, fresh=False)
-        if self.total() > self.budget:
+        if self.total() > target:
             prefix = self.prefix_tokens(last)
-            changed = f"the {prefix} tokens up to it leave {self.budget - prefix} of the {self.budget}-token budget, too little for what must follow whole"
+            changed = f"the {prefix} tokens up to it leave {target - prefix} of the {target}-token target, too little for what must follow whole"
             # the prefix gives up its latest units until it leaves the headroom, no more: what it
             # keeps is still cached, and what follows it is shrunk into the room
             latest_first = sorted(self.evictable, key=lambda u: u.indices, reverse=True)
             self.evict_until(target, latest_first, lambda: self.prefix_tokens(last))
             self.shrink_protected(self.budget, after=last, fresh=False)
-            if self.total() > self.budget:
+            if self.total() > target:
                 self.evict_until(target, latest_first)
                 self.shrink_protected(self.budget)
                 self.must_fit()

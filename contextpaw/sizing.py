@@ -279,8 +279,9 @@ class Sizer:
             step = search.counted(fitted, total, last=len(counted) == VERIFY_ROUNDS or fits == MAX_FITS - 1)
             if isinstance(step, Send):
                 return step
+            refit = fit if step.headroom is None else functools.partial(fit, headroom=step.headroom)
             try:
-                fitted = await off_loop(big, functools.partial(_fit_and_tell, fit, step.budget))
+                fitted = await off_loop(big, functools.partial(_fit_and_tell, refit, step.budget))
             except BudgetTooSmall as e:
                 if (kept := search.best()) is not None:
                     return kept

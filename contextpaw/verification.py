@@ -54,6 +54,10 @@ class Refit:
     """Cut again to this budget of ours, and count that."""
 
     budget: Budget
+    headroom: float | None = None
+    """Leave this share of the budget free instead (None: the fit's own): a fit within the budget
+    but past its target is cut deeper by its evictions, while what must be kept, the newest unit,
+    may still use the whole budget."""
 
 
 Step = Send | Refit
@@ -158,12 +162,17 @@ class Search:
         return self._aimed(None if last else _between(self.under, self.over, self.target))
 
     def _past_headroom(self, fitted: Fitted, ours: int, total: int, last: bool) -> Step:
-        """A re-cut the server counts past its headroom: as much tighter as it says."""
+        """A cut the server counts past its target, within the budget: its evictions aim as much
+        lower as the count says, under the same budget."""
         if self.spare is None or total < self.spare.fitted.report.final_tokens:
             self.spare = Send(fitted, self._overcount(ours, total))
-        if last:
+        if last or fitted.plan is None:
             return self.spare
-        return self._refit(self.tightened.tokens * self.target // total)
+        aim = ours * self.target // total
+        share = 1 - aim / max(self.tightened.tokens, 1)
+        if share <= fitted.plan.headroom or share >= 1:
+            return self.spare
+        return Refit(self.tightened, headroom=share)
 
     def _past_loosened(self, fitted: Fitted, ours: int, total: int, last: bool) -> Step:
         """Last turn's overcount does not hold for this one: back to the budget."""

@@ -171,8 +171,9 @@ def test_each_turn_resends_the_last_turns_prompt_through_its_last_marker_unless_
             after = boundary(sent, last, sent_removals)
             least = marker + least_after(msgs, keep_recent, after, counter)
             whole = marker + least_after(msgs, keep_recent, after, counter, newest_whole=True)
-            assert (prefix + marker > recut_target(budget, result.plan.headroom) - SLACK or prefix + least > budget - SLACK
-                    or prefix + whole > budget - SLACK), notes  # fmt: skip
+            target = recut_target(budget, result.plan.headroom)
+            assert (prefix + marker > target - SLACK or prefix + least > budget - SLACK
+                    or prefix + whole > target - SLACK), notes  # fmt: skip
         elif last is not None and shrunk_only(sent[last], sent_removals) and prompt[last : last + 1] != sent[last : last + 1]:
             assert notes, f"the shrunk message {last} was cut anew without saying so"
         assert result.report.final_tokens <= budget

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from contextpaw.compact import Plan, recut_target
 from contextpaw.fitting import Fitted
 from contextpaw.report import Report
@@ -65,13 +67,17 @@ def test_a_turn_that_only_repeats_last_turns_cuts_goes_out_as_soon_as_it_is_with
     assert isinstance(step, Send) and step.fitted is repeat, "no fuller fit: it would move the cached prefix"
 
 
-def test_a_re_cut_past_its_headroom_is_cut_tighter_and_kept_in_case_none_nearer_comes() -> None:
+def test_a_cut_the_server_counts_past_its_target_leaves_more_headroom_under_the_same_budget_and_is_kept_in_case() -> None:
+    """Our count put the cut on its target (1,480 of 1,487), the server's past it (1,900): the
+    evictions aim lower by the server's rate, and the budget stays, so the newest unit may still
+    use it whole."""
     search = Search(BUDGET, BUDGET, Plan(evicted=frozenset({"b"})))
-    recut = fit(1950, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM, continued=True))
+    recut = fit(1480, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM, continued=True))
     step = search.counted(recut, 1900, last=False)
     assert search.target == recut_target(BUDGET.tokens, HEADROOM) < BUDGET.tokens, "the fit began from last turn's cuts"
     assert search.read(recut, 1900) is Reading.PAST_HEADROOM
-    assert isinstance(step, Refit) and step.budget.tokens == 1983 * search.target // 1900
+    assert isinstance(step, Refit) and step.budget.tokens == BUDGET.tokens
+    assert step.headroom == pytest.approx(1 - (1480 * search.target // 1900) / BUDGET.tokens)
     assert search.best() is not None and search.best().fitted is recut
     assert search.counted(fit(1940), 1890, last=True).fitted.report.final_tokens == 1890, "on the last count the nearest goes"
 
@@ -104,7 +110,7 @@ def test_a_refit_that_starts_from_last_turns_cuts_is_aimed_at_the_re_cut_target_
     loose = Budget(BUDGET.window, BUDGET.reserve, BUDGET.margin - 900, limit=0)
     search = Search(BUDGET, loose, FIRST_CUT)
     assert search.counted(fit(2800, plan=Plan(), body=None), 2100, last=False) == Refit(BUDGET)
-    recut = fit(1950, plan=Plan(evicted=frozenset({"a", "b"}), headroom=HEADROOM, continued=True))
+    recut = fit(1480, plan=Plan(evicted=frozenset({"a", "b"}), headroom=HEADROOM, continued=True))
     assert search.read(recut, 1900) is Reading.CONFIRMED, "before it is counted, the target is the budget"
     step = search.counted(recut, 1900, last=False)
     assert search.target == recut_target(BUDGET.tokens, HEADROOM) and isinstance(step, Refit), "over the re-cut target: cut tighter"
@@ -126,5 +132,14 @@ def test_a_fit_held_over_its_target_by_what_must_be_kept_is_sent_as_it_is() -> N
     assert search.read(held, 1880) is Reading.CONFIRMED
     step = search.counted(held, 1880, last=False)
     assert isinstance(step, Send) and step.fitted is held
-    unheld = fit(1900, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM))
-    assert isinstance(Search(BUDGET, BUDGET, None).counted(unheld, 1880, last=False), Refit), "a fit that could go lower is cut tighter"
+    unheld = fit(1480, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM))
+    assert isinstance(Search(BUDGET, BUDGET, None).counted(unheld, 1880, last=False), Refit), "a fit that could go lower is cut deeper"
+
+
+def test_a_cut_past_its_target_that_its_own_count_already_put_past_it_is_sent() -> None:
+    """The engine could not reach its target (what lies before the last marker, what must be
+    kept): aiming it lower again would not move it, so the fit within the budget goes."""
+    search = Search(BUDGET, BUDGET, None)
+    over = fit(1950, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM))
+    step = search.counted(over, 1900, last=False)
+    assert isinstance(step, Send) and step.fitted is over
