@@ -14,8 +14,10 @@ the next file, then with the facts it can see. Per session it measures:
 - ``finished``: the CLI exited 0 and printed the model's final answer; ``turns``: agent requests
   answered; ``facts``: how many of the N facts the final answer named correctly (what the model
   could still see at the end);
-- ``cuts``: requests cut by ContextPaw or by the server, and for each the share of the window used
-  (the server's count / the window) and, through ContextPaw, the target share (its budget / window);
+- ``cuts``: requests cut anew by ContextPaw (a turn that repeats the last cuts and appends is not
+  one) or by the server, and for each the share of the window used (the server's count / the
+  window) and, through ContextPaw, the target share (`X-ContextPaw-Target`, the budget less the
+  headroom, / window); ``cuts on target``: ContextPaw's cuts the server counted within 5% of it;
   ``use_after_first_cut``: the mean share of the window the prompts used from the first cut on;
 - ``fresh_whole``: turns where the file just read reached the model whole (every line of it in the
   prompt the model saw), of the turns that followed a read;
@@ -166,6 +168,8 @@ class Result:
 
     def row(self) -> dict[str, Any]:
         shares = [c["share"] for c in self.cuts if c.get("share") is not None]
+        aimed = [c for c in self.cuts if c.get("by") == "contextpaw" and c.get("target_tokens")]
+        on_target = sum(abs(c["evaluated"] - c["target_tokens"]) <= 0.05 * c["target_tokens"] for c in aimed)
         targets = [c["target"] for c in self.cuts if c.get("target") is not None]
         pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
         return {
@@ -174,6 +178,7 @@ class Result:
             "turns": self.turns, "facts": f"{self.facts}/{self.spec.files}", "cuts": len(self.cuts),
             "window at cuts": "-" if not shares else f"{pct(min(shares))}-{pct(max(shares))}",
             "target": "-" if not targets else f"{pct(min(targets))}-{pct(max(targets))}",
+            "cuts on target": f"{on_target}/{len(aimed)}",
             "use from 1st cut": pct(self.use_after_first_cut),
             "fresh whole": f"{self.fresh_whole}/{self.fresh_turns}",
             "head identical": f"{self.head_identical}/{self.head_checked}",
@@ -350,6 +355,7 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
     used: dict[str, int] = {}
     shares_from_cut: list[float] = []
     cut_seen = False
+    last_removed: list[tuple[Any, Any]] = []
     reevals, last_file, first_answered = [], None, True
     texts = {i + 1: f.text for i, f in enumerate(files)}
     for entry in agent_turns:
@@ -369,13 +375,17 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
         if entry["status"] == 200:
             evaluated = entry["evaluated_tokens"]
             server_cut = bool(entry.get("cut"))
-            if compacted or server_cut:
+            removed = [(r.get("index"), r.get("action")) for r in (report or {}).get("removals") or []]
+            new_cut = server_cut or (compacted and removed != last_removed)
+            if compacted:
+                last_removed = removed
+            if new_cut:  # a turn that only repeats the last cuts and appends is not a cut
                 cut_seen = True
-                budget = headers.get("x-contextpaw-budget")
+                aim = headers.get("x-contextpaw-target") or headers.get("x-contextpaw-budget")
                 result.cuts.append({
                     "request": entry["n"], "by": "server" if server_cut else "contextpaw", "evaluated": evaluated,
-                    "share": evaluated / n_ctx, "target": int(budget) / n_ctx if budget and budget.isdigit() else None,
-                    "sent_tokens": entry["prompt_tokens"],
+                    "share": evaluated / n_ctx, "target": int(aim) / n_ctx if aim and aim.isdigit() else None,
+                    "target_tokens": int(aim) if aim and aim.isdigit() else None, "sent_tokens": entry["prompt_tokens"],
                 })  # fmt: skip
             if cut_seen:
                 shares_from_cut.append(evaluated / n_ctx)
@@ -465,7 +475,7 @@ def matrix(agents: Iterable[str], behaviours: Iterable[str], tokenizers: Iterabl
 
 
 COLUMNS = ("agent", "backend", "tokenizer", "path", "finished", "turns", "facts", "cuts", "window at cuts", "target",
-           "use from 1st cut", "fresh whole", "head identical", "pairs intact", "markers reported", "silent cuts",
+           "cuts on target", "use from 1st cut", "fresh whole", "head identical", "pairs intact", "markers reported", "silent cuts",
            "re-eval / turn")  # fmt: skip
 
 
