@@ -847,6 +847,15 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
                   "`scripts/measure_window_use.py`: agent chats four times the window sent through ContextPaw to a real "
                   "llama-server, and to the Ollama simulator over it (the calibrated estimate); the server's count of what "
                   "it was sent over the budget.", "", measure_window_use.table(through), ""]
+    if rows := result.get("agent_sessions", {}).get("rows"):
+        columns = list(rows[0])
+        lines += ["### Agent sessions: what the model sees", "",
+                  "`scripts/agent_sessions.py`: Claude Code, Codex and opencode each read twelve 20-40 KB files, one a "
+                  "turn, with their own tools, on a scripted model with a 32,768-token window that cuts in silence like "
+                  "Ollama or refuses like llama-server; direct and through ContextPaw, with and without the model's "
+                  "tokenizer. Re-eval is the share of each prompt the server evaluates again.", "",
+                  "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+                  *("| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows), ""]
     for loop in result.get("agent_loops", []):
         if table := loop.get("table"):
             lines += [f"### Agent loop at -c {table['window']}: reuse per turn against its ceiling", "",
@@ -957,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent-loop", type=Path, nargs="+",
                     help="reuse these scripts/bench_agent_loop.py --out JSONs (one per window) instead of running it at 2048 and 8192")
     ap.add_argument("--prefix", type=Path, help="reuse this scripts/bench_prefix.py --out JSON instead of running it")
+    ap.add_argument("--agent-sessions", type=Path,
+                    help="reuse this scripts/agent_sessions.py --out JSON instead of running the matrix")
     ap.add_argument("--window-use", type=Path,
                     help="reuse this scripts/measure_window_use.py --out JSON (real-token window use through ContextPaw) instead of running it")
     ap.add_argument("--recall-trials", type=int, default=3, help="--trials for each recall demo (1 with --quick)")
@@ -999,6 +1010,7 @@ MEASURED = {
     "recall": ("recall",),
     "loop_health": ("loop_health",),
     "scaling": ("scaling",),
+    "agent_sessions": ("agent_sessions",),
 }
 """The sections one run measures, by name (as --only takes them), with the keys each writes."""
 
@@ -1030,6 +1042,25 @@ def measure(result: dict[str, Any], wanted: set[str], work: Path, args: argparse
         result["loop_health"] = loop_health(work, args.quick, progress)
     if "scaling" in wanted:
         result["scaling"] = scaling(args.quick, progress)
+    if "agent_sessions" in wanted:
+        result["agent_sessions"] = agent_sessions(work, args, skip_real)
+
+
+def agent_sessions(work: Path, args: argparse.Namespace, skip_real: str | None) -> dict[str, Any]:
+    """The real agent CLIs through file-reading sessions on a scripted model that cuts like Ollama
+    or refuses like llama-server, direct and through ContextPaw (scripts/agent_sessions.py, issue
+    38), or the JSON --agent-sessions names."""
+    if args.agent_sessions:
+        runs = json.loads(args.agent_sessions.read_text())
+    elif skip_real:
+        return {"skipped": skip_real}
+    else:
+        out = work / "agent_sessions.json"
+        script_json("agent_sessions.py", out, ["--files", "4"] if args.quick else [])
+        if not out.exists():
+            return {"skipped": "scripts/agent_sessions.py wrote nothing"}
+        runs = json.loads(out.read_text())
+    return {"rows": [run["row"] for run in runs]}
 
 
 def agent_loops(work: Path, args: argparse.Namespace, binary: Any, model: Any, skip_real: str | None,

@@ -37,6 +37,7 @@ def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
     assert {"estimate", "calibrated"} <= result["compaction"]["counters"].keys()
     assert result["window_use"]["by_counter"]
     assert result["agent_loop"] == {"skipped": "--skip-real"} and result["recall"] == {"skipped": "--skip-real"}
+    assert result["agent_sessions"] == {"skipped": "--skip-real"}
     markdown = (tmp_path / "bench.md").read_text()
     assert "## 1. Proxy overhead" in markdown and "## 5. Recall" in markdown and markdown in done.stdout
     assert {"bench-overhead.png", "bench-compaction.png", "bench-window-use.png"} <= {
