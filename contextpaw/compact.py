@@ -52,18 +52,22 @@ FILL = 0.995
 (where they fit in it with their note: a room smaller than that stays). Near the whole budget: room
 that whole units leave is context the model could have had (an agent chat cut to -c 2048 left 7%)."""
 
-HEADROOM = (0.10, 0.35)
-"""The least and the most share of the budget a cut leaves free (`headroom_share`). A cut that fills
-the budget makes the next turn cut again, and every cut makes the server read again what follows
-it; a cut that leaves room for a turn lets the next one append. Past a third of the budget the
-window is mostly empty: an agent loop whose turns each add a third of it cuts every turn anyway."""
+HEADROOM = (0.10, 0.20)
+"""The least and the most share of the budget a cut leaves free (`headroom_share`). A cut that
+fills the budget makes the next turn cut again, and every cut makes the server read again what
+follows it; room for a turn lets the next one append. Turns bigger than the most (an agent reading
+a 30 KB file a turn into 32k) are not given room: the window would stay a third empty for one
+turn in two, so the cut leaves the least and the next turn cuts again. Measured with Claude Code,
+Codex and opencode reading twelve such files through a 32,768-token Ollama without a tokenizer:
+room for the turn, 64-76% of the window used from the first cut on, 39-44% of each prompt read
+again; room of 15%, 76-78% and 45-64%; direct, Ollama's own cut reads 50-72% again."""
 TURN_SLACK = 0.01
 """Added to a turn's share of the budget: a turn just like the last ones must append, not land a
 marker's worth of tokens over."""
 HEADROOM_TURNS = 3
 """How many of the latest turns size the headroom: a cut leaves room for one more turn like them
 (their mean), so a turn appends after each cut. Room for two held an agent reading a file a turn
-to 78% of the window on average; room for one, 85%."""
+to 78% of a 16k window on average; room for one, 85%."""
 
 SIZE_CLASS = 1.5
 """Units whose sizes are within this ratio are evicted oldest first (`_ChatCompaction.stalest_biggest`)."""
@@ -84,8 +88,8 @@ def headroom_share(messages: tuple[Message, ...], cost: list[int], budget: int) 
     """The share of the budget a cut leaves free: what one turn adds, as the latest turns did.
 
     A turn starts at an assistant message (the answer, then what the client adds: a tool's result,
-    the user's next words); a conversation with no answer yet is sized by its last message. Bounded
-    by `HEADROOM`."""
+    the user's next words); a conversation with no answer yet is sized by its last message. Turns
+    too big for `HEADROOM`'s most get its least: they cut every turn whatever room is left."""
     starts = [i for i, m in enumerate(messages) if m.speaker == "assistant"]
     if starts:
         bounds = [*starts[-HEADROOM_TURNS:], len(messages)]
@@ -94,7 +98,8 @@ def headroom_share(messages: tuple[Message, ...], cost: list[int], budget: int) 
     else:
         grows = cost[-1] if cost else 0
     low, high = HEADROOM
-    return min(max(grows / max(budget, 1) + TURN_SLACK, low), high)
+    share = grows / max(budget, 1) + TURN_SLACK
+    return low if share > high else max(share, low)
 
 
 class BudgetTooSmall(Exception):

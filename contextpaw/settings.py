@@ -165,7 +165,8 @@ FIT_OPTIONS = _with_field_defaults(
     keep_recent=Option(int, "Most recent messages that are never evicted.", least=0),
     headroom=Option(str,
         "Room a cut leaves below the budget so the next turns append to the cached prompt: auto (what one of "
-        "the latest turns adds, 10-35% of the budget) or a percentage of the budget (0-50).",
+        "the latest turns adds, up to 20% of the budget; 10% for bigger turns, which cut every turn anyway) or a "
+        "percentage of the budget (0-50).",
         read=_headroom, default="auto"),
     default_ctx=Option(int, "Context window when neither the request nor the backend says.", least=1),
     output_reserve=Option(int,

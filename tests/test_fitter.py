@@ -628,7 +628,8 @@ async def test_a_conversation_whose_client_dropped_what_was_cut_is_cut_afresh_an
     again = state({"model": "m", "max_tokens": 1, "messages": [*task, *turns("new")]}, OPENAI, LLAMACPP)
     decision = await f.fit(again)
     assert isinstance(decision, Forward) and decision.body is not None and again.report is not None
-    assert again.report.final_tokens >= 0.97 * again.report.target, f"{again.report.final_tokens} of {again.report.budget}"
+    # units of a third of the budget: whole ones and one shrunk into the gap leave up to a tenth of the target
+    assert again.report.final_tokens >= 0.88 * again.report.target, f"{again.report.final_tokens} of {again.report.target}"
 
 
 async def test_a_fill_that_overshoots_aims_below_what_its_own_count_was_so_the_next_fit_differs() -> None:
@@ -647,7 +648,7 @@ async def test_a_fill_that_overshoots_aims_below_what_its_own_count_was_so_the_n
     assert isinstance(decision, Forward) and decision.body is not None and s.report is not None
     real = await f.services.counting.total("", json.loads(decision.body))
     assert real == s.report.final_tokens <= s.report.budget
-    assert real >= 0.97 * s.report.target, f"{real} of {s.report.budget}"
+    assert real >= 0.88 * s.report.target, f"{real} of {s.report.target}"  # units of a third of the budget
 
 
 class RecordedCounting(HalfAgainTextCounting):
@@ -679,7 +680,7 @@ async def test_a_fill_that_repeats_a_fit_the_server_counted_costs_no_call_and_th
     decision = await f.fit(s)
     assert isinstance(decision, Forward) and decision.body is not None and s.report is not None
     assert len(counting.bodies) == len(set(counting.bodies)) <= sizing.VERIFY_ROUNDS + 1, "the request, then each fit once"
-    assert s.report.final_tokens <= s.report.budget and s.report.final_tokens >= 0.95 * s.report.target
+    assert s.report.final_tokens <= s.report.budget and s.report.final_tokens >= 0.88 * s.report.target
 
 
 async def test_what_must_be_kept_is_priced_by_the_servers_whole_count_when_our_count_of_it_runs_over() -> None:
@@ -843,7 +844,6 @@ async def test_on_a_route_that_cannot_forbid_a_cut_a_kind_of_text_calibration_kn
     assert after.report is not None and not after.report.compacted and after.report.counter == "calibrated"
 
 
-@pytest.mark.xfail(strict=True, reason="with headroom on first cuts the learned reach grows 1.3x a request, not 2x: uses 36%, 37%, 38%, 52% of the window in four requests (issue 38: conversations are now counted at their own rate; the unanchored guard's growth is left)")
 async def test_a_request_many_times_the_window_is_cut_to_the_bound_learned_at_the_size_it_is_sent() -> None:
     """What is cut is sent at the budget's size at most: samples of that size bound it, however
     big the request was (an agent's history is many windows long)."""
