@@ -200,6 +200,7 @@ def test_help_names_set_health_and_mitmweb(capsys: pytest.CaptureFixture[str]) -
 
 OLD_FLAG_VALUES = {
     "--keep-recent": ("7", 7),
+    "--headroom": ("15", "15"),
     "--default-ctx": ("8192", 8192),
     "--margin": ("96", 96),
     "--tokenizer": (__file__, __file__),

@@ -402,7 +402,7 @@ def test_through_mitmdump_a_100_mb_body_stays_sane(roomy_proxy: Any, kit: Any, c
     proxy = roomy_proxy
     """~100 MB of chat through mitmdump in front of the fake: answered, in bounded time and memory."""
     chunk = {"role": "user", "content": "x" * (1 << 20)}
-    body = {"model": "fake", "messages": [{"role": "system", "content": "Be brief."}] + [chunk] * 100 + [{"role": "user", "content": "hi"}],
+    body = {"model": "fake", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Read the logs."}] + [chunk] * 100 + [{"role": "user", "content": "hi"}],
             "options": {"num_ctx": kit.n_ctx, "num_predict": 8}, "stream": False}  # fmt: skip
     raw = dumps(body)
     assert len(raw) > 100 * 10**6

@@ -293,7 +293,7 @@ def test_a_summarizer_that_hangs_costs_one_timeout_and_leaves_the_plain_marker(s
     answered with the plain marker and the reason, and the next request does not wait again."""
     url = summarizer_silent["llamacpp"] + "/v1/chat/completions"
     log_size = summarizer_silent.process.log.stat().st_size
-    body = {"model": "fake", "messages": [{"role": "system", "content": "Be brief."}]
+    body = {"model": "fake", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Keep notes."}]
             + [{"role": "user" if i % 2 else "assistant", "content": f"turn {i}: " + "word " * 400} for i in range(14)]
             + [{"role": "user", "content": "and?"}], "max_tokens": 8}  # fmt: skip
     reasons, waits = [], []
