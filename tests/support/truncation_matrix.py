@@ -36,6 +36,9 @@ SHAPES = ("dense", "code", "logs", "multilingual", "tools", "notes")
 SECRET = "kiwi"
 SYSTEM = f"The SECRET is {SECRET}. Answer in one short sentence."
 QUESTION = "What is the SECRET? Answer with the word only."
+TASK = "Keep the notes that follow."
+"""The conversation's opening, as an agent's task opens it: the head ContextPaw never cuts, short,
+so what may be cut is the notes after it."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ def anthropic_body(chunks: list[str], tools: bool) -> dict:
                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": chunk}]}]  # fmt: skip
         else:
             messages += [{"role": "user", "content": f"Note {i}: {chunk}"}, {"role": "assistant", "content": "Noted."}]
+    if not tools:
+        messages = [{"role": "user", "content": TASK}, {"role": "assistant", "content": "Ready."}, *messages]
     if tools and messages:
         messages[-1]["content"].append({"type": "text", "text": QUESTION})
     else:
@@ -135,6 +140,8 @@ def responses_body(chunks: list[str], tools: bool) -> dict:
                       {"type": "function_call_output", "call_id": f"call_{i}", "output": chunk}]  # fmt: skip
         else:
             items += [said("user", f"Note {i}: {chunk}"), said("assistant", "Noted.")]
+    if not tools:
+        items = [said("user", TASK), said("assistant", "Ready."), *items]
     items.append(said("user", QUESTION))
     return {"instructions": SYSTEM, "input": items, "max_output_tokens": 8}
 
@@ -154,6 +161,8 @@ def body(case: Case, model: str, seed: int = 0) -> dict:
         prompt = f"{SYSTEM}\n\n{middle}\n\n{QUESTION}"
         return common | ({"prompt": prompt, "max_tokens": 8} if case.route.startswith("/v1") else {"prompt": prompt, "options": options(case)})
     messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    if case.shape != "tools":
+        messages += [{"role": "user", "content": TASK}, {"role": "assistant", "content": "Ready."}]
     for i, chunk in enumerate(chunks):
         if case.shape == "tools":
             call = {"id": f"call_{i}", "type": "function", "function": {"name": "search", "arguments": json.dumps({"q": f"part {i}"})}}
