@@ -39,6 +39,9 @@ logger = logs.get(__name__)
 
 REMEMBERED = 4096
 """Requests awaiting their answer, and conversations whose last count is kept (bounded, as every cache here)."""
+NEARING = 4
+"""A conversation whose answered prompt took a quarter of its window or more may overflow soon: a
+turn of it proved to fit by its size is read after its answer, for its rate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +231,6 @@ class AnswerCheck:
         return kept[1] if kept is not None and kept[0]() is state else None
 
 
-
 def _no_cut_explains(sized: Sample | None, evaluated: int, window: int | None) -> bool:
     """Whether no cut from the front can explain what the server counted. Ollama drops whole
     messages after the system prompt and keeps the tools and the latest message (`least` of the
@@ -241,15 +243,11 @@ def _no_cut_explains(sized: Sample | None, evaluated: int, window: int | None) -
     return evaluated + ESTIMATE_BOUNDS[1] * max(sized.estimated - sized.least, 0) <= window
 
 
-NEARING = 4
-"""A conversation whose answered prompt took a quarter of its window or more may overflow soon: a
-turn of it proved to fit by its size is read after its answer, for its rate."""
-
-
 def _read_as_sent(state: FlowState) -> tuple[str | None, int | None]:
     """A request proved to fit by its size went out unparsed (that is what the proof saves): read
-    now (a conversation `NEARING` its window only), small as it is, for its conversation's key and the byte estimate of it, so that the
-    conversation's next turn, the first that may overflow, is counted at its own rate."""
+    now (in a conversation `NEARING` its window only), small as it is, for its conversation's key
+    and the byte estimate of it, so that the next turn, the first that may overflow, is counted at
+    the conversation's own rate."""
     try:
         parsed = state.route.read(state.original)
     except (wire.Unreadable, wire.NotFittable, wire.NotCompactable, ValueError):

@@ -33,6 +33,7 @@ evicted messages and what their markers cost), `shrink` (cutting a text middle-o
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -93,7 +94,7 @@ def headroom_share(messages: tuple[Message, ...], cost: list[int], budget: int) 
     starts = [i for i, m in enumerate(messages) if m.speaker == "assistant"]
     if starts:
         bounds = [*starts[-HEADROOM_TURNS:], len(messages)]
-        turns = [sum(cost[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        turns = [sum(cost[a:b]) for a, b in itertools.pairwise(bounds)]
         grows = sum(turns) / len(turns)
     else:
         grows = cost[-1] if cost else 0
@@ -145,9 +146,6 @@ class Plan:
     """The fit is over its target because what must be kept needs the room: the newest unit is
     kept whole up to the budget rather than cut for the next turns' room. A check of the fit by
     the server takes it as it is (cut tighter, the newest unit would be shrunk)."""
-    continued: bool = False
-    """Whether this turn began from an earlier turn's cuts (and was cut again after them if it had
-    to be)."""
 
     @property
     def footprint(self) -> int:
@@ -314,7 +312,6 @@ class _ChatCompaction:
             hole_starts=frozenset(u.key for u in self.evicted if min(u.indices) in starts),
             headroom=report.headroom,
             held=cut and self.total() > self.target and self.evicted.issuperset(self.evictable),
-            continued=last is not None,
         )
         return ChatResult([m.raw for m in sent.messages], report, plan)
 

@@ -128,8 +128,9 @@ class Fitter:
         self.counters = CounterChoice(services, self.windows, self.calibration, self.estimate, self.shape, settings)
         self.answers = AnswerCheck(self.calibration, stats)
         """Each answer's count of what was evaluated, checked (the verdict) and learned from."""
-        self.sizer = Sizer(self.counters, self.calibration, self.estimate, self.plans, settings.keep_recent, self.answers.evaluated)
-        self.sizer.headroom = settings.headroom
+        self.sizer = Sizer(
+            self.counters, self.calibration, self.estimate, self.plans, settings.keep_recent, self.answers.evaluated, settings.headroom
+        )
         self.digesting = Digesting(self.sizer, self.windows, self.counters, services, settings)
         self.summarizer: Summarizer | None = None
         self.settings = settings

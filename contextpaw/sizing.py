@@ -62,6 +62,7 @@ class Sizer:
         plans: SizedLRU,
         keep_recent: int,
         answered: Callable[[str], Evaluated | None] = lambda conversation: None,
+        headroom: float | None = None,
     ) -> None:
         self.counters = counters
         self.calibration = calibration
@@ -69,7 +70,7 @@ class Sizer:
         self.plans = plans
         """Each conversation's last `Plan` (the fitter's, which remembers them)."""
         self.keep_recent = keep_recent
-        self.headroom: float | None = None
+        self.headroom = headroom
         """The share of the budget a cut leaves free (`contextpaw_headroom`; None: what a turn adds)."""
         self.answered = answered
         """A conversation's last answered turn: the server's count of what was sent, beside ours."""

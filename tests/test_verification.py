@@ -72,7 +72,7 @@ def test_a_cut_the_server_counts_past_its_target_leaves_more_headroom_under_the_
     evictions aim lower by the server's rate, and the budget stays, so the newest unit may still
     use it whole."""
     search = Search(BUDGET, BUDGET, Plan(evicted=frozenset({"b"})))
-    recut = fit(1480, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM, continued=True))
+    recut = fit(1480, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM))
     step = search.counted(recut, 1900, last=False)
     assert search.target == recut_target(BUDGET.tokens, HEADROOM) < BUDGET.tokens, "the fit began from last turn's cuts"
     assert search.read(recut, 1900) is Reading.PAST_HEADROOM
@@ -110,7 +110,7 @@ def test_a_refit_that_starts_from_last_turns_cuts_is_aimed_at_the_re_cut_target_
     loose = Budget(BUDGET.window, BUDGET.reserve, BUDGET.margin - 900, limit=0)
     search = Search(BUDGET, loose, FIRST_CUT)
     assert search.counted(fit(2800, plan=Plan(), body=None), 2100, last=False) == Refit(BUDGET)
-    recut = fit(1480, plan=Plan(evicted=frozenset({"a", "b"}), headroom=HEADROOM, continued=True))
+    recut = fit(1480, plan=Plan(evicted=frozenset({"a", "b"}), headroom=HEADROOM))
     assert search.read(recut, 1900) is Reading.CONFIRMED, "before it is counted, the target is the budget"
     step = search.counted(recut, 1900, last=False)
     assert search.target == recut_target(BUDGET.tokens, HEADROOM) and isinstance(step, Refit), "over the re-cut target: cut tighter"
