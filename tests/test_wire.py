@@ -13,7 +13,7 @@ from contextpaw.fitting import fit_chat, fit_prompt
 from contextpaw.markers import MARKER_PREFIX
 from contextpaw.tokens import EstimateCounter
 from contextpaw.windows import Budgeter
-from contextpaw.wire import Kind, NotCompactable, Overflow, Params, UpstreamOverflow, llamacpp, ollama, openai, responses
+from contextpaw.wire import Kind, NotCompactable, Overflow, Params, UpstreamOverflow, anthropic, llamacpp, ollama, openai, responses
 
 COUNTER = EstimateCounter()
 
@@ -320,3 +320,21 @@ def test_the_prompt_size_is_read_from_the_response_and_from_response_completed()
     completed = {"type": "response.completed", "response": {"usage": {"input_tokens": 900}}}
     assert RESPONSES.is_final(completed) and RESPONSES.evaluated(completed) == 900
     assert not RESPONSES.is_final({"type": "response.output_text.delta", "delta": "x"})
+
+
+def test_conversation_key_is_what_the_model_reads_not_how_the_client_spells_it() -> None:
+    """Claude Code 2.1.332 sends its environment message as text blocks on the first turn and as a
+    string on every later one (recorded in tests/agents/fixtures): one conversation, one key, so
+    the first answer's count tells the second turn the conversation's rate."""
+    task = {"role": "user", "content": [{"type": "text", "text": "Read the files.", "cache_control": {"type": "ephemeral"}}]}
+    environment = "# Environment\nPrimary working directory: /work"
+    first = anthropic.MESSAGES.read(json.dumps({"model": "m", "max_tokens": 10, "messages": [
+        task, {"role": "system", "content": [{"type": "text", "text": environment}]}]}).encode())  # fmt: skip
+    later = anthropic.MESSAGES.read(json.dumps({"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Read the files."}]},
+        {"role": "system", "content": environment},
+        {"role": "assistant", "content": "Reading."},
+        {"role": "user", "content": "go on"}]}).encode())  # fmt: skip
+    other = anthropic.MESSAGES.read(json.dumps({"model": "m", "max_tokens": 10, "messages": [
+        task, {"role": "system", "content": environment + " (another project)"}]}).encode())  # fmt: skip
+    assert first.key == later.key != other.key

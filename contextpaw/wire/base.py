@@ -222,9 +222,13 @@ class Chat:
         """Who this conversation is across turns: model, system prompt and first user message.
 
         Those stay the same while the history after them grows, and differ between conversations.
+        They are read as the model reads them (role, text, images), not as spelled: Claude Code
+        sends its environment message as text blocks on the first turn and as a string after it,
+        and moves `cache_control` between blocks, in one conversation.
         """
         messages = self.conversation.messages
-        anchor = [self.fixed_text] + [m.raw for m in messages if m.pinned] + [m.raw for m in messages if m.role == "user"][:1]
+        anchor = [self.fixed_text] + [(m.role, m.text, m.images) for m in messages if m.pinned]
+        anchor += [(m.role, m.text, m.images) for m in messages if m.role == "user"][:1]
         data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
         return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 

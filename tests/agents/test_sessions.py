@@ -46,27 +46,8 @@ CASES = [
     ("opencode", "llamacpp", True),
 ]
 
-# Measured on ContextPaw as committed at d66b535 (scripts/agent_sessions.py --files 4 --n-ctx 32768
-# --via contextpaw): each reason says what the engine does in that case.
-CLAUDE_FIRST_CUT = (
-    "ContextPaw 721559e: without a tokenizer, Claude Code's first cut comes before any answer told the "
-    "conversation's rate (its head is half the window, so even its first turn is cut for the estimate's "
-    "width): that turn's file is shrunk and the cut lands below its target (12,406 of 13,796); every later "
-    "file is whole and every later cut on its target (11 of 12 whole, 10 of 11 on target in a 12-file session)"
-)
-XFAIL: dict[tuple[str, str, str, bool], str] = {
-    ("fresh", "claude", "ollama", False): CLAUDE_FIRST_CUT,
-    ("target", "claude", "ollama", False): CLAUDE_FIRST_CUT,
-}
-
-
-def cases(check: str) -> list[Any]:
-    out = []
-    for agent, behaviour, tokenizer in CASES:
-        reason = XFAIL.get((check, agent, behaviour, tokenizer))
-        marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
-        out.append(pytest.param(agent, behaviour, tokenizer, marks=marks, id=f"{agent}-{behaviour}-{'tok' if tokenizer else 'est'}"))
-    return out
+PARAMS = [pytest.param(agent, behaviour, tokenizer, id=f"{agent}-{behaviour}-{'tok' if tokenizer else 'est'}")
+          for agent, behaviour, tokenizer in CASES]  # fmt: skip
 
 
 _results: dict[tuple[str, str, bool], sessions.Result] = {}
@@ -89,35 +70,35 @@ def about(result: sessions.Result) -> str:
     return f"{result.spec.name}: {result.row()}\nnotes: {result.notes}\nhead: {result.head_changes}"
 
 
-@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("finish"))
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), PARAMS)
 def test_the_agent_finishes(session: sessions.Result) -> None:
     assert session.finished, about(session) + f"\nfinal answer: {session.final_answer[:500]!r}"
     assert session.turns >= FILES + 1, about(session)
     assert session.cuts, "the session never outgrew the window: " + about(session)
 
 
-@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("pairs"))
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), PARAMS)
 def test_tool_pairs_intact(session: sessions.Result) -> None:
     assert session.pairs_checked and session.pairs_intact == session.pairs_checked, about(session)
 
 
-@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("silent"))
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), PARAMS)
 def test_no_silent_cut(session: sessions.Result) -> None:
     assert session.silent_cuts == 0, about(session)
 
 
-@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("head"))
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), PARAMS)
 def test_head_byte_identical(session: sessions.Result) -> None:
     assert session.head_checked >= session.turns and session.head_identical == session.head_checked, about(session)
 
 
-@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("markers"))
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), PARAMS)
 def test_markers_reported(session: sessions.Result) -> None:
     assert session.marked, "no request carried a marker: " + about(session)
     assert session.markers_reported == session.marked, about(session)
 
 
-@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("fresh"))
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), PARAMS)
 def test_fresh_tool_result_whole(session: sessions.Result) -> None:
     """Each file is 8-12k tokens, the head 8-12k: the file just read fits beside what must be kept."""
     assert session.fresh_turns and session.fresh_whole == session.fresh_turns, (
@@ -125,7 +106,7 @@ def test_fresh_tool_result_whole(session: sessions.Result) -> None:
     )
 
 
-@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), cases("target"))
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), PARAMS)
 def test_no_cut_falls_short_of_its_target(session: sessions.Result) -> None:
     """A cut aims at the window less the room it leaves for the next turn (X-ContextPaw-Target):
     by the server's count it lands there, or above it where the file just read needs the room
