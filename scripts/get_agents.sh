@@ -7,11 +7,11 @@
 # prove it runs (`--version` exits 0) before it is printed; a cached one that fails is removed and
 # installed again, once.
 #
-# stdout: one `name=path` line per agent (claude, opencode, codex, aider). stderr: progress, errors.
-# Exit 0: all printed. Exit 3: a registry could not be reached (the reason is on stderr, and callers
-# may skip on it). Exit 1: anything else (a broken install, no Python 3.12).
+# stdout: one `name=path` line per agent (claude, opencode, codex, aider, qwen: Qwen Code's command).
+# stderr: progress, errors. Exit 0: all printed. Exit 3: a registry could not be reached (the reason
+# is on stderr, and callers may skip on it). Exit 1: anything else (a broken install, no Python 3.12).
 #
-#   get_agents.sh [NAME...]    only these agents (default: all four)
+#   get_agents.sh [NAME...]    only these agents (default: all five)
 #   --no-install               print only what is cached and proven; never install (exit 1 otherwise)
 #   --where                    print where each agent's cache folder is, and nothing else
 set -euo pipefail
@@ -21,7 +21,8 @@ CLAUDE_CODE="@anthropic-ai/claude-code@2.1.332"
 OPENCODE="opencode-ai@1.18.33"
 CODEX="@openai/codex@0.171.0"
 AIDER="aider-chat==0.86.2"
-ALL=(claude opencode codex aider)
+QWEN_CODE="@qwen-code/qwen-code@0.24.4" # its command is `qwen`
+ALL=(claude opencode codex aider qwen)
 UNREACHABLE=3
 
 INSTALL=1 WHERE=0 WANTED=()
@@ -29,8 +30,8 @@ for arg in "$@"; do
   case "$arg" in
     --no-install) INSTALL=0 ;;
     --where) WHERE=1 ;;
-    claude|opencode|codex|aider) WANTED+=("$arg") ;;
-    *) echo "usage: get_agents.sh [--no-install | --where] [claude] [opencode] [codex] [aider]" >&2; exit 2 ;;
+    claude|opencode|codex|aider|qwen) WANTED+=("$arg") ;;
+    *) echo "usage: get_agents.sh [--no-install | --where] [claude] [opencode] [codex] [aider] [qwen]" >&2; exit 2 ;;
   esac
 done
 (( ${#WANTED[@]} )) || WANTED=("${ALL[@]}")
@@ -60,10 +61,11 @@ recipe() {
     claude) echo "npm $CLAUDE_CODE node$NODE_MAJOR --omit=dev --no-audit --no-fund" ;;
     opencode) echo "npm $OPENCODE node$NODE_MAJOR --omit=dev --no-audit --no-fund" ;;
     codex) echo "npm $CODEX node$NODE_MAJOR --omit=dev --no-audit --no-fund" ;;
+    qwen) echo "npm $QWEN_CODE node$NODE_MAJOR --omit=dev --no-audit --no-fund" ;;
     aider) echo "pip $AIDER $PY_VERSION venv" ;;
   esac
 }
-spec() { case "$1" in claude) echo "$CLAUDE_CODE" ;; opencode) echo "$OPENCODE" ;; codex) echo "$CODEX" ;; aider) echo "$AIDER" ;; esac; }
+spec() { case "$1" in claude) echo "$CLAUDE_CODE" ;; opencode) echo "$OPENCODE" ;; codex) echo "$CODEX" ;; aider) echo "$AIDER" ;; qwen) echo "$QWEN_CODE" ;; esac; }
 prefix() { local s; s="$(spec "$1")"; echo "$CACHE/agent-$1-${s##*[@=]}-$ARCH-$(key "$(recipe "$1")")"; }
 binary() { case "$1" in aider) echo "$(prefix "$1")/venv/bin/aider" ;; *) echo "$(prefix "$1")/node_modules/.bin/$1" ;; esac; }
 
