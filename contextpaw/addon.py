@@ -191,7 +191,8 @@ class Compactor:
     def error(self, flow: http.HTTPFlow) -> None:
         """A handled flow that ended without a (whole) answer: count it, and say which."""
         if flow in self.states and flow.error and "client disconnected" not in flow.error.msg.lower():
-            self.ledger.failed(f"{flow.request.method} {flow.request.path}", flow.error.msg, where=self.states[flow].where)
+            target = f"{flow.request.host}:{flow.request.port}"
+            self.ledger.failed(f"{flow.request.method} {flow.request.path}", flow.error.msg, target=target, where=self.states[flow].where)
 
     async def _rescue(self, flow: http.HTTPFlow, state: FlowState) -> None:
         """The rescue for a flow the relay does not carry: retried here (until the answer is not an

@@ -44,6 +44,12 @@ def endpoint(host: str, port: int) -> tuple[str, int]:
         return (name, port)
 
 
+def located(target: str, backend: wire.Backend) -> bool:
+    """Whether `backend` listens at `target`, a "host:port" as the failure ledger names it."""
+    host, _, port = target.rpartition(":")
+    return port.isdigit() and endpoint(host, int(port)) == endpoint(backend.host, backend.port)
+
+
 def _destination(flow: http.HTTPFlow) -> tuple[str, int]:
     return endpoint(flow.request.host, flow.request.port)
 

@@ -12,7 +12,7 @@ from mitmproxy import contentviews
 from contextpaw.addon import Compactor, Upstream
 from contextpaw.arbitration import Arbitration
 from contextpaw.runtime import Arbiter, ArbiterSettings
-from contextpaw.backends import Backends
+from contextpaw.backends import Backends, located
 from contextpaw.deadlines import RequestDeadlines
 from contextpaw.endpoints import AdminEndpoints
 from contextpaw.evicted import EvictedStore
@@ -31,10 +31,10 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     defaults = FitSettings()  # until mitmproxy configures the options
     store = EvictedStore(max_items=defaults.evicted_items, max_bytes=defaults.evicted_bytes, max_age_s=defaults.evicted_ttl)
     stats = Stats(store)
-    ledger = FailureLedger(stats)
     session = Session()
     services = HttpServices(session)
     fitter = Fitter(services, stats, store, defaults)
+    ledger = FailureLedger(stats, broken=lambda target: fitter.windows.forget(functools.partial(located, target)))
     states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     backends = Backends(ledger, session)
     gpu = Arbitration(backends, new_arbiter or functools.partial(Arbiter, session=session.get))

@@ -3,6 +3,7 @@ backend (for `/contextpaw/health`), whichever part of ContextPaw saw it fail."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 from contextpaw import logs
 from contextpaw.metrics import UNPLACED, Stats, Where
@@ -11,14 +12,18 @@ logger = logs.get(__name__)
 
 
 class FailureLedger:
-    def __init__(self, stats: Stats) -> None:
+    def __init__(self, stats: Stats, broken: Callable[[str], None] = lambda target: None) -> None:
         self.stats = stats
+        self.broken = broken
+        """Told the "host:port" of a backend that refused or broke a connection (not one that was
+        only slow): it may have restarted, with another window."""
         self.last_error: dict[str, str] = {}
         """"host:port" -> the last failure seen there; cleared when a connection opens again."""
 
     def connect_failed(self, target: str, reason: str) -> None:
         """mitmproxy could not connect (its own answer, or ours, says so to the client)."""
         self.last_error[target] = reason
+        self.broken(target)
 
     def connected(self, target: str) -> None:
         self.last_error.pop(target, None)
@@ -26,6 +31,7 @@ class FailureLedger:
     def unreachable(self, target: str, what: str, reason: str, where: Where = UNPLACED) -> None:
         """A handled request answered 502 because its backend does not answer."""
         self.last_error[target] = reason
+        self.broken(target)
         self.stats.add("unreachable", where=where)
         logger.warning("%s: answered 502: %s", what, reason)
 
@@ -35,6 +41,8 @@ class FailureLedger:
         """A backend that answered badly: a 5xx, an answer that is not JSON, a reset or a stall."""
         if target is not None:
             self.last_error[target] = reason
+            if not timed_out:
+                self.broken(target)
         self.stats.add("upstream_errors", where=where)
         self.stats.add("upstream_timeouts", timed_out, where)
         logger.warning("%s: upstream failure: %s%s", what, reason, f" ({answered})" if answered else "")

@@ -57,6 +57,12 @@ class SizedLRU(LRU):
             old, _ = self.popitem(last=False)
             self.bytes -= self._sizes.pop(old)
 
+    def discard(self, key: Any) -> None:
+        """Forget `key`, if it is held."""
+        if key in self:
+            del self[key]
+            self.bytes -= self._sizes.pop(key)
+
 
 class InFlight:
     """One task per key while it runs: whoever asks meanwhile shares it, so concurrent first

@@ -136,7 +136,8 @@ class BackendWindows:
     request without one. What was found is kept `ttl` seconds; that nothing was found is kept as such
     (`miss_ttl` seconds), so a server that does not answer costs one timeout, not one per request.
     The default that stands in meanwhile is never stored as the window. `learn` records the
-    `n_ctx` a server named in a 400.
+    `n_ctx` a server named in a 400; `forget` drops what was learned of a backend that refused or
+    reset a connection, which is how a restart shows.
     """
 
     def __init__(
@@ -152,8 +153,8 @@ class BackendWindows:
         self.miss_ttl = miss_ttl
         self.clock = clock
         self.ollama_default = ollama_default
-        self.known = SizedLRU(MAX_MODELS, MAX_NAME_BYTES, lambda key, _: len(key[1]) + len(key[2]) + 64)
-        """(what, backend URL, model) -> (when, the answer or None); bounded, since model names are
+        self.known = SizedLRU(MAX_MODELS, MAX_NAME_BYTES, lambda key, _: len(key[1].url) + len(key[2]) + 64)
+        """(what, backend, model) -> (when, the answer or None); bounded, since model names are
         the client's. `what` is "window" (for requests without a window of their own) or "show"
         (Ollama's `/api/show`, read into an `OllamaShow`)."""
         self._asking = InFlight(self._found)
@@ -161,7 +162,7 @@ class BackendWindows:
 
     async def window(self, backend: Backend, model: str) -> int | None:
         lookup = self._llamacpp if backend.kind == Kind.LLAMACPP else functools.partial(self._ollama, model=model)
-        return await self._once(("window", backend.url, model), functools.partial(lookup, backend))
+        return await self._once(("window", backend, model), functools.partial(lookup, backend))
 
     async def show(self, backend: Backend, model: str) -> OllamaShow | None:
         """Ollama's `/api/show` for `model`, read once per `ttl`."""
@@ -172,13 +173,13 @@ class BackendWindows:
             answer = await self.fetch("POST", backend.url + "/api/show", {"model": model})
             return OllamaShow.read(answer) if answer is not None else None
 
-        return await self._once(("show", backend.url, model), ask)
+        return await self._once(("show", backend, model), ask)
 
     async def trained(self, backend: Backend, model: str) -> int | None:
         show = await self.show(backend, model)
         return show.trained if show is not None else None
 
-    async def _once(self, key: tuple[str, str, str], lookup: Callable[[], Awaitable[Any]]) -> Any:
+    async def _once(self, key: tuple[str, Backend, str], lookup: Callable[[], Awaitable[Any]]) -> Any:
         """The cached answer, or one lookup shared by everyone who asks meanwhile."""
         known, value = self._cached(key)
         if known:
@@ -187,21 +188,28 @@ class BackendWindows:
 
     def cached(self, backend: Backend, model: str) -> tuple[bool, int | None]:
         """(whether it is known now, the window or None for a miss), without asking anything."""
-        return self._cached(("window", backend.url, model))
+        return self._cached(("window", backend, model))
 
-    def _cached(self, key: tuple[str, str, str]) -> tuple[bool, Any]:
+    def _cached(self, key: tuple[str, Backend, str]) -> tuple[bool, Any]:
         cached = self.known.get(key)
         if cached is None or self.clock() - cached[0] >= (self.ttl if cached[1] is not None else self.miss_ttl):
             return False, None
         return True, cached[1]
 
-    def _found(self, key: tuple[str, str, str], task: asyncio.Task[Any]) -> None:
+    def _found(self, key: tuple[str, Backend, str], task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and task.exception() is None:
             self.known.put(key, (self.clock(), task.result()))
 
     def learn(self, backend: Backend, model: str, window: int) -> None:
         """A window the server itself named for requests without `num_ctx` (the `n_ctx` of its 400)."""
-        self.known.put(("window", backend.url, model), (self.clock(), window))
+        self.known.put(("window", backend, model), (self.clock(), window))
+
+    def forget(self, restarted: Callable[[Backend], bool]) -> None:
+        """Ask again of every backend `restarted` names: one that refused or reset a connection may
+        be back with another window (`-c`, `num_ctx`) or another model, and what it gave no answer
+        to before may be answered now."""
+        for key in [key for key in self.known if restarted(key[1])]:
+            self.known.discard(key)
 
     async def _llamacpp(self, backend: Backend) -> int | None:
         return llamacpp_window(await self.fetch("GET", backend.url + "/props", None))

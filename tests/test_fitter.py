@@ -286,6 +286,20 @@ async def test_an_anthropic_request_refused_by_llama_server_is_refitted_and_at_w
     assert error["type"] == "error" and error["error"]["message"].startswith("prompt is too long: ")
 
 
+async def test_the_window_a_400_names_sizes_the_next_request_without_a_window_of_its_own() -> None:
+    """llama-server restarted with a smaller `-c`: its 400 names the `n_ctx`, and the next request is
+    cut to it before it is sent, not refused again and rescued."""
+    f, s = fitter(default_ctx=8192), state(messages_body(), MESSAGES, LLAMACPP)
+    await f.fit(s)
+    assert s.report is not None and s.report.window == 8192
+    llama_400 = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 9000,
+                                      "n_ctx": 2048, "message": "request exceeds the context"}}).encode()  # fmt: skip
+    assert isinstance(await f.rescue(s, 400, llama_400), bytes)
+    following = state(messages_body(), MESSAGES, LLAMACPP)
+    await f.fit(following)
+    assert following.report is not None and following.report.window == 2048 and following.report.compacted
+
+
 async def test_a_cut_ollama_made_on_v1_messages_is_flagged_from_message_delta() -> None:
     route = wire.route_for(wire.Kind.OLLAMA, "POST", "/v1/messages")
     f, s = fitter(policy="off", default_ctx=2048), state(messages_body(turns=8), route, OLLAMA)

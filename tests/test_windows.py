@@ -125,3 +125,32 @@ async def test_a_window_that_grows_when_the_backend_restarts_is_used_within_seco
     server.answers[("GET", "props")] = {"default_generation_settings": {"n_ctx": 8192}}
     now[0] = 5.0
     assert await windows.window(LLAMA, "m") == 8192
+
+
+async def test_what_was_learned_of_a_backend_that_refused_or_reset_a_connection_is_asked_again():
+    """A restart shows as a refused or reset connection: the window (and a miss) found there are
+    asked again at once, other backends' are kept."""
+    server = Server({("GET", "props"): {"default_generation_settings": {"n_ctx": 1024}}, ("POST", "api/show"): SHOW})
+    windows = BackendWindows(server)
+    assert await windows.window(LLAMA, "m") == 1024 and await windows.window(OLLAMA, "qwen3") == 40960
+    server.answers[("GET", "props")] = {"default_generation_settings": {"n_ctx": 8192}}
+    windows.forget(lambda backend: backend == LLAMA)
+    assert await windows.window(LLAMA, "m") == 8192 and await windows.window(OLLAMA, "qwen3") == 40960
+    assert server.calls.count(OLLAMA.url + "/api/show") == 1
+    assert windows.known.bytes == sum(windows.known.size(key, value) for key, value in windows.known.items())
+
+
+def test_the_ledger_tells_of_refused_and_reset_connections_but_not_of_slow_answers():
+    from contextpaw.backends import located
+    from contextpaw.evicted import EvictedStore
+    from contextpaw.ledger import FailureLedger
+    from contextpaw.metrics import Stats
+
+    told: list[str] = []
+    ledger = FailureLedger(Stats(EvictedStore(max_items=1, max_bytes=1, max_age_s=1)), broken=told.append)
+    ledger.unreachable("127.0.0.1:8091", "POST /v1/chat/completions", "refused")
+    ledger.failed("POST /completion", "reset the connection", target="localhost:8091")
+    ledger.failed("POST /completion", "sent no answer for 2 s", target="127.0.0.1:8091", timed_out=True)
+    ledger.connect_failed("[::1]:8091", "refused")
+    assert told == ["127.0.0.1:8091", "localhost:8091", "[::1]:8091"]
+    assert all(located(target, LLAMA) for target in told) and not located("127.0.0.1:8092", LLAMA)

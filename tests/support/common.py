@@ -223,9 +223,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(app: web.Application, timeout: float = 10.0) -> Iterator[str]:
-    """Serve ``app`` on a free loopback port from a background thread with its own event loop, so
-    synchronous clients (openai, ollama) can be used in the test's thread. Yields the base URL."""
+def running(app: web.Application, timeout: float = 10.0, port: int = 0) -> Iterator[str]:
+    """Serve ``app`` on a loopback port (a free one, unless ``port`` names it: a server restarted
+    where the last one was) from a background thread with its own event loop, so synchronous
+    clients (openai, ollama) can be used in the test's thread. Yields the base URL."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="fake-backend", daemon=True)
     thread.start()
@@ -233,7 +234,7 @@ def running(app: web.Application, timeout: float = 10.0) -> Iterator[str]:
 
     async def start() -> int:
         await runner.setup()
-        site = web.TCPSite(runner, LOOPBACK, 0)
+        site = web.TCPSite(runner, LOOPBACK, port)
         await site.start()
         return runner.addresses[0][1]
 
