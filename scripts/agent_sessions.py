@@ -32,7 +32,9 @@ the next file, then with the facts it can see. Per session it measures:
   through ContextPaw, one without ``upstream_truncated``/``upstream_truncation_possible`` in its report);
 - ``reeval``: per turn, the share of the prompt a prefix cache must evaluate again (tokens after the
   longest prefix shared with one of the session's last 4 evaluated prompts), averaged over the
-  session's turns after its first.
+  session's turns after its first; ``least``: per turn, the share of the prompt that the turn's new
+  messages take (the least any cut could re-evaluate), averaged the same way: where direct dies,
+  ContextPaw's re-evaluation is set beside this.
 
 Usage:
 
@@ -163,6 +165,9 @@ class Result:
     server_cuts: int = 0
     reeval: float | None = None
     reeval_tokens: int = 0
+    least: float | None = None
+    """Per turn, the share of the prompt that is new (the messages the turn adds): the least any
+    cut could re-evaluate, what a session that dies direct is set beside."""
     evaluated_tokens: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -186,6 +191,7 @@ class Result:
             "markers reported": f"{self.markers_reported}/{self.marked}",
             "silent cuts": f"{self.silent_cuts}/{self.server_cuts}",
             "re-eval / turn": pct(self.reeval),
+            "least / turn": pct(self.least),
         }  # fmt: skip
 
 
@@ -356,7 +362,7 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
     shares_from_cut: list[float] = []
     cut_seen = False
     last_removed: list[tuple[Any, Any]] = []
-    reevals, last_file, first_answered = [], None, True
+    reevals, leasts, last_file, first_answered = [], [], None, True
     texts = {i + 1: f.text for i, f in enumerate(files)}
     for entry in agent_turns:
         api, body = entry["api"], entry["body"]
@@ -397,6 +403,7 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
                 first_answered = False
             else:
                 reevals.append(entry["reevaluated_tokens"] / max(1, evaluated))
+                leasts.append(min(entry["new_tokens"], evaluated) / max(1, evaluated))
             result.reeval_tokens += entry["reevaluated_tokens"]
             result.evaluated_tokens += evaluated
             # what the model saw: the whole rendering, or what was left after the server's cut
@@ -441,6 +448,7 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
                                     f"(compacted header {headers.get('x-contextpaw-compacted')})")  # fmt: skip
     result.use_after_first_cut = sum(shares_from_cut) / len(shares_from_cut) if shares_from_cut else None
     result.reeval = sum(reevals) / len(reevals) if reevals else None
+    result.least = sum(leasts) / len(leasts) if leasts else None
 
 
 def whole_size(text: str) -> int:

@@ -278,6 +278,8 @@ class Session:
     """The highest file (1-based) whose read call the client has sent back."""
     prompts: list[list[int]] = field(default_factory=list)
     """The last evaluated prompts, newest last (at most SLOTS)."""
+    said: frozenset[str] = frozenset()
+    """The messages (rendered) of the session's last request."""
 
 
 def _facts(text: str) -> dict[int, str]:
@@ -438,6 +440,16 @@ class ScriptedModel:
         session.prompts = [*session.prompts[-(SLOTS - 1) :], tokens]
         return len(tokens) - best
 
+    def new(self, session: Session | None, conversation: Conversation) -> int:
+        """The tokens of the messages this request adds after the session's last one: what any
+        server must evaluate, whatever was cut before them (the least any cut could cost)."""
+        rendered = [render_messages([m]) for m in conversation.messages]
+        said = session.said if session is not None else frozenset()
+        fresh = list(itertools.takewhile(lambda m: m not in said, reversed(rendered)))
+        if session is not None:
+            session.said = frozenset(rendered)
+        return len(self.tokens("".join(reversed(fresh))))
+
     # -- a model request ------------------------------------------------------------------------
 
     async def handle(self, request: web.Request, api: str) -> web.StreamResponse:
@@ -467,11 +479,12 @@ class ScriptedModel:
         cut = len(tokens) < entry["prompt_tokens"]
         reply = self.script.reply(session, conversation, seen)
         reeval = self.reevaluated(session, tokens) if reply.kind != "title" else len(tokens)
+        new = self.new(session, conversation) if reply.kind != "title" else len(tokens)
         output = reply.call.arguments if reply.call else reply.text
         usage = (len(tokens), max(1, len(self.tokens(output))))
         entry |= {
             "status": 200, "cut": cut, "cut_tokens": entry["prompt_tokens"] - len(tokens), "evaluated_tokens": len(tokens),
-            "reevaluated_tokens": reeval, "reply": {"kind": reply.kind, "file": reply.file, "text": reply.text[:2000]},
+            "reevaluated_tokens": reeval, "new_tokens": new, "reply": {"kind": reply.kind, "file": reply.file, "text": reply.text[:2000]},
             "seconds": round(time.time() - started, 3), "body": body, **({"seen_text": seen} if cut else {}),
         }  # fmt: skip
         self.write(entry)
