@@ -20,6 +20,7 @@ from contextpaw.fitter import Fitter
 from contextpaw.heap import ReturnedMemory, StartupHeap
 from contextpaw.ledger import FailureLedger
 from contextpaw.metrics import Stats
+from contextpaw.model_routes import ModelRoutes
 from contextpaw.session import HttpServices, Session
 from contextpaw.settings import FitSettings
 from contextpaw.views import ContextPawView
@@ -43,4 +44,5 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     upstream = Upstream(backends, fitter, states, ledger)
     backends.relay = upstream.relay
     endpoints = AdminEndpoints(backends, fitter, services, ledger, store, gpu.status)
-    return [StartupHeap(), ReturnedMemory(), RequestDeadlines(), gpu, endpoints, backends, compactor, upstream]
+    models = ModelRoutes(backends, fitter)
+    return [StartupHeap(), ReturnedMemory(), RequestDeadlines(), gpu, endpoints, backends, compactor, models, upstream]

@@ -217,15 +217,35 @@ class BackendWindows:
     async def _ollama(self, backend: Backend, model: str) -> int | None:
         if not model:
             return None
-        show = await self.show(backend, model) or OllamaShow(None, None, None)
-        configured, trained = show.num_ctx, show.trained
-        if configured is None and self.ollama_default:
-            configured = self.ollama_default
-        if configured is not None:
-            return min(configured, trained) if trained else configured
+        if (configured := self._configured(await self.show(backend, model))) is not None:
+            return configured
         if await self.fetch("POST", backend.url + "/api/generate", {"model": model}) is None:
             return None
         return ollama_loaded_window(await self.fetch("GET", backend.url + "/api/ps", None), model)
+
+    def _configured(self, show: OllamaShow | None) -> int | None:
+        """The window Ollama gives a request without `num_ctx` where it is configured: the
+        Modelfile's `num_ctx`, else the server's default as the operator states it; capped by the
+        trained length."""
+        configured = (show.num_ctx if show else None) or self.ollama_default
+        trained = show.trained if show else None
+        if configured is None:
+            return None
+        return min(configured, trained) if trained else configured
+
+    async def listed(self, backend: Backend, model: str) -> int | None:
+        """The window a request for `model` without one of its own gets, where that is known without
+        loading the model (what the model routes report): llama-server's `/props`; on Ollama what a
+        request already learned, else the configured window. None when only a load would tell: a
+        model list or `/api/show` loads nothing."""
+        if backend.kind == Kind.LLAMACPP:
+            return await self.window(backend, model)
+        if not model:
+            return None
+        known, window = self.cached(backend, model)
+        if known and window is not None:
+            return window
+        return self._configured(await self.show(backend, model))
 
 
 def llamacpp_window(props: Any) -> int | None:

@@ -607,8 +607,11 @@ async def test_the_relay_starts_and_stops_with_sync_hooks_as_a_reloaded_script_c
 def test_composed_addons_are_in_hook_order_and_exported_for_embedding() -> None:
     from contextpaw.deadlines import RequestDeadlines
     from contextpaw.heap import ReturnedMemory, StartupHeap
+    from contextpaw.model_routes import ModelRoutes
 
-    assert [type(a) for a in make_addons()] == [StartupHeap, ReturnedMemory, RequestDeadlines, Arbitration, AdminEndpoints, Backends, Compactor, Upstream]
+    assert [type(a) for a in make_addons()] == [
+        StartupHeap, ReturnedMemory, RequestDeadlines, Arbitration, AdminEndpoints, Backends, Compactor, ModelRoutes, Upstream
+    ]
 
 
 async def test_composed_proxy_passes_unhandled_routes_through_untouched(proxy: Proxy) -> None:

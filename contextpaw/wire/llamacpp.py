@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from contextpaw.wire.base import NotCompactable, Overflow, Prompt, Route, answer_params
+from contextpaw.wire import served
+from contextpaw.wire.base import NotCompactable, Overflow, Prompt, Route, answer_params, positive
 
 
 def _completion(body: dict[str, Any]) -> Prompt:
@@ -43,3 +44,15 @@ def _is_final(record: Mapping[str, Any]) -> bool:
 
 
 COMPLETION = Route("llamacpp.completion", _completion, _refusal, _proxy_error, "sse", _is_final)
+
+def props_with_window(props: dict[str, Any], window: int) -> dict[str, Any]:
+    """`/props` with `default_generation_settings.n_ctx` (a slot's window) at most `window`: it is
+    the served window already, unless ContextPaw fits to a smaller one (a window the server named in
+    a 400, or `contextpaw_default_ctx` with discovery off)."""
+    settings = props.get("default_generation_settings")
+    reported = positive(settings.get("n_ctx")) if isinstance(settings, Mapping) else None
+    updated = dict(props)
+    if isinstance(settings, Mapping) and served.lowered(reported, window):
+        updated["default_generation_settings"] = {**settings, "n_ctx": window}
+    updated["contextpaw"] = served.note(window, reported)
+    return updated

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
+from contextpaw.wire import served
 from contextpaw.wire.base import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
 
 
@@ -55,3 +56,52 @@ def _is_final(record: Mapping[str, Any]) -> bool:
 
 CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final)
 GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final)
+
+# -- the served window in `/api/show` ------------------------------------------------------------
+# `model_info["<arch>.context_length"]` is the model file's trained length, which LiteLLM (aider),
+# Copilot and others read as the window; `parameters` (`name value` lines, the name padded to 30
+# as Ollama writes them) holds the Modelfile's `num_ctx`, which Continue and others read first.
+
+NUM_CTX_LINE = "{:<30} {}"
+
+
+def _parameters_with_window(parameters: str, window: int) -> tuple[str, int | None]:
+    """`parameters` with its `num_ctx` line at most `window` (added when there is none), and the
+    value it said when that was more."""
+    lines, reported, found = [], None, False
+    for line in parameters.splitlines():
+        name, _, value = line.strip().partition(" ")
+        if name == "num_ctx":
+            found = True
+            if value.strip().isdigit() and int(value.strip()) > window:
+                reported = int(value.strip())
+                line = NUM_CTX_LINE.format("num_ctx", window)
+        lines.append(line)
+    if not found:
+        lines.append(NUM_CTX_LINE.format("num_ctx", window))
+    return "\n".join(lines), reported
+
+
+def show_with_window(show: dict[str, Any], window: int) -> dict[str, Any]:
+    """`/api/show`'s answer saying the served `window` where it said more, and a `num_ctx` line."""
+    updated = dict(show)
+    info = show.get("model_info")
+    told: list[int] = []
+    if isinstance(info, Mapping):
+        key = f"{info.get('general.architecture')}.context_length"
+        if served.lowered(info.get(key), window):
+            told.append(info[key])
+            updated["model_info"] = {**info, key: window}
+    parameters = show.get("parameters")
+    updated["parameters"], reported = _parameters_with_window(parameters if isinstance(parameters, str) else "", window)
+    told += [reported] if reported is not None else []
+    updated["contextpaw"] = served.note(window, max(told, default=None))
+    return updated
+
+
+def shown_model(request: Any) -> str:
+    """The model an `/api/show` request names (`model`, or the older `name` LiteLLM still sends)."""
+    if not isinstance(request, Mapping):
+        return ""
+    name = request.get("model") or request.get("name")
+    return name if isinstance(name, str) else ""

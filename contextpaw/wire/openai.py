@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
+from contextpaw.wire import served
 from contextpaw.wire.base import Chat, NotCompactable, Overflow, Prompt, Route, answer_params, write
 
 MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
@@ -119,3 +120,51 @@ def asking_usage(raw: bytes, client: Mapping[str, Any]) -> bytes:
 def is_usage_chunk(record: Mapping[str, Any]) -> bool:
     """The chunk `include_usage` adds at the end of a chat stream: no choices, the usage."""
     return record.get("choices") == [] and isinstance(record.get("usage"), Mapping)
+
+# -- the served window on the model list ---------------------------------------------------------
+# `GET /v1/models` (and `/v1/models/{id}`) say nothing of the window on Ollama, and on llama-server
+# only in `meta` (`n_ctx`, the whole cache, and `n_ctx_train`, the model file's length). Clients
+# read `context_length` (llama-swap, OpenRouter), `max_model_len` (vLLM) or `meta.n_ctx` /
+# `meta.n_ctx_train` (llama.cpp front-ends): each model gets the first two, and a `meta` field that
+# says more than the served window is lowered to it.
+
+WINDOW_FIELDS = ("context_length", "max_model_len")
+META_WINDOWS = ("n_ctx", "n_ctx_train")
+
+
+def _models(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The model objects of a list (`data`) or the one model `/v1/models/{id}` answers."""
+    data = body.get("data")
+    entries = data if isinstance(data, list) else [body]
+    return [e for e in entries if isinstance(e, Mapping) and isinstance(e.get("id"), str)]
+
+
+def model_ids(body: Any) -> list[str]:
+    """The ids of the models an answer lists (one for `/v1/models/{id}`)."""
+    return [e["id"] for e in _models(body)] if isinstance(body, Mapping) else []
+
+
+def _with_window(model: Mapping[str, Any], window: int) -> dict[str, Any]:
+    meta = model.get("meta")
+    meta = meta if isinstance(meta, Mapping) else None
+    told = [meta[k] for k in META_WINDOWS if meta is not None and served.lowered(meta.get(k), window)]
+    told += [model[k] for k in WINDOW_FIELDS if served.lowered(model.get(k), window)]
+    updated = {**model, **dict.fromkeys(WINDOW_FIELDS, window)}
+    if meta is not None:
+        updated["meta"] = {**meta, **{k: window for k in META_WINDOWS if served.lowered(meta.get(k), window)}}
+    updated["contextpaw"] = served.note(window, max(told, default=None))
+    return updated
+
+
+def models_with_windows(body: dict[str, Any], windows: Mapping[str, int]) -> dict[str, Any]:
+    """`body` with each model whose window is known (by id in `windows`) saying it in every field
+    clients read; other models and fields as they were."""
+
+    def fitted(entry: Any) -> Any:
+        window = windows.get(entry.get("id")) if isinstance(entry, Mapping) else None
+        return _with_window(entry, window) if window else entry
+
+    data = body.get("data")
+    if isinstance(data, list):
+        return {**body, "data": [fitted(e) for e in data]}
+    return fitted(body)
