@@ -4,6 +4,8 @@
 - `GET /contextpaw/metrics`: the same counts per backend, route and model, histograms of compactions
   and whether each backend answers, in Prometheus text format.
 - `GET /contextpaw/runtime`: which runtime owns the GPU (`contextpaw_arbitrate`).
+- `GET /contextpaw/window?model=NAME`: the window the backend behind this port serves that model,
+  as ContextPaw fits requests to it (what `contextpaw launch` tells an agent).
 - `GET /contextpaw/evicted/<id>`: content removed under a marker, verbatim, for an agent to re-read.
 
 They reveal prompt content, so only loopback clients that name a loopback host may call them, or
@@ -20,9 +22,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from contextpaw import wire
 from contextpaw.evicted import EvictedStore
 from contextpaw.metrics import Stats
 
@@ -102,6 +106,10 @@ def local_host(host: str | None, hostname: str) -> bool:
     return loopback_host(host) or name == hostname.lower() or name.endswith(LOCAL_SUFFIXES)
 
 
+Window = Callable[[wire.Backend, str], Awaitable[tuple[int, str]]]
+"""The window a model is served at a backend, and where that number came from."""
+
+
 class Admin:
     def __init__(
         self,
@@ -109,16 +117,21 @@ class Admin:
         store: EvictedStore,
         health: Callable[[], Awaitable[dict[str, Any]]],
         runtime: Callable[[], Awaitable[dict[str, Any]]],
+        window: Window,
     ) -> None:
         self.stats = stats
         self.store = store
         self.health = health
         self.runtime = runtime
+        self.window = window
 
-    async def answer(self, method: str, path: str) -> Reply:
+    async def answer(self, method: str, path: str, backend: Callable[[], Awaitable[wire.Backend | None]] | None = None) -> Reply:
+        """`backend` finds the one behind the port asked, for the endpoint that speaks of one."""
         if method not in ("GET", "HEAD"):
             return json_reply(405, {"error": f"{method} is not allowed on {path}"})
         name = path.split("?", 1)[0].removeprefix(PREFIX)
+        if name == "window":
+            return await self.served_window(path, await backend() if backend else None)
         if name == "health":
             return json_reply(200, {"version": package_version(), **await self.health(), "stats": self.stats.counts})
         if name == "runtime":
@@ -133,3 +146,14 @@ class Admin:
                 return json_reply(404, {"error": f"{marker_id} is not kept (unknown, expired, or over the store's bounds)"})
             return Reply(200, b'{"id":' + json.dumps(marker_id).encode() + b',"content":' + content + b"}")
         return json_reply(404, {"error": f"no such ContextPaw endpoint: {path}"})
+
+    async def served_window(self, path: str, backend: wire.Backend | None) -> Reply:
+        """The window for `?model=`: llama-server serves one model and needs no name; Ollama's
+        window is per model."""
+        model = (parse_qs(urlsplit(path).query).get("model") or [""])[0]
+        if backend is None:
+            return json_reply(404, {"error": "this listener fronts no backend: ask the port that fronts it"})
+        if not model and backend.kind == wire.Kind.OLLAMA:
+            return json_reply(400, {"error": "name the model: /contextpaw/window?model=NAME (Ollama's window is per model)"})
+        window, source = await self.window(backend, model)
+        return json_reply(200, {"model": model, "backend": {"kind": backend.kind, "url": backend.url}, "window": window, "source": source})

@@ -70,7 +70,10 @@ the address with ?token=... that it prints at start, it refuses requests without
 
 `contextpaw doctor [the same arguments]` checks the backends and the set-up and says how to fix
 what is wrong (windows smaller than the model's, unreachable backends, a tokenizer of another model,
-listeners beyond the loopback)."""
+listeners beyond the loopback).
+
+`contextpaw launch AGENT [--print] [-- AGENT ARGS]` starts claude, codex, opencode, aider or qwen
+pointed at a running ContextPaw, told the window it serves (`contextpaw launch --help`)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -252,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["doctor"]:
         sys.exit(run_doctor(argv[1:]))
+    if argv[:1] == ["launch"]:
+        from contextpaw import launcher
+
+        sys.exit(launcher.main(argv[1:]))
     ns, _ = own_parser().parse_known_args(argv)
     try:
         backends, notes = fronted(ns)

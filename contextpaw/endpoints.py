@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -42,7 +43,7 @@ class AdminEndpoints:
         self.backends = backends
         self.fitter = fitter
         self.services = services
-        self.admin = admin.Admin(ledger.stats, store, self._health, runtime)
+        self.admin = admin.Admin(ledger.stats, store, self._health, runtime, self._window)
         self.rewrites_host = False
         self.hostname = socket.gethostname()
         """This machine's name, a Host a local client may name (read once, not per request)."""
@@ -84,7 +85,8 @@ class AdminEndpoints:
         host = flow.metadata.get(CLIENT_HOST, flow.request.host_header)
         if admin.authorized(client_host, host, token, ctx.options.contextpaw_admin_token):
             try:
-                answer = await self.admin.answer(flow.request.method, flow.request.path)
+                backend = functools.partial(self.backends.backend_of, flow)
+                answer = await self.admin.answer(flow.request.method, flow.request.path, backend)
             except Exception as e:  # answered here all the same: /contextpaw/* never reaches a backend
                 logger.exception("ContextPaw failed to answer %s", flow.request.path)
                 answer = admin.json_reply(500, {"error": f"ContextPaw failed to answer: {type(e).__name__}"})
@@ -106,6 +108,13 @@ class AdminEndpoints:
         reply(flow, 403, report_bytes(wire.proxy_error(None, flow.request.path, reason, 403)))
         flag(flow, REFUSED_MARK, f"answered 403: Host {host!r} from a loopback client")
         logger.warning("%s %s: answered 403: the Host %r does not name this machine", flow.request.method, flow.request.path, host)
+
+    async def _window(self, backend: wire.Backend, model: str) -> tuple[int, str]:
+        """The window requests for `model` without one of their own are fitted to: the backend's,
+        else `contextpaw_default_ctx`."""
+        budgeter = self.fitter.budgeter
+        found = await budgeter.source.window(backend, model)
+        return (found, "backend") if found else (budgeter.default_ctx, "contextpaw_default_ctx")
 
     async def _health(self) -> dict[str, Any]:
         return {

@@ -256,7 +256,7 @@ async def test_strict_refuses_with_ollamas_error_shape(compactor: Alone[Compacto
     compactor.configure(contextpaw_policy="strict")
     flow = to_ollama("/api/chat", long_chat())
     await compactor.send(flow)
-    assert flow.response is not None and flow.response.status_code == 413
+    assert flow.response is not None and flow.response.status_code == 400
     body = json.loads(flow.response.content)
     assert "policy strict" in body["error"] and "2048-token" in body["error"]
     assert body["contextpaw"]["strategy"] == "refused"
@@ -279,7 +279,7 @@ async def test_what_must_be_kept_but_cannot_fit_is_refused_even_when_compacting(
     body = {"model": "m", "messages": [{"role": "system", "content": "rule " * 4000}, {"role": "user", "content": "hi"}]}
     flow = to_ollama("/api/chat", body)
     await compactor.send(flow)
-    assert flow.response.status_code == 413
+    assert flow.response.status_code == 400
     assert "system prompt" in json.loads(flow.response.content)["error"]
 
 
@@ -302,8 +302,8 @@ async def test_a_refused_flow_is_marked_and_commented(compactor: Alone[Compactor
     compactor.configure(contextpaw_policy="strict")
     flow = to_ollama("/api/chat", long_chat())
     await compactor.send(flow)
-    assert flow.response.status_code == 413
-    assert flow.marked == REFUSED_MARK and flow.comment.startswith("refused 413: ")
+    assert flow.response.status_code == 400
+    assert flow.marked == REFUSED_MARK and flow.comment.startswith("refused 400: ")
 
 
 async def test_an_upstream_cut_goes_into_the_flows_comment(compactor: Alone[Compactor]) -> None:
@@ -518,7 +518,7 @@ async def test_reverse_mode_still_gives_the_backend_its_own_host(admin: Alone[Ad
 
 
 async def test_an_admin_endpoint_that_fails_answers_500_and_is_never_forwarded(admin: Alone[AdminEndpoints], monkeypatch: pytest.MonkeyPatch) -> None:
-    async def broken(method: str, path: str) -> None:
+    async def broken(method: str, path: str, backend: object) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(admin.addon.admin, "answer", broken)

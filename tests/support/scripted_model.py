@@ -88,6 +88,9 @@ FILE_PATH = re.compile(r"(/[^\s'\"`<>]*?/file-(\d{2,3})\.txt)")
 FACT_LINE = re.compile(r"FACT-(\d{2,3}): the key is ([A-Za-z]+)")
 SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id", "thread-id")
 START, END = "<|im_start|>", "<|im_end|>"
+SUMMARY = "Summary: the task is to read the files one per turn;"
+"""How this model's summary starts: an agent that compacted its history sends it back as a user
+message, which asks for nothing."""
 OLLAMA_VERSION = "0.33.0-rc2"
 MISSING_BLOB = "/nonexistent/ollama/models/blobs/sha256-5c3a1e2f"
 """Where the Modelfile says the model is when no tokenizer may be found: on no disk here, as when
@@ -352,9 +355,10 @@ class Script:
     def reply(self, session: Session | None, conversation: Conversation, seen: str) -> Reply:
         last = conversation.messages[-1] if conversation.messages else None
         asks = last.text.lower() if last is not None and last.role == "user" else ""
-        if "summar" in asks or "conversation so far" in asks:  # the task itself asks neither
+        # the task itself asks neither; a history compacted by the agent ends in this model's own summary
+        if ("summar" in asks or "conversation so far" in asks) and SUMMARY.lower() not in asks:
             done = session.confirmed if session else 0
-            return Reply(f"Summary: the task is to read the files one per turn; files 1..{done} are read.", kind="summary")
+            return Reply(f"{SUMMARY} files 1..{done} are read.", kind="summary")
         tool = read_tool(conversation.tools)
         if not conversation.tools or tool is None:
             return Reply("Reading the files", kind="title")
