@@ -106,7 +106,16 @@ def headroom_share(messages: tuple[Message, ...], cost: list[int], budget: int) 
 class BudgetTooSmall(Exception):
     """What must be kept does not fit; carries the numbers for the caller's refusal."""
 
-    def __init__(self, required: int, budget: int, what: str, original: int | None = None, counter: Counter | None = None) -> None:
+    def __init__(
+        self,
+        required: int,
+        budget: int,
+        what: str,
+        original: int | None = None,
+        counter: Counter | None = None,
+        head: int | None = None,
+        headroom: float = HEADROOM[0],
+    ) -> None:
         super().__init__(
             f"{what} need {required} tokens but the budget is {budget}; nothing can be removed to fit"
         )
@@ -117,11 +126,23 @@ class BudgetTooSmall(Exception):
         """The whole request's size, in the same counter's units (None: not counted)."""
         self.counter = counter.name if counter is not None else "estimate"
         """The counter that decided (the fitter names the server's whole count where it used it)."""
+        self.head = head
+        """What is never cut (system prompt, tools, the opening), when it alone is over the budget:
+        the window, not the conversation, is what must change (None: the head fits)."""
+        self.headroom = headroom
+        """The share of the budget a cut leaves free, which the budget that holds the head keeps."""
+
+    @property
+    def least_budget(self) -> int | None:
+        """The budget that holds the head and leaves the headroom free for the turns after it."""
+        return None if self.head is None else math.ceil(self.head / (1 - self.headroom))
 
     def rescaled(self, budget: int) -> BudgetTooSmall:
         """The same shortfall told against `budget`: a refit under a budget tightened by a
         counting miss says what the request needs in the units of the budget the client is told."""
-        rescaled = BudgetTooSmall(self.required + budget - self.budget, budget, self.what, self.original)
+        shift = budget - self.budget
+        head = None if self.head is None else self.head + shift
+        rescaled = BudgetTooSmall(self.required + shift, budget, self.what, self.original, None, head, self.headroom)
         rescaled.counter = self.counter
         return rescaled
 
@@ -286,7 +307,7 @@ class _ChatCompaction:
         report = as_sent(self.fixed + self.kept, self.budget, self.counter)
         pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
         if pinned > self.budget:
-            raise self.too_small("the system prompt, the tool definitions and the conversation's opening")
+            raise self.too_small("the system prompt, the tool definitions and the conversation's opening", head=pinned)
 
         last = self.repeat_previous()
         cut = last is None or self.total() > self.budget
@@ -468,10 +489,12 @@ class _ChatCompaction:
             while self.shrink(i, self.size(i)):
                 pass
 
-    def too_small(self, what: str) -> BudgetTooSmall:
-        """The refusal, naming the least this request can be cut to, so a budget of that much fits it."""
+    def too_small(self, what: str, head: int | None = None) -> BudgetTooSmall:
+        """The refusal, naming the least this request can be cut to, so a budget of that much fits it
+        (and the `head`'s tokens when it alone is over the budget)."""
         self.least()
-        return BudgetTooSmall(self.total(), self.budget, what, self.fixed + sum(self.cost), self.counter)
+        original = self.fixed + sum(self.cost)
+        return BudgetTooSmall(self.total(), self.budget, what, original, self.counter, head, self.headroom)
 
     def shrink(self, i: int, over: int) -> bool:
         """Cut message `i`'s text middle-out by `over` more tokens (to no less than the floor);

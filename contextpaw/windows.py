@@ -65,9 +65,12 @@ class Budget:
         return Overflow(required, self.admits, self.window, cause, required)
 
     def impossible(self, error: BudgetTooSmall) -> Overflow:
-        """What must be kept does not fit, so no compaction can help."""
+        """What must be kept does not fit, so no compaction can help; when the head alone is over,
+        the least window that holds it, with this budget's room for the answer and the template."""
         error = error.rescaled(self.tokens) if error.budget != self.tokens else error
-        return Overflow(error.required, self.tokens, self.window, str(error), error.original)
+        least = error.least_budget
+        least_window = None if least is None else least + self.window - self.tokens
+        return Overflow(error.required, self.tokens, self.window, str(error), error.original, error.head, least_window)
 
 
 class WindowSource(Protocol):

@@ -111,7 +111,7 @@ async def test_near_the_window_a_native_ollama_request_says_truncate_false() -> 
 async def test_strict_refuses_in_the_routes_own_error_shape() -> None:
     f, s = fitter(policy="strict"), state(chat())
     decision = await f.fit(s)
-    assert isinstance(decision, Refuse) and decision.status == 413
+    assert isinstance(decision, Refuse) and decision.status == 400
     assert "policy strict" in json.loads(decision.body)["error"]
     assert s.local and s.report is not None and s.report.strategy == "refused"
 
@@ -186,7 +186,7 @@ async def test_a_retry_refused_again_is_refitted_and_when_nothing_fits_refused_i
     while isinstance(retry := await f.rescue(s, 400, overflow_400(3000, 2048)), bytes):
         answers.append(retry)
     assert answers and len(answers) < MAX_RESCUES
-    assert isinstance(retry, Refuse) and retry.status == 413 and "error" in json.loads(retry.body)
+    assert isinstance(retry, Refuse) and retry.status == 400 and "error" in json.loads(retry.body)
     assert s.local and s.report is not None and s.report.strategy == "refused"
 
 

@@ -168,10 +168,10 @@ async def test_a_refusal_shows_the_error_sentence_the_client_got(proxy: Proxy) -
     proxy.tctx.configure(proxy.compactor, contextpaw_policy="strict")
     flow = post("/api/chat", long_chat())
     await proxy.send(flow)
-    assert flow.response.status_code == 413
+    assert flow.response.status_code == 400
     sentence = json.loads(flow.response.content)["error"]
     shown = view(flow.response, flow).text
-    assert " ".join(sentence.split()) in flat("\n".join(section(shown, "the client was answered 413")))
+    assert " ".join(sentence.split()) in flat("\n".join(section(shown, "the client was answered 400")))
 
 
 async def test_a_streamed_flow_keeps_the_stream_and_shows_the_answer_and_report(proxy: Proxy) -> None:

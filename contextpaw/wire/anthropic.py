@@ -63,8 +63,13 @@ def error(kind: str, message: str) -> dict[str, Any]:
 
 
 def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
-    """The wording Anthropic's clients recognise; ContextPaw's numbers and report ride beside it."""
+    """The wording Anthropic's clients recognise (Claude Code looks for "prompt is too long" and reads
+    the two numbers after it); ContextPaw's numbers and report ride beside it. When the agent's own
+    tools and instructions are over the window, a sentence after it says what window they need:
+    compacting the conversation, which Claude Code offers, cannot help."""
     message = f"prompt is too long: {overflow.required} tokens > {overflow.budget} maximum"
+    if overflow.fixed_part:
+        message = f"{message}; {overflow.fixed_part}"
     return {**error("invalid_request_error", message), "contextpaw": report}
 
 

@@ -282,13 +282,26 @@ class Overflow:
     """A sentence with the numbers: why the request cannot be sent as it is."""
     original: int | None = None
     """The whole request's size, when it was counted (for a strict refusal it is `required`)."""
+    head: int | None = None
+    """The tokens of what is never cut (an agent's tools and instructions), when they alone are over
+    the budget: no compaction helps, only a bigger window."""
+    least_window: int | None = None
+    """The least window that holds the head with room for an answer and the headroom."""
+
+    @property
+    def fixed_part(self) -> str:
+        """The sentence that tells the user to raise the window; empty when the head fits."""
+        if self.head is None or self.least_window is None:
+            return ""
+        return f"the agent's tools and instructions need {self.head} tokens; raise the window to at least {self.least_window}"
 
     @property
     def message(self) -> str:
-        return (
+        said = (
             f"ContextPaw: {self.cause} (the budget is a {self.window}-token context window minus "
             f"{self.window - self.budget} tokens kept for the answer and the template)"
         )
+        return f"{said}; {self.fixed_part}" if self.fixed_part else said
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,15 @@
 Streams are NDJSON and end with a `done: true` object; `stream` defaults to true. The window is the
 request's `options.num_ctx` when it sets one. Errors are `{"error": "<sentence>"}`: most clients read
 only that string, so a refusal says everything there and adds the report beside it.
+
+A refusal is what Ollama itself answers to a prompt over its window (`truncate: false`, or a model
+that cannot shift its context): a 400 with llama-server's sentence, which Ollama passes on and
+opencode matches ("request (N tokens) exceeds the available context size (C tokens), try increasing
+it"). The `ollama` library raises it as a `ResponseError` and never retries. No status helps aider
+here: its LiteLLM (1.81) reads every error of an `ollama`/`ollama_chat` model as a connection
+error, which aider retries for a minute (LiteLLM's main branch reads a 4xx as a bad request, which
+aider does not retry); on Ollama's `/v1` route (`openai/<model>`) it reads OpenAI's sentence as
+the context window exceeded.
 """
 
 from __future__ import annotations
@@ -42,8 +51,12 @@ def _generate(body: dict[str, Any]) -> Prompt:
     return Prompt(body, prompt, _params(body), fixed, len(images) if isinstance(images, list) else 0)
 
 
+REFUSAL_STATUS = 400
+
+
 def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
-    return {"error": overflow.message, "contextpaw": report}
+    said = f"request ({overflow.required} tokens) exceeds the available context size ({overflow.budget} tokens), try increasing it"
+    return {"error": f"{said}; {overflow.message}", "contextpaw": report}
 
 
 def _proxy_error(reason: str, status: int) -> dict[str, Any]:
@@ -54,8 +67,9 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return record.get("done") is True
 
 
-CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final)
-GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final)
+CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final, refusal_status=REFUSAL_STATUS)
+GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final, refusal_status=REFUSAL_STATUS)
+
 
 # -- the served window in `/api/show` ------------------------------------------------------------
 # `model_info["<arch>.context_length"]` is the model file's trained length, which LiteLLM (aider),

@@ -3,8 +3,10 @@
 Streams are SSE ending with `data: [DONE]`; `stream` defaults to false. The request cannot name a
 window, only the answer length. Errors are `{"error": {"message", "type", "code", ...}}`, the shape
 OpenAI clients raise from. A refusal is OpenAI's own answer to an overlong prompt, a 400
-`invalid_request_error` with code `context_length_exceeded`: Codex, the SDKs' users and
-LangChain-style trimmers react to that code, where a 413 reads as a size limit.
+`invalid_request_error` with code `context_length_exceeded` and OpenAI's own sentence with its
+numbers: Codex reacts to the code; LiteLLM (aider), Cline and opencode to the text ("This model's
+maximum context length is N tokens ..."); a 413 reads to all of them as a size limit. ContextPaw's
+own words follow that sentence.
 """
 
 from __future__ import annotations
@@ -38,13 +40,23 @@ def _completion(body: dict[str, Any]) -> Prompt:
 REFUSAL_STATUS = 400
 
 
-def refusal(param: str) -> Callable[[Overflow, dict[str, Any]], dict[str, Any]]:
-    """OpenAI's overflow error naming `param` (the field that holds the prompt), ContextPaw's
-    numbers and report beside it."""
+def overlong(overflow: Overflow) -> str:
+    """OpenAI's sentence for a prompt over the window, with its numbers: the budget is the most a
+    prompt may be, so the request's size is always the larger."""
+    return (
+        f"This model's maximum context length is {overflow.budget} tokens. However, your messages "
+        f"resulted in {overflow.required} tokens. Please reduce the length of the messages."
+    )
+
+
+def refusal(param: str, opening: str = "") -> Callable[[Overflow, dict[str, Any]], dict[str, Any]]:
+    """OpenAI's overflow error naming `param` (the field that holds the prompt): `opening` (an
+    API's own sentence, where it has one), OpenAI's sentence with the numbers, then ContextPaw's;
+    the numbers and report beside it."""
 
     def refuse(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
         error = {
-            "message": overflow.message,
+            "message": " ".join(s for s in (opening, overlong(overflow), overflow.message) if s),
             "type": "invalid_request_error",
             "param": param,
             "code": "context_length_exceeded",

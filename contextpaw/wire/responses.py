@@ -14,7 +14,8 @@ keeps its history on the server, out of reach: it goes as it came, and the repor
 
 `stream` defaults to false. A stream is SSE with named events; the final one carrying data is
 `response.completed` (or `response.incomplete`, `response.failed`), whose `response.usage` holds
-the prompt size as `input_tokens`, as the buffered response's `usage` does. Errors are OpenAI's.
+the prompt size as `input_tokens`, as the buffered response's `usage` does. Errors are OpenAI's;
+an overflow opens with the sentence OpenAI's Responses API itself sends (`OVERFLOW`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from contextpaw.wire.base import Chat, NotCompactable, NotFittable, Route, answe
 
 EXACT_COUNT = ("/v1/responses/input_tokens", ("model", "instructions", "input", "tools"))
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+OVERFLOW = "Your input exceeds the context window of this model. Please adjust your input and try again."
+"""The Responses API's own message beside `context_length_exceeded` (it names no numbers)."""
 
 
 def _responses(body: dict[str, Any]) -> Chat:
@@ -68,7 +71,7 @@ def _evaluated(record: Mapping[str, Any]) -> int | None:
 RESPONSES = Route(
     "openai.responses",
     _responses,
-    openai.refusal("input"),
+    openai.refusal("input", OVERFLOW),
     openai.proxy_error,
     "sse",
     _is_final,

@@ -155,11 +155,11 @@ def test_streams_are_passed_through_as_they_come(slow_proxy: Proxy) -> None:
 # -- policies ---------------------------------------------------------------------------------------
 
 
-def test_strict_gives_ollama_clients_a_413_with_the_numbers(strict: Proxy) -> None:
+def test_strict_gives_ollama_clients_a_400_with_the_numbers(strict: Proxy) -> None:
     client, _ = ollama_at(strict.ollama)
     with pytest.raises(ollama_client.ResponseError) as refused:
         client.chat(model="fake", messages=overflowing(), options=OPTIONS)
-    assert refused.value.status_code == 413
+    assert refused.value.status_code == 400
     assert "policy strict" in refused.value.error and f"{N_CTX}-token" in refused.value.error
 
 
