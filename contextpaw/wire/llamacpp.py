@@ -45,6 +45,7 @@ def _is_final(record: Mapping[str, Any]) -> bool:
 
 COMPLETION = Route("llamacpp.completion", _completion, _refusal, _proxy_error, "sse", _is_final)
 
+
 def props_with_window(props: dict[str, Any], window: int) -> dict[str, Any]:
     """`/props` with `default_generation_settings.n_ctx` (a slot's window) at most `window`: it is
     the served window already, unless ContextPaw fits to a smaller one (a window the server named in
