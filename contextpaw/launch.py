@@ -182,20 +182,19 @@ def aider(target: Target) -> Launch:
 
 
 def qwen(target: Target) -> Launch:
-    """Qwen Code: OpenAI's API through ContextPaw, and a generated system settings file
-    (`QWEN_CODE_SYSTEM_SETTINGS_PATH`) with the model's `contextWindowSize` and answer room."""
-    path = _generated(target, "qwen", ".settings.json")
-    settings = {
-        "model": {
-            "name": target.model,
-            "generationConfig": {"contextWindowSize": target.window, "samplingParams": {"max_tokens": target.output}},
-        },
-        "security": {"auth": {"selectedType": "openai"}},
-    }
-    env = {"OPENAI_BASE_URL": _v1(target), "OPENAI_MODEL": target.model, "QWEN_CODE_SYSTEM_SETTINGS_PATH": str(path)}
-    notes = (f"Qwen Code: window {target.window} (model.generationConfig.contextWindowSize in {path})",)
-    return Launch("qwen", ("qwen",), _frozen(env), _frozen({"OPENAI_API_KEY": "contextpaw"}),
-                  MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}), notes)  # fmt: skip
+    """Qwen Code: OpenAI's API through ContextPaw; the window as `model.generationConfig.
+    contextWindowSize` in a generated system defaults file (`QWEN_CODE_SYSTEM_DEFAULTS_PATH`: the
+    settings of lowest precedence, under the user's and the project's own) and the answer's room as
+    `QWEN_CODE_MAX_OUTPUT_TOKENS` (it would ask for 32,000). It compacts at 85% of the window, or
+    33,000 tokens below it where that is lower and positive."""
+    path = _generated(target, "qwen", ".defaults.json")
+    settings = {"model": {"generationConfig": {"contextWindowSize": target.window}}}
+    env = {"OPENAI_BASE_URL": _v1(target), "OPENAI_MODEL": target.model, "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(path),
+           "QWEN_CODE_MAX_OUTPUT_TOKENS": str(target.output)}  # fmt: skip
+    notes = (f"Qwen Code: window {target.window} (model.generationConfig.contextWindowSize in {path}, through "
+             f"QWEN_CODE_SYSTEM_DEFAULTS_PATH), answers up to {target.output} (QWEN_CODE_MAX_OUTPUT_TOKENS)",)  # fmt: skip
+    return Launch("qwen", ("qwen", "--auth-type", "openai", "-m", target.model), _frozen(env),
+                  _frozen({"OPENAI_API_KEY": "contextpaw"}), MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}), notes)  # fmt: skip
 
 
 PLANS: Mapping[str, Callable[[Target], Launch]] = MappingProxyType(

@@ -89,11 +89,12 @@ def test_aider_on_llama_server_speaks_openai_without_num_ctx() -> None:
     assert plan.env == {"OPENAI_API_BASE": "http://127.0.0.1:8092/v1"} and plan.defaults == {"OPENAI_API_KEY": "contextpaw"}
 
 
-def test_qwen_code_reads_a_generated_system_settings_file() -> None:
+def test_qwen_code_reads_a_generated_system_defaults_file() -> None:
     plan = launch.plan("qwen", target(32768))
-    path = Path(plan.env["QWEN_CODE_SYSTEM_SETTINGS_PATH"])
-    assert json.loads(plan.files[path])["model"]["generationConfig"]["contextWindowSize"] == 32768
-    assert plan.env["OPENAI_BASE_URL"] == "http://127.0.0.1:8092/v1" and plan.env["OPENAI_MODEL"] == "qwen3:8b"
+    path = Path(plan.env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"])
+    assert json.loads(plan.files[path]) == {"model": {"generationConfig": {"contextWindowSize": 32768}}}
+    assert plan.env["QWEN_CODE_MAX_OUTPUT_TOKENS"] == "4096"
+    assert plan.env["OPENAI_BASE_URL"] == "http://127.0.0.1:8092/v1" and plan.argv[-2:] == ("-m", "qwen3:8b")
 
 
 @pytest.mark.parametrize("agent", sorted(launch.PLANS))

@@ -27,7 +27,7 @@ from support import agents as cli
 from support.backends import start_module
 from support.recorder import read_log
 
-SESSIONS = {"claude": (65536, 16), "codex": (32768, 12), "opencode": (32768, 12)}
+SESSIONS = {"claude": (65536, 16), "codex": (32768, 12), "opencode": (32768, 12), "qwen": (32768, 12)}
 """agent -> (window, files). Claude Code keeps 13,000 tokens for its summary besides its answer's
 room, and after a compaction it reads the last five files again: at 49,152 its 12k-token head, the
 summary and those files came back over its threshold, and it stopped (`autocompact_thrashing`)."""
@@ -67,6 +67,11 @@ def headless(agent: str, home: Path, prompt: str) -> tuple[list[str], dict[str, 
         return ["exec", "--json", "--skip-git-repo-check", "-"], {"CODEX_HOME": str(codex_home)}, prompt
     if agent == "opencode":
         return ["run", prompt, "--format", "json"], dict(cli.OPENCODE_ENV), None
+    if agent == "qwen":
+        settings = home / ".qwen" / "settings.json"
+        settings.parent.mkdir(parents=True, exist_ok=True)
+        settings.write_text(json.dumps(cli.qwen_settings(None)))
+        return ["--yolo", "-o", "json"], dict(cli.QWEN_ENV), prompt
     raise ValueError(agent)
 
 

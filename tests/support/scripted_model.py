@@ -8,11 +8,12 @@ shapes the real CLIs (Claude Code, Codex, opencode) accept, with the prompt's si
 **The script.** The task names the files to read (every ``/.../file-NN.txt`` path in the user's
 text). On each turn the model answers with one tool call that makes the agent read the next file
 with its own read tool: Claude Code's ``Read`` (``file_path``), opencode's ``read`` (``filePath``),
+Qwen Code's ``read_file`` (``file_path``),
 Codex's ``exec_command`` (``cmd: cat PATH``), a ``shell`` tool's ``command`` otherwise. When all
 files are read it answers with final text: ``Done.`` and every ``FACT-NN: ...`` line it can see in
 the prompt it received, so the final answer tells what reached the model. A request without tools
 (opencode's title) gets a short text, and one that asks to summarize the conversation (an agent's own
-compaction) gets a summary naming the files read.
+compaction) gets a summary naming the task's files and how many were read.
 
 Which file is next: one past the highest file named by a read call *visible* in the prompt, or
 remembered for the session, whichever is higher. The memory is per session (the CLIs' own session
@@ -90,7 +91,11 @@ SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id", "th
 START, END = "<|im_start|>", "<|im_end|>"
 SUMMARY = "Summary: the task is to read the files one per turn;"
 """How this model's summary starts: an agent that compacted its history sends it back as a user
-message, which asks for nothing."""
+message, which asks for nothing. It lists the task's files, as a model's summary keeps the task, so
+that a session without a session header goes on after a compaction."""
+SUMMARY_ASKS = ("summar", "conversation so far", "<state_snapshot>")
+"""How the agents ask for a summary of their history in the last user message (Qwen Code asks for
+a `<state_snapshot>`)."""
 OLLAMA_VERSION = "0.33.0-rc2"
 MISSING_BLOB = "/nonexistent/ollama/models/blobs/sha256-5c3a1e2f"
 """Where the Modelfile says the model is when no tokenizer may be found: on no disk here, as when
@@ -317,6 +322,8 @@ def read_tool(tools: list[Any]) -> tuple[str, Any] | None:
         return "Read", lambda path: {"file_path": path}
     if "read" in names:
         return "read", lambda path: {"filePath": path}
+    if "read_file" in names:  # Qwen Code's
+        return "read_file", lambda path: {"file_path": path}
     if "exec_command" in names:
         return "exec_command", lambda path: {"cmd": f"cat {path}", "max_output_tokens": 40000, "yield_time_ms": 10000}
     for name in ("shell", "shell_command", "bash", "Bash"):
@@ -355,10 +362,11 @@ class Script:
     def reply(self, session: Session | None, conversation: Conversation, seen: str) -> Reply:
         last = conversation.messages[-1] if conversation.messages else None
         asks = last.text.lower() if last is not None and last.role == "user" else ""
-        # the task itself asks neither; a history compacted by the agent ends in this model's own summary
-        if ("summar" in asks or "conversation so far" in asks) and SUMMARY.lower() not in asks:
+        # the task itself asks none of these; a history compacted by the agent ends in this model's own summary
+        if any(words in asks for words in SUMMARY_ASKS) and SUMMARY.lower() not in asks:
             done = session.confirmed if session else 0
-            return Reply(f"{SUMMARY} files 1..{done} are read.", kind="summary")
+            listed = "".join(f"\n{i}. {path}" for i, path in enumerate(session.files if session else [], 1))
+            return Reply(f"{SUMMARY} files 1..{done} are read. The files:{listed}", kind="summary")
         tool = read_tool(conversation.tools)
         if not conversation.tools or tool is None:
             return Reply("Reading the files", kind="title")
