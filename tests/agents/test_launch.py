@@ -1,7 +1,7 @@
 """`contextpaw launch` with the real agent CLIs: the agent's own compaction fires before the window.
 
 Each session: the scripted model (tests/support/scripted_model.py) behaving as llama-server with a
-window of ``SESSIONS[agent]``, ContextPaw in front of it with a recorder on each side, and the agent
+window of ``SESSIONS[agent]`` (and Codex's as Ollama too), ContextPaw in front of it with a recorder on each side, and the agent
 started by ``contextpaw launch AGENT --url ... -- <its headless arguments>`` in a scratch HOME, with
 nothing of its own that names a window or a provider. The task reads small files (about
 2,500 tokens each) one per turn, so the history outgrows the window halfway. Told the served window,
@@ -88,23 +88,23 @@ class Session:
         return [e for e in self.model_log if (e.get("reply") or {}).get("kind") == "summary"]
 
     def cut(self) -> list[dict[str, Any]]:
-        """Requests ContextPaw answered with a cut, or the server refused."""
+        """Requests ContextPaw answered with a cut, or the server refused or cut."""
         cut = [e for e in self.sent if (e.get("response") or {}).get("headers", {}).get("x-contextpaw-compacted") == "true"]
-        return cut + [e for e in self.model_log if e["status"] != 200]
+        return cut + [e for e in self.model_log if e["status"] != 200 or e.get("cut")]
 
     def about(self) -> str:
         sizes = [(e["n"], e["prompt_tokens"], (e.get("reply") or {}).get("kind")) for e in self.model_log]
         return f"{self.agent} in {self.window}: (request, prompt tokens, reply) {sizes}\n{self.run.describe()}"
 
 
-def launch_session(agent: str, binary: Path, work: Path) -> Session:
+def launch_session(agent: str, behaviour: str, binary: Path, work: Path) -> Session:
     window, files = SESSIONS[agent]
     project = work / "project"
     paths = make_files(project / "notes", files)
     log = work / "model.jsonl"
     home = work / "home"
     with ExitStack() as exits:
-        args = ["--n-ctx", str(window), "--behaviour", "llamacpp", "--log", str(log)]
+        args = ["--n-ctx", str(window), "--behaviour", behaviour, "--log", str(log)]
         model = exits.enter_context(start_module("support.scripted_model", args, "/", work / "model.out", timeout=180))
         stack, stops = cli.start_contextpaw_stack(work / "stack", model.url)
         exits.enter_context(stops)
@@ -117,18 +117,22 @@ def launch_session(agent: str, binary: Path, work: Path) -> Session:
     return Session(agent, window, run, read_log(log), read_log(stack.front_log))
 
 
-_sessions: dict[str, Session] = {}
+_sessions: dict[tuple[str, str], Session] = {}
 
 
 @pytest.fixture
-def session(tmp_path_factory: pytest.TempPathFactory, agent: str) -> Session:
-    if agent not in _sessions:
+def session(tmp_path_factory: pytest.TempPathFactory, agent: str, behaviour: str) -> Session:
+    if (agent, behaviour) not in _sessions:
         binary = cli.require_agents(agent)[agent]
-        _sessions[agent] = launch_session(agent, binary, tmp_path_factory.mktemp(f"launch-{agent}"))
-    return _sessions[agent]
+        work = tmp_path_factory.mktemp(f"launch-{agent}-{behaviour}")
+        _sessions[agent, behaviour] = launch_session(agent, behaviour, binary, work)
+    return _sessions[agent, behaviour]
 
 
-AGENTS = pytest.mark.parametrize("agent", sorted(SESSIONS))
+CASES = [*((agent, "llamacpp") for agent in sorted(SESSIONS)), ("codex", "ollama")]
+"""Every agent on llama-server (a 400 past the window); Codex on Ollama too (a silent cut past it),
+where ContextPaw learns the window from the Modelfile's `num_ctx`."""
+AGENTS = pytest.mark.parametrize(("agent", "behaviour"), CASES)
 
 
 @AGENTS
@@ -165,3 +169,20 @@ def test_print_shows_what_launch_sets_and_starts_nothing(tmp_path: Path) -> None
     assert f"export OPENCODE_CONFIG={state}/launch/opencode-scripted.json" in done.stdout
     assert done.stdout.rstrip().endswith("exec opencode")
     assert not state.exists() and not log.exists()
+
+
+def test_aider_asks_ollama_for_the_served_window(stack: cli.StartStack, home: Path) -> None:
+    """aider asks Ollama for `num_ctx` = 1.25 times its prompt + 8,192 (about 9,300 for "say hi"),
+    which would load the model again at that size; launched, it asks for the window served."""
+    running = stack("ollama", ["--model", "fake:latest", "--n-ctx", "6144"])
+    own = ["--no-git", "--yes-always", "--no-check-update", "--no-show-release-notes", "--no-stream", "--no-analytics",
+           "--no-pretty", "--no-fancy-input", "--no-detect-urls", "--map-tokens", "0", "--message", "say hi"]  # fmt: skip
+    binary = cli.require_agents("aider")["aider"]
+    env = cli.scratch_env(home, {**cli.AIDER_ENV, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
+    argv = [sys.executable, "-m", "contextpaw.cli", "launch", "aider", "--url", running.front, "--model", "fake:latest",
+            "--state-dir", str(home / "state"), "--", *own]  # fmt: skip
+    code, out, err, _ = cli.run_process(argv, env, home, 180)
+    chats = running.sent("/api/chat")
+    assert code == 0 and chats, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
+    assert [c["body"]["options"]["num_ctx"] for c in chats] == [6144] * len(chats)
+    assert "Unknown context window" not in out
