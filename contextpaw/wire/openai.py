@@ -133,6 +133,7 @@ def is_usage_chunk(record: Mapping[str, Any]) -> bool:
     """The chunk `include_usage` adds at the end of a chat stream: no choices, the usage."""
     return record.get("choices") == [] and isinstance(record.get("usage"), Mapping)
 
+
 # -- the served window on the model list ---------------------------------------------------------
 # `GET /v1/models` (and `/v1/models/{id}`) say nothing of the window on Ollama, and on llama-server
 # only in `meta` (`n_ctx`, the whole cache, and `n_ctx_train`, the model file's length). Clients
