@@ -36,6 +36,7 @@ CLAUDE_CODE_VERSION = "2.1.332"
 OPENCODE_VERSION = "1.18.33"
 CODEX_VERSION = "0.171.0"
 AIDER_VERSION = "0.86.2"
+QWEN_CODE_VERSION = "0.24.4"
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,65 @@ def run_codex(
     code, out, err, seconds = run_process(argv, env, cwd, timeout, stdin=prompt)
     events = [e for e in (_json_or_none(line) for line in out.splitlines() if line.strip()) if isinstance(e, dict)]
     return AgentRun(argv, code, out, err, events, seconds, home)
+
+
+# --- Qwen Code ------------------------------------------------------------------------------------
+
+QWEN_ENV = {
+    "QWEN_USAGE_STATISTICS_ENABLED": "0",  # else each start posts usage to Aliyun's RUM service
+    "QWEN_TELEMETRY_ENABLED": "0",
+    "QWEN_CODE_DISABLE_PRECONNECT": "1",
+    "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+    "QWEN_DEBUG_LOG_FILE": "1",  # its debug log, in $HOME/.qwen/debug: what it made of an error
+    "NPM_CONFIG_REGISTRY": "http://127.0.0.1:9/",  # were it to look for an update, it would fail, not fetch
+}
+
+
+def qwen_settings(context: int | None) -> dict[str, Any]:
+    """Qwen Code's ``~/.qwen/settings.json``: no update check, usage statistics or telemetry, and no
+    background memory agents (each would be a model request of its own after the turn). ``context``
+    is the window it is told (``contextWindowSize``); without it a model it does not know gets
+    200,000 tokens, and every request asks for ``max_tokens`` 32,000."""
+    settings: dict[str, Any] = {
+        "general": {"enableAutoUpdate": False},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False, "enableAutoSkill": False},
+    }
+    if context is not None:
+        settings["model"] = {"generationConfig": {"contextWindowSize": context}}
+    return settings
+
+
+def run_qwen(
+    binary: Path, base_url: str, prompt: str, *, home: Path, model: str = "fake-model", context: int | None = None,
+    cwd: Path | None = None, timeout: float = 120, extra_args: Sequence[str] = (),
+) -> AgentRun:  # fmt: skip
+    """``qwen --auth-type openai --yolo -o json`` with the prompt on stdin (its headless mode: no
+    positional prompt, stdin not a terminal) and the OpenAI provider from ``OPENAI_BASE_URL``,
+    ``OPENAI_API_KEY`` and ``OPENAI_MODEL``; the settings of :func:`qwen_settings` in
+    ``$HOME/.qwen``. ``result`` is the JSON array of events it printed; ``extra["text"]`` the result
+    event's text, ``extra["is_error"]`` its flag, ``extra["error"]`` its error's message,
+    ``extra["session"]`` the session's id (``--resume`` it) and ``extra["debug"]`` the session's debug
+    log (``$HOME/.qwen/debug/SESSION.txt``: how it read an error, what it compressed)."""
+    cwd = cwd or home / "work"
+    cwd.mkdir(parents=True, exist_ok=True)
+    settings = home / ".qwen" / "settings.json"
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(json.dumps(qwen_settings(context), indent=2))
+    env = scratch_env(home, {**QWEN_ENV, "OPENAI_BASE_URL": f"{base_url.rstrip('/')}/v1", "OPENAI_API_KEY": "local",
+                             "OPENAI_MODEL": model})  # fmt: skip
+    argv = [str(binary), "--auth-type", "openai", "--model", model, "--yolo", "--output-format", "json", *extra_args]
+    code, out, err, seconds = run_process(argv, env, cwd, timeout, stdin=prompt)
+    events = _json_or_none(out.strip())
+    events = [e for e in events if isinstance(e, dict)] if isinstance(events, list) else None
+    final = next((e for e in reversed(events or []) if e.get("type") == "result"), {})
+    session = final.get("session_id")
+    log = home / ".qwen" / "debug" / f"{session}.txt"
+    extra = {"text": str(final.get("result") or ""), "is_error": final.get("is_error"), "session": session,
+             "error": str((final.get("error") or {}).get("message") or ""),
+             "debug": log.read_text(errors="replace") if session and log.exists() else ""}  # fmt: skip
+    return AgentRun(argv, code, out, err, events, seconds, home, extra)
 
 
 # --- for the tests --------------------------------------------------------------------------------
