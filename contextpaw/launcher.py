@@ -31,7 +31,10 @@ class LaunchError(Exception):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="contextpaw launch", description=__doc__.split("\n\n")[0],
+        prog="contextpaw launch",
+        description="Start an agent pointed at a running ContextPaw and told the window it serves the model at, in "
+                    "the agent's own setting, so that the agent compacts its own history before the window. "
+                    "No config file of yours is changed; --print shows what is set.",
         epilog="Everything after -- goes to the agent: contextpaw launch codex -- exec 'fix the tests'",
     )  # fmt: skip
     p.add_argument("agent", choices=sorted(launch.PLANS), help="the agent to start")
