@@ -484,7 +484,7 @@ def matrix(agents: Iterable[str], behaviours: Iterable[str], tokenizers: Iterabl
 
 COLUMNS = ("agent", "backend", "tokenizer", "path", "finished", "turns", "facts", "cuts", "window at cuts", "target",
            "cuts on target", "use from 1st cut", "fresh whole", "head identical", "pairs intact", "markers reported", "silent cuts",
-           "re-eval / turn")  # fmt: skip
+           "re-eval / turn", "least / turn")  # fmt: skip
 
 
 def table(results: Sequence[Result]) -> str:

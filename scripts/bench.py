@@ -853,7 +853,8 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
                   "`scripts/agent_sessions.py`: Claude Code, Codex and opencode each read twelve 20-40 KB files, one a "
                   "turn, with their own tools, on a scripted model with a 32,768-token window that cuts in silence like "
                   "Ollama or refuses like llama-server; direct and through ContextPaw, with and without the model's "
-                  "tokenizer. Re-eval is the share of each prompt the server evaluates again.", "",
+                  "tokenizer. Re-eval is the share of each prompt the server evaluates again; least, the share the turn's "
+                  "new messages take (what any cut must evaluate, set beside the sessions that die direct).", "",
                   "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
                   *("| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows), ""]
     for loop in result.get("agent_loops", []):

@@ -116,6 +116,8 @@ class Recorder:
             # the target failed, or the client went away: say so in the log
             entry.setdefault("response", {"status": 502})["error"] = repr(error)
             if response is not None and response.prepared:
+                if request.transport is None or request.transport.is_closing():
+                    return response  # the client hung up (Codex does once it has its last event): nothing to end
                 raise  # part of the answer went out: end the connection rather than pass a cut answer as whole
             return web.Response(status=502, text=f"recorder: {self.target} failed: {error!r}")
         finally:
