@@ -11,6 +11,7 @@ directory) that the agent is pointed at.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -200,8 +201,24 @@ def qwen(target: Target) -> Launch:
 PLANS: Mapping[str, Callable[[Target], Launch]] = MappingProxyType(
     {"claude": claude, "codex": codex, "opencode": opencode, "aider": aider, "qwen": qwen}
 )
+FIXED_TOKENS: Mapping[str, int] = MappingProxyType({"claude": 12_000, "codex": 8_900, "opencode": 7_400, "aider": 1_000, "qwen": 16_800})
+"""What each pinned agent sends besides the conversation (system prompt, tools, environment), in
+tokens: its first request as recorded in tests/agents/fixtures/, counted with SmolLM2's tokenizer
+(a model's own counts a little more or less). aider's repository map comes on top."""
+
+
+def least_window(agent: str, output: int) -> int:
+    """The smallest window, in whole KiB of tokens, that holds the agent's fixed part and an answer."""
+    return -(-(FIXED_TOKENS[agent] + output) // 1024) * 1024
 
 
 def plan(agent: str, target: Target) -> Launch:
-    """The launch of `agent` at `target` (KeyError: not an agent `launch` knows)."""
-    return PLANS[agent](target)
+    """The launch of `agent` at `target` (KeyError: not an agent `launch` knows), with a note where
+    the window cannot hold the agent's own fixed part and an answer."""
+    chosen = PLANS[agent](target)
+    least = least_window(agent, target.output)
+    if target.window >= least:
+        return chosen
+    warning = (f"the agent's tools and instructions alone take about {FIXED_TOKENS[agent]:,} tokens: at a window of "
+               f"{target.window:,} ContextPaw refuses every request; give the model a window of at least {least:,}")  # fmt: skip
+    return dataclasses.replace(chosen, notes=(*chosen.notes, warning))

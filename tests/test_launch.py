@@ -54,6 +54,29 @@ def test_claude_code_is_told_when_its_summary_room_leaves_no_window() -> None:
     assert "raise the window" in launch.plan("claude", target(8192)).notes[0]
 
 
+def test_a_window_under_the_agents_fixed_part_is_named_with_the_least_that_holds_it() -> None:
+    small = launch.plan("qwen", target(16384)).notes
+    assert "about 16,800 tokens" in small[-1] and "at least 19,456" in small[-1]
+    assert len(launch.plan("qwen", target(32768)).notes) == 1
+
+
+def test_the_fixed_parts_are_those_of_the_recorded_first_requests() -> None:
+    """Each agent's fixture (its first request), system, tools and the messages before the task,
+    counted as the scripted model counts them: within a tenth of `FIXED_TOKENS`."""
+    from support import scripted_model as sm
+
+    tokenizer = sm.load_tokenizer(sm.default_gguf(), Path.home() / ".cache" / "contextpaw" / "scripted-model")
+    readers = {"claude-code": sm.from_anthropic, "codex": sm.from_responses, "opencode": sm.from_chat, "aider": sm.from_chat,
+               "qwen-code": sm.from_chat}  # fmt: skip
+    fixtures = Path(__file__).parent / "agents" / "fixtures"
+    counted = {}
+    for client, agent in (("claude-code", "claude"), ("codex", "codex"), ("opencode", "opencode"), ("aider", "aider"), ("qwen-code", "qwen")):
+        (fixture,) = [f for f in fixtures.glob(f"{client}-[0-9]*.json") if "count-tokens" not in f.name]
+        talk = readers[client](json.loads(fixture.read_text())["request"]["body"])
+        counted[agent] = len(tokenizer.encode(sm.render(talk), add_special_tokens=False).ids)
+    assert all(abs(counted[a] - launch.FIXED_TOKENS[a]) <= launch.FIXED_TOKENS[a] / 10 for a in counted), counted
+
+
 def test_codex_gets_a_provider_and_the_window_as_overrides_only() -> None:
     plan = launch.plan("codex", target(32768))
     given = overrides(plan)
