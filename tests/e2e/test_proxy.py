@@ -254,8 +254,8 @@ def test_the_ollama_client_never_sees_the_rescued_400(proxy: Proxy) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "path"), [("ollama", "/api/version"), ("ollama", "/"), ("llamacpp", "/props"), ("llamacpp", "/v1/models?x=1")]
-)
+    ("backend", "path"), [("ollama", "/api/version"), ("ollama", "/"), ("llamacpp", "/slots?x=1")]
+)  # the model routes (/props, /v1/models, /api/show) report the served window: tests/e2e/test_model_routes.py
 def test_other_routes_pass_through_byte_for_byte(
     proxy: Proxy, ollama: Backend, llamacpp: Backend, get: Callable, backend: str, path: str
 ) -> None:
