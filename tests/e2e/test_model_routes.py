@@ -54,8 +54,13 @@ def test_ollama_show_through_contextpaw_reports_the_served_window_not_the_traine
 
 
 def test_the_openai_model_list_on_ollama_carries_the_served_window(told: Backend) -> None:
-    models = openai.OpenAI(base_url=told.url + "/v1", api_key="x").models.list().data
+    client = openai.OpenAI(base_url=told.url + "/v1", api_key="x")
+    models = client.models.list().data
     assert [(m.id, m.context_length, m.max_model_len) for m in models] == [(MODEL, SERVED, SERVED)]  # type: ignore[attr-defined]
+    one = client.models.retrieve(MODEL)
+    assert (one.id, one.context_length, one.max_model_len) == (MODEL, SERVED, SERVED)  # type: ignore[attr-defined]
+    with pytest.raises(openai.NotFoundError):  # an error answer passes as Ollama gave it
+        client.models.retrieve("missing:latest")
 
 
 def test_ollama_show_says_the_window_once_a_request_without_num_ctx_has_learned_it(fake_ollama: str, workdir: Path) -> None:

@@ -912,16 +912,18 @@ class OllamaServer:
         when the last request was refused before that)."""
         return _json(self.last_cut)
 
+    def _openai_model(self) -> dict[str, Any]:
+        return {"id": canonical(self.settings.model), "object": "model", "created": self.started_at, "owned_by": "library"}
+
     async def openai_models(self, request: web.Request) -> web.Response:
-        model = {
-            "id": canonical(self.settings.model),
-            "object": "model",
-            "created": self.started_at,
-            "owned_by": "library",
-        }
         return web.Response(
-            text=go_json({"object": "list", "data": [model]}), headers={"Content-Type": "application/json"}
+            text=go_json({"object": "list", "data": [self._openai_model()]}), headers={"Content-Type": "application/json"}
         )
+
+    async def openai_model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{model}`: the one model as the list has it; 404 for one not served."""
+        self.model({"model": request.match_info["model"]})
+        return web.Response(text=go_json(self._openai_model()), headers={"Content-Type": "application/json"})
 
     # --- informational routes -------------------------------------------------------------
 
@@ -1194,6 +1196,7 @@ def ollama_app(settings: OllamaSettings, engine: Engine) -> web.Application:
         "/api/tags": server.tags,
         "/api/ps": server.ps,
         "/v1/models": server.openai_models,
+        "/v1/models/{model}": server.openai_model,
         "/_fake/last": server.last,
     }
     posts = {
