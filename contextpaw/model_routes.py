@@ -27,6 +27,7 @@ from contextpaw.wire import llamacpp, ollama, openai, served
 
 logger = logs.get(__name__)
 
+
 def _route(kind: wire.Kind, method: str, path: str) -> str | None:
     """Which model route a request is, by the path its backend serves it on."""
     path = path.split("?", 1)[0].rstrip("/")
@@ -39,12 +40,20 @@ def _route(kind: wire.Kind, method: str, path: str) -> str | None:
     return None
 
 
-def _rewrite(route: str, request: Any, answer: dict[str, Any], windows: dict[str, int]) -> dict[str, Any] | None:
+def _names(route: str, request: Any, answer: dict[str, Any]) -> list[str]:
+    """The models an answer is about: those a list names, the one `/api/show` was asked of; `/props`
+    is about the one window llama-server serves whatever the model."""
+    if route == "models":
+        return openai.model_ids(answer)
+    return [ollama.shown_model(request)] if route == "show" else [""]
+
+
+def _rewrite(route: str, answer: dict[str, Any], names: list[str], windows: dict[str, int]) -> dict[str, Any] | None:
     """The answer with the served window; None when no window is known for what it names."""
     if route == "models":
-        known = {m: windows[m] for m in openai.model_ids(answer) if m in windows}
+        known = {m: windows[m] for m in names if m in windows}
         return openai.models_with_windows(answer, known) if known else None
-    window = windows.get(ollama.shown_model(request) if route == "show" else "")
+    window = windows.get(names[0])
     if window is None:
         return None
     return ollama.show_with_window(answer, window) if route == "show" else llamacpp.props_with_window(answer, window)
@@ -60,15 +69,15 @@ class ModelRoutes:
     async def request(self, flow: http.HTTPFlow) -> None:
         """An answer read here must come uncompressed (they are small; a compressed one would be
         inflated on the event loop)."""
-        if flow.response is None and await self._route(flow) is not None:
+        if flow.response is None and await self._routed(flow) is not None:
             flow.request.headers.pop("accept-encoding", None)
 
     async def response(self, flow: http.HTTPFlow) -> None:
         response = flow.response
-        backend = await self.backends.backend_of(flow)
-        route = backend and _route(backend.kind, flow.request.method, flow.request.path)
-        if backend is None or route is None or response is None or response.status_code != 200 or response.stream:
+        routed = await self._routed(flow)
+        if routed is None or response is None or response.status_code != 200 or response.stream:
             return
+        backend, route = routed
         try:
             raw = response.raw_content or b""
             if response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
@@ -79,8 +88,8 @@ class ModelRoutes:
             if not isinstance(answer, dict):
                 raise ValueError("the answer is not a JSON object")
             request = json.loads(flow.request.content or b"{}") if route == "show" else None
-            windows = await self._windows(backend, self._names(route, request, answer))
-            rewritten = _rewrite(route, request, answer, windows)
+            names = _names(route, request, answer)
+            rewritten = _rewrite(route, answer, names, await self._windows(backend, names))
             if rewritten is None:
                 return  # no window known without loading the model: as the backend answered
             response.content = await off_loop(len(raw) > OFFLOAD_BYTES, functools.partial(_dumps, rewritten))
@@ -91,17 +100,11 @@ class ModelRoutes:
             logger.warning("%s %s: passed on without the served window: %s", flow.request.method, flow.request.path, e)
             response.headers["X-ContextPaw-Error"] = f"{type(e).__name__} on the model route's answer; passed on without the served window"
 
-    async def _route(self, flow: http.HTTPFlow) -> str | None:
+    async def _routed(self, flow: http.HTTPFlow) -> tuple[wire.Backend, str] | None:
+        """The flow's backend and which model route it is, or None for any other flow."""
         backend = await self.backends.backend_of(flow)
-        return _route(backend.kind, flow.request.method, flow.request.path) if backend else None
-
-    @staticmethod
-    def _names(route: str, request: Any, answer: dict[str, Any]) -> list[str]:
-        if route == "models":
-            return openai.model_ids(answer)
-        if route == "show":
-            return [ollama.shown_model(request)]
-        return [""]  # llama-server serves one window whatever the model
+        route = backend and _route(backend.kind, flow.request.method, flow.request.path)
+        return (backend, route) if backend and route else None
 
     async def _windows(self, backend: wire.Backend, names: list[str]) -> dict[str, int]:
         """The served window of each model, where it is known without loading one: the window of
