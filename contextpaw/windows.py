@@ -238,17 +238,17 @@ class BackendWindows:
 
     async def listed(self, backend: Backend, model: str) -> int | None:
         """The window a request for `model` without one of its own gets, where that is known without
-        loading the model (what the model routes report): llama-server's `/props`; on Ollama what a
-        request already learned, else the configured window. None when only a load would tell: a
-        model list or `/api/show` loads nothing."""
+        loading the model (what the model routes report): llama-server's `/props`; on Ollama the
+        configured window, else the one the last such request found, however long ago (a model route
+        is asked when a client starts, often seconds after its last request; a backend that was
+        restarted since is forgotten). None when only a load would tell: a model list or `/api/show`
+        loads nothing."""
         if backend.kind == Kind.LLAMACPP:
             return await self.window(backend, model)
         if not model:
             return None
-        known, window = self.cached(backend, model)
-        if known and window is not None:
-            return window
-        return self._configured(await self.show(backend, model))
+        found = self.known.get(("window", backend, model))
+        return self._configured(await self.show(backend, model)) or (found[1] if found else None)
 
 
 def llamacpp_window(props: Any) -> int | None:

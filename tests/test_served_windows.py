@@ -128,11 +128,21 @@ async def test_the_model_routes_never_load_a_model_to_learn_its_window():
 
 
 @pytest.mark.asyncio
-async def test_the_model_routes_use_a_window_a_request_learned_or_the_configured_default():
+async def test_the_model_routes_use_the_configured_default_capped_by_the_trained_length():
     windows = BackendWindows(Server({("POST", "api/show"): SHOW}), ollama_default=65536)
-    assert await windows.listed(OLLAMA, "qwen3:8b") == 40960  # capped by the trained length
+    assert await windows.listed(OLLAMA, "qwen3:8b") == 40960
+
+
+@pytest.mark.asyncio
+async def test_the_model_routes_use_the_window_the_last_request_found_however_long_ago():
+    now = [0.0]
+    windows = BackendWindows(Server({("POST", "api/show"): SHOW}), clock=lambda: now[0])
     windows.learn(OLLAMA, "qwen3:8b", 4096)
+    now[0] += 3600  # long past the seconds a window is trusted for sizing a request
+    assert windows.cached(OLLAMA, "qwen3:8b") == (False, None)
     assert await windows.listed(OLLAMA, "qwen3:8b") == 4096
+    windows.forget(lambda backend: backend == OLLAMA)  # the backend restarted
+    assert await windows.listed(OLLAMA, "qwen3:8b") is None
 
 
 @pytest.mark.asyncio
