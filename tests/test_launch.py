@@ -1,6 +1,6 @@
 """`contextpaw launch`'s core: what each agent is told, as a frozen value (contextpaw/launch.py).
 
-That each setting takes effect in the real agent is tests/agents/test_launch.py's; here, that each
+That each setting takes effect in the real agent is tests/agents/test_launch_compaction.py's; here, that each
 agent gets the served window in its own setting, that nothing is written outside ContextPaw's state
 directory, and that `--print`'s script says all of it. The `/contextpaw/window` endpoint's refusals
 are checked on `admin.Admin` directly.
