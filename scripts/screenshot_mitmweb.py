@@ -4,7 +4,7 @@
 
 It starts the fake Ollama (a 2048-token window) and `contextpaw --web` in front of it, and sends a
 chat that overflows the window (a long tool result, so one message is shrunk and others dropped),
-the same chat streamed, a chat whose system prompt alone is over the window (refused: 413), and a
+the same chat streamed, a chat whose system prompt alone is over the window (refused: 400), and a
 `/contextpaw/health`. Then it drives headless Chromium over the DevTools protocol: it opens each
 flow by its mitmweb URL (`#/flows/<id>/request` or `/response`), waits for the content view, saves
 a screenshot, and measures the view's `<pre>`: how wide its text is against how wide it is shown,
