@@ -88,6 +88,16 @@ def test_llama_servers_model_list_and_props_report_the_slot_window(workdir: Path
             assert props.headers["X-ContextPaw-Window"] == "2048 tokens served"
 
 
+def test_with_discovery_off_the_model_routes_say_the_default_window_contextpaw_fits_to(workdir: Path) -> None:
+    with running(fake_llamacpp_app(LlamaSettings(n_ctx=4096))) as url:
+        options = [f"contextpaw_state_dir={workdir / 'routes-undiscovered'}", "contextpaw_discover_window=false",
+                   "contextpaw_default_ctx=2048"]  # fmt: skip
+        with start_proxy(url, workdir / "conf", workdir / "routes-undiscovered.log", options=options) as proxy:
+            props = httpx.get(proxy.url + "/props", timeout=10)
+            assert props.json()["default_generation_settings"]["n_ctx"] == 2048
+            assert props.headers["X-ContextPaw-Window"] == "2048 tokens served; the backend reported 4096"
+
+
 def test_a_model_route_answer_that_is_not_json_passes_as_it_came_and_says_so(workdir: Path) -> None:
     broken = b'{"model_info": {"llama.context_length": 8192'
 
