@@ -55,9 +55,16 @@ def test_llama_servers_meta_says_the_served_window_and_the_note_keeps_the_traine
 
 
 def test_a_field_that_says_less_than_the_served_window_is_left_alone():
-    entry = openai.models_with_windows({"data": [{"id": "m", "meta": {"n_ctx": 2048, "n_ctx_train": 2048}}]}, {"m": 4096})["data"][0]
+    listed = {"id": "m", "context_length": 2048, "meta": {"n_ctx": 2048, "n_ctx_train": 2048}}
+    entry = openai.models_with_windows({"data": [listed]}, {"m": 4096})["data"][0]
     assert entry["meta"] == {"n_ctx": 2048, "n_ctx_train": 2048}
+    assert (entry["context_length"], entry["max_model_len"]) == (2048, 4096)
     assert entry["contextpaw"] == {"window": 4096}
+
+
+def test_a_context_length_the_backend_lists_over_the_served_window_is_lowered():
+    entry = openai.models_with_windows({"data": [{"id": "m", "context_length": 131072}]}, {"m": 4096})["data"][0]
+    assert entry["context_length"] == 4096 and entry["contextpaw"]["reported"] == 131072
 
 
 def test_one_model_by_id_gets_the_window_too():

@@ -138,8 +138,8 @@ def is_usage_chunk(record: Mapping[str, Any]) -> bool:
 # `GET /v1/models` (and `/v1/models/{id}`) say nothing of the window on Ollama, and on llama-server
 # only in `meta` (`n_ctx`, the whole cache, and `n_ctx_train`, the model file's length). Clients
 # read `context_length` (llama-swap, OpenRouter), `max_model_len` (vLLM) or `meta.n_ctx` /
-# `meta.n_ctx_train` (llama.cpp front-ends): each model gets the first two, and a `meta` field that
-# says more than the served window is lowered to it.
+# `meta.n_ctx_train` (llama.cpp front-ends): each model gets the first two, and any of them that
+# says more than the served window is lowered to it (one that says less, as llama-swap may, stays).
 
 WINDOW_FIELDS = ("context_length", "max_model_len")
 META_WINDOWS = ("n_ctx", "n_ctx_train")
@@ -162,7 +162,7 @@ def _with_window(model: Mapping[str, Any], window: int) -> dict[str, Any]:
     meta = meta if isinstance(meta, Mapping) else None
     told = [meta[k] for k in META_WINDOWS if meta is not None and served.lowered(meta.get(k), window)]
     told += [model[k] for k in WINDOW_FIELDS if served.lowered(model.get(k), window)]
-    updated = {**model, **dict.fromkeys(WINDOW_FIELDS, window)}
+    updated = {**model, **{k: window for k in WINDOW_FIELDS if k not in model or served.lowered(model[k], window)}}
     if meta is not None:
         updated["meta"] = {**meta, **{k: window for k in META_WINDOWS if served.lowered(meta.get(k), window)}}
     updated["contextpaw"] = served.note(window, max(told, default=None))
