@@ -27,6 +27,11 @@ from contextpaw.wire import llamacpp, ollama, openai, served
 
 logger = logs.get(__name__)
 
+MAX_READ_BYTES = 4 << 20
+"""The largest answer read here: a model list or `/api/show` is tens of KB; a verbose `/api/show`
+(the whole vocabulary, several MB) goes on as it came, since parsing it would hold every other flow
+(JSON parsing holds the interpreter's lock, even in a worker thread)."""
+
 
 def _route(kind: wire.Kind, method: str, path: str) -> str | None:
     """Which model route a request is, by the path its backend serves it on."""
@@ -82,8 +87,8 @@ class ModelRoutes:
             raw = response.raw_content or b""
             if response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
                 raise ValueError(f"the answer is {response.headers['content-encoding']}-encoded")
-            if len(raw) > self.backends.settings.max_body_bytes:
-                raise ValueError(f"the answer ({len(raw):,} bytes) is over contextpaw_max_body_mb")
+            if len(raw) > min(MAX_READ_BYTES, self.backends.settings.max_body_bytes):
+                raise ValueError(f"the answer ({len(raw):,} bytes) is over the {MAX_READ_BYTES >> 20} MB a model route's answer is read to")
             answer = await off_loop(len(raw) > OFFLOAD_BYTES, functools.partial(json.loads, raw))
             if not isinstance(answer, dict):
                 raise ValueError("the answer is not a JSON object")
@@ -98,7 +103,8 @@ class ModelRoutes:
                 response.headers[served.WINDOW_HEADER] = served.header(note["window"], note.get("reported"))
         except Exception as e:  # fail open: the client gets the backend's answer as it was
             logger.warning("%s %s: passed on without the served window: %s", flow.request.method, flow.request.path, e)
-            response.headers["X-ContextPaw-Error"] = f"{type(e).__name__} on the model route's answer; passed on without the served window"
+            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            response.headers["X-ContextPaw-Error"] = f"passed on without the served window: {reason}"
 
     async def _routed(self, flow: http.HTTPFlow) -> tuple[wire.Backend, str] | None:
         """The flow's backend and which model route it is, or None for any other flow."""

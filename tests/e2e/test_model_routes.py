@@ -98,11 +98,17 @@ def test_with_discovery_off_the_model_routes_say_the_default_window_contextpaw_f
             assert props.headers["X-ContextPaw-Window"] == "2048 tokens served; the backend reported 4096"
 
 
-def test_a_model_route_answer_that_is_not_json_passes_as_it_came_and_says_so(workdir: Path) -> None:
-    broken = b'{"model_info": {"llama.context_length": 8192'
-
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (b'{"model_info": {"llama.context_length": 8192', "JSONDecodeError"),
+        (b'{"model_info": {"llama.context_length": 8192}, "tokens": "' + b"t" * (5 << 20) + b'"}', "over the 4 MB"),
+    ],
+    ids=["not JSON", "a verbose show's size"],
+)
+def test_a_model_route_answer_that_is_not_read_passes_as_it_came_and_says_so(workdir: Path, answer: bytes, said: str) -> None:
     async def show(request: web.Request) -> web.Response:
-        return web.Response(body=broken, content_type="application/json")
+        return web.Response(body=answer, content_type="application/json")
 
     async def root(request: web.Request) -> web.Response:
         return web.Response(text="Ollama is running")
@@ -113,6 +119,7 @@ def test_a_model_route_answer_that_is_not_json_passes_as_it_came_and_says_so(wor
     with running(app) as url:
         options = [f"contextpaw_state_dir={workdir / 'routes-broken'}", f"contextpaw_ollama_context_length={SERVED}"]
         with start_proxy(url, workdir / "conf", workdir / "routes-broken.log", options=options) as proxy:
-            answer = httpx.post(proxy.url + "/api/show", json={"model": MODEL}, timeout=10)
-            assert answer.content == broken
-            assert "passed on without the served window" in answer.headers["X-ContextPaw-Error"]
+            got = httpx.post(proxy.url + "/api/show", json={"model": MODEL}, timeout=10)
+            assert got.content == answer
+            assert "passed on without the served window" in got.headers["X-ContextPaw-Error"]
+            assert said in got.headers["X-ContextPaw-Error"]
