@@ -325,7 +325,7 @@ class Fitter:
         state.advance(Phase.REFUSED)
         logger.info("%s refused: %s", state.route.name, overflow.message)
         self.stats.add("refused", where=state.where)
-        status = state.route.refusal_status
+        status = wire.REFUSAL_STATUS
         return Refuse(status, report_bytes(state.route.refusal(overflow, report.to_json())), f"refused {status}: {overflow.message}")
 
     @staticmethod

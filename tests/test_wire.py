@@ -130,14 +130,18 @@ def test_every_openai_route_refuses_as_openai_does_an_overlong_prompt(route: wir
     """A 400 invalid_request_error with code context_length_exceeded: what Codex and the SDKs'
     users recognise as "the context was too long" (a 413 reads to them as a size limit)."""
     error = route.refusal(OVERFLOW, {})["error"]
-    assert route.refusal_status == 400
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded", param)
     assert (error["n_prompt_tokens"], error["budget"], error["num_ctx"]) == (5000, 3000, 4096)
 
 
 def test_llamacpp_refusal_speaks_llama_server() -> None:
-    error = llamacpp.COMPLETION.refusal(OVERFLOW, {})["error"]
-    assert (error["code"], error["n_prompt_tokens"], error["n_ctx"]) == (413, 5000, 4096)
+    """llama-server's own 400 for a prompt over its window, its sentence first: its clients (and a
+    ContextPaw in front of this one) read it as the overflow it is."""
+    body = llamacpp.COMPLETION.refusal(OVERFLOW, {})
+    error = body["error"]
+    assert (error["code"], error["type"], error["n_prompt_tokens"], error["n_ctx"]) == (400, "exceed_context_size_error", 5000, 4096)
+    assert error["message"].startswith("request (5000 tokens) exceeds the available context size (3000 tokens), try increasing it; ")
+    assert wire.upstream_overflow(400, json.dumps(body).encode()) == wire.UpstreamOverflow(5000, 4096)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     Params,
     positive,
     Prompt,
+    REFUSAL_STATUS,
     Route,
     upstream_overflow,
     Unreadable,

@@ -20,11 +20,6 @@ from typing import Any
 from contextpaw.conversation import Conversation
 from contextpaw.wire.base import Chat, NotCompactable, Overflow, Route, answer_params, int_field
 
-REFUSAL_STATUS = 400
-"""Anthropic's own answer to a prompt over the window is a 400 `invalid_request_error` saying
-"prompt is too long: N tokens > M maximum"; Claude Code reacts to exactly that (it offers to compact),
-where a 413 would read as a body-size limit (`request_too_large`)."""
-
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -63,8 +58,9 @@ def error(kind: str, message: str) -> dict[str, Any]:
 
 
 def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
-    """The wording Anthropic's clients recognise (Claude Code looks for "prompt is too long" and reads
-    the two numbers after it); ContextPaw's numbers and report ride beside it. When the agent's own
+    """Anthropic's own 400 `invalid_request_error` for a prompt over the window, in the wording its
+    clients recognise (Claude Code looks for "prompt is too long", reads the two numbers after it and
+    offers to compact); ContextPaw's numbers and report ride beside it. When the agent's own
     tools and instructions are over the window, a sentence after it says what window they need:
     compacting the conversation, which Claude Code offers, cannot help."""
     message = f"prompt is too long: {overflow.required} tokens > {overflow.budget} maximum"
@@ -98,6 +94,5 @@ MESSAGES = Route(
     _proxy_error,
     "sse",
     _is_final,
-    refusal_status=REFUSAL_STATUS,
     evaluated=_evaluated,
 )

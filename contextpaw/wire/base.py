@@ -312,6 +312,12 @@ class UpstreamOverflow:
     n_ctx: int
 
 
+REFUSAL_STATUS = 400
+"""Every API's own answer to a prompt over the window is a 400 (Ollama's, llama-server's, OpenAI's,
+Anthropic's), and their clients tell an overflow by it and its words; a 413 reads to them as a limit
+on the body's size (Anthropic's `request_too_large`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """One handled endpoint: how to read, rewrite and answer it in its API's convention."""
@@ -319,14 +325,13 @@ class Route:
     name: str
     parse: Callable[[dict[str, Any]], Chat | Prompt]
     refusal: Callable[[Overflow, dict[str, Any]], dict[str, Any]]
-    """(numbers, report JSON) -> the 413 body."""
+    """(numbers, report JSON) -> the body of the refusal (`REFUSAL_STATUS`)."""
     proxy_error: Callable[[str, int], dict[str, Any]]
     """(reason, status) -> the body of an answer of the proxy's own: 413 (too big), 502 (the backend
     does not answer), 503 (not available now), 504 (the backend fell silent)."""
     framing: Literal["ndjson", "sse"]
     is_final: Callable[[Mapping[str, Any]], bool]
     """Whether a stream record is the last one that carries data (the report goes into it)."""
-    refusal_status: int = 413
     evaluated: Callable[[Mapping[str, Any]], int | None] = evaluated_tokens
     """The prompt size the server reports in an answer or a stream record, or None."""
 

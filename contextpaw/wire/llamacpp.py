@@ -2,7 +2,8 @@
 
 Streams are SSE without `[DONE]`; the last event carries `"stop": true`. The window is the server's
 slot size, which a request cannot change. Errors are `{"error": {"code", "message", "type", ...}}`
-with llama-server's own field names (`n_prompt_tokens`, `n_ctx`).
+with llama-server's own field names (`n_prompt_tokens`, `n_ctx`); a refusal is llama-server's own
+answer to a prompt over its window, the 400 `exceed_context_size_error` and its sentence.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.wire import served
-from contextpaw.wire.base import NotCompactable, Overflow, Prompt, Route, answer_params, positive
+from contextpaw.wire.base import REFUSAL_STATUS, NotCompactable, Overflow, Prompt, Route, answer_params, positive
 
 
 def _completion(body: dict[str, Any]) -> Prompt:
@@ -22,11 +23,12 @@ def _completion(body: dict[str, Any]) -> Prompt:
 
 
 def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
+    said = f"request ({overflow.required} tokens) exceeds the available context size ({overflow.budget} tokens), try increasing it"
     return {
         "error": {
-            "code": 413,
-            "message": overflow.message,
-            "type": "context_overflow",
+            "code": REFUSAL_STATUS,
+            "message": f"{said}; {overflow.message}",
+            "type": "exceed_context_size_error",
             "n_prompt_tokens": overflow.required,
             "budget": overflow.budget,
             "n_ctx": overflow.window,

@@ -51,9 +51,6 @@ def _generate(body: dict[str, Any]) -> Prompt:
     return Prompt(body, prompt, _params(body), fixed, len(images) if isinstance(images, list) else 0)
 
 
-REFUSAL_STATUS = 400
-
-
 def _refusal(overflow: Overflow, report: dict[str, Any]) -> dict[str, Any]:
     said = f"request ({overflow.required} tokens) exceeds the available context size ({overflow.budget} tokens), try increasing it"
     return {"error": f"{said}; {overflow.message}", "contextpaw": report}
@@ -67,8 +64,8 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return record.get("done") is True
 
 
-CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final, refusal_status=REFUSAL_STATUS)
-GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final, refusal_status=REFUSAL_STATUS)
+CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final)
+GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final)
 
 
 # -- the served window in `/api/show` ------------------------------------------------------------

@@ -37,9 +37,6 @@ def _completion(body: dict[str, Any]) -> Prompt:
     return Prompt(body, prompt, answer_params(body, *MAX_OUTPUT_FIELDS))
 
 
-REFUSAL_STATUS = 400
-
-
 def overlong(overflow: Overflow) -> str:
     """OpenAI's sentence for a prompt over the window, with its numbers: the budget is the most a
     prompt may be, so the request's size is always the larger."""
@@ -92,10 +89,8 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return not choices or any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
 
 
-CHAT = Route("openai.chat", _chat, refusal("messages"), proxy_error, "sse", _is_final, refusal_status=REFUSAL_STATUS)
-COMPLETIONS = Route(
-    "openai.completions", _completion, refusal("prompt"), proxy_error, "sse", _is_final, refusal_status=REFUSAL_STATUS
-)
+CHAT = Route("openai.chat", _chat, refusal("messages"), proxy_error, "sse", _is_final)
+COMPLETIONS = Route("openai.completions", _completion, refusal("prompt"), proxy_error, "sse", _is_final)
 
 
 # -- the usage a stream carries only when asked for -------------------------------------------------

@@ -75,6 +75,5 @@ RESPONSES = Route(
     openai.proxy_error,
     "sse",
     _is_final,
-    refusal_status=openai.REFUSAL_STATUS,
     evaluated=_evaluated,
 )

@@ -16,6 +16,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 import anthropic
+import httpx
 import ollama as ollama_client
 import openai
 import pytest
@@ -33,7 +34,7 @@ OPENAI_SENTENCE = re.compile(
 )
 RESPONSES_SENTENCE = "Your input exceeds the context window of this model. Please adjust your input and try again. "
 ANTHROPIC_SENTENCE = re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum")
-OLLAMA_SENTENCE = re.compile(
+LLAMA_SERVER_SENTENCE = re.compile(  # Ollama passes it on as its own
     r"request \((\d+) tokens\) exceeds the available context size \((\d+) tokens\), try increasing it; ContextPaw: "
 )
 FIXED_PART = re.compile(r"the agent's tools and instructions need (\d+) tokens; raise the window to at least (\d+)")
@@ -141,8 +142,18 @@ def test_ollama_refusal_is_a_400_the_ollama_library_raises_once(strict: Proxy, r
         else:
             client.generate(model="fake", prompt="lorem ipsum " * 2000, options=options)
     assert refused.value.status_code == 400 and len(calls) == 1
-    needed, available = numbers_of(OLLAMA_SENTENCE, refused.value.error)
+    needed, available = numbers_of(LLAMA_SERVER_SENTENCE, refused.value.error)
     assert needed > available and f"{N_CTX}-token" in refused.value.error
+
+
+def test_llama_server_native_refusal_is_its_own_exceed_context_size_error(strict: Proxy) -> None:
+    """llama-server has no SDK: its `/completion` clients read its own 400 and sentence."""
+    body = {"prompt": "lorem ipsum " * 2000, "n_predict": 16}
+    response = httpx.post(f"{strict.llamacpp}/completion", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["type"], error["n_ctx"]) == (400, "exceed_context_size_error", N_CTX)
+    assert numbers_of(LLAMA_SERVER_SENTENCE, error["message"]) == (error["n_prompt_tokens"], error["budget"])
 
 
 # -- what an agent sends on every turn does not fit ----------------------------------------------------
@@ -191,7 +202,7 @@ def test_instructions_and_tools_over_the_window_say_what_window_they_need(proxy:
                 model="fake", messages=chat, tools=[{"type": "function", "function": READ_FILE}],
                 options={"num_ctx": N_CTX, "num_predict": 16},
             )
-        assert native_refused.value.status_code == 400 and OLLAMA_SENTENCE.match(native_refused.value.error)
+        assert native_refused.value.status_code == 400 and LLAMA_SERVER_SENTENCE.match(native_refused.value.error)
         said.append(fixed_part(native_refused.value.error))
     heads = [head for head, _ in said]
     assert max(heads) - min(heads) < 64, f"the APIs disagree on what the same instructions need: {said}"

@@ -80,7 +80,7 @@ def check(runner: Any, kit: Any, port: int, path: str, raw: bytes, headers: dict
         # The only answer of its own allowed under the compact policy: a refusal for a request whose
         # pinned part alone exceeds the window, in the API's own shape and status (not an error).
         route = wire.route_for(wire.Kind.OLLAMA, "POST", path) or wire.route_for(wire.Kind.LLAMACPP, "POST", path)
-        assert route is not None and flow.response.status_code == route.refusal_status, flow.response.content[:300]
+        assert route is not None and flow.response.status_code == wire.REFUSAL_STATUS, flow.response.content[:300]
         assert "error" in json.loads(flow.response.content)
         return "refused"
     if flow.request.raw_content == raw:
