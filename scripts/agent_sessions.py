@@ -1,7 +1,7 @@
 """The real agent CLIs through long file-reading sessions, direct and through ContextPaw (issue 38).
 
-For each agent (Claude Code, Codex, opencode) x backend behaviour (``ollama``: cuts in silence;
-``llamacpp``: 400 on overflow) x tokenizer (on Ollama: with the model's GGUF readable, or with none,
+For each agent (Claude Code, Codex, opencode, Qwen Code) x backend behaviour (``ollama``: cuts in
+silence; ``llamacpp``: 400 on overflow) x tokenizer (on Ollama: with the model's GGUF readable, or with none,
 so ContextPaw estimates; llama-server always counts with its own): one session straight at the
 scripted model (tests/support/scripted_model.py) and one through ContextPaw (mitmdump with
 contextpaw_addon.py in reverse mode, recorders on both sides: ``support.agents.start_contextpaw_stack``).
@@ -66,7 +66,7 @@ from support import scripted_model as sm  # noqa: E402
 from support.backends import start_module  # noqa: E402
 from support.recorder import read_log  # noqa: E402
 
-AGENTS = ("claude", "codex", "opencode")
+AGENTS = ("claude", "codex", "opencode", "qwen")
 BEHAVIOURS = ("ollama", "llamacpp")
 MODEL_ROUTES = {"/v1/messages": "anthropic", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 RETRIEVAL_ID = re.compile(r"retrieval id ([\w.:-]+)\)")
@@ -203,6 +203,9 @@ def run_agent(agent: str, binary: Path, base: str, task: str, home: Path, projec
     if agent == "opencode":
         return agent_cli.run_opencode(binary, base, task, home=home, cwd=project, context=spec.n_ctx, output=4096,
                                       timeout=timeout)  # fmt: skip
+    if agent == "qwen":  # told no window, as Claude Code and Codex: it assumes 200,000 and never compacts here
+        return agent_cli.run_qwen(binary, base, task, home=home, cwd=project, timeout=timeout,
+                                  settings={"tools": {"truncateToolOutputThreshold": QWEN_TOOL_OUTPUT_LIMIT}})  # fmt: skip
     raise ValueError(agent)
 
 
@@ -211,6 +214,11 @@ CODEX_TOOL_OUTPUT_LIMIT = 50_000
 start and the end, and says "Warning: truncated output"), whatever the call asked for. The sessions
 raise that (`tool_output_token_limit`) so that a whole file reaches the model unless a cut
 shrinks it, as with the other agents."""
+
+
+QWEN_TOOL_OUTPUT_LIMIT = 200_000
+"""Qwen Code keeps the first 25,000 characters of what its read_file returns by default
+(`tools.truncateToolOutputThreshold`), so the sessions raise that too."""
 
 
 def run_codex(binary: Path, base: str, task: str, *, home: Path, cwd: Path, timeout: float) -> agent_cli.AgentRun:
@@ -282,13 +290,15 @@ def conversation(api: str, body: Mapping[str, Any]) -> sm.Conversation:
 
 def last_key(api: str, body: Mapping[str, Any]) -> str:
     """What pairs a request the model received with the one the client sent: its last message (a
-    tool result by its call's id, which no cut changes; else the role and the text's start)."""
+    tool result by its call's id, which no cut changes; else the role and the text's two ends, which
+    a cut middle-out keeps: Qwen Code's first message is its reminders, then the task, and a cut may
+    shorten the first reminder)."""
     talk = conversation(api, body)
     tools = len(talk.tools)  # opencode's title request ends in the same task as its first agent request
     if not talk.messages:
         return f"{tools}:-"
     last = talk.messages[-1]
-    return f"{tools}:r:{last.result_of}" if last.result_of else f"{tools}:m:{last.role}:{last.text[:120]}"
+    return f"{tools}:r:{last.result_of}" if last.result_of else f"{tools}:m:{last.role}:{last.text[:40]}:{last.text[-80:]}"
 
 
 def head(api: str, body: Mapping[str, Any]) -> str:
@@ -496,7 +506,7 @@ def table(results: Sequence[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--agents", default=",".join(AGENTS), help="comma-separated: claude,codex,opencode")
+    parser.add_argument("--agents", default=",".join(AGENTS), help="comma-separated: claude,codex,opencode,qwen")
     parser.add_argument("--behaviours", default=",".join(BEHAVIOURS), help="comma-separated: ollama,llamacpp")
     parser.add_argument("--tokenizers", default="no,yes", help="on Ollama: no (ContextPaw estimates), yes (the GGUF)")
     parser.add_argument("--via", default="direct,contextpaw", help="comma-separated: direct,contextpaw")

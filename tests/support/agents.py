@@ -119,13 +119,17 @@ def scratch_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str,
 
 
 def run_process(
-    argv: Sequence[str], env: Mapping[str, str], cwd: Path, timeout: float, stdin: str | None = None
+    argv: Sequence[str], env: Mapping[str, str], cwd: Path, timeout: float, stdin: str | None = None,
+    stdout_file: Path | None = None,
 ) -> tuple[int | None, str, str, float]:
-    """Run ``argv`` in a new process group; at ``timeout`` stop the whole group (returncode None)."""
+    """Run ``argv`` in a new process group; at ``timeout`` stop the whole group (returncode None).
+    With ``stdout_file`` its stdout goes to that file, not a pipe: node writes a file at once, while
+    what it has not yet written to a full pipe when it exits is lost (Qwen Code's JSON, cut at 64 KiB)."""
     started = time.monotonic()
+    sink = stdout_file.open("w+", encoding="utf-8", errors="replace") if stdout_file else None
     process = subprocess.Popen(
         list(argv), cwd=cwd, env=dict(env), stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=sink or subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         out, err = process.communicate(stdin, timeout=timeout)
@@ -138,6 +142,10 @@ def run_process(
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    if sink is not None:
+        with sink:
+            sink.seek(0)
+            out = sink.read()
     return code, out, err, time.monotonic() - started
 
 
@@ -332,24 +340,25 @@ def qwen_settings(context: int | None) -> dict[str, Any]:
 
 def run_qwen(
     binary: Path, base_url: str, prompt: str, *, home: Path, model: str = "fake-model", context: int | None = None,
-    cwd: Path | None = None, timeout: float = 120, extra_args: Sequence[str] = (),
+    settings: Mapping[str, Any] | None = None, cwd: Path | None = None, timeout: float = 120,
+    extra_args: Sequence[str] = (),
 ) -> AgentRun:  # fmt: skip
     """``qwen --auth-type openai --yolo -o json`` with the prompt on stdin (its headless mode: no
     positional prompt, stdin not a terminal) and the OpenAI provider from ``OPENAI_BASE_URL``,
-    ``OPENAI_API_KEY`` and ``OPENAI_MODEL``; the settings of :func:`qwen_settings` in
-    ``$HOME/.qwen``. ``result`` is the JSON array of events it printed; ``extra["text"]`` the result
+    ``OPENAI_API_KEY`` and ``OPENAI_MODEL``; the settings of :func:`qwen_settings` and the sections
+    of ``settings`` in ``$HOME/.qwen``. ``result`` is the JSON array of events it printed; ``extra["text"]`` the result
     event's text, ``extra["is_error"]`` its flag, ``extra["error"]`` its error's message,
     ``extra["session"]`` the session's id (``--resume`` it) and ``extra["debug"]`` the session's debug
     log (``$HOME/.qwen/debug/SESSION.txt``: how it read an error, what it compressed)."""
     cwd = cwd or home / "work"
     cwd.mkdir(parents=True, exist_ok=True)
-    settings = home / ".qwen" / "settings.json"
-    settings.parent.mkdir(parents=True, exist_ok=True)
-    settings.write_text(json.dumps(qwen_settings(context), indent=2))
+    settings_file = home / ".qwen" / "settings.json"
+    settings_file.parent.mkdir(parents=True, exist_ok=True)
+    settings_file.write_text(json.dumps({**qwen_settings(context), **(settings or {})}, indent=2))
     env = scratch_env(home, {**QWEN_ENV, "OPENAI_BASE_URL": f"{base_url.rstrip('/')}/v1", "OPENAI_API_KEY": "local",
                              "OPENAI_MODEL": model})  # fmt: skip
     argv = [str(binary), "--auth-type", "openai", "--model", model, "--yolo", "--output-format", "json", *extra_args]
-    code, out, err, seconds = run_process(argv, env, cwd, timeout, stdin=prompt)
+    code, out, err, seconds = run_process(argv, env, cwd, timeout, stdin=prompt, stdout_file=home / "tmp" / "qwen.json")
     events = _json_or_none(out.strip())
     events = [e for e in events if isinstance(e, dict)] if isinstance(events, list) else None
     final = next((e for e in reversed(events or []) if e.get("type") == "result"), {})
