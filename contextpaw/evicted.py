@@ -6,18 +6,20 @@ and age, because prompts can be large and the proxy runs for weeks.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from contextpaw import wire
+
 
 def encode(content: Any) -> bytes:
     """What the store keeps and `/contextpaw/evicted/<id>` answers: the content as JSON, valid
     UTF-8 whatever it held (a lone surrogate, a JavaScript string cut inside an emoji, goes back
-    as the JSON escape it came in as)."""
-    return json.dumps(content, ensure_ascii=False).encode("utf-8", "backslashreplace")
+    as the JSON escape it came in as), its numbers as the client wrote them (`1e400` is not
+    written `Infinity`, nor `1.50` as `1.5`)."""
+    return wire.dumps(content).encode("utf-8", "backslashreplace")
 
 
 class EvictedStore:

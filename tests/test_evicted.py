@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from contextpaw import wire
 from contextpaw.compact import Plan
 from contextpaw.evicted import EvictedStore, encode
 from contextpaw.state import LRU
@@ -28,6 +31,18 @@ def test_content_comes_back_verbatim_as_json() -> None:
     s.put("cp-1", encode(content))
     assert json.loads(s.get("cp-1")) == content
     assert s.get("cp-unknown") is None
+
+
+def test_the_clients_numbers_come_back_as_written_and_as_valid_json() -> None:
+    """What was evicted is what the client sent: numbers Python would write otherwise (`1e400` as
+    `Infinity`, which is not JSON; `1.50`, `-0.0`, `1.0e5`, 4,301 digits) come back as written."""
+    numbers = ["1e400", "1.50", "-0.0", "-0", "1.0e5", "9" * 4301, "12", "0.5"]
+    raw = b'{"messages":[{"role":"tool","content":"r","n":[' + ",".join(numbers).encode() + b"]}]}"
+    s = store()
+    s.put("cp-1", encode(wire.load(raw)["messages"]))
+    kept = s.get("cp-1")
+    assert kept is not None and json.loads(kept, parse_int=str, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert kept.split(b'"n": [')[1].split(b"]")[0].split(b", ") == [n.encode() for n in numbers]
 
 
 def test_count_bound_drops_the_oldest() -> None:

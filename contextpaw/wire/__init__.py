@@ -18,6 +18,7 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     as_utf8,
     Backend,
     Chat,
+    dumps,
     evaluated_tokens,
     identify,
     int_field,

@@ -362,8 +362,13 @@ def write(body: Mapping[str, Any], **changes: Any) -> bytes:
     merged = {**body, **changes}
     if not getattr(body, "numbers", False):
         return json.dumps(merged, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
-    text = json.dumps(_placeholders(merged), ensure_ascii=False, separators=(",", ":"))
-    return _LITERAL.sub(lambda found: found.group(1), text).encode("utf-8", "backslashreplace")
+    return dumps(merged, separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
+def dumps(value: Any, **options: Any) -> str:
+    """`json.dumps(value, ensure_ascii=False, **options)`, each `Number` in it as the client wrote it."""
+    text = json.dumps(_placeholders(value), ensure_ascii=False, **options)
+    return _LITERAL.sub(lambda found: found.group(1), text)
 
 
 MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([A-Za-z0-9._:/@+-]{1,256})"')
