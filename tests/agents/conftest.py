@@ -1,4 +1,4 @@
-"""The real agent CLIs (Claude Code, opencode, aider) through ContextPaw against the project's fakes.
+"""The real agent CLIs (Claude Code, Codex, opencode, aider, Qwen Code) through ContextPaw on the fakes.
 
 Each test starts its own fake backend, ContextPaw (mitmdump with the addon in reverse mode, as the
 README runs it) and a recorder on each side of it, so it can compare byte for byte what the client
