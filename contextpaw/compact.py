@@ -114,7 +114,7 @@ class BudgetTooSmall(Exception):
         original: int | None = None,
         counter: Counter | None = None,
         head: int | None = None,
-        headroom: float = HEADROOM[0],
+        least_budget: int | None = None,
     ) -> None:
         super().__init__(
             f"{what} need {required} tokens but the budget is {budget}; nothing can be removed to fit"
@@ -127,22 +127,20 @@ class BudgetTooSmall(Exception):
         self.counter = counter.name if counter is not None else "estimate"
         """The counter that decided (the fitter names the server's whole count where it used it)."""
         self.head = head
-        """What is never cut (system prompt, tools, the opening), when it alone is over the budget:
-        the window, not the conversation, is what must change (None: the head fits)."""
-        self.headroom = headroom
-        """The share of the budget a cut leaves free, which the budget that holds the head keeps."""
-
-    @property
-    def least_budget(self) -> int | None:
-        """The budget that holds the head and leaves the headroom free for the turns after it."""
-        return None if self.head is None else math.ceil(self.head / (1 - self.headroom))
+        """The agent's own part of the request (system prompt, tool definitions, the template), when
+        it alone is over the budget: the window, not the conversation, is what must change (None: it
+        fits)."""
+        self.least_budget = least_budget
+        """The budget that holds what is never cut (that part and the conversation's opening) with
+        the headroom free for the turns after it (None with `head`)."""
 
     def rescaled(self, budget: int) -> BudgetTooSmall:
         """The same shortfall told against `budget`: a refit under a budget tightened by a
         counting miss says what the request needs in the units of the budget the client is told."""
         shift = budget - self.budget
         head = None if self.head is None else self.head + shift
-        rescaled = BudgetTooSmall(self.required + shift, budget, self.what, self.original, None, head, self.headroom)
+        least = None if self.least_budget is None else self.least_budget + shift
+        rescaled = BudgetTooSmall(self.required + shift, budget, self.what, self.original, None, head, least)
         rescaled.counter = self.counter
         return rescaled
 
@@ -307,7 +305,11 @@ class _ChatCompaction:
         report = as_sent(self.fixed + self.kept, self.budget, self.counter)
         pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
         if pinned > self.budget:
-            raise self.too_small("the system prompt, the tool definitions and the conversation's opening", head=pinned)
+            what = "the system prompt, the tool definitions and the conversation's opening"
+            own = self.fixed + sum(c for m, c in zip(self.msgs, self.cost, strict=True) if m.pinned)
+            if own > self.budget:  # the agent's own part: no conversation is small enough
+                raise self.too_small(what, own, math.ceil(pinned / (1 - self.headroom)))
+            raise self.too_small(what)
 
         last = self.repeat_previous()
         cut = last is None or self.total() > self.budget
@@ -489,12 +491,13 @@ class _ChatCompaction:
             while self.shrink(i, self.size(i)):
                 pass
 
-    def too_small(self, what: str, head: int | None = None) -> BudgetTooSmall:
+    def too_small(self, what: str, head: int | None = None, least_budget: int | None = None) -> BudgetTooSmall:
         """The refusal, naming the least this request can be cut to, so a budget of that much fits it
-        (and the `head`'s tokens when it alone is over the budget)."""
+        (and, when the agent's own part alone is over the budget, its tokens and the budget that
+        would hold what is never cut)."""
         self.least()
         original = self.fixed + sum(self.cost)
-        return BudgetTooSmall(self.total(), self.budget, what, original, self.counter, head, self.headroom)
+        return BudgetTooSmall(self.total(), self.budget, what, original, self.counter, head, least_budget)
 
     def shrink(self, i: int, over: int) -> bool:
         """Cut message `i`'s text middle-out by `over` more tokens (to no less than the floor);

@@ -42,7 +42,7 @@ def test_the_least_window_it_names_holds_the_head_with_the_headroom_free(turns: 
     conversation = agent_chat(turns)
     budget = BUDGETER.for_window(8192, PARAMS)
     overflow = budget.impossible(refused(conversation, 8192))
-    head = COUNTER.tools(TOOLS) + COUNTER.message(conversation.messages[0]) + COUNTER.message(conversation.messages[1]) * (turns > 0)
+    head = COUNTER.tools(TOOLS) + COUNTER.message(conversation.messages[0])
     assert overflow.head == head > budget.tokens
     assert overflow.fixed_part == (
         f"the agent's tools and instructions need {head} tokens; raise the window to at least {overflow.least_window}"
@@ -73,3 +73,20 @@ def test_the_head_is_told_in_the_units_of_the_budget_the_client_is_told() -> Non
     assert short.head is not None
     told = short.rescaled(short.budget + 300)
     assert (told.head, told.required, told.budget) == (short.head + 300, short.required + 300, short.budget + 300)
+
+
+
+def test_a_huge_opening_is_the_users_and_is_not_counted_as_the_agents() -> None:
+    """The conversation's opening is never cut either, but it is what the user wrote: the sentence
+    names only the agent's own part, and the window it names holds the opening too."""
+    rest = [{"role": "user", "content": "note " * 3000}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+    agent = Conversation.from_wire([{"role": "system", "content": "Follow the house rules. " * 900}, *rest], TOOLS)
+    overflow = BUDGETER.for_window(8192, PARAMS).impossible(refused(agent, 8192))
+    assert overflow.head == COUNTER.tools(TOOLS) + COUNTER.message(agent.messages[0])
+    assert overflow.least_window is not None
+    bigger = BUDGETER.for_window(overflow.least_window, PARAMS)
+    assert compact_chat(agent, bigger.tokens, COUNTER).report.final_tokens <= bigger.tokens
+
+    plain = Conversation.from_wire([{"role": "system", "content": "Be brief."}, *rest])
+    users_own = BUDGETER.for_window(2048, PARAMS).impossible(refused(plain, 2048))
+    assert users_own.head is None and "raise the window" not in users_own.message
