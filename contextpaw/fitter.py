@@ -241,7 +241,7 @@ class Fitter:
             await self._judged_as_sent(state, key, parsed, fitted, guard, big)
             return UNCHANGED
         if policy == "strict" and report.compacted:
-            return self._refuse(state, budget.refusal(report.original_tokens), report.counter)
+            return self._refuse(state, budget.refusal(report.original_tokens, fitted.bound), report.counter)
         if self.summarizer is not None and isinstance(parsed, wire.Chat) and report.evicted_tokens:
             fitted = await self.digesting.summarized(self.summarizer, state, parsed, fitted, budget, big, guard, shaped)
             if fitted.report is not report:

@@ -23,7 +23,7 @@ from contextpaw.fitting import Fitted, fit_chat, fit_prompt
 from contextpaw.offload import off_loop
 from contextpaw.report import Report
 from contextpaw.state import LRU, SizedLRU
-from contextpaw.tokens import EstimateCounter
+from contextpaw.tokens import Counter, EstimateCounter
 from contextpaw.truncation import ESTIMATE_BOUNDS
 from contextpaw.verification import Search, Send
 from contextpaw.windows import Budget
@@ -126,11 +126,15 @@ class Sizer:
         start = budget
         if whole is not None and (overcount := self.overcounts.get(parsed.key)):
             start = Budget(budget.window, budget.reserve, budget.margin - overcount, limit=0)
-        guarded, bound, why = start, None, ""
+        guarded, bound, why, opening = start, None, "", ""
         if guard is not None and not counter.exact and (anchored := self._anchored(parsed, guard)) is not None:
             counter, bound = anchored, ANCHOR_MARGIN
             guarded = budget.within(bound)
             why = f"counted at this conversation's own rate, {anchored.factor:.2f} tokens to the estimate's one, which may run {bound:.2f} times low"
+        elif guard is not None and not counter.exact and await self._opening(parsed, counter, fixed, budget, big, guard):
+            bound = self.calibration.bounds(calibration_key(backend, parsed.params.model))[1]
+            opening = ("the conversation's opening goes out whole: its count fits the window at the estimate's own "
+                       "rate, and the server's count of it says whether it was cut")  # fmt: skip
         elif guard is not None and not counter.exact:
             guarded, bound, why = await self._guarded(parsed, budget, backend, big, guard)
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
@@ -171,6 +175,8 @@ class Sizer:
                 guarded = needed if guarded.tokens < needed.tokens < budget.tokens else budget
                 why = "what must be kept needs this much"
         fitted.report.window = budget.window
+        if opening:
+            fitted.report.notes.append(opening)
         if reserve_note:
             fitted.report.notes.append(reserve_note)
         if guarded not in (budget, start):
@@ -207,6 +213,24 @@ class Sizer:
         if not ESTIMATE_BOUNDS[0] <= rate <= ESTIMATE_BOUNDS[1]:  # no text tokenizes so: not a count of what was sent
             return None
         return CalibratedCounter(self.estimate, max(rate, guard.floor))
+
+    async def _opening(
+        self, parsed: wire.Chat | wire.Prompt, counter: Counter, fixed: int, budget: Budget, big: bool, guard: Guard
+    ) -> bool:
+        """Whether this is a conversation's opening (nothing after its first user message) that fits
+        the window at the estimate's own rate, never below what its words prove. Its only cuttable
+        part is the task itself, which the guard would shrink for the estimate's width alone (Qwen
+        Code sends its instructions and the task as one message of 22,000 estimated tokens, 15,845
+        in the model's count, into a 32,768-token window): sent whole, it is judged by the server's
+        count, which tells a cut."""
+        if not isinstance(parsed, wire.Chat):
+            return False
+        messages = parsed.conversation.messages
+        if next((i for i, m in enumerate(messages) if m.role == "user"), None) != len(messages) - 1:
+            return False
+        counted = await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
+        proved = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
+        return max(counted, math.ceil(proved * guard.floor)) <= budget.admits
 
     async def _guarded(
         self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, guard: Guard

@@ -59,8 +59,16 @@ class Budget:
         """This budget cut to `tokens` (never raised above what it is)."""
         return Budget(self.window, self.reserve, self.margin + max(self.tokens - tokens, 0))
 
-    def refusal(self, required: int) -> Overflow:
-        """Policy strict: the request would have to be compacted."""
+    def refusal(self, required: int, bound: float | None = None) -> Overflow:
+        """Policy strict: the request would have to be compacted. Where our count of it fits and
+        only its error bound does not (`bound`: how many times low it may run, on a route that
+        cannot forbid the server's cut), the refusal names that bound's count: numbers that say it
+        fits are no reason to refuse."""
+        if required <= self.admits and bound is not None and bound > 1:
+            upper = math.ceil(required * bound)
+            cause = (f"the request counts {required} tokens by an estimate that may run {bound:.2f} times low, so up to "
+                     f"{upper}, and only {self.admits} fit; policy strict refuses to compact it")  # fmt: skip
+            return Overflow(upper, self.admits, self.window, cause, required)
         cause = f"the request needs {required} tokens but only {self.admits} fit, and policy strict refuses to compact it"
         return Overflow(required, self.admits, self.window, cause, required)
 

@@ -16,7 +16,7 @@ from typing import Any
 from support.common import FIXED_REPLY
 
 from contextpaw.counters import rough_size
-from contextpaw.flow import UNCHANGED, Forward
+from contextpaw.flow import UNCHANGED, Forward, Refuse
 from contextpaw import wire
 from contextpaw.tokens import EstimateCounter
 from test_fitter import OLLAMA, OPENAI, fitter, state
@@ -147,3 +147,49 @@ async def test_a_guarded_cut_whose_count_no_cut_from_the_front_can_explain_teach
         if reads > 1:
             assert sent["messages"][-1] == body["messages"][-1], f"turn {reads}: the file just read is sent whole"
     assert all(anchored[1:]), anchored
+
+
+def opening(words: int) -> dict[str, Any]:
+    """Qwen Code's opening: its instructions, the environment and the task in one user message."""
+    text = "Follow the project's conventions when you edit code and explain each change briefly. "
+    return {"model": "qwen-no-tokenizer", "messages": [
+        {"role": "system", "content": "You are Qwen Code, an interactive CLI agent."},
+        {"role": "user", "content": text * (words // 13) + "Task: read the files one by one."}]}  # fmt: skip
+
+
+async def test_an_opening_that_fits_at_the_estimates_rate_goes_out_whole_and_is_judged_by_the_servers_count() -> None:
+    """Before any answer tells a conversation's rate, the guard allows for the estimate being 3.3
+    times low; an opening that is one big message would be shrunk for that width alone. It goes out
+    whole; the server's count of it says whether it was cut (here: no)."""
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False)
+    body = opening(words=3500)
+    assert true_tokens(body) <= WINDOW < 3.3 * rough_size(OPENAI.read(json.dumps(body).encode()), EstimateCounter())
+    s = state(body, OPENAI, OLLAMA)
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is not None and any("opening goes out whole" in note for note in s.report.notes), s.report.notes
+    await answer(f, s, body)
+    assert s.report.upstream_truncated is None and s.report.upstream_truncation_possible is None
+
+
+async def test_an_opening_over_the_window_at_the_estimates_rate_is_still_cut_to_the_guard() -> None:
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False)
+    s = state(opening(words=30000), OPENAI, OLLAMA)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted
+    assert s.report is not None and not any("opening goes out whole" in note for note in s.report.notes)
+
+
+async def test_a_strict_refusal_for_the_estimates_width_names_the_count_it_feared_not_one_that_fits() -> None:
+    """Qwen Code under strict on Ollama's /v1 without a tokenizer was refused with "maximum context
+    length is 32704 tokens. However, your messages resulted in 21996 tokens": a refusal's numbers
+    are its reason, so they name the upper bound that did not fit."""
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False, policy="strict")
+    body = session_body(10, lines=40)
+    estimated = rough_size(OPENAI.read(json.dumps(body).encode()), EstimateCounter())
+    assert estimated < WINDOW < 3.3 * estimated
+    s = state(body, OPENAI, OLLAMA)
+    decision = await f.fit(s)
+    assert isinstance(decision, Refuse), decision
+    error = json.loads(decision.body)["error"]
+    assert error["n_prompt_tokens"] > error["budget"], error
+    assert "may run" in error["message"] and f"resulted in {error['n_prompt_tokens']} tokens" in error["message"]

@@ -165,12 +165,6 @@ def test_under_strict_qwen_code_compresses_its_history_and_goes_on(qwen_code: Pa
     assert_answered(run)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ContextPaw 2b9635d: on Ollama's /v1 route without a tokenizer, a count that may run 3.3 times low "
-    "makes a request over a third of the window one that must be cut, and strict refuses it with numbers "
-    "that say it fits: 'maximum context length is 32704 tokens. However, your messages resulted in 21996 "
-    "tokens' for Qwen Code's 'say hi' in a 32,768 window"
-))  # fmt: skip
 def test_no_strict_refusal_says_the_turn_fits(qwen_code: Path, stack: StartStack, home: Path) -> None:
     """Under strict, a refusal's numbers are why it was refused: the prompt it names is over the room it names."""
     running = stack("ollama", ["--n-ctx", "32768", "--model", MODEL, "--train-ctx", "32768"], ["contextpaw_policy=strict"])

@@ -52,16 +52,6 @@ CASES = [
 PARAMS = [pytest.param(agent, behaviour, tokenizer, id=f"{agent}-{behaviour}-{'tok' if tokenizer else 'est'}")
           for agent, behaviour, tokenizer in CASES]  # fmt: skip
 
-QWEN_FIRST_REQUEST = (
-    "ContextPaw 2b9635d, without a tokenizer: Qwen Code's first request is its head and its task in one user "
-    "message (15,845 tokens by the model's count, 22,000 by the estimate), which may run 3.3 times low before "
-    "any answer tells the rate; the request itself is not pinned, so it is fitted to 17,072 of the 32,768 "
-    "window and its skills reminder shortened middle-out (1,846 tokens); every later request carries the head whole"
-)
-HEAD_PARAMS = [pytest.param(*p.values, id=p.id, marks=pytest.mark.xfail(strict=False, reason=QWEN_FIRST_REQUEST))
-               if p.id == "qwen-ollama-est" else p for p in PARAMS]  # fmt: skip
-
-
 _results: dict[tuple[str, str, bool], sessions.Result] = {}
 
 
@@ -99,7 +89,7 @@ def test_no_silent_cut(session: sessions.Result) -> None:
     assert session.silent_cuts == 0, about(session)
 
 
-@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), HEAD_PARAMS)
+@pytest.mark.parametrize(("agent", "behaviour", "tokenizer"), PARAMS)
 def test_head_byte_identical(session: sessions.Result) -> None:
     assert session.head_checked >= session.turns and session.head_identical == session.head_checked, about(session)
 
