@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +30,7 @@ from contextpaw.flow import FlowState, Phase
 from contextpaw.metrics import Stats
 from contextpaw.report import Report
 from contextpaw.state import LRU
+from contextpaw.streams import Unasked
 from contextpaw.tokens import EstimateCounter
 from contextpaw.truncation import ESTIMATE_BOUNDS, Evaluation, Verdict, judge, unknowable
 from contextpaw.wire import openai
@@ -120,8 +120,10 @@ class AnswerCheck:
         chunk, where the client did not. None when nothing is to be added: another route, an
         answer that is not streamed (it always carries usage), a client that asked, a flow whose
         answer is not read. A request proved to fit by its size was not parsed, and is not parsed
-        here either when its bytes say enough (one `"stream"` key, no `"stream_options"`)."""
-        if state.route is not openai.CHAT or state.watched is None:
+        here either when its bytes say enough (one `"stream"` key, no `"stream_options"`). A
+        streamed text completion is asked on Ollama; llama-server's always ends with its usage."""
+        text = state.route is openai.COMPLETIONS and state.backend.kind == wire.Kind.OLLAMA
+        if state.watched is None or not (state.route is openai.CHAT or text):
             return None
         expected = self._expected_of(state) or _by_bytes(state.original)
         if expected is None or not expected.stream or expected.usage_asked:
@@ -134,11 +136,12 @@ class AnswerCheck:
         self._remember(state, replace(expected, usage_added=True))
         return asked
 
-    def unasked_records(self, state: FlowState) -> Callable[[Mapping[str, Any]], bool] | None:
-        """The records of the answer's stream the client did not ask for (the usage chunk asked
-        for in its stead), which the stream takes out; None when there are none."""
+    def unasked_records(self, state: FlowState) -> Unasked | None:
+        """What the answer's stream carries that the client did not ask for (the usage chunk asked
+        for in its stead, and the zero usage Ollama puts on each text-completion chunk then), which
+        the stream takes out; None when there is nothing."""
         expected = self._expected_of(state)
-        return openai.is_usage_chunk if expected is not None and expected.usage_added else None
+        return Unasked(openai.is_usage_chunk, "usage") if expected is not None and expected.usage_added else None
 
     # -- the answer ------------------------------------------------------------------------------
 

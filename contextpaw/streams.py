@@ -9,9 +9,11 @@ chunk, Anthropic's `message_delta`) is held back until the next event shows whet
 final-looking one follows: the report goes into the last of them. Token events are never held, so
 the client's first token is not delayed. The prompt size a server reports early in a stream
 (Anthropic's `message_start`) is remembered for the final record's check. A record the client did
-not ask for (the usage chunk ContextPaw asked for in its stead: `unasked`) is read for its count and
+not ask for (the usage chunk ContextPaw asked for in its stead: `Unasked`) is read for its count and
 taken out, and what it carried that the client would have had without it (llama-server's `timings`)
-goes onto the record before it, so that the client gets the stream it asked for. The transformer is a
+goes onto the record before it; a field it did not ask for (the zero `usage` Ollama then puts on
+every text-completion chunk) is taken out of each record that has it, its other bytes as they came,
+so that the client gets the stream it asked for. The transformer is a
 mitmproxy stream callable: called per chunk and once with b"" at the end, it never returns b"" before
 that (an empty chunk would end a chunked body). A chunk is scanned for the record separator from
 where the last scan stopped, so a giant record costs its length once, not once per chunk; one past
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from contextpaw import logs
@@ -37,6 +40,7 @@ KEPT_STREAM = 16 << 20
 (mitmproxy keeps no streamed body); a longer one is not kept."""
 DONE = b"data: [DONE]"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
+DECODER = json.JSONDecoder()
 
 
 def report_bytes(report: Mapping[str, Any]) -> bytes:
@@ -70,6 +74,16 @@ None to add nothing (what the server says, e.g. the count it evaluated, can chan
 Count = Callable[[Mapping[str, Any]], int | None]
 
 
+@dataclass(frozen=True, slots=True)
+class Unasked:
+    """What a stream carries that its client did not ask for."""
+
+    record: Callable[[Mapping[str, Any]], bool]
+    """Records taken out whole, once read for their count."""
+    key: str | None = None
+    """A field taken out of every other record that has it."""
+
+
 class StreamReport:
     """A stream callable that passes records through and puts the report into the final one."""
 
@@ -80,7 +94,7 @@ class StreamReport:
         report: bytes | Amend,
         count: Count | None = None,
         keep: int = 0,
-        unasked: Callable[[Mapping[str, Any]], bool] | None = None,
+        unasked: Unasked | None = None,
     ) -> None:
         self._separator = b"\n" if framing == "ndjson" else b"\n\n"
         self._sse = framing == "sse"
@@ -144,9 +158,12 @@ class StreamReport:
         if self._placed:
             return [record]
         obj = self._object(record)
-        if obj is not None and self._unasked is not None and self._unasked(obj):
-            self._take(obj)
-            return []
+        if obj is not None and self._unasked is not None:
+            if self._unasked.record(obj):
+                self._take(obj)
+                return []
+            if self._unasked.key in obj:
+                record, obj = self._without(record, obj, self._unasked.key)
         final = self._final(obj)
         out: list[bytes] = []
         if self._held is not None:
@@ -180,6 +197,33 @@ class StreamReport:
             merged = splice(self._held[start:end], report_bytes(timings), b"timings")
             if merged is not None:
                 self._held = self._held[:start] + merged + self._held[end:]
+
+    def _without(self, record: bytes, obj: dict[str, Any], key: str) -> tuple[bytes, dict[str, Any]]:
+        """The record without `key`, every other byte as it came (as it was, when no cut of its
+        bytes reads as the object without it)."""
+        span = self._span(record)
+        assert span is not None, "only a record with a JSON payload has keys"
+        start, end = span
+        text, kept = record[start:end].decode(), {k: v for k, v in obj.items() if k != key}
+        name, at = json.dumps(key), -1
+        while (at := text.find(name, at + 1)) != -1:
+            colon = len(text) - len(text[at + len(name) :].lstrip())
+            if text[colon : colon + 1] != ":":
+                continue
+            value = len(text) - len(text[colon + 1 :].lstrip())
+            try:
+                _, after = DECODER.raw_decode(text, value)
+            except ValueError:
+                continue
+            before = text.rfind(",", 0, at)
+            following = len(text) - len(text[after:].lstrip())
+            for cut in (text[:before] + text[after:], text[:at] + text[following + 1 :]):
+                try:
+                    if json.loads(cut) == kept:
+                        return record[:start] + cut.encode() + record[end:], kept
+                except ValueError:
+                    pass
+        return record, obj
 
     def _finish(self) -> list[bytes]:
         out = [self._merge(self._held)] if self._held is not None else []

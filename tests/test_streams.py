@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contextpaw.streams import StreamReport, splice
+from contextpaw.streams import StreamReport, Unasked, splice
 from contextpaw.wire import llamacpp, ollama, openai
 
 REPORT = b'{"compacted":true}'
@@ -145,7 +145,7 @@ def test_a_usage_chunk_the_client_did_not_ask_for_is_read_for_its_count_and_take
         seen.append((final, counted))
         return REPORT
 
-    transformer = StreamReport("sse", openai.CHAT.is_final, report, openai.CHAT.evaluated, unasked=openai.is_usage_chunk)
+    transformer = StreamReport("sse", openai.CHAT.is_final, report, openai.CHAT.evaluated, unasked=Unasked(openai.is_usage_chunk))
     _, out = run(transformer, OPENAI_STREAM, size)
     assert b'"usage"' not in out and transformer.taken == 1
     assert seen == [({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, 3)]
@@ -156,7 +156,7 @@ def test_a_usage_chunk_the_client_did_not_ask_for_is_read_for_its_count_and_take
 
 
 def test_llama_servers_timings_go_back_onto_the_finish_chunk_where_they_ride_without_usage() -> None:
-    transformer = StreamReport("sse", openai.CHAT.is_final, lambda final, counted: None, openai.CHAT.evaluated, unasked=openai.is_usage_chunk)
+    transformer = StreamReport("sse", openai.CHAT.is_final, lambda final, counted: None, openai.CHAT.evaluated, unasked=Unasked(openai.is_usage_chunk))
     out = transformer.transform(LLAMA_CHAT_WITH_USAGE)
     assert out == (
         b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hel"}}],"id":"c","object":"chat.completion.chunk"}\n\n'
@@ -164,6 +164,33 @@ def test_llama_servers_timings_go_back_onto_the_finish_chunk_where_they_ride_wit
         b"data: [DONE]\n\n"
     )
     assert transformer.counted == 7
+
+
+OLLAMA_TEXT_WITH_USAGE = (
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"choices":[{"text":"\\u003cb","index":0,"finish_reason":null}],"model":"m","system_fingerprint":"fp_ollama","usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}}\n\n'
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"choices":[{"text":"","index":0,"finish_reason":"stop"}],"model":"m","system_fingerprint":"fp_ollama","usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}}\n\n'
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"choices":[],"model":"m","system_fingerprint":"fp_ollama","usage":{"prompt_tokens":2048,"completion_tokens":2,"total_tokens":2050}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 9, 4096])
+def test_the_zero_usage_ollama_puts_on_each_text_chunk_once_asked_is_taken_out_and_never_read_as_the_count(size: int) -> None:
+    """Asked for usage, Ollama's `/v1/completions` stream puts a zero `usage` on every chunk: the
+    client that did not ask gets its chunks without it, the rest of their bytes as they came, and
+    the verdict reads the usage chunk's count, not the zeros."""
+    seen: list[tuple[dict, int | None]] = []
+
+    def report(final: dict, counted: int | None) -> bytes:
+        seen.append((final, counted))
+        return REPORT
+
+    transformer = StreamReport("sse", openai.COMPLETIONS.is_final, report, openai.COMPLETIONS.evaluated, unasked=Unasked(openai.is_usage_chunk, "usage"))
+    _, out = run(transformer, OLLAMA_TEXT_WITH_USAGE, size)
+    zero = b',"usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}'
+    first, finish, _, done = OLLAMA_TEXT_WITH_USAGE.split(b"\n\n")[:4]
+    assert out == first.replace(zero, b"") + b"\n\n" + finish.replace(zero, b"")[:-1] + b',"contextpaw":' + REPORT + b"}\n\n" + done + b"\n\n"
+    assert seen[0][1] == 2048 and openai.COMPLETIONS.evaluated(seen[0][0]) is None and transformer.taken == 1
 
 
 def test_a_client_that_asked_for_usage_keeps_its_chunk_and_the_report_goes_into_it() -> None:

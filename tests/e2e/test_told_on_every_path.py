@@ -181,6 +181,20 @@ def test_a_stream_whose_client_did_not_ask_for_usage_is_judged_by_it_and_gets_no
     assert chunks[-1].choices[0].finish_reason is not None and "contextpaw" in (chunks[-1].model_extra or {})
 
 
+def test_a_text_completion_stream_whose_client_did_not_ask_for_usage_is_judged_by_it_and_gets_none(off: Backend, cutting: Backend) -> None:
+    """Ollama's `/v1/completions` streams the usage only when asked, and then puts a zero `usage` on
+    every chunk: ContextPaw asks, judges the cut by the usage chunk's count, and the openai SDK's
+    client, which did not ask, gets chunks without any usage and the report on the last one."""
+    prompt = f"{SECRET}\n{prose(5800, 7)}\n{QUESTION}"
+    chunks = list(sdk(off.url).completions.create(model="fake", prompt=prompt, max_tokens=8, stream=True))
+    assert last_cut(cutting)["cut"]
+    assert all(chunk.usage is None and chunk.choices for chunk in chunks), "usage the client did not ask for"
+    reports = [c.model_extra["contextpaw"] for c in chunks if c.model_extra and "contextpaw" in c.model_extra]
+    assert len(reports) == 1 and "contextpaw" in (chunks[-1].model_extra or {})
+    cut = reports[0].get("upstream_truncated")
+    assert cut is not None and 0 < cut["evaluated_tokens"] <= WINDOW < 5800 <= cut["sent_tokens"], reports[0]
+
+
 def test_a_client_that_asked_for_usage_keeps_its_usage_chunk_with_the_report(off: Backend, cutting: Backend) -> None:
     stream = sdk(off.url).chat.completions.create(
         model="fake", messages=tool_dump(6, 600), max_tokens=8, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]

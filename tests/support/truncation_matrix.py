@@ -11,8 +11,9 @@ when the client was told of a cut and the backend evaluated it whole. ContextPaw
 (*flagged*: `upstream_truncated` went up; *warned*: `upstream_truncation_possible` went up) are
 kept beside, never counted as telling anyone. A case may ask for a window above the model's
 trained length (`num_ctx`, on the native routes), as aider does: the server caps it, and so must
-the verdict. A streamed `/v1/chat/completions` client may ask for usage itself (`usage`) or not:
-either way it gets exactly what it asked for (`usage_wrong`). The `notes` shape is the issue's
+the verdict. A streamed `/v1/chat/completions` or `/v1/completions` client may ask for usage itself
+(`usage`) or not: either way it gets exactly what it asked for (`usage_wrong`; Ollama puts a zero
+usage on every text-completion chunk when asked). The `notes` shape is the issue's
 chat (user notes of plain words): its word count alone proves a cut of the big size. Used by
 `scripts/measure_truncation.py` (the whole matrix) and by the tests (a slice of it).
 """
@@ -69,7 +70,8 @@ class Outcome:
     possible_told: bool = False
     """The client received that a cut is possible, in a header, the body or the final record."""
     usage_wrong: bool = False
-    """A streamed OpenAI chat whose client got a usage chunk it did not ask for, or none it asked for."""
+    """A streamed OpenAI chat or text completion whose client got usage it did not ask for, or no
+    usage chunk it asked for."""
 
     @property
     def missed(self) -> bool:
@@ -220,14 +222,20 @@ def run(case: Case, proxy: str, backend: str, model: str, seed: int = 0) -> Outc
     recalled = response.status_code == 200 and SECRET in answer_text(case.route, case.stream, response.text).lower()
     told = "X-ContextPaw-Upstream-Truncated" in response.headers or '"upstream_truncated"' in response.text
     possible = "X-ContextPaw-Upstream-Truncation-Possible" in response.headers or '"upstream_truncation_possible"' in response.text
-    usage_wrong = case.stream and case.route == "/v1/chat/completions" and response.status_code == 200 and usage_chunks(response.text) != case.usage
+    usage_wrong = case.stream and case.route in USAGE_ROUTES and response.status_code == 200 and usage_seen(response.text) != (case.usage, case.usage)
     return Outcome(case, response.status_code, cut, after[0] > before[0], after[1] > before[1], recalled, told, possible, usage_wrong)
 
 
-def usage_chunks(text: str) -> int:
-    """How many usage chunks (no choices, the usage) an OpenAI chat stream carried."""
+USAGE_ROUTES = ("/v1/chat/completions", "/v1/completions")
+"""Where a stream carries usage only when the client asks for it (`stream_options.include_usage`)."""
+
+
+def usage_seen(text: str) -> tuple[bool, bool]:
+    """Whether an OpenAI stream carried one usage chunk (no choices, the usage), and whether any
+    of its records carried usage at all."""
     records = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
-    return sum(1 for r in records if r.get("choices") == [] and isinstance(r.get("usage"), dict))
+    chunks = sum(1 for r in records if r.get("choices") == [] and isinstance(r.get("usage"), dict))
+    return chunks == 1, any("usage" in r for r in records)
 
 
 def unload(backend: str, model: str) -> None:
@@ -250,11 +258,11 @@ def cases(
 def told_cases(policies=("off",), starts=(False,)) -> Iterator[Case]:
     """What only the client's own hearing checks: streamed and buffered on every route, the
     issue's chat of plain words far over the window (its word count alone proves the cut), and a
-    streamed OpenAI chat whose client asks for usage beside the one that does not."""
+    streamed OpenAI chat or text completion whose client asks for usage beside the one that does not."""
     yield from cases(policies=policies, shapes=("notes",), sizes=(5800,), starts=starts)
-    for policy, cold in itertools.product(policies, starts):
+    for policy, cold, route in itertools.product(policies, starts, USAGE_ROUTES):
         for shape, words in (("notes", 5800), ("tools", 3000)):
-            yield Case("/v1/chat/completions", policy, cold, True, shape, words, usage=True)
+            yield Case(route, policy, cold, True, shape, words, usage=True)
 
 
 def measure(
