@@ -327,14 +327,20 @@ class _ChatCompaction:
         )
         sent.tell(report)
         report.headroom = self.headroom if cut else self.previous.headroom
+        held = cut and self.total() > self.target and self.evicted.issuperset(self.evictable)
+        if held:  # all that could go is gone: the room left is what the kept part leaves, and the target is said so
+            report.headroom = max(self.budget - report.final_tokens, 0) / self.budget
+            report.notes.append(f"what must be kept (the head, the latest turns and the file just read, whole) takes "
+                                f"{report.final_tokens} of the budget's {self.budget} tokens: the cut leaves "
+                                f"{report.headroom:.0%} of it free, less than its headroom of {self.headroom:.0%}")  # fmt: skip
         starts = {h[0] for h in self.holes}
         plan = Plan(
             evicted=frozenset(u.key for u in self.evicted),
             shrunk={self.cut_key(i): c for i, (_, _, c) in self.shrunk.items() if self.unit_of[i] not in self.evicted},
             notes=sent.notes,
             hole_starts=frozenset(u.key for u in self.evicted if min(u.indices) in starts),
-            headroom=report.headroom,
-            held=cut and self.total() > self.target and self.evicted.issuperset(self.evictable),
+            headroom=self.headroom if cut else self.previous.headroom,
+            held=held,
         )
         return ChatResult([m.raw for m in sent.messages], report, plan)
 

@@ -20,7 +20,8 @@ the next file, then with the facts it can see. Per session it measures:
   headroom, / window); ``cuts on target``: ContextPaw's cuts the server counted within 5% of it;
   ``use_after_first_cut``: the mean share of the window the prompts used from the first cut on;
 - ``fresh_whole``: turns where the file just read reached the model whole (every line of it in the
-  prompt the model saw), of the turns that followed a read;
+  prompt the model saw), of the turns that followed a read where it could (through ContextPaw, a
+  turn whose head and file alone are over the budget is counted apart, as ``cannot fit``);
 - ``head_identical``: requests whose head (system, tools, every message up to and including the
   first user message) reached the model as the client sent it (compared as parsed JSON);
 - ``pairs_intact``: requests where every tool call the model saw has its result and every result
@@ -152,6 +153,9 @@ class Result:
     use_after_first_cut: float | None = None
     fresh_whole: int = 0
     fresh_turns: int = 0
+    fresh_unfit: int = 0
+    """Turns whose file just read could not reach the model whole: the head and it alone are over
+    the budget (they are not counted in ``fresh_turns``)."""
     fresh_sizes: list[int] = field(default_factory=list)
     """Per turn after a read: how many characters of the fresh file reached the model."""
     head_identical: int = 0
@@ -185,7 +189,7 @@ class Result:
             "target": "-" if not targets else f"{pct(min(targets))}-{pct(max(targets))}",
             "cuts on target": f"{on_target}/{len(aimed)}",
             "use from 1st cut": pct(self.use_after_first_cut),
-            "fresh whole": f"{self.fresh_whole}/{self.fresh_turns}",
+            "fresh whole": f"{self.fresh_whole}/{self.fresh_turns}" + (f" ({self.fresh_unfit} cannot fit)" if self.fresh_unfit else ""),
             "head identical": f"{self.head_identical}/{self.head_checked}",
             "pairs intact": f"{self.pairs_intact}/{self.pairs_checked}",
             "markers reported": f"{self.markers_reported}/{self.marked}",
@@ -419,10 +423,14 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
             # what the model saw: the whole rendering, or what was left after the server's cut
             seen = sm.render(talk) if not server_cut else str(entry.get("seen_text") or "")
             if last_file is not None and talk.messages and talk.messages[-1].result_of is not None:
-                result.fresh_turns += 1
                 reached = whole_in(texts[last_file], seen)
                 result.fresh_sizes.append(reached)
-                result.fresh_whole += reached >= whole_size(texts[last_file])
+                budget = headers.get("x-contextpaw-budget")
+                if reached < whole_size(texts[last_file]) and budget and budget.isdigit() and entry["kept_tokens"] > int(budget):
+                    result.fresh_unfit += 1  # the head and the file alone are over the budget: it cannot reach the model whole
+                else:
+                    result.fresh_turns += 1
+                    result.fresh_whole += reached >= whole_size(texts[last_file])
             if entry["reply"].get("file"):
                 last_file = entry["reply"]["file"]
         # the pairs

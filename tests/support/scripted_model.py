@@ -272,6 +272,14 @@ def render_head(conversation: Conversation) -> str:
     return system + tools
 
 
+def render_kept(conversation: Conversation) -> str:
+    """What no cut may take: the head (system, tools, every message up to and including the first
+    user message) and the newest message (the file just read)."""
+    messages = conversation.messages
+    first_user = next((i for i, m in enumerate(messages) if m.role == "user"), len(messages) - 1)
+    return render_head(conversation) + render_messages([*messages[: first_user + 1], *messages[first_user + 1 :][-1:]])
+
+
 def render(conversation: Conversation) -> str:
     return render_head(conversation) + render_messages(conversation.messages) + f"{START}assistant\n"
 
@@ -480,6 +488,7 @@ class ScriptedModel:
             "n": next(self.ids), "time": started, "route": request.path, "api": api, "session": key,
             "stream": body.get("stream") is True, "n_ctx": n_ctx, "behaviour": self.settings.behaviour,
             "prompt_tokens": len(tokens), "head_tokens": len(self.tokens(render_head(conversation))),
+            "kept_tokens": len(self.tokens(render_kept(conversation))),
         }  # fmt: skip
         if self.settings.behaviour == "llamacpp" and len(tokens) >= n_ctx:
             entry |= {"status": 400, "cut": False, "cut_tokens": 0, "evaluated_tokens": 0, "body": body}
