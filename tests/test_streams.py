@@ -206,3 +206,10 @@ def test_asking_for_usage_adds_the_option_and_leaves_every_other_byte() -> None:
     beside = openai.asking_usage(b'{"stream":true,"stream_options":{"x":1}}', {"stream_options": {"x": 1}})
     assert json.loads(beside)["stream_options"] == {"x": 1, "include_usage": True}
     assert openai.usage_asked({"stream_options": {"include_usage": True}}) and not openai.usage_asked({"stream_options": None})
+
+
+def test_asking_for_usage_beside_the_clients_own_options_keeps_its_numbers_as_written() -> None:
+    """The body is written again there: a `1e400` stays `1e400` (not `Infinity`, which is not JSON)."""
+    raw = b'{"stream":true,"stream_options":{"x":1.50},"seed":1e400,"n":-0}'
+    asked = openai.asking_usage(raw, {"stream_options": {"x": 1.5}})
+    assert asked == b'{"stream":true,"stream_options":{"x":1.50,"include_usage":true},"seed":1e400,"n":-0}'

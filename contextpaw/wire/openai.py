@@ -11,13 +11,12 @@ own words follow that sentence.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from contextpaw.conversation import Conversation
 from contextpaw.wire import served
-from contextpaw.wire.base import Chat, NotCompactable, Overflow, Prompt, Route, answer_params, write
+from contextpaw.wire.base import Chat, NotCompactable, Overflow, Prompt, Route, answer_params, load, write
 
 MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
 """llama-server reads `n_predict` too; all three mean the same limit."""
@@ -119,7 +118,7 @@ def asking_usage(raw: bytes, client: Mapping[str, Any]) -> bytes:
         start = raw.index(b"{") + 1
         comma = b"" if raw[start:].lstrip().startswith(b"}") else b","
         return raw[:start] + USAGE_OPTION + comma + raw[start:]
-    body = json.loads(raw)
+    body = load(raw)
     options = body.get("stream_options")
     return write(body, stream_options={**(options if isinstance(options, Mapping) else {}), "include_usage": True})
 
