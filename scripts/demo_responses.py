@@ -9,11 +9,12 @@ takes no options, so an overflow is cut in silence to its default window, ``--nu
 mitmdump with the ContextPaw addon in front of each. Each trial plants a fresh secret at the start
 of a request that overflows the window and asks for it back at the end: ``instructions`` plus one
 user message item of ``input_text`` (``--shape single``, the default), or shaped as Codex sends a
-session (``--shape codex``): typed message items, the task with the secret, the log in turns of a
-user's ``input_text`` and the assistant's ``output_text`` acknowledgement, and the question, so that
-ContextPaw drops whole turns and stands a marker item in their place (answered 200 through
-ContextPaw; SmolLM2-135M then tends to repeat the last acknowledgement rather than the secret, so
-recall on that shape is not yet the proof's). It goes four ways with the real openai
+session (``--shape codex``): the task with the secret as a typed user message item, then the log
+read by the agent's shell tool (a ``function_call`` item and its ``function_call_output`` for every
+part), and the user's question, so that ContextPaw drops whole calls with their outputs and stands a
+marker item in their place, while the task (the head) is never cut (``scripts/demo.sh`` runs it at
+``--num-ctx 1024``: SmolLM2-135M finds the secret across the ~900 tokens a cut leaves there, and in
+about half the trials across the ~1,900 of a 2,048-token window). It goes four ways with the real openai
 client, ``client.responses.create``: to each backend direct and through ContextPaw. Odd trials
 stream (the answer read from the ``response.output_text.delta`` events, the prompt size and the
 report from ``response.completed``). One row per request; recall ends as k/N per path.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import sys
 import tempfile
@@ -59,40 +61,36 @@ MODEL = "smollm2:135m"
 BACKENDS = ("llama-server", "Ollama")
 
 
-LINES_PER_TURN = 16
-"""Log lines in each user turn of a Codex-shaped session."""
-ACK = "I have read this part of the log, and I keep the password you gave me in mind."
-"""The assistant's turn between two parts of the log (a bare "Noted." is what a 135M model then
-repeats as its answer)."""
+LINES_PER_CALL = 16
+"""Log lines the agent's shell tool reads in one call of a Codex-shaped session."""
 
 
-def codex_session(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The needle chat as a Codex session: its user message cut into the task (the secret), turns of
-    log each acknowledged by the assistant, and the question; the system message as it was."""
-    system = [m for m in messages if m["role"] == "system"]
+def _text_item(role: str, text: str) -> dict[str, Any]:
+    part = "output_text" if role == "assistant" else "input_text"
+    return {"type": "message", "role": role, "content": [{"type": part, "text": text}]}
+
+
+def codex_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The needle chat as a Codex session: the system message as ``instructions``; its user message
+    cut into the task (the secret, and the file to read), the log as the agent reads it (a shell
+    ``function_call`` and its ``function_call_output`` for every part of the file), and the
+    question, which the user asks when the reading is done."""
     lines = "\n".join(m["content"] for m in messages if m["role"] == "user").split("\n")
     task, log, question = lines[0], lines[1:-1], lines[-1]
-    turns: list[dict[str, Any]] = [{"role": "user", "content": f"{task} I will ask for it later."}]
-    for start in range(0, len(log), LINES_PER_TURN):
-        turns.append({"role": "assistant", "content": ACK})
-        turns.append({"role": "user", "content": "More of the log:\n" + "\n".join(log[start : start + LINES_PER_TURN])})
-    return [*system, *turns, {"role": "assistant", "content": ACK}, {"role": "user", "content": question}]
+    items = [_text_item("user", f"{task} Then read app.log; I will ask for the password later.")]
+    for n, start in enumerate(range(0, len(log), LINES_PER_CALL)):
+        command = ["sed", "-n", f"{start + 1},{start + LINES_PER_CALL}p", "app.log"]
+        items.append({"type": "function_call", "call_id": f"call_{n}", "name": "shell", "arguments": json.dumps({"command": command})})
+        items.append({"type": "function_call_output", "call_id": f"call_{n}", "output": "\n".join(log[start : start + LINES_PER_CALL])})
+    instructions = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    return {"instructions": instructions, "input": [*items, _text_item("user", question)]}
 
 
 def responses_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
     """A chat as a Responses request: the system messages as ``instructions``, the rest as message
     items with ``input_text`` parts (assistant turns as ``output_text``)."""
     instructions = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    items = [
-        {
-            "type": "message",
-            "role": m["role"],
-            "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text", "text": m["content"]}],
-        }
-        for m in messages
-        if m["role"] != "system"
-    ]
-    return {"instructions": instructions, "input": items}
+    return {"instructions": instructions, "input": [_text_item(m["role"], m["content"]) for m in messages if m["role"] != "system"]}
 
 
 def _report(value: Any) -> dict[str, Any] | None:
@@ -101,14 +99,11 @@ def _report(value: Any) -> dict[str, Any] | None:
     return report if isinstance(report, Mapping) else None
 
 
-def responses_trial(
-    client: openai.OpenAI, path: str, secret: str, messages: list[dict[str, Any]], *, stream: bool
-) -> Trial:
+def responses_trial(client: openai.OpenAI, path: str, secret: str, body: dict[str, Any], *, stream: bool) -> Trial:
     """One ``client.responses.create``, streamed or not. A 4xx is the client's ``APIStatusError``:
     the row shows the error and llama-server's token count. The prompt size is ``usage.input_tokens``;
     the ``contextpaw`` report is read from the response (``model_extra``) or, in a stream, from the
     ``response.completed`` event or the response it carries; X-ContextPaw-* from the headers."""
-    body = responses_body(messages)
     try:
         raw = client.responses.with_raw_response.create(
             model=MODEL, max_output_tokens=GREEDY_TOKENS, temperature=0, stream=stream, **body  # type: ignore[arg-type]
@@ -174,14 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(args.trials):
             secret = make_secret(rng)
             messages = needle_chat(secret, filler_lines=overflow_lines(args.num_ctx, n), rng=rng)
-            if args.shape == "codex":
-                messages = codex_session(messages)
+            body = codex_body(messages) if args.shape == "codex" else responses_body(messages)
             stream = n % 2 == 1
             print(f"| trial {n + 1}: {'streamed' if stream else 'not streamed'}, secret {secret} | | | | | |", flush=True)
             for backend in BACKENDS:
                 for way in ways:
                     client = openai.OpenAI(base_url=f"{urls[(backend, way)]}/v1", api_key="local", max_retries=0, timeout=900)
-                    trial = responses_trial(client, f"{backend} {way}", secret, messages, stream=stream)
+                    trial = responses_trial(client, f"{backend} {way}", secret, body, stream=stream)
                     trials.append(trial)
                     print(trial.row(), flush=True)
 
