@@ -850,7 +850,7 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
     if rows := result.get("agent_sessions", {}).get("rows"):
         columns = list(rows[0])
         lines += ["### Agent sessions: what the model sees", "",
-                  "`scripts/agent_sessions.py`: Claude Code, Codex and opencode each read twelve 20-40 KB files, one a "
+                  "`scripts/agent_sessions.py`: Claude Code, Codex, opencode and Qwen Code each read twelve 20-40 KB files, one a "
                   "turn, with their own tools, on a scripted model with a 32,768-token window that cuts in silence like "
                   "Ollama or refuses like llama-server; direct and through ContextPaw, with and without the model's "
                   "tokenizer. Re-eval is the share of each prompt the server evaluates again; least, the share the turn's "
