@@ -236,14 +236,20 @@ class AnswerCheck:
 
 def _no_cut_explains(sized: Sample | None, evaluated: int, window: int | None) -> bool:
     """Whether no cut from the front can explain what the server counted. Ollama drops whole
-    messages after the system prompt and keeps the tools and the latest message (`least` of the
-    byte estimate of what was sent); what it could have dropped is the rest, at most 3.3 tokens to
-    the estimate's one. When the count and all of that together stay within the window, nothing
-    was over it, so nothing was cut: the count is of everything sent (a guarded cut of an agent
-    whose tools and system prompt are most of its prompt is judged so, not "possible")."""
-    if sized is None or not sized.least or window is None:
+    messages after the system prompt, oldest first, one at a time until the rest fits, and keeps
+    the tools and the latest message (`least` of the byte estimate of what was sent); each message
+    is at most 3.3 tokens to the estimate's one. Nothing was cut when the count and all it could
+    have dropped stay within the window (a guarded cut of an agent whose tools and system prompt
+    are most of its prompt), or when no message it could have dropped is big enough to have been
+    the last one: that one took the prompt from over the window to what was counted (an agent's
+    turns after its own compaction, a new conversation with no rate of its own, are judged so, not
+    "possible" turn after turn)."""
+    if sized is None or window is None:
         return False
-    return evaluated + ESTIMATE_BOUNDS[1] * max(sized.estimated - sized.least, 0) <= window
+    high = ESTIMATE_BOUNDS[1]
+    if sized.least and evaluated + high * max(sized.estimated - sized.least, 0) <= window:
+        return True
+    return sized.droppable is not None and evaluated + high * sized.droppable < window - 1
 
 
 def _read_as_sent(state: FlowState) -> tuple[str | None, int | None]:

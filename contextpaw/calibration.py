@@ -72,6 +72,9 @@ class Sample:
     least: int = 0
     """The byte estimate of what a server that cuts from the front keeps of it at the least
     (`counters.least_kept`): what tells a count of the whole from one after a cut."""
+    droppable: int | None = None
+    """The byte estimate of the biggest message such a server could drop (`counters.biggest_droppable`;
+    None: no claim)."""
 
 
 @dataclass(frozen=True, slots=True)

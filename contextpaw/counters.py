@@ -140,6 +140,16 @@ def least_kept(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
     return parsed.fixed_cost(counter) + sum(counter.message(m) for m in kept)
 
 
+def biggest_droppable(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int | None:
+    """The biggest message a server that cuts a prompt from the front could drop, as `counter`
+    counts it (None for a raw prompt: no claim). Ollama drops the oldest messages one at a time
+    until the rest fits: the last one it dropped took the prompt from over the window to what it
+    counted, so a count that no droppable message could have been the difference for is of the whole."""
+    if not isinstance(parsed, wire.Chat) or not parsed.conversation.messages:
+        return None
+    return max((counter.message(m) for m in parsed.conversation.messages[:-1] if not m.pinned), default=0)
+
+
 def rough_size(parsed: wire.Chat | wire.Prompt, counter: Counter) -> int:
     """What the estimate makes of a whole request: cheap (byte lengths), for deciding how to count it.
     A system prompt sent beside the messages (Anthropic's `system`, the Responses `instructions`)

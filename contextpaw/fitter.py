@@ -27,7 +27,7 @@ from contextpaw.answers import AnswerCheck
 from contextpaw.bounds import NATIVE_OLLAMA, as_sent, count_bounds, forbid_truncation, size_bound
 from contextpaw.calibration import Calibration, Guard, Sample, calibration_key, content_kind, word_floor
 from contextpaw.compact import BudgetTooSmall
-from contextpaw.counters import CounterChoice, least_kept, rough_size
+from contextpaw.counters import CounterChoice, biggest_droppable, least_kept, rough_size
 from contextpaw.digesting import Digesting
 from contextpaw.evicted import EvictedStore, encode
 from contextpaw.fitting import Fitted
@@ -287,7 +287,8 @@ class Fitter:
         body = fitted.body if fitted.body is not None else state.original
 
         def sized() -> Sample:
-            return Sample(key, rough_size(sent, self.estimate), rough_size(sent, self.shape), kind or content_kind(body), least_kept(sent, self.estimate))
+            return Sample(key, rough_size(sent, self.estimate), rough_size(sent, self.shape), kind or content_kind(body),
+                          least_kept(sent, self.estimate), biggest_droppable(sent, self.estimate))  # fmt: skip
 
         state.calibration = await off_loop(big, sized)
 

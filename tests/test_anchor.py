@@ -179,17 +179,44 @@ async def test_an_opening_over_the_window_at_the_estimates_rate_is_still_cut_to_
     assert s.report is not None and not any("opening goes out whole" in note for note in s.report.notes)
 
 
-async def test_a_strict_refusal_for_the_estimates_width_names_the_count_it_feared_not_one_that_fits() -> None:
+async def test_a_strict_refusal_for_the_counts_error_names_the_count_it_feared_not_one_that_fits() -> None:
     """Qwen Code under strict on Ollama's /v1 without a tokenizer was refused with "maximum context
     length is 32704 tokens. However, your messages resulted in 21996 tokens": a refusal's numbers
-    are its reason, so they name the upper bound that did not fit."""
+    are its reason, so a turn whose count fits and whose count's error bound does not is refused
+    with that bound's count."""
     f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False, policy="strict")
-    body = session_body(10, lines=40)
-    estimated = rough_size(OPENAI.read(json.dumps(body).encode()), EstimateCounter())
-    assert estimated < WINDOW < 3.3 * estimated
+    reads = 1
+    while True:  # turns that fit by the conversation's own rate, until one fits only by its count
+        body = session_body(reads, lines=50)
+        s = state(body, OPENAI, OLLAMA)
+        decision = await f.fit(s)
+        if isinstance(decision, Refuse):
+            break
+        await answer(f, s, body)
+        reads += 1
+    error = json.loads(decision.body)["error"]
+    assert s.report is not None and s.report.original_tokens <= error["budget"], "the turn's own count fits"
+    assert error["n_prompt_tokens"] > error["budget"], error
+    assert f"resulted in {error['n_prompt_tokens']} tokens" in error["message"] and "may run" in error["message"], error
+
+
+async def test_a_new_conversations_turn_no_droppable_message_could_explain_is_judged_whole_and_teaches_its_rate() -> None:
+    """After an agent compacts its own history, its conversation is new: no rate of its own, so the
+    guard's width holds it. Ollama drops the oldest messages one at a time until the rest fits, so
+    the last one dropped must have been bigger than what the window had left over the count; when
+    no message is that big even at 3.3 tokens to the estimate's one, nothing was cut. Judged
+    "possible" instead, such a conversation never learned its rate and was cut every turn."""
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False)
+    body = session_body(16, lines=14)
     s = state(body, OPENAI, OLLAMA)
     decision = await f.fit(s)
-    assert isinstance(decision, Refuse), decision
-    error = json.loads(decision.body)["error"]
-    assert error["n_prompt_tokens"] > error["budget"], error
-    assert "may run" in error["message"] and f"resulted in {error['n_prompt_tokens']} tokens" in error["message"]
+    sent = body if decision == UNCHANGED else json.loads(decision.body)  # type: ignore[union-attr]
+    estimated = rough_size(OPENAI.read(json.dumps(sent).encode()), EstimateCounter())
+    assert s.calibration is not None and s.calibration.droppable is not None
+    counted = await answer(f, s, sent)
+    assert counted + 3.3 * (estimated - s.calibration.least) > WINDOW, "all it could drop does not rule a cut out"
+    assert counted + 3.3 * s.calibration.droppable < WINDOW, "no one message could have been the last dropped"
+    assert s.report is not None and s.report.upstream_truncation_possible is None, s.report.upstream_truncation_possible
+    later = state(session_body(17, lines=14), OPENAI, OLLAMA)
+    await f.fit(later)
+    assert later.report is not None and any("own rate" in note for note in later.report.notes), later.report.notes
