@@ -326,7 +326,7 @@ class _ChatCompaction:
             self.msgs, self.cost, self.shrunk, self.holes, written=self.previous.notes, fixed=self.fixed, counter=self.counter
         )
         sent.tell(report)
-        report.headroom = self.headroom if cut else self.previous.headroom
+        headroom = report.headroom = self.headroom if cut else self.previous.headroom
         held = cut and self.total() > self.target and self.evicted.issuperset(self.evictable)
         if held:  # all that could go is gone: the room left is what the kept part leaves, and the target is said so
             report.headroom = max(self.budget - report.final_tokens, 0) / self.budget
@@ -339,7 +339,7 @@ class _ChatCompaction:
             shrunk={self.cut_key(i): c for i, (_, _, c) in self.shrunk.items() if self.unit_of[i] not in self.evicted},
             notes=sent.notes,
             hole_starts=frozenset(u.key for u in self.evicted if min(u.indices) in starts),
-            headroom=self.headroom if cut else self.previous.headroom,
+            headroom=headroom,
             held=held,
         )
         return ChatResult([m.raw for m in sent.messages], report, plan)
