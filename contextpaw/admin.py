@@ -106,8 +106,9 @@ def local_host(host: str | None, hostname: str) -> bool:
     return loopback_host(host) or name == hostname.lower() or name.endswith(LOCAL_SUFFIXES)
 
 
-Window = Callable[[wire.Backend, str], Awaitable[tuple[int, str]]]
-"""The window a model is served at a backend, and where that number came from."""
+Window = Callable[[wire.Backend, str], Awaitable[dict[str, Any]]]
+"""The window a model is served at a backend, where that number came from, how its requests are
+counted, and the window an agent is told (`agent_window`)."""
 
 
 class Admin:
@@ -155,5 +156,5 @@ class Admin:
             return json_reply(404, {"error": "this listener fronts no backend: ask the port that fronts it"})
         if not model and backend.kind == wire.Kind.OLLAMA:
             return json_reply(400, {"error": "name the model: /contextpaw/window?model=NAME (Ollama's window is per model)"})
-        window, source = await self.window(backend, model)
-        return json_reply(200, {"model": model, "backend": {"kind": backend.kind, "url": backend.url}, "window": window, "source": source})
+        served = await self.window(backend, model)
+        return json_reply(200, {"model": model, "backend": {"kind": backend.kind, "url": backend.url}, **served})

@@ -39,6 +39,8 @@ logger = logs.get(__name__)
 
 REMEMBERED = 4096
 """Requests awaiting their answer, and conversations whose last count is kept (bounded, as every cache here)."""
+MESSAGES_PER_REQUEST = 16
+"""Digests kept per remembered conversation, on average (bounded, as every cache here)."""
 NEARING = 4
 """A conversation whose answered prompt took a quarter of its window or more may overflow soon: a
 turn of it proved to fit by its size is read after its answer, for its rate."""
@@ -89,6 +91,9 @@ class Expected:
     """The client asked for the stream's usage itself."""
     usage_added: bool = False
     """ContextPaw asked for it in the client's stead: the usage chunk is taken out of the stream."""
+    fingerprints: tuple[tuple[str, int], ...] = ()
+    """The request's big messages (`wire.Chat.fingerprints`): once it is answered whole and as it
+    came, a request made mostly of them is counted at its rate."""
 
 
 class AnswerCheck:
@@ -103,6 +108,9 @@ class AnswerCheck:
         """id(state) -> (a weak reference to it, its `Expected`), until the answer is read."""
         self._answered: LRU = LRU(REMEMBERED)
         """Conversation key -> the `Evaluated` of its last answered request."""
+        self._by_message: LRU = LRU(REMEMBERED * MESSAGES_PER_REQUEST)
+        """A message's digest -> the conversation key of the last request that carried it, answered
+        whole and as the client sent it."""
         self.last: Evaluated | None = None
         """The last answer's sample, on any route."""
 
@@ -110,9 +118,9 @@ class AnswerCheck:
 
     def expect(self, state: FlowState, parsed: wire.Chat | wire.Prompt) -> None:
         """Note what the answer to `state` is read against, from its parsed request."""
-        key = parsed.key if isinstance(parsed, wire.Chat) else None
+        key, marks = (parsed.key, parsed.fingerprints()) if isinstance(parsed, wire.Chat) else (None, ())
         usage = openai.usage_asked(parsed.body)
-        self._remember(state, Expected(parsed.params.model, key, parsed.params.stream, usage))
+        self._remember(state, Expected(parsed.params.model, key, parsed.params.stream, usage, fingerprints=marks))
 
     def ask_usage(self, state: FlowState, body: bytes | None) -> bytes | None:
         """The body to send instead of `body` (what the fitter decided; None: the client's own)
@@ -149,6 +157,27 @@ class AnswerCheck:
         """The last answered request of a conversation (by `wire.Chat.key`): what the server
         counted of its prompt, beside what was sent."""
         return self._answered.get(conversation)
+
+    def evaluated_like(self, parsed: wire.Chat) -> Evaluated | None:
+        """The last answered request of `parsed`'s conversation; failing that, of the conversation
+        whose last request, answered whole and as it came, carried most of `parsed`'s text. An agent
+        that compacts its own history starts a new conversation (Claude Code's summary request has
+        a system prompt of its own; Qwen Code's opening changes every turn after its compaction), and
+        the server has already counted what it repeats."""
+        own = self._answered.get(parsed.key)
+        if own is not None:
+            return own
+        carried: dict[str, int] = {}
+        for digest, size in parsed.fingerprints():
+            if (conversation := self._by_message.get(digest)) is not None:
+                carried[conversation] = carried.get(conversation, 0) + size
+        if not carried:
+            return None
+        conversation, size = max(carried.items(), key=lambda kv: kv[1])
+        sample = self._answered.get(conversation)
+        if sample is None or sample.model != parsed.params.model or size * 2 < parsed.characters:
+            return None
+        return sample
 
     def final_report(self, state: FlowState, final: Any, counted: int | None = None) -> dict[str, Any] | None:
         """The report (its JSON form) for the answer's final record, after checking the count the
@@ -218,13 +247,17 @@ class AnswerCheck:
         possible = verdict is not None and verdict.evaluation is Evaluation.UNSURE and verdict.truncation is not None
         model = expected.model if expected is not None else (wire.model_of(state.original) or state.where.model)
         conversation = expected.conversation if expected is not None else None
+        marks = expected.fingerprints if expected is not None else ()
         estimated = state.calibration.estimated if state.calibration is not None else None
         if conversation is None and estimated is None and window and evaluated * NEARING >= window and len(state.original) <= SIZE_PROOF_BYTES:
-            conversation, estimated = _read_as_sent(state)
+            conversation, estimated, marks = _read_as_sent(state)
         sample = Evaluated(state.route.name, model, conversation, evaluated, state.sent_tokens, cut, possible, window, estimated)
         self.last = sample
         if conversation is not None:
             self._answered.put(conversation, sample)
+            if sample.whole and estimated is not None and not (state.report is not None and state.report.compacted):  # counted as it came
+                for digest, _ in marks:
+                    self._by_message.put(digest, conversation)
 
     def _remember(self, state: FlowState, expected: Expected) -> None:
         self._expected.put(id(state), (weakref.ref(state), expected))
@@ -252,18 +285,18 @@ def _no_cut_explains(sized: Sample | None, evaluated: int, window: int | None) -
     return sized.droppable is not None and evaluated + high * sized.droppable < window - 1
 
 
-def _read_as_sent(state: FlowState) -> tuple[str | None, int | None]:
+def _read_as_sent(state: FlowState) -> tuple[str | None, int | None, tuple[tuple[str, int], ...]]:
     """A request proved to fit by its size went out unparsed (that is what the proof saves): read
     now (in a conversation `NEARING` its window only), small as it is, for its conversation's key
-    and the byte estimate of it, so that the next turn, the first that may overflow, is counted at
-    the conversation's own rate."""
+    the byte estimate of it and its messages' digests, so that the next turn, the first that may
+    overflow, is counted at the conversation's own rate."""
     try:
         parsed = state.route.read(state.original)
     except (wire.Unreadable, wire.NotFittable, wire.NotCompactable, ValueError):
-        return None, None
+        return None, None, ()
     if not isinstance(parsed, wire.Chat):
-        return None, None
-    return parsed.key, rough_size(parsed, EstimateCounter())
+        return None, None, ()
+    return parsed.key, rough_size(parsed, EstimateCounter()), parsed.fingerprints()
 
 
 STREAMED = re.compile(rb'"stream"\s*:\s*true\b')

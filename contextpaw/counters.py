@@ -94,6 +94,16 @@ class CounterChoice:
                 return local, 0
         return calibrated, 0
 
+    async def exact_for(self, backend: wire.Backend, model: str) -> bool:
+        """Whether a big request for `model` is counted exactly (by a tokenizer or llama-server's
+        own count), not by the calibrated estimate."""
+        if self.settings.tokenizer and await self.services.tokenizer(self.settings.tokenizer) is not None:
+            return True
+        if backend.kind == wire.Kind.LLAMACPP:
+            return True
+        gguf = await self._model_file(backend, model)
+        return gguf is not None and await self.services.tokenizer(gguf) is not None
+
     def _warm(self, backend: wire.Backend, model: str) -> None:
         """Start loading the tokenizer a bigger request of this model will count with (a GGUF
         vocabulary takes seconds to read, and the request that needs it would wait for it): once

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from contextpaw.fitter import Fitter
 from contextpaw.ledger import FailureLedger
 from contextpaw.replies import ADMIN_MARK, REFUSED_MARK, flag, reply
 from contextpaw.session import HttpServices
+from contextpaw.sizing import ANCHOR_MARGIN
 from contextpaw.streams import report_bytes
 
 CLIENT_HOST = "contextpaw.client_host"
@@ -109,12 +111,23 @@ class AdminEndpoints:
         flag(flow, REFUSED_MARK, f"answered 403: Host {host!r} from a loopback client")
         logger.warning("%s %s: answered 403: the Host %r does not name this machine", flow.request.method, flow.request.path, host)
 
-    async def _window(self, backend: wire.Backend, model: str) -> tuple[int, str]:
-        """The window requests for `model` without one of their own are fitted to: the backend's,
-        else `contextpaw_default_ctx`."""
+    async def _window(self, backend: wire.Backend, model: str) -> dict[str, Any]:
+        """The window requests for `model` without one of their own are fitted to (the backend's,
+        else `contextpaw_default_ctx`), how they are counted, and the window to tell an agent: on
+        Ollama without the model's tokenizer a turn goes out unchanged only while its count, with
+        the count's error margin, fits, so an agent told the whole window would compact itself
+        after ContextPaw had already cut."""
         budgeter = self.fitter.budgeter
         found = await budgeter.source.window(backend, model)
-        return (found, "backend") if found else (budgeter.default_ctx, "contextpaw_default_ctx")
+        window = found or budgeter.default_ctx
+        exact = await self.fitter.counters.exact_for(backend, model)
+        served = {"window": window, "source": "backend" if found else "contextpaw_default_ctx", "counted": "exactly" if exact else "by estimate"}
+        if exact or backend.kind != wire.Kind.OLLAMA:
+            return {**served, "agent_window": window}
+        told = math.floor(budgeter.for_window(window, wire.Params(model, False)).admits / ANCHOR_MARGIN)
+        note = (f"no tokenizer for {model}: a turn is counted at its conversation's rate with {ANCHOR_MARGIN - 1:.0%} for "
+                f"the count's error, so an agent told {told} compacts itself before ContextPaw would cut")  # fmt: skip
+        return {**served, "agent_window": told, "note": note}
 
     async def _health(self) -> dict[str, Any]:
         return {

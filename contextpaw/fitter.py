@@ -129,7 +129,7 @@ class Fitter:
         self.answers = AnswerCheck(self.calibration, stats)
         """Each answer's count of what was evaluated, checked (the verdict) and learned from."""
         self.sizer = Sizer(
-            self.counters, self.calibration, self.estimate, self.plans, settings.keep_recent, self.answers.evaluated, settings.headroom
+            self.counters, self.calibration, self.estimate, self.plans, settings.keep_recent, self.answers.evaluated_like, settings.headroom
         )
         self.digesting = Digesting(self.sizer, self.windows, self.counters, services, settings)
         self.summarizer: Summarizer | None = None

@@ -24,14 +24,22 @@ from contextpaw.wire import Kind
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """What the agent is pointed at: ContextPaw's address, the model, the window served, the kind of
-    backend behind it, and where generated files go."""
+    """What the agent is pointed at: ContextPaw's address, the model, the window the agent is told,
+    the kind of backend behind it, and where generated files go."""
 
     proxy: str
     model: str
     window: int
     kind: Kind
     state_dir: Path
+    served: int | None = None
+    """The window the backend serves, where the agent is told less (`/contextpaw/window`'s
+    `agent_window`: ContextPaw counts the model by estimate); None: the same."""
+
+    @property
+    def num_ctx(self) -> int:
+        """The window to ask Ollama for: the one it serves, whatever the agent is told."""
+        return self.served or self.window
 
     @property
     def output(self) -> int:
@@ -171,14 +179,14 @@ def aider(target: Target) -> Launch:
     if target.kind == Kind.OLLAMA:
         env = {"OLLAMA_API_BASE": target.proxy.rstrip("/")}
         settings_path = _generated(target, "aider", ".settings.yml")
-        files[settings_path] = json.dumps([{"name": name, "extra_params": {"num_ctx": target.window}}], indent=2) + "\n"
+        files[settings_path] = json.dumps([{"name": name, "extra_params": {"num_ctx": target.num_ctx}}], indent=2) + "\n"
         argv += ["--model-settings-file", str(settings_path)]
         defaults = {}
     else:
         env = {"OPENAI_API_BASE": _v1(target)}
         defaults = {"OPENAI_API_KEY": "contextpaw"}
     notes = (f"aider: window {target.window} (max_input_tokens in {metadata_path})"
-             + (f", num_ctx {target.window} on every request" if target.kind == Kind.OLLAMA else ""),)  # fmt: skip
+             + (f", num_ctx {target.num_ctx} on every request" if target.kind == Kind.OLLAMA else ""),)  # fmt: skip
     return Launch("aider", tuple(argv), _frozen(env), _frozen(defaults), MappingProxyType(files), notes)
 
 

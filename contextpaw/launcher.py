@@ -89,9 +89,12 @@ def target(ns: argparse.Namespace) -> launch.Target:
     if served["source"] != "backend" and ns.window is None:
         print(f"contextpaw launch: the backend did not say the window of {model}; ContextPaw fits to its default "
               f"({served['window']}, contextpaw_default_ctx); give --window N to tell the agent another", file=sys.stderr)  # fmt: skip
-    window = ns.window or int(served["window"])
+    told = int(served.get("agent_window", served["window"]))
+    if ns.window is None and told != served["window"]:
+        print(f"contextpaw launch: the agent is told a window of {told}, not the {served['window']} served: {served.get('note', '')}", file=sys.stderr)
+    window = ns.window or told
     kind = wire.Kind(served["backend"]["kind"])
-    return launch.Target(proxy, model, window, kind, ns.state_dir.expanduser())
+    return launch.Target(proxy, model, window, kind, ns.state_dir.expanduser(), served=int(served["window"]) if window != served["window"] else None)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -61,7 +61,7 @@ class Sizer:
         estimate: EstimateCounter,
         plans: SizedLRU,
         keep_recent: int,
-        answered: Callable[[str], Evaluated | None] = lambda conversation: None,
+        answered: Callable[[wire.Chat], Evaluated | None] = lambda parsed: None,
         headroom: float | None = None,
     ) -> None:
         self.counters = counters
@@ -73,7 +73,8 @@ class Sizer:
         self.headroom = headroom
         """The share of the budget a cut leaves free (`contextpaw_headroom`; None: what a turn adds)."""
         self.answered = answered
-        """A conversation's last answered turn: the server's count of what was sent, beside ours."""
+        """A chat's last answered turn (its conversation's, else the one whose text it mostly
+        repeats): the server's count of what was sent, beside ours."""
         self.overcounts = LRU(plans.limit)
         """Conversation -> how much looser than the budget, in our count, its next turn's fit starts
         (`verification.Search._overcount`: our count of its last cut ran that much over the server's): that turn
@@ -128,9 +129,9 @@ class Sizer:
             start = Budget(budget.window, budget.reserve, budget.margin - overcount, limit=0)
         guarded, bound, why, opening = start, None, "", ""
         if guard is not None and not counter.exact and (anchored := self._anchored(parsed, guard)) is not None:
-            counter, bound = anchored, ANCHOR_MARGIN
+            (counter, whose), bound = anchored, ANCHOR_MARGIN
             guarded = budget.within(bound)
-            why = f"counted at this conversation's own rate, {anchored.factor:.2f} tokens to the estimate's one, which may run {bound:.2f} times low"
+            why = f"counted at {whose}, {counter.factor:.2f} tokens to the estimate's one, which may run {bound:.2f} times low"
         elif guard is not None and not counter.exact and await self._opening(parsed, counter, fixed, budget, big, guard):
             bound = self.calibration.bounds(calibration_key(backend, parsed.params.model))[1]
             opening = ("the conversation's opening goes out whole: its count fits the window at the estimate's own "
@@ -199,20 +200,22 @@ class Sizer:
         report.counter, report.original_tokens, report.window, report.budget = "backend", whole, budget.window, budget.tokens
         return fitted
 
-    def _anchored(self, parsed: wire.Chat | wire.Prompt, guard: Guard) -> CalibratedCounter | None:
-        """The estimate at the rate the server counted this conversation's last answered turn: the
-        turn is mostly what was sent then, so its count is off only by how the new part differs
-        (where no such turn is known, the server cut it, or its count is one no text could give,
-        None: the guard's bounds hold). Never below what this request's words prove."""
+    def _anchored(self, parsed: wire.Chat | wire.Prompt, guard: Guard) -> tuple[CalibratedCounter, str] | None:
+        """The estimate at the rate the server counted this conversation's last answered turn (or,
+        in a new conversation, the last one whose text this request mostly repeats), and whose rate
+        that is: the request is mostly what was sent then, so its count is off only by how the new
+        part differs (where no such turn is known, the server cut it, or its count is one no text
+        could give, None: the guard's bounds hold). Never below what this request's words prove."""
         if not isinstance(parsed, wire.Chat):
             return None
-        last = self.answered(parsed.key)
+        last = self.answered(parsed)
         if last is None or not last.whole or not last.estimated:
             return None
         rate = last.prompt_tokens / last.estimated
         if not ESTIMATE_BOUNDS[0] <= rate <= ESTIMATE_BOUNDS[1]:  # no text tokenizes so: not a count of what was sent
             return None
-        return CalibratedCounter(self.estimate, max(rate, guard.floor))
+        whose = "this conversation's own rate" if last.conversation == parsed.key else "the rate of the conversation whose messages it repeats"
+        return CalibratedCounter(self.estimate, max(rate, guard.floor)), whose
 
     async def _opening(
         self, parsed: wire.Chat | wire.Prompt, counter: Counter, fixed: int, budget: Budget, big: bool, guard: Guard

@@ -220,3 +220,50 @@ async def test_a_new_conversations_turn_no_droppable_message_could_explain_is_ju
     later = state(session_body(17, lines=14), OPENAI, OLLAMA)
     await f.fit(later)
     assert later.report is not None and any("own rate" in note for note in later.report.notes), later.report.notes
+
+
+def summary_request(body: dict[str, Any], extra: str = "") -> dict[str, Any]:
+    """An agent's own compaction: a system prompt of its own, the history it holds, and the ask."""
+    messages = [{"role": "system", "content": "You summarize coding sessions for the agent that continues them."}]
+    messages += body["messages"][1:] + [{"role": "user", "content": extra + "Summarize the session so far: files read, facts found."}]
+    return {"model": body["model"], "messages": messages}
+
+
+async def answered_session(f: Any, share: float) -> dict[str, Any]:
+    """Turns answered whole and as they came, until the next would pass `share` of the window."""
+    reads = 1
+    while true_tokens(session_body(reads + 1, lines=50)) <= share * WINDOW:
+        reads += 1
+    for n in range(1, reads + 1):
+        s = state(session_body(n, lines=50), OPENAI, OLLAMA)
+        assert await f.fit(s) == UNCHANGED, f"turn {n} fits the window"
+        await answer(f, s, session_body(n, lines=50))
+    return session_body(reads, lines=50)
+
+
+async def test_an_agents_summary_request_is_counted_at_the_rate_of_the_conversation_it_repeats() -> None:
+    """Claude Code compacts its own history with a request whose system prompt is its own: a new
+    conversation, with no rate of its own, that the guard's width (3.3 times) once cut though it was
+    sized to fit. Its messages are the ones the server has just counted whole: it is counted at that
+    rate, and goes out as it came. (Calibration off: a fresh proxy has learned no kind of text, and
+    the agent tests run so.)"""
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False, calibrate=False)
+    last = await answered_session(f, 0.7)
+    summary = summary_request(last)
+    assert true_tokens(summary) <= 0.8 * WINDOW < 3.3 * rough_size(OPENAI.read(json.dumps(summary).encode()), EstimateCounter())
+    s = state(summary, OPENAI, OLLAMA)
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is not None and any("messages it repeats" in note for note in s.report.notes), s.report.notes
+    await answer(f, s, summary)
+    assert s.report.upstream_truncated is None and s.report.upstream_truncation_possible is None
+
+
+async def test_a_new_conversation_that_repeats_less_than_half_of_an_answered_one_is_not_counted_at_its_rate() -> None:
+    """One file in common says little of how the rest tokenizes: the guard's bounds hold."""
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False, calibrate=False)
+    last = await answered_session(f, 0.7)
+    other = summary_request(last, extra="Also consider: " + "".join(f"other_{i} = frobnicate({i})\n" for i in range(900)))
+    s = state(other, OPENAI, OLLAMA)
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.compacted, "held to the guard's width"
+    assert s.report is not None and not any("messages it repeats" in note for note in s.report.notes), s.report.notes

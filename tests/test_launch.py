@@ -159,8 +159,8 @@ def _admin(window: tuple[int, str] = (8192, "backend")) -> admin.Admin:
     async def nothing() -> dict:
         return {}
 
-    async def served(backend: Backend, model: str) -> tuple[int, str]:
-        return window
+    async def served(backend: Backend, model: str) -> dict:
+        return {"window": window[0], "source": window[1], "counted": "exactly", "agent_window": window[0]}
 
     store = EvictedStore(max_items=1, max_bytes=1, max_age_s=1)
     return admin.Admin(Stats(store), store, nothing, nothing, served)
@@ -173,7 +173,7 @@ async def test_the_window_endpoint_names_the_served_window_and_the_backend() -> 
     reply = await _admin().answer("GET", "/contextpaw/window", llamacpp)
     assert reply.status == 200
     assert json.loads(reply.body) == {"model": "", "backend": {"kind": "llamacpp", "url": "http://127.0.0.1:8091"},
-                                      "window": 8192, "source": "backend"}  # fmt: skip
+                                      "window": 8192, "source": "backend", "counted": "exactly", "agent_window": 8192}  # fmt: skip
 
 
 async def test_the_window_endpoint_asks_for_the_model_on_ollama_and_for_a_backend() -> None:

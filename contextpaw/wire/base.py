@@ -198,6 +198,11 @@ def plain_marker(role: str, text: str) -> dict[str, Any]:
     return {"role": role, "content": text}
 
 
+FINGERPRINTED = 256
+"""Characters a message needs before its digest is kept: "ok" and "continue" say nothing of which
+conversation a request repeats."""
+
+
 @dataclass(frozen=True, slots=True)
 class Chat:
     body: dict[str, Any]
@@ -231,6 +236,21 @@ class Chat:
         anchor += [(m.role, m.text, m.images) for m in messages if m.role == "user"][:1]
         data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
         return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+    def fingerprints(self) -> tuple[tuple[str, int], ...]:
+        """(digest, characters) of each message big enough to say something, read as the model reads
+        it: the same message in another conversation (an agent's summary request, the turns after
+        its own compaction) has the same digest, so the server's count of it there is evidence here."""
+        return tuple(
+            (hashlib.blake2b(json.dumps([m.role, m.text, m.images], ensure_ascii=False).encode("utf-8", "surrogatepass"),
+                             digest_size=10).hexdigest(), len(m.text))
+            for m in self.conversation.messages if len(m.text) >= FINGERPRINTED
+        )  # fmt: skip
+
+    @property
+    def characters(self) -> int:
+        """The characters the model reads as text: the system prompt beside the messages and theirs."""
+        return len(self.fixed_text) + sum(len(m.text) for m in self.conversation.messages)
 
     @property
     def texts(self) -> list[str]:

@@ -13,6 +13,7 @@ nothing, and the session finishes.
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -26,6 +27,8 @@ import pytest
 from support import agents as cli
 from support.backends import start_module
 from support.recorder import read_log
+
+from contextpaw.sizing import ANCHOR_MARGIN
 
 SESSIONS = {"claude": (65536, 16), "codex": (32768, 12), "opencode": (32768, 12), "qwen": (32768, 12)}
 """agent -> (window, files). Claude Code keeps 13,000 tokens for its summary besides its answer's
@@ -171,24 +174,47 @@ def test_the_session_finishes_after_its_compaction(session: Session) -> None:
     assert session.run.returncode == 0 and final, session.about()
 
 
-def test_print_shows_what_launch_sets_and_starts_nothing(tmp_path: Path) -> None:
-    """`--print` against a running ContextPaw: the served window in the agent's own setting, the
-    generated file's text, and nothing written."""
+def printed(tmp_path: Path, behaviour: str, agent: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`contextpaw launch AGENT --print` against ContextPaw in front of the scripted model (a
+    24,576-token window) behaving as `behaviour`; and the state directory it names."""
     log = tmp_path / "model.jsonl"
     with ExitStack() as exits:
-        args = ["--n-ctx", "24576", "--behaviour", "llamacpp", "--log", str(log)]
+        args = ["--n-ctx", "24576", "--behaviour", behaviour, "--log", str(log)]
         model = exits.enter_context(start_module("support.scripted_model", args, "/", tmp_path / "model.out", timeout=180))
         stack, stops = cli.start_contextpaw_stack(tmp_path / "stack", model.url)
         exits.enter_context(stops)
         state = tmp_path / "state"
-        argv = [sys.executable, "-m", "contextpaw.cli", "launch", "opencode", "--url", stack.proxy.url, "--state-dir", str(state), "--print"]
+        argv = [sys.executable, "-m", "contextpaw.cli", "launch", agent, "--url", stack.proxy.url, "--state-dir", str(state), "--print"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
+    assert not state.exists() and not log.exists(), "--print starts nothing and writes nothing"
+    return done, state
+
+
+def opencode_context(done: subprocess.CompletedProcess[str]) -> int:
     config = done.stdout.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
-    assert json.loads(config)["provider"]["contextpaw"]["models"]["scripted"]["limit"]["context"] == 24576
+    return int(json.loads(config)["provider"]["contextpaw"]["models"]["scripted"]["limit"]["context"])
+
+
+def test_print_shows_what_launch_sets_and_starts_nothing(tmp_path: Path) -> None:
+    """`--print` against a running ContextPaw: the served window in the agent's own setting, the
+    generated file's text, and nothing written."""
+    done, state = printed(tmp_path, "llamacpp", "opencode")
+    assert opencode_context(done) == 24576
     assert f"export OPENCODE_CONFIG={state}/launch/opencode-scripted.json" in done.stdout
     assert done.stdout.rstrip().endswith("exec opencode")
-    assert not state.exists() and not log.exists()
+
+
+def test_on_ollama_without_a_tokenizer_the_agent_is_told_the_window_less_the_counts_margin(tmp_path: Path) -> None:
+    """Without the model's tokenizer ContextPaw sends a turn unchanged only while its count, with
+    6% for the count's error, fits: told the whole window, opencode compacted after ContextPaw had
+    cut. The agent is told the window less that margin, Ollama is still asked for the whole one,
+    and the user is told why."""
+    done, _ = printed(tmp_path, "ollama", "opencode")
+    assert opencode_context(done) == math.floor((24576 - 64) / ANCHOR_MARGIN) < 24576
+    assert "not the 24576 served" in done.stderr and "no tokenizer" in done.stderr
+    aider, _ = printed(tmp_path / "aider", "ollama", "aider")
+    assert '"num_ctx": 24576' in aider.stdout and f'"max_input_tokens": {math.floor((24576 - 64) / ANCHOR_MARGIN)}' in aider.stdout
 
 
 def test_aider_asks_ollama_for_the_served_window(stack: cli.StartStack, home: Path) -> None:
