@@ -39,8 +39,8 @@ logger = logs.get(__name__)
 
 REMEMBERED = 4096
 """Requests awaiting their answer, and conversations whose last count is kept (bounded, as every cache here)."""
-MESSAGES_PER_REQUEST = 16
-"""Digests kept per remembered conversation, on average (bounded, as every cache here)."""
+REMEMBERED_LINES = 1 << 17
+"""Lines whose digest is kept: a few windows of an agent's history (about 13 MB)."""
 NEARING = 4
 """A conversation whose answered prompt took a quarter of its window or more may overflow soon: a
 turn of it proved to fit by its size is read after its answer, for its rate."""
@@ -91,9 +91,9 @@ class Expected:
     """The client asked for the stream's usage itself."""
     usage_added: bool = False
     """ContextPaw asked for it in the client's stead: the usage chunk is taken out of the stream."""
-    fingerprints: tuple[tuple[str, int], ...] = ()
-    """The request's big messages (`wire.Chat.fingerprints`): once it is answered whole and as it
-    came, a request made mostly of them is counted at its rate."""
+    fingerprints: tuple[tuple[int, int], ...] = ()
+    """The request's lines (`wire.Chat.fingerprints`): once it is answered whole and as it came, a
+    request made mostly of them is counted at its rate."""
 
 
 class AnswerCheck:
@@ -108,8 +108,8 @@ class AnswerCheck:
         """id(state) -> (a weak reference to it, its `Expected`), until the answer is read."""
         self._answered: LRU = LRU(REMEMBERED)
         """Conversation key -> the `Evaluated` of its last answered request."""
-        self._by_message: LRU = LRU(REMEMBERED * MESSAGES_PER_REQUEST)
-        """A message's digest -> the conversation key of the last request that carried it, answered
+        self._by_line: LRU = LRU(REMEMBERED_LINES)
+        """A line's digest -> the conversation key of the last request that carried it, answered
         whole and as the client sent it."""
         self.last: Evaluated | None = None
         """The last answer's sample, on any route."""
@@ -161,15 +161,16 @@ class AnswerCheck:
     def evaluated_like(self, parsed: wire.Chat) -> Evaluated | None:
         """The last answered request of `parsed`'s conversation; failing that, of the conversation
         whose last request, answered whole and as it came, carried most of `parsed`'s text. An agent
-        that compacts its own history starts a new conversation (Claude Code's summary request has
-        a system prompt of its own; Qwen Code's opening changes every turn after its compaction), and
-        the server has already counted what it repeats."""
+        that compacts its own history starts a new conversation (Qwen Code's summary request has a
+        system prompt of its own, and its opening changes every turn after it; Claude Code's holds
+        its summary and the files it reads again), and the server has already counted what it
+        repeats: the rate of that count holds for it."""
         own = self._answered.get(parsed.key)
         if own is not None:
             return own
         carried: dict[str, int] = {}
         for digest, size in parsed.fingerprints():
-            if (conversation := self._by_message.get(digest)) is not None:
+            if (conversation := self._by_line.get(digest)) is not None:
                 carried[conversation] = carried.get(conversation, 0) + size
         if not carried:
             return None
@@ -257,7 +258,7 @@ class AnswerCheck:
             self._answered.put(conversation, sample)
             if sample.whole and estimated is not None and not (state.report is not None and state.report.compacted):  # counted as it came
                 for digest, _ in marks:
-                    self._by_message.put(digest, conversation)
+                    self._by_line.put(digest, conversation)
 
     def _remember(self, state: FlowState, expected: Expected) -> None:
         self._expected.put(id(state), (weakref.ref(state), expected))
@@ -285,10 +286,10 @@ def _no_cut_explains(sized: Sample | None, evaluated: int, window: int | None) -
     return sized.droppable is not None and evaluated + high * sized.droppable < window - 1
 
 
-def _read_as_sent(state: FlowState) -> tuple[str | None, int | None, tuple[tuple[str, int], ...]]:
+def _read_as_sent(state: FlowState) -> tuple[str | None, int | None, tuple[tuple[int, int], ...]]:
     """A request proved to fit by its size went out unparsed (that is what the proof saves): read
     now (in a conversation `NEARING` its window only), small as it is, for its conversation's key
-    the byte estimate of it and its messages' digests, so that the next turn, the first that may
+    the byte estimate of it and its lines' digests, so that the next turn, the first that may
     overflow, is counted at the conversation's own rate."""
     try:
         parsed = state.route.read(state.original)

@@ -214,7 +214,7 @@ class Sizer:
         rate = last.prompt_tokens / last.estimated
         if not ESTIMATE_BOUNDS[0] <= rate <= ESTIMATE_BOUNDS[1]:  # no text tokenizes so: not a count of what was sent
             return None
-        whose = "this conversation's own rate" if last.conversation == parsed.key else "the rate of the conversation whose messages it repeats"
+        whose = "this conversation's own rate" if last.conversation == parsed.key else "the rate of the conversation whose text it repeats"
         return CalibratedCounter(self.estimate, max(rate, guard.floor)), whose
 
     async def _opening(

@@ -253,7 +253,7 @@ async def test_an_agents_summary_request_is_counted_at_the_rate_of_the_conversat
     assert true_tokens(summary) <= 0.8 * WINDOW < 3.3 * rough_size(OPENAI.read(json.dumps(summary).encode()), EstimateCounter())
     s = state(summary, OPENAI, OLLAMA)
     assert await f.fit(s) == UNCHANGED
-    assert s.report is not None and any("messages it repeats" in note for note in s.report.notes), s.report.notes
+    assert s.report is not None and any("text it repeats" in note for note in s.report.notes), s.report.notes
     await answer(f, s, summary)
     assert s.report.upstream_truncated is None and s.report.upstream_truncation_possible is None
 
@@ -266,4 +266,24 @@ async def test_a_new_conversation_that_repeats_less_than_half_of_an_answered_one
     s = state(other, OPENAI, OLLAMA)
     decision = await f.fit(s)
     assert isinstance(decision, Forward) and decision.compacted, "held to the guard's width"
-    assert s.report is not None and not any("messages it repeats" in note for note in s.report.notes), s.report.notes
+    assert s.report is not None and not any("text it repeats" in note for note in s.report.notes), s.report.notes
+
+
+async def test_the_conversation_after_an_agents_summary_is_counted_at_the_rate_of_the_files_it_reads_again() -> None:
+    """After its summary Claude Code starts a new conversation: the summary, then the last files it
+    read, attached again in messages of another shape. Those lines are what the server just counted;
+    the new conversation is counted at that rate and goes out as it came."""
+    f = fitter(default_ctx=WINDOW, output_reserve=0, discover_window=False, calibrate=False)
+    last = await answered_session(f, 0.7)
+    files = [m["content"] for m in last["messages"] if m["role"] == "tool"]
+    after = {"model": last["model"], "messages": [
+        last["messages"][0],
+        {"role": "user", "content": "This session continues an earlier one. Summary: files read, facts found.\n"
+                                    + "".join(f"Contents of f{n}.py:\n{text}" for n, text in enumerate(files))},
+        {"role": "assistant", "content": "Reading the next file."},
+        {"role": "user", "content": "Go on."},
+    ]}  # fmt: skip
+    assert true_tokens(after) <= 0.8 * WINDOW < 3.3 * rough_size(OPENAI.read(json.dumps(after).encode()), EstimateCounter())
+    s = state(after, OPENAI, OLLAMA)
+    assert await f.fit(s) == UNCHANGED
+    assert s.report is not None and any("text it repeats" in note for note in s.report.notes), s.report.notes

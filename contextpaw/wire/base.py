@@ -198,8 +198,8 @@ def plain_marker(role: str, text: str) -> dict[str, Any]:
     return {"role": role, "content": text}
 
 
-FINGERPRINTED = 256
-"""Characters a message needs before its digest is kept: "ok" and "continue" say nothing of which
+FINGERPRINTED = 32
+"""Characters a line needs before its digest is kept: "}" and "ok" say nothing of which
 conversation a request repeats."""
 
 
@@ -237,15 +237,13 @@ class Chat:
         data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
         return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
-    def fingerprints(self) -> tuple[tuple[str, int], ...]:
-        """(digest, characters) of each message big enough to say something, read as the model reads
-        it: the same message in another conversation (an agent's summary request, the turns after
-        its own compaction) has the same digest, so the server's count of it there is evidence here."""
-        return tuple(
-            (hashlib.blake2b(json.dumps([m.role, m.text, m.images], ensure_ascii=False).encode("utf-8", "surrogatepass"),
-                             digest_size=10).hexdigest(), len(m.text))
-            for m in self.conversation.messages if len(m.text) >= FINGERPRINTED
-        )  # fmt: skip
+    def fingerprints(self) -> tuple[tuple[int, int], ...]:
+        """(digest, characters) of each line of the messages long enough to say something, read as
+        the model reads it. An agent that compacts its own history starts a new conversation that
+        repeats what the server has counted: the history under a summary request's own system
+        prompt, the files it reads again after its summary, the turns it keeps. The digests are
+        Python's own string hash: kept in memory only, within one process."""
+        return tuple((hash(line), len(line)) for m in self.conversation.messages for line in m.text.split("\n") if len(line) >= FINGERPRINTED)
 
     @property
     def characters(self) -> int:
