@@ -1,5 +1,5 @@
 """`mitmdump -s contextpaw_addon.py --mode reverse:...`: ContextPaw as a mitmproxy script."""
 
-from contextpaw.compose import make_addons
+from contextpaw.proxy.compose import make_addons
 
 addons = make_addons()

@@ -115,8 +115,7 @@ class FitSettings:
         reserve, margin, window = o.contextpaw_output_reserve, o.contextpaw_margin, o.contextpaw_default_ctx
         if reserve + margin >= window:
             raise ValueError(
-                f"contextpaw_output_reserve ({reserve}) + contextpaw_margin ({margin}) "
-                f"leave no room in contextpaw_default_ctx ({window})"
+                f"contextpaw_output_reserve ({reserve}) + contextpaw_margin ({margin}) leave no room in contextpaw_default_ctx ({window})"
             )
         fields = read(o, FIT_OPTIONS)
         fields["state_dir"] = Path(fields["state_dir"] or o.confdir).expanduser()

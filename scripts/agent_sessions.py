@@ -494,7 +494,7 @@ def matrix(agents: Iterable[str], behaviours: Iterable[str], tokenizers: Iterabl
     for agent in agents:
         for behaviour in behaviours:
             # llama-server always counts with its own tokenizer: only Ollama runs without one
-            for tokenizer in ([True] if behaviour == "llamacpp" else [t == "yes" for t in tokenizers]):
+            for tokenizer in [True] if behaviour == "llamacpp" else [t == "yes" for t in tokenizers]:
                 for via in ("direct", "contextpaw"):
                     specs.append(Spec(agent, behaviour, tokenizer, via, files, n_ctx))
     return specs

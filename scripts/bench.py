@@ -46,19 +46,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import bench_agent_loop
+import bench_compact
 import httpx
+import measure_window_use
 import mitmproxy.version
 from rich.console import Console
 from rich.progress import Progress
 
-import bench_agent_loop
-import bench_compact
-import measure_window_use
-from contextpaw.calibration import CalibratedCounter
-from contextpaw.conversation import Conversation
-from contextpaw.counting import BackendCounter, LlamaCppCounting
-from contextpaw.fitting import fit_chat
-from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
+from contextpaw.calls.server_counts import BackendCounter, LlamaCppCounting
+from contextpaw.core.conversation import Conversation
+from contextpaw.core.tokens import Counter, EstimateCounter, TokenizerCounter
+from contextpaw.fitting.calibration import CalibratedCounter
+from contextpaw.fitting.engine import fit_chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 from support.backends import (
@@ -98,8 +98,9 @@ console = Console(stderr=True)
 # -- 1. proxy overhead -------------------------------------------------------------------------
 
 
-def mitmdump(upstreams: list[str], work: Path, name: str, *, addon: bool | Path, options: list[str],
-             env: dict[str, str] | None = None) -> tuple[Backend, list[str]]:
+def mitmdump(
+    upstreams: list[str], work: Path, name: str, *, addon: bool | Path, options: list[str], env: dict[str, str] | None = None
+) -> tuple[Backend, list[str]]:
     """One mitmdump, reverse proxy in front of each upstream, with or without the ContextPaw script
     (`addon`: True for contextpaw_addon.py, or the path of another script).
 
@@ -143,14 +144,12 @@ def stream_timing(client: httpx.Client, url: str, body: bytes) -> dict[str, floa
     """Time to first byte, whole stream, and SSE events per second between first and last byte."""
     started = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
-    with client.stream("POST", url + "/v1/chat/completions", content=body,
-                       headers={"Content-Type": "application/json"}) as reply:
+    with client.stream("POST", url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}) as reply:
         for chunk in reply.iter_raw():
             arrivals.append((time.perf_counter(), chunk.count(b"data: ")))
     events = sum(n for _, n in arrivals)
     span = arrivals[-1][0] - arrivals[0][0]
-    return {"ttfb": arrivals[0][0] - started, "total": arrivals[-1][0] - started,
-            "rate": (events - 1) / span if span > 0 else None}
+    return {"ttfb": arrivals[0][0] - started, "total": arrivals[-1][0] - started, "rate": (events - 1) / span if span > 0 else None}
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -168,8 +167,7 @@ def counting_cost(proxy: str, requests: int) -> dict[str, Any]:
 
 def percentiles(values: list[float]) -> dict[str, float]:
     cuts = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
-    return {"n": len(values), "p50_ms": cuts[49] * 1000, "p99_ms": cuts[98] * 1000,
-            "req_per_s": len(values) / sum(values)}
+    return {"n": len(values), "p50_ms": cuts[49] * 1000, "p99_ms": cuts[98] * 1000, "req_per_s": len(values) / sum(values)}
 
 
 def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
@@ -181,22 +179,28 @@ def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
     task = progress.add_task("proxy overhead", total=rounds * (len(PATHS) * (small_n + big_n) + len(STREAM_PATHS) * stream_n))
     with contextlib.ExitStack() as stack:
         fast = stack.enter_context(start_module("support.fake_llamacpp", fake_args, "/health", work / "fast.log"))
-        slow = stack.enter_context(start_module("support.fake_llamacpp", [*fake_args, "--chunk-delay", "0.01"],
-                                                "/health", work / "slow.log"))
+        slow = stack.enter_context(
+            start_module("support.fake_llamacpp", [*fake_args, "--chunk-delay", "0.01"], "/health", work / "slow.log")
+        )
         upstreams = [fast.url, slow.url]
         bare, bare_urls = mitmdump(upstreams, work, "bare", addon=False, options=[])
         stack.enter_context(bare)
-        paw_options = [f"contextpaw_default_ctx={BIG_CTX}", "contextpaw_calibrate=false",
-                       *(f"contextpaw_llamacpp={u}" for u in upstreams)]
+        paw_options = [f"contextpaw_default_ctx={BIG_CTX}", "contextpaw_calibrate=false", *(f"contextpaw_llamacpp={u}" for u in upstreams)]
         paw, paw_urls = mitmdump(upstreams, work, "contextpaw", addon=True, options=paw_options)
         stack.enter_context(paw)
-        unrelayed, unrelayed_urls = mitmdump(upstreams, work, "contextpaw-no-relay", addon=True,
-                                             options=[*paw_options, "contextpaw_relay=false"])
+        unrelayed, unrelayed_urls = mitmdump(
+            upstreams, work, "contextpaw-no-relay", addon=True, options=[*paw_options, "contextpaw_relay=false"]
+        )
         stack.enter_context(unrelayed)
         streaming, streaming_urls = mitmdump(upstreams, work, "bare-streaming", addon=False, options=["stream_large_bodies=1"])
         stack.enter_context(streaming)
-        urls = {"direct": upstreams, "mitmdump": bare_urls, "ContextPaw": paw_urls, "ContextPaw, no relay": unrelayed_urls,
-                STREAMING: streaming_urls}
+        urls = {
+            "direct": upstreams,
+            "mitmdump": bare_urls,
+            "ContextPaw": paw_urls,
+            "ContextPaw, no relay": unrelayed_urls,
+            STREAMING: streaming_urls,
+        }
         clients = {p: stack.enter_context(httpx.Client(timeout=120, trust_env=False)) for p in STREAM_PATHS}
         samples: dict[str, dict[str, list]] = {case: {p: [] for p in STREAM_PATHS} for case in ("small", "big", "stream")}
         for p in STREAM_PATHS:  # warm up: connections, window discovery, template measurement
@@ -217,23 +221,34 @@ def overhead(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
                     samples["stream"][p].append(stream_timing(client, slow_url, chat_bytes(next(serial), stream=True)))
                 progress.advance(task, stream_n)
         spent = counting_cost(paw_urls[0], sum(len(samples[c]["ContextPaw"]) for c in samples))
-    result: dict[str, Any] = {"big_body_bytes": len(chat_bytes(0, filler)), "rounds": rounds, "stream_chunk_delay_s": 0.01,
-                              "contextpaw_counting": spent}
+    result: dict[str, Any] = {
+        "big_body_bytes": len(chat_bytes(0, filler)),
+        "rounds": rounds,
+        "stream_chunk_delay_s": 0.01,
+        "contextpaw_counting": spent,
+    }
     for case in ("small", "big"):
         result[case] = {p: percentiles(samples[case][p]) for p in PATHS}
-    result["stream"] = {p: {"ttfb": percentiles([s["ttfb"] for s in samples["stream"][p]]),
-                            "total": percentiles([s["total"] for s in samples["stream"][p]]),
-                            "events_per_s": median_or_none([s["rate"] for s in samples["stream"][p]])}
-                        for p in STREAM_PATHS}
+    result["stream"] = {
+        p: {
+            "ttfb": percentiles([s["ttfb"] for s in samples["stream"][p]]),
+            "total": percentiles([s["total"] for s in samples["stream"][p]]),
+            "events_per_s": median_or_none([s["rate"] for s in samples["stream"][p]]),
+        }
+        for p in STREAM_PATHS
+    }
     result["verdict"] = {
-        case: {"p50_vs_mitmdump": result[case]["ContextPaw"]["p50_ms"] / result[case]["mitmdump"]["p50_ms"] - 1,
-               "req_per_s_vs_mitmdump": result[case]["ContextPaw"]["req_per_s"] / result[case]["mitmdump"]["req_per_s"] - 1,
-               "relay_p50_ms": result[case]["ContextPaw"]["p50_ms"] - result[case]["ContextPaw, no relay"]["p50_ms"]}
+        case: {
+            "p50_vs_mitmdump": result[case]["ContextPaw"]["p50_ms"] / result[case]["mitmdump"]["p50_ms"] - 1,
+            "req_per_s_vs_mitmdump": result[case]["ContextPaw"]["req_per_s"] / result[case]["mitmdump"]["req_per_s"] - 1,
+            "relay_p50_ms": result[case]["ContextPaw"]["p50_ms"] - result[case]["ContextPaw, no relay"]["p50_ms"],
+        }
         for case in ("small", "big")
-    } | {"stream_ttfb_p50_vs_direct_ms": result["stream"]["ContextPaw"]["ttfb"]["p50_ms"]
-         - result["stream"]["direct"]["ttfb"]["p50_ms"],
-         "streaming_floor_ttfb_p50_vs_direct_ms": result["stream"][STREAMING]["ttfb"]["p50_ms"]
-         - result["stream"]["direct"]["ttfb"]["p50_ms"]}
+    } | {
+        "stream_ttfb_p50_vs_direct_ms": result["stream"]["ContextPaw"]["ttfb"]["p50_ms"] - result["stream"]["direct"]["ttfb"]["p50_ms"],
+        "streaming_floor_ttfb_p50_vs_direct_ms": result["stream"][STREAMING]["ttfb"]["p50_ms"]
+        - result["stream"]["direct"]["ttfb"]["p50_ms"],
+    }
     return result
 
 
@@ -280,8 +295,9 @@ def loop_health(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
         paw_options = [f"contextpaw_llamacpp={fast.url}", "contextpaw_calibrate=false"]
         paw, (paw_url,) = mitmdump([fast.url], work, "loop-paw", addon=True, options=paw_options)
         stack.enter_context(paw)
-        unrelayed, (unrelayed_url,) = mitmdump([fast.url], work, "loop-no-relay", addon=True,
-                                               options=[*paw_options, "contextpaw_relay=false"])
+        unrelayed, (unrelayed_url,) = mitmdump(
+            [fast.url], work, "loop-no-relay", addon=True, options=[*paw_options, "contextpaw_relay=false"]
+        )
         stack.enter_context(unrelayed)
         paths = (("mitmdump", bare_url, bare), ("ContextPaw", paw_url, paw), ("ContextPaw, no relay", unrelayed_url, unrelayed))
         for _, url, _ in paths:  # warm up
@@ -295,11 +311,14 @@ def loop_health(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
                 before = cpu_seconds(process.process.pid)
                 rates[name].append(concurrent_rate(url, seconds / 3))
                 cpu[name].append((cpu_seconds(process.process.pid) - before) * 1000 / (rates[name][-1] * seconds / 3))
-        result["ContextPaw, no relay"] = {"c8_req_per_s": statistics.median(rates["ContextPaw, no relay"]),
-                                          "cpu_ms_per_request": statistics.median(cpu["ContextPaw, no relay"])}
+        result["ContextPaw, no relay"] = {
+            "c8_req_per_s": statistics.median(rates["ContextPaw, no relay"]),
+            "cpu_ms_per_request": statistics.median(cpu["ContextPaw, no relay"]),
+        }
         progress.advance(task, 2)
         for name, url, process in (("mitmdump", bare_url, bare), ("ContextPaw", paw_url, paw)):
             rate = statistics.median(rates[name])
+
             def small(client: httpx.Client, url: str = url) -> None:
                 latency(client, url, chat_bytes(-1))
 
@@ -312,8 +331,13 @@ def loop_health(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
 
             during = worst_latency_while(small, compact_once)
             progress.advance(task)
-            result[name] = {"c8_req_per_s": rate, "worst_idle_ms": idle, "worst_during_big_request_ms": during,
-                            "rss_mib": memory_mib(process.process.pid), "cpu_ms_per_request": statistics.median(cpu[name])}
+            result[name] = {
+                "c8_req_per_s": rate,
+                "worst_idle_ms": idle,
+                "worst_during_big_request_ms": during,
+                "rss_mib": memory_mib(process.process.pid),
+                "cpu_ms_per_request": statistics.median(cpu[name]),
+            }
         result["hooks"] = hook_times(fast.url, work, 100 if quick else 1000)
     result["verdict"] = {"c8_vs_mitmdump": result["ContextPaw"]["c8_req_per_s"] / result["mitmdump"]["c8_req_per_s"]}
     result["process_handoff"] = handoff_cost(big_body)
@@ -321,8 +345,12 @@ def loop_health(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
     return result
 
 
-IMPORT_STEPS = (("mitmproxy", ["mitmproxy.tools.dump"]), ("+ aiohttp", ["aiohttp"]), ("+ tokenizers", ["tokenizers"]),
-                ("+ the rest of ContextPaw", ["contextpaw.compose"]))
+IMPORT_STEPS = (
+    ("mitmproxy", ["mitmproxy.tools.dump"]),
+    ("+ aiohttp", ["aiohttp"]),
+    ("+ tokenizers", ["tokenizers"]),
+    ("+ the rest of ContextPaw", ["contextpaw.proxy.compose"]),
+)
 
 
 def rss_by_import() -> list[dict[str, Any]]:
@@ -331,8 +359,11 @@ def rss_by_import() -> list[dict[str, Any]]:
     rows, modules = [], []
     for label, adds in IMPORT_STEPS:
         modules += adds
-        code = ("import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
-                + "print([int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')][0])")
+        code = (
+            "import importlib\n"
+            + "".join(f"importlib.import_module({m!r})\n" for m in modules)
+            + "print([int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')][0])"
+        )
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
         rows.append({"step": label, "rss_mib": int(done.stdout.strip()) / 1024})
     return rows
@@ -342,16 +373,20 @@ def hook_times(upstream: str, work: Path, requests: int) -> dict[str, Any]:
     """ContextPaw's own time in each hook for small fitting requests (scripts/hook_timing.py), so the
     overhead can be told apart: our code, mitmproxy's dispatch of it, and the relay."""
     out = work / "hook-times.json"
-    timed, (url,) = mitmdump([upstream], work, "hook-timing", addon=SCRIPTS / "hook_timing.py",
-                             options=[f"contextpaw_llamacpp={upstream}", "contextpaw_calibrate=false"],
-                             env={**os.environ, "CONTEXTPAW_HOOK_TIMES": str(out)})
+    timed, (url,) = mitmdump(
+        [upstream],
+        work,
+        "hook-timing",
+        addon=SCRIPTS / "hook_timing.py",
+        options=[f"contextpaw_llamacpp={upstream}", "contextpaw_calibrate=false"],
+        env={**os.environ, "CONTEXTPAW_HOOK_TIMES": str(out)},
+    )
     with timed, httpx.Client(timeout=60, trust_env=False) as client:
         for i in range(requests):
             latency(client, url, chat_bytes(10**8 + i))
         timed.stop()
     hooks = json.loads(out.read_text())
-    return {"requests": requests, "by_hook": hooks,
-            "total_us": sum(h["mean_us"] * h["n"] for h in hooks.values()) / requests}
+    return {"requests": requests, "by_hook": hooks, "total_us": sum(h["mean_us"] * h["n"] for h in hooks.values()) / requests}
 
 
 def handoff_cost(body: bytes) -> dict[str, float]:
@@ -388,7 +423,7 @@ def scaling(quick: bool, progress: Progress) -> dict[str, Any]:
     machine's other work); the median is kept beside it."""
     import gc
 
-    from contextpaw.compact import compact_chat
+    from contextpaw.core.compact import compact_chat
 
     sizes = (1200, 2400, 4800) if quick else (1200, 2400, 4800, 9600)
     rounds = 3 if quick else SCALING_ROUNDS
@@ -440,8 +475,7 @@ async def backend_counts(url: str, sizes: list[int], tick: Callable[[], None]) -
             counter = counted[0]
             known |= counter.known
             per_message = counter.message_overhead - 1
-            timings.append({"size": size, "texts": len(set(texts)), "uncached_ms": seconds[0] * 1000,
-                            "cached_ms": seconds[1] * 1000})
+            timings.append({"size": size, "texts": len(set(texts)), "uncached_ms": seconds[0] * 1000, "cached_ms": seconds[1] * 1000})
             tick()
     return BackendCounter(known, estimate, per_message), timings
 
@@ -450,8 +484,7 @@ def compaction(quick: bool, gguf: Path | None, llama_url: str | None, progress: 
     """The bench_compact sweep once per counter that can be had here."""
     sizes = [1000, 5000] if quick else [1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000, 160_000, 200_000]
     repeat = 1 if quick else 3
-    counters: dict[str, Counter] = {"estimate": EstimateCounter(),
-                                    "calibrated": CalibratedCounter(EstimateCounter(), CALIBRATION_FACTOR)}
+    counters: dict[str, Counter] = {"estimate": EstimateCounter(), "calibrated": CalibratedCounter(EstimateCounter(), CALIBRATION_FACTOR)}
     result: dict[str, Any] = {"sizes": sizes, "repeat": repeat, "counters": {}, "skipped": {}}
     if gguf is not None:
         started = time.perf_counter()
@@ -461,8 +494,7 @@ def compaction(quick: bool, gguf: Path | None, llama_url: str | None, progress: 
         result["skipped"]["tokenizer"] = "no SmolLM2 GGUF"
     task = progress.add_task("compaction sweep", total=len(sizes) * (len(counters) + 2 * (llama_url is not None)))
     if llama_url is not None:
-        counters["backend"], result["backend_counting"] = asyncio.run(
-            backend_counts(llama_url, sizes, lambda: progress.advance(task)))
+        counters["backend"], result["backend_counting"] = asyncio.run(backend_counts(llama_url, sizes, lambda: progress.advance(task)))
     else:
         result["skipped"]["backend"] = "no llama-server"
     for name, counter in counters.items():
@@ -484,8 +516,8 @@ async def real_window_use(url: str, sizes: tuple[int, ...] = REAL_USE_SIZES) -> 
     learns), and with llama-server's per-text counts (what ContextPaw uses in front of it), then
     what would be sent counted by the server. Real tokens / budget: under 95% wastes
     the window, over 100% would overflow it."""
-    from contextpaw.calibration import Calibration
-    from contextpaw.compact import compact_chat
+    from contextpaw.core.compact import compact_chat
+    from contextpaw.fitting.calibration import Calibration
 
     estimate, calibration = EstimateCounter(), Calibration()
     rows = []
@@ -542,14 +574,18 @@ def recall(quick: bool, trials: int, progress: Progress) -> dict[str, Any]:
     out = {}
     for name, argv in runs.items():
         try:
-            done = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:]], capture_output=True,
-                                  text=True, timeout=900, cwd=REPO)
+            done = subprocess.run(
+                [sys.executable, str(SCRIPTS / argv[0]), *argv[1:]], capture_output=True, text=True, timeout=900, cwd=REPO
+            )
             output, code = done.stdout, done.returncode
         except subprocess.TimeoutExpired as e:
             output = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
             code = None
-        out[name] = {"exit": code, "recalled": {m[1]: [int(m[2]), int(m[3])] for m in RECALL_LINE.finditer(output)},
-                     "table": [line for line in output.splitlines() if line.startswith("|")] if name == "measure_summary" else []}
+        out[name] = {
+            "exit": code,
+            "recalled": {m[1]: [int(m[2]), int(m[3])] for m in RECALL_LINE.finditer(output)},
+            "table": [line for line in output.splitlines() if line.startswith("|")] if name == "measure_summary" else [],
+        }
         progress.advance(task)
     return out
 
@@ -558,9 +594,15 @@ def recall(quick: bool, trials: int, progress: Progress) -> dict[str, Any]:
 
 
 def machine(llama: Path | None) -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "platform": platform.platform(),
-            "python": platform.python_version(), "mitmproxy": mitmproxy.version.VERSION,
-            "llama_server": str(llama) if llama else None, "date": time.strftime("%Y-%m-%d %H:%M")}
+    return {
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mitmproxy": mitmproxy.version.VERSION,
+        "llama_server": str(llama) if llama else None,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 
 def plots(result: dict[str, Any], img: Path) -> list[str]:
@@ -584,16 +626,17 @@ def plots(result: dict[str, Any], img: Path) -> list[str]:
         cases = [("small", over["small"]), ("1 MB", over["big"]), ("stream TTFB", {p: over["stream"][p]["ttfb"] for p in PATHS})]
         for j, p in enumerate(PATHS):
             width = 0.8 / len(PATHS)
-            ax.bar([i + (j - (len(PATHS) - 1) / 2) * width for i in range(len(cases))], [c[p]["p50_ms"] for _, c in cases],
-                   width, label=p)
+            ax.bar([i + (j - (len(PATHS) - 1) / 2) * width for i in range(len(cases))], [c[p]["p50_ms"] for _, c in cases], width, label=p)
         ax.set_xticks(range(len(cases)), [c for c, _ in cases])
         ax.set_yscale("log")
         ax.set_ylabel("p50 latency, ms")
         ax.legend(fontsize=8)
         save(fig, "bench-overhead.png")
     if comp := result["compaction"].get("counters"):
-        for name, key, label, scale in (("bench-compaction.png", "ms", "time, ms", "log"),
-                                        ("bench-window-use.png", "use", "final / budget", "linear")):
+        for name, key, label, scale in (
+            ("bench-compaction.png", "ms", "time, ms", "log"),
+            ("bench-window-use.png", "use", "final / budget", "linear"),
+        ):
             fig, ax = plt.subplots(figsize=(6, 3.2))
             for counter, rows in comp.items():
                 for kind, style in (("chat", "-"), ("prompt", "--")):
@@ -609,8 +652,11 @@ def plots(result: dict[str, Any], img: Path) -> list[str]:
             save(fig, name)
     if turns := result["agent_loop"].get("turns"):
         fig, ax = plt.subplots(figsize=(6, 3))
-        labels = {"contextpaw": "ContextPaw (sticky plan)", "baseline": "from scratch each turn",
-                  "uncut": "uncut, window holds all (ceiling)"}
+        labels = {
+            "contextpaw": "ContextPaw (sticky plan)",
+            "baseline": "from scratch each turn",
+            "uncut": "uncut, window holds all (ceiling)",
+        }
         for path, label in labels.items():
             if path in turns[0]:
                 ax.plot([r["turn"] for r in turns], [r[path]["cached"] for r in turns], marker=".", label=label)
@@ -642,78 +688,178 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         ratio = paw["req_per_s"] / bare["req_per_s"]
         plain_ratio = plain["req_per_s"] / bare["req_per_s"]
         relay = f"the relay's hop {paw['p50_ms'] - plain['p50_ms']:+.2f} ms p50; without it {plain_ratio:.2f}x"
-        rows.append(("small fitting POST, c=1", f"{bare['req_per_s']:.0f} req/s, p50 {bare['p50_ms']:.2f} ms",
-                     f"{paw['req_per_s']:.0f} req/s ({ratio:.2f}x), p50 {paw['p50_ms']:.2f} ms", "≥ 0.9x",
-                     "met" if ratio >= 0.9 else f"not met: {relay}"))
-        rows.append(("the relay's share (c=1, no relay vs relay)", f"no relay: {plain['req_per_s']:.0f} req/s ({plain_ratio:.2f}x), "
-                     f"p50 {plain['p50_ms']:.2f} ms", f"relay: {paw['p50_ms'] - plain['p50_ms']:+.2f} ms p50", "reported", "-"))
+        rows.append(
+            (
+                "small fitting POST, c=1",
+                f"{bare['req_per_s']:.0f} req/s, p50 {bare['p50_ms']:.2f} ms",
+                f"{paw['req_per_s']:.0f} req/s ({ratio:.2f}x), p50 {paw['p50_ms']:.2f} ms",
+                "≥ 0.9x",
+                "met" if ratio >= 0.9 else f"not met: {relay}",
+            )
+        )
+        rows.append(
+            (
+                "the relay's share (c=1, no relay vs relay)",
+                f"no relay: {plain['req_per_s']:.0f} req/s ({plain_ratio:.2f}x), p50 {plain['p50_ms']:.2f} ms",
+                f"relay: {paw['p50_ms'] - plain['p50_ms']:+.2f} ms p50",
+                "reported",
+                "-",
+            )
+        )
         floor = over["verdict"].get("streaming_floor_ttfb_p50_vs_direct_ms")
         ours = over["verdict"]["stream_ttfb_p50_vs_direct_ms"]
-        rows.append(("first streamed record over direct, p50", "-" if floor is None else f"{floor:+.2f} ms (mitmdump streaming)",
-                     f"{ours:+.2f} ms", "≤ floor + 1 ms",
-                     "-" if floor is None else "met" if ours <= floor + 1 else f"not met: {ours - floor:+.2f} ms over the floor, through the relay"))
+        rows.append(
+            (
+                "first streamed record over direct, p50",
+                "-" if floor is None else f"{floor:+.2f} ms (mitmdump streaming)",
+                f"{ours:+.2f} ms",
+                "≤ floor + 1 ms",
+                "-"
+                if floor is None
+                else "met"
+                if ours <= floor + 1
+                else f"not met: {ours - floor:+.2f} ms over the floor, through the relay",
+            )
+        )
     if health := result.get("loop_health"):
         bare, paw = health["mitmdump"], health["ContextPaw"]
         ratio = paw["c8_req_per_s"] / bare["c8_req_per_s"]
         plain = health.get("ContextPaw, no relay")
-        why = (f"the relay's hop; without it {plain['c8_req_per_s'] / bare['c8_req_per_s']:.2f}x" if plain
-               else relay if "small" in over else "see the CPU row")
-        rows.append(("small fitting POST, c=8", f"{bare['c8_req_per_s']:.0f} req/s", f"{paw['c8_req_per_s']:.0f} req/s ({ratio:.2f}x)",
-                     "≥ 0.9x", "met" if ratio >= 0.9 else f"not met: {why}"))
+        why = (
+            f"the relay's hop; without it {plain['c8_req_per_s'] / bare['c8_req_per_s']:.2f}x"
+            if plain
+            else relay
+            if "small" in over
+            else "see the CPU row"
+        )
+        rows.append(
+            (
+                "small fitting POST, c=8",
+                f"{bare['c8_req_per_s']:.0f} req/s",
+                f"{paw['c8_req_per_s']:.0f} req/s ({ratio:.2f}x)",
+                "≥ 0.9x",
+                "met" if ratio >= 0.9 else f"not met: {why}",
+            )
+        )
         if "cpu_ms_per_request" in paw:
             cost = paw["cpu_ms_per_request"] / bare["cpu_ms_per_request"]
             hooks = health.get("hooks") or {}
             own = f"; ContextPaw's hooks {hooks['total_us'] / 1000:.2f} ms of it" if hooks else ""
-            relay = (f"; the relay's hop {paw['cpu_ms_per_request'] - plain['cpu_ms_per_request']:.2f} ms of it (no relay: "
-                     f"{plain['cpu_ms_per_request'] / bare['cpu_ms_per_request']:.2f}x)" if plain else "")
-            rows.append(("proxy CPU per request at c=8", f"{bare['cpu_ms_per_request']:.2f} ms",
-                         f"{paw['cpu_ms_per_request']:.2f} ms ({cost:.2f}x{own})", "≤ 1.11x (that is 0.9x throughput)",
-                         "met" if cost <= 1 / 0.9 else f"not met: {paw['cpu_ms_per_request'] - bare['cpu_ms_per_request']:.2f} ms more"
-                         + (f", {hooks['total_us'] / 1000:.2f} ms of it in our hooks" if hooks else "") + relay))
-        rows.append((f"worst small-request latency during one {health['compaction_tokens'] // 1000}k/"
-                     f"{health['compaction_messages']} compaction", f"{bare['worst_during_big_request_ms']:.1f} ms",
-                     f"{paw['worst_during_big_request_ms']:.1f} ms", "≤ 10 ms, and within 1.5x of bare",
-                     stall_verdict(paw["worst_during_big_request_ms"], bare["worst_during_big_request_ms"])))
-        rows.append(("worst small-request latency while idle", f"{bare['worst_idle_ms']:.1f} ms", f"{paw['worst_idle_ms']:.1f} ms",
-                     "no cause of ours", met(paw["worst_idle_ms"] <= max(10.0, 1.5 * bare["worst_idle_ms"]))))
+            relay = (
+                f"; the relay's hop {paw['cpu_ms_per_request'] - plain['cpu_ms_per_request']:.2f} ms of it (no relay: "
+                f"{plain['cpu_ms_per_request'] / bare['cpu_ms_per_request']:.2f}x)"
+                if plain
+                else ""
+            )
+            rows.append(
+                (
+                    "proxy CPU per request at c=8",
+                    f"{bare['cpu_ms_per_request']:.2f} ms",
+                    f"{paw['cpu_ms_per_request']:.2f} ms ({cost:.2f}x{own})",
+                    "≤ 1.11x (that is 0.9x throughput)",
+                    "met"
+                    if cost <= 1 / 0.9
+                    else f"not met: {paw['cpu_ms_per_request'] - bare['cpu_ms_per_request']:.2f} ms more"
+                    + (f", {hooks['total_us'] / 1000:.2f} ms of it in our hooks" if hooks else "")
+                    + relay,
+                )
+            )
+        rows.append(
+            (
+                f"worst small-request latency during one {health['compaction_tokens'] // 1000}k/{health['compaction_messages']} compaction",
+                f"{bare['worst_during_big_request_ms']:.1f} ms",
+                f"{paw['worst_during_big_request_ms']:.1f} ms",
+                "≤ 10 ms, and within 1.5x of bare",
+                stall_verdict(paw["worst_during_big_request_ms"], bare["worst_during_big_request_ms"]),
+            )
+        )
+        rows.append(
+            (
+                "worst small-request latency while idle",
+                f"{bare['worst_idle_ms']:.1f} ms",
+                f"{paw['worst_idle_ms']:.1f} ms",
+                "no cause of ours",
+                met(paw["worst_idle_ms"] <= max(10.0, 1.5 * bare["worst_idle_ms"])),
+            )
+        )
         steps = health.get("rss_by_import") or []
         where = ", ".join(f"{b['step'].lstrip('+ ')} {b['rss_mib'] - a['rss_mib']:+.1f}" for a, b in zip(steps, steps[1:]))
-        rows.append(("RSS after the run", f"{bare['rss_mib']:.0f} MiB", f"{paw['rss_mib']:.0f} MiB"
-                     + (f" (imports alone, MiB: {where})" if where else ""), "say where it goes", "-"))
+        rows.append(
+            (
+                "RSS after the run",
+                f"{bare['rss_mib']:.0f} MiB",
+                f"{paw['rss_mib']:.0f} MiB" + (f" (imports alone, MiB: {where})" if where else ""),
+                "say where it goes",
+                "-",
+            )
+        )
     if scale := result.get("scaling"):
         grown = [r["per_doubling"] for r in scale["rows"] if "per_doubling" in r]
         sizes = " / ".join(f"{r['messages']:,}" for r in scale["rows"])
-        rows.append((f"engine, {scale['tokens'] // 1000}k tokens at {sizes} messages", "-",
-                     " / ".join(f"{r['ms']:.0f}" for r in scale["rows"]) + " ms; per doubling " + ", ".join(f"{g:.2f}x" for g in grown),
-                     "≤ 2.2x per doubling", met(all(g <= 2.2 for g in grown))))
+        rows.append(
+            (
+                f"engine, {scale['tokens'] // 1000}k tokens at {sizes} messages",
+                "-",
+                " / ".join(f"{r['ms']:.0f}" for r in scale["rows"]) + " ms; per doubling " + ", ".join(f"{g:.2f}x" for g in grown),
+                "≤ 2.2x per doubling",
+                met(all(g <= 2.2 for g in grown)),
+            )
+        )
     for loop in result.get("agent_loops") or [result.get("agent_loop", {})]:
         if table := loop.get("table"):
-            gaps = [r for r in loop["turns"] if "failed" not in r["contextpaw"] and "ceiling" in r
-                    and table["first_compacted_turn"] is not None and r["turn"] >= table["first_compacted_turn"]
-                    and r["contextpaw"]["cached"] < r["ceiling"] - CEILING_SLACK]
-            rows.append((f"agent loop on real llama-server ({table['turns']} turns, -c {table['window']}), prompt from cache",
-                         f"ceiling (all but what each turn adds): {pct(table['ceiling_mean'])} mean, {pct(table['ceiling_worst'])} worst",
-                         f"{pct(table['reuse_mean'])} mean, {pct(table['reuse_worst'])} worst; {table['recut_turns']} re-cut turns at "
-                         f"{pct(table['recut_reuse_mean'])} against {pct(table['recut_ceiling_mean'])}",
-                         "every turn at its ceiling", "met" if not gaps else f"not met: {len(gaps)} turns below; {recut_reasons(gaps)}"))
+            gaps = [
+                r
+                for r in loop["turns"]
+                if "failed" not in r["contextpaw"]
+                and "ceiling" in r
+                and table["first_compacted_turn"] is not None
+                and r["turn"] >= table["first_compacted_turn"]
+                and r["contextpaw"]["cached"] < r["ceiling"] - CEILING_SLACK
+            ]
+            rows.append(
+                (
+                    f"agent loop on real llama-server ({table['turns']} turns, -c {table['window']}), prompt from cache",
+                    f"ceiling (all but what each turn adds): {pct(table['ceiling_mean'])} mean, {pct(table['ceiling_worst'])} worst",
+                    f"{pct(table['reuse_mean'])} mean, {pct(table['reuse_worst'])} worst; {table['recut_turns']} re-cut turns at "
+                    f"{pct(table['recut_reuse_mean'])} against {pct(table['recut_ceiling_mean'])}",
+                    "every turn at its ceiling",
+                    "met" if not gaps else f"not met: {len(gaps)} turns below; {recut_reasons(gaps)}",
+                )
+            )
     if prefix := result.get("prefix"):
         for w in prefix["windows"]:
             unnoted = sum(1 for c in w["recuts"] if c["before_last_marker"] and not c["earlier_cut_noted"])
             noted = sum(1 for c in w["recuts"] if c["before_last_marker"] and c["earlier_cut_noted"])
-            rows.append((f"prefix through the last marker, turn to turn (engine, {prefix['turns']} turns, {w['window'] // 1024}k)",
-                         f"ceiling {pct(w['ceiling_mean'])} mean", f"reuse {pct(w['reuse_mean'])} mean, {w['recut_turns']} re-cuts, "
-                         f"{noted} before the last marker (the budget forced it, noted)", "identical unless the budget forces a cut (noted)",
-                         "met" if unnoted == 0 else f"not met: {unnoted} unnoted"))
+            rows.append(
+                (
+                    f"prefix through the last marker, turn to turn (engine, {prefix['turns']} turns, {w['window'] // 1024}k)",
+                    f"ceiling {pct(w['ceiling_mean'])} mean",
+                    f"reuse {pct(w['reuse_mean'])} mean, {w['recut_turns']} re-cuts, "
+                    f"{noted} before the last marker (the budget forced it, noted)",
+                    "identical unless the budget forces a cut (noted)",
+                    "met" if unnoted == 0 else f"not met: {unnoted} unnoted",
+                )
+            )
     use = result.get("window_use_through", {}).get("summary") or {}
-    for path, label in (("llama-server", "llama-server's counts"), ("ollama /api/chat", "calibrated shape count, Ollama /api/chat"),
-                        ("ollama /v1", "calibrated estimate, Ollama /v1 (no truncate: false)"),
-                        ("ollama /v1, model file read", "the model's tokenizer from the GGUF Ollama names, Ollama /v1")):
+    for path, label in (
+        ("llama-server", "llama-server's counts"),
+        ("ollama /api/chat", "calibrated shape count, Ollama /api/chat"),
+        ("ollama /v1", "calibrated estimate, Ollama /v1 (no truncate: false)"),
+        ("ollama /v1, model file read", "the model's tokenizer from the GGUF Ollama names, Ollama /v1"),
+    ):
         if (u := use.get(path)) and u["measured"]:
-            rows.append((f"real-token window use, {label} (the server's count of what was sent / budget)", "-",
-                         f"{u['min']:.1%} to {u['max']:.1%}, mean {u['mean']:.1%} over {u['measured']} chats",
-                         f"≥ {u['goal']:.0%}, never over 100%",
-                         "met" if u["met"] else f"not met: {u['below_goal']} below, {u['over_100']} over 100%"
-                         + "".join(f"; {why}" for why in u.get("shortfalls", []))))
+            rows.append(
+                (
+                    f"real-token window use, {label} (the server's count of what was sent / budget)",
+                    "-",
+                    f"{u['min']:.1%} to {u['max']:.1%}, mean {u['mean']:.1%} over {u['measured']} chats",
+                    f"≥ {u['goal']:.0%}, never over 100%",
+                    "met"
+                    if u["met"]
+                    else f"not met: {u['below_goal']} below, {u['over_100']} over 100%"
+                    + "".join(f"; {why}" for why in u.get("shortfalls", [])),
+                )
+            )
     return rows
 
 
@@ -726,9 +872,11 @@ def recut_reasons(gaps: list[dict[str, Any]]) -> str:
     forced = sum(1 for d in details if d.get("earlier_cut_noted"))
     unnoted = sum(1 for d in details if d and d.get("before_last_marker") and not d.get("earlier_cut_noted"))
     worst = min(gaps, key=lambda t: t["contextpaw"]["cached"])
-    return (f"{after} re-cut after the last marker (what follows the change is evaluated again), {forced} forced "
-            f"before it by the budget (noted), {unnoted} before it unnoted, {len(gaps) - after - forced - unnoted} other; "
-            f"worst turn {worst['turn']}: {pct(worst['contextpaw']['cached'])} of {pct(worst['ceiling'])}")
+    return (
+        f"{after} re-cut after the last marker (what follows the change is evaluated again), {forced} forced "
+        f"before it by the budget (noted), {unnoted} before it unnoted, {len(gaps) - after - forced - unnoted} other; "
+        f"worst turn {worst['turn']}: {pct(worst['contextpaw']['cached'])} of {pct(worst['ceiling'])}"
+    )
 
 
 def stall_verdict(ours_ms: float, bare_ms: float) -> str:
@@ -759,10 +907,18 @@ def reused_note(result: dict[str, Any]) -> str:
 def markdown(result: dict[str, Any], images: list[str]) -> str:
     """The README fragment: one table per section, with the goals and the plots."""
     m = result["machine"]
-    lines = ["# Benchmarks", "", f"Generated by `scripts/bench.py{' --quick' if result['quick'] else ''}` on {m['date']}: "
-             f"{m['cpus']} CPUs (load {m['load_average'][0]:.1f} at start, shared machine), Python {m['python']}, "
-             f"mitmproxy {m['mitmproxy']}{reused_note(result)}. Absolute numbers are this machine's; compare within a table.", "",
-             "## Goals, side by side", "", *goals_table(result), ""]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `scripts/bench.py{' --quick' if result['quick'] else ''}` on {m['date']}: "
+        f"{m['cpus']} CPUs (load {m['load_average'][0]:.1f} at start, shared machine), Python {m['python']}, "
+        f"mitmproxy {m['mitmproxy']}{reused_note(result)}. Absolute numbers are this machine's; compare within a table.",
+        "",
+        "## Goals, side by side",
+        "",
+        *goals_table(result),
+        "",
+    ]
 
     def image(name: str) -> None:
         if name in images:
@@ -777,10 +933,14 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
     over = result["overhead"]
     lines += ["## 1. Proxy overhead", ""]
     if not skipped(over):
-        lines += [f"Fake llama-server on loopback, one keep-alive client, sequential; {over['rounds']} rounds in which the "
-                  f"paths take turns. Big body: {over['big_body_bytes'] / 1e6:.2f} MB that fits (nothing compacted). "
-                  f"Streams: {over['stream_chunk_delay_s'] * 1000:.0f} ms between tokens.", "",
-                  "| case | path | n | req/s | p50 ms | p99 ms |", "|---|---|---:|---:|---:|---:|"]
+        lines += [
+            f"Fake llama-server on loopback, one keep-alive client, sequential; {over['rounds']} rounds in which the "
+            f"paths take turns. Big body: {over['big_body_bytes'] / 1e6:.2f} MB that fits (nothing compacted). "
+            f"Streams: {over['stream_chunk_delay_s'] * 1000:.0f} ms between tokens.",
+            "",
+            "| case | path | n | req/s | p50 ms | p99 ms |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for case, label in (("small", "small body"), ("big", "1 MB body")):
             for p in PATHS:
                 s = over[case][p]
@@ -788,39 +948,58 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
         lines += ["", "| stream | n | TTFB p50 ms | TTFB p99 ms | whole p50 ms | events/s |", "|---|---:|---:|---:|---:|---:|"]
         for p in (q for q in STREAM_PATHS if q in over["stream"]):
             s = over["stream"][p]
-            lines.append(f"| {p} | {s['ttfb']['n']} | {s['ttfb']['p50_ms']:.2f} | {s['ttfb']['p99_ms']:.2f} | "
-                         f"{s['total']['p50_ms']:.1f} | {'buffered' if s['events_per_s'] is None else f'{s["events_per_s"]:.0f}'} |")
+            lines.append(
+                f"| {p} | {s['ttfb']['n']} | {s['ttfb']['p50_ms']:.2f} | {s['ttfb']['p99_ms']:.2f} | "
+                f"{s['total']['p50_ms']:.1f} | {'buffered' if s['events_per_s'] is None else f'{s["events_per_s"]:.0f}'} |"
+            )
         v = over["verdict"]
-        lines += ["", f"ContextPaw vs bare mitmdump (goal: within {OVERHEAD_GOAL:.0%}): small p50 {v['small']['p50_vs_mitmdump']:+.0%}, "
-                  f"req/s {v['small']['req_per_s_vs_mitmdump']:+.0%}; 1 MB p50 {v['big']['p50_vs_mitmdump']:+.0%}, "
-                  f"req/s {v['big']['req_per_s_vs_mitmdump']:+.0%}. Stream TTFB p50 vs direct: "
-                  f"{v['stream_ttfb_p50_vs_direct_ms']:+.2f} ms. Bare mitmdump buffers a response unless a hook streams "
-                  "it, so its TTFB is the whole stream.", "",
-                  f"The relay (on by default; it answers a backend that resets or hangs in the caller's API) costs "
-                  f"{v['small']['relay_p50_ms']:+.2f} ms p50 on a small body and {v['big']['relay_p50_ms']:+.2f} ms on "
-                  "1 MB (ContextPaw vs ContextPaw, no relay).", "",
-                  f"Of ContextPaw's time, asking llama-server to count (`/tokenize` for new texts, "
-                  f"`/v1/chat/completions/input_tokens` to check every chat): {over['contextpaw_counting']['calls']} calls, "
-                  f"{over['contextpaw_counting']['ms_per_request']:.2f} ms per request on average.", ""]
+        lines += [
+            "",
+            f"ContextPaw vs bare mitmdump (goal: within {OVERHEAD_GOAL:.0%}): small p50 {v['small']['p50_vs_mitmdump']:+.0%}, "
+            f"req/s {v['small']['req_per_s_vs_mitmdump']:+.0%}; 1 MB p50 {v['big']['p50_vs_mitmdump']:+.0%}, "
+            f"req/s {v['big']['req_per_s_vs_mitmdump']:+.0%}. Stream TTFB p50 vs direct: "
+            f"{v['stream_ttfb_p50_vs_direct_ms']:+.2f} ms. Bare mitmdump buffers a response unless a hook streams "
+            "it, so its TTFB is the whole stream.",
+            "",
+            f"The relay (on by default; it answers a backend that resets or hangs in the caller's API) costs "
+            f"{v['small']['relay_p50_ms']:+.2f} ms p50 on a small body and {v['big']['relay_p50_ms']:+.2f} ms on "
+            "1 MB (ContextPaw vs ContextPaw, no relay).",
+            "",
+            f"Of ContextPaw's time, asking llama-server to count (`/tokenize` for new texts, "
+            f"`/v1/chat/completions/input_tokens` to check every chat): {over['contextpaw_counting']['calls']} calls, "
+            f"{over['contextpaw_counting']['ms_per_request']:.2f} ms per request on average.",
+            "",
+        ]
         image("bench-overhead.png")
 
     comp = result["compaction"]
     lines += ["## 2. Compaction cost", ""]
     if not skipped(comp):
         h = comp["headline"]
-        lines += [f"Each conversation compacted into a quarter of its size (at least 1k); median of {comp['repeat']} runs, "
-                  f"peak traced memory of one. Headline: {h['tokens']:,} tokens in {h['messages']} messages into 32k: "
-                  f"{h['ms']:.0f} ms, {h['peak_mib']:.1f} MiB.", "",
-                  "| counter | kind | tokens | budget | final | use | ms | peak MiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"Each conversation compacted into a quarter of its size (at least 1k); median of {comp['repeat']} runs, "
+            f"peak traced memory of one. Headline: {h['tokens']:,} tokens in {h['messages']} messages into 32k: "
+            f"{h['ms']:.0f} ms, {h['peak_mib']:.1f} MiB.",
+            "",
+            "| counter | kind | tokens | budget | final | use | ms | peak MiB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for name, rows in comp["counters"].items():
             for r in rows:
-                lines.append(f"| {name} | {r['kind']} | {r['tokens']:,} | {r['budget']:,} | {r['final']:,} | {r['use']:.1%} | "
-                             f"{r['ms']:.1f} | {r['peak_mib']:.1f} |")
+                lines.append(
+                    f"| {name} | {r['kind']} | {r['tokens']:,} | {r['budget']:,} | {r['final']:,} | {r['use']:.1%} | "
+                    f"{r['ms']:.1f} | {r['peak_mib']:.1f} |"
+                )
         if "tokenizer_load_s" in comp:
             lines += ["", f"Loading the SmolLM2 tokenizer from its GGUF: {comp['tokenizer_load_s']:.2f} s (once per process)."]
         if counts := comp.get("backend_counting"):
-            lines += ["", "Fetching llama-server's counts (`/tokenize` per text, template measured once):", "",
-                      "| tokens | distinct texts | first call ms | cached ms |", "|---:|---:|---:|---:|"]
+            lines += [
+                "",
+                "Fetching llama-server's counts (`/tokenize` per text, template measured once):",
+                "",
+                "| tokens | distinct texts | first call ms | cached ms |",
+                "|---:|---:|---:|---:|",
+            ]
             lines += [f"| {c['size']:,} | {c['texts']} | {c['uncached_ms']:.0f} | {c['cached_ms']:.1f} |" for c in counts]
         for name, why in comp["skipped"].items():
             lines.append(f"\nCounter {name} skipped: {why}.")
@@ -830,70 +1009,109 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
     use = result["window_use"]
     lines += ["## 3. Window use", ""]
     if not skipped(use):
-        lines += [f"Final tokens / budget over the sweep's cases that overflowed, goal at least {use['goal']:.0%}.", "",
-                  "| counter/kind | min | mean | max |", "|---|---:|---:|---:|"]
+        lines += [
+            f"Final tokens / budget over the sweep's cases that overflowed, goal at least {use['goal']:.0%}.",
+            "",
+            "| counter/kind | min | mean | max |",
+            "|---|---:|---:|---:|",
+        ]
         lines += [f"| {k} | {v['min']:.1%} | {v['mean']:.1%} | {v['max']:.1%} |" for k, v in use["by_counter"].items()]
         lines += ["", f"Below the goal: {', '.join(use['below_goal']) or 'none'}.", ""]
         if real := result.get("real_window_use", {}).get("rows"):
-            lines += ["In real tokens: agent chats compacted into a quarter of their size with the estimate, raw and "
-                      f"calibrated on five other chats by llama-server's counts (factor {result['real_window_use']['factor']:.2f}), "
-                      "and with llama-server's per-text counts, "
-                      "then what was sent counted by llama-server (over 100% would overflow the window):", "",
-                      "| counter | chat tokens | budget | real tokens sent | use |", "|---|---:|---:|---:|---:|",
-                      *(f"| {r['counter']} | {r['tokens']:,} | {r['budget']:,} | {r['real_tokens']:,} | {r['use']:.1%} |" for r in real), ""]
+            lines += [
+                "In real tokens: agent chats compacted into a quarter of their size with the estimate, raw and "
+                f"calibrated on five other chats by llama-server's counts (factor {result['real_window_use']['factor']:.2f}), "
+                "and with llama-server's per-text counts, "
+                "then what was sent counted by llama-server (over 100% would overflow the window):",
+                "",
+                "| counter | chat tokens | budget | real tokens sent | use |",
+                "|---|---:|---:|---:|---:|",
+                *(f"| {r['counter']} | {r['tokens']:,} | {r['budget']:,} | {r['real_tokens']:,} | {r['use']:.1%} |" for r in real),
+                "",
+            ]
         image("bench-window-use.png")
     if (through := result.get("window_use_through", {})).get("rows"):
-        lines += ["### Real tokens through ContextPaw", "",
-                  "`scripts/measure_window_use.py`: agent chats four times the window sent through ContextPaw to a real "
-                  "llama-server, and to the Ollama simulator over it (the calibrated estimate); the server's count of what "
-                  "it was sent over the budget.", "", measure_window_use.table(through), ""]
+        lines += [
+            "### Real tokens through ContextPaw",
+            "",
+            "`scripts/measure_window_use.py`: agent chats four times the window sent through ContextPaw to a real "
+            "llama-server, and to the Ollama simulator over it (the calibrated estimate); the server's count of what "
+            "it was sent over the budget.",
+            "",
+            measure_window_use.table(through),
+            "",
+        ]
     if rows := result.get("agent_sessions", {}).get("rows"):
         columns = list(rows[0])
-        lines += ["### Agent sessions: what the model sees", "",
-                  "`scripts/agent_sessions.py`: Claude Code, Codex, opencode and Qwen Code each read twelve 20-40 KB files, one a "
-                  "turn, with their own tools, on a scripted model with a 32,768-token window that cuts in silence like "
-                  "Ollama or refuses like llama-server; direct and through ContextPaw, with and without the model's "
-                  "tokenizer. Re-eval is the share of each prompt the server evaluates again; least, the share the turn's "
-                  "new messages take (what any cut must evaluate, set beside the sessions that die direct).", "",
-                  "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
-                  *("| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows), ""]
+        lines += [
+            "### Agent sessions: what the model sees",
+            "",
+            "`scripts/agent_sessions.py`: Claude Code, Codex, opencode and Qwen Code each read twelve 20-40 KB files, one a "
+            "turn, with their own tools, on a scripted model with a 32,768-token window that cuts in silence like "
+            "Ollama or refuses like llama-server; direct and through ContextPaw, with and without the model's "
+            "tokenizer. Re-eval is the share of each prompt the server evaluates again; least, the share the turn's "
+            "new messages take (what any cut must evaluate, set beside the sessions that die direct).",
+            "",
+            "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns),
+            *("| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows),
+            "",
+        ]
     for loop in result.get("agent_loops", []):
         if table := loop.get("table"):
-            lines += [f"### Agent loop at -c {table['window']}: reuse per turn against its ceiling", "",
-                      f"{table['turns']} turns; first cut at turn {table['first_compacted_turn']}; after it, reuse "
-                      f"{pct(table['reuse_mean'])} mean ({pct(table['reuse_worst'])} worst) against a ceiling of "
-                      f"{pct(table['ceiling_mean'])} ({pct(table['ceiling_worst'])} worst); {table['recut_turns']} re-cut turns.", "",
-                      *(f"- turn {c['turn']}: {pct(c['reuse'])} of {pct(c['ceiling'])}"
-                        + (f"; message {c['first_difference']} first differs: {c['why']}" if c.get("why") else "")
-                        for c in table["recuts"]), "",
-                      f"![agent loop -c {table['window']}](img/agent-loop-{table['window']}.png)", ""]
+            lines += [
+                f"### Agent loop at -c {table['window']}: reuse per turn against its ceiling",
+                "",
+                f"{table['turns']} turns; first cut at turn {table['first_compacted_turn']}; after it, reuse "
+                f"{pct(table['reuse_mean'])} mean ({pct(table['reuse_worst'])} worst) against a ceiling of "
+                f"{pct(table['ceiling_mean'])} ({pct(table['ceiling_worst'])} worst); {table['recut_turns']} re-cut turns.",
+                "",
+                *(
+                    f"- turn {c['turn']}: {pct(c['reuse'])} of {pct(c['ceiling'])}"
+                    + (f"; message {c['first_difference']} first differs: {c['why']}" if c.get("why") else "")
+                    for c in table["recuts"]
+                ),
+                "",
+                f"![agent loop -c {table['window']}](img/agent-loop-{table['window']}.png)",
+                "",
+            ]
 
     loop = result["agent_loop"]
     lines += ["## 4. Prefix-cache reuse in an agent loop", ""]
     if not skipped(loop):
-        lines += [f"{len(loop['turns'])} turns, SmolLM2-135M on llama-server -c {loop['n_ctx']} -np 1, max_tokens "
-                  f"{bench_agent_loop.MAX_TOKENS}; per turn `timings.cache_n / (cache_n + prompt_n)`. Baseline: `compact_chat` "
-                  "without the previous plan, same counter and budget, sent straight to an identical server. Uncut: "
-                  f"the same turns to a server with -c {loop.get('uncut_ctx', '-')}, nothing cut: what each turn adds "
-                  "is evaluated on every path, so this is the ceiling. Figures over the turns after ContextPaw's "
-                  f"first compaction; goals: mean ≥ {loop['goal']:.0%}, no turn under {loop.get('turn_floor', 0.75):.0%}.", "",
-                  f"| path | first compacted turn | turns after | mean cached | min cached | turns ≥ {loop['goal']:.0%} | "
-                  f"turns < {loop.get('turn_floor', 0.75):.0%} | tokens evaluated | tokens from cache |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"{len(loop['turns'])} turns, SmolLM2-135M on llama-server -c {loop['n_ctx']} -np 1, max_tokens "
+            f"{bench_agent_loop.MAX_TOKENS}; per turn `timings.cache_n / (cache_n + prompt_n)`. Baseline: `compact_chat` "
+            "without the previous plan, same counter and budget, sent straight to an identical server. Uncut: "
+            f"the same turns to a server with -c {loop.get('uncut_ctx', '-')}, nothing cut: what each turn adds "
+            "is evaluated on every path, so this is the ceiling. Figures over the turns after ContextPaw's "
+            f"first compaction; goals: mean ≥ {loop['goal']:.0%}, no turn under {loop.get('turn_floor', 0.75):.0%}.",
+            "",
+            f"| path | first compacted turn | turns after | mean cached | min cached | turns ≥ {loop['goal']:.0%} | "
+            f"turns < {loop.get('turn_floor', 0.75):.0%} | tokens evaluated | tokens from cache |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for path, s in loop["summary"].items():
             if path == "ceiling":
                 after = loop["summary"]["contextpaw"]["turns_after"]
-                lines.append(f"| ceiling in this window (ContextPaw's prompt less what the turn adds) | - | {after} | "
-                             f"{pct(s['mean_cached'])} | {pct(s['min_cached'])} | {s['turns_at_goal']}/{after} | "
-                             f"{s['turns_under_floor']}/{after} | - | - |")
+                lines.append(
+                    f"| ceiling in this window (ContextPaw's prompt less what the turn adds) | - | {after} | "
+                    f"{pct(s['mean_cached'])} | {pct(s['min_cached'])} | {s['turns_at_goal']}/{after} | "
+                    f"{s['turns_under_floor']}/{after} | - | - |"
+                )
                 continue
-            lines.append(f"| {path} | {s['first_compacted_turn'] or '-'} | {s['turns_after']} | {pct(s['mean_cached'])} | "
-                         f"{pct(s['min_cached'])} | {s['turns_at_goal']}/{s['turns_after']} | "
-                         f"{s.get('turns_under_floor', '-')}/{s['turns_after']} | {s['evaluated_tokens']:,} | "
-                         f"{s['cached_tokens']:,} |")
+            lines.append(
+                f"| {path} | {s['first_compacted_turn'] or '-'} | {s['turns_after']} | {pct(s['mean_cached'])} | "
+                f"{pct(s['min_cached'])} | {s['turns_at_goal']}/{s['turns_after']} | "
+                f"{s.get('turns_under_floor', '-')}/{s['turns_after']} | {s['evaluated_tokens']:,} | "
+                f"{s['cached_tokens']:,} |"
+            )
         paths = [p for p in bench_agent_loop.PATHS if p in loop["turns"][0]]
-        lines += ["", "| turn | budget | " + " | ".join(f"{p} cache_n / prompt_n" for p in paths) + " |",
-                  "|---:|---:|" + "---:|" * len(paths)]
+        lines += [
+            "",
+            "| turn | budget | " + " | ".join(f"{p} cache_n / prompt_n" for p in paths) + " |",
+            "|---:|---:|" + "---:|" * len(paths),
+        ]
         for r in loop["turns"]:
             cells = " | ".join(f"{r[p]['cache_n']} / {r[p]['prompt_n']} ({r[p]['cached']:.0%})" for p in paths)
             lines.append(f"| {r['turn']}{'*' if r['contextpaw']['compacted'] else ''} | {r['budget']} | {cells} |")
@@ -912,39 +1130,75 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
                 lines += ["", f"{name}:", "", *r["table"]]
         lines.append("")
     if health := result.get("loop_health"):
-        lines += ["## 6. Concurrency, stalls and memory", "",
-                  f"One fake llama-server (window {COMPACTION_CTX:,}); {health['clients']} clients sending small fitting "
-                  f"chats for {health['seconds']:g} s; a small request every 10 ms while idle and while one "
-                  f"{health['compaction_tokens']:,}-token, {health['compaction_messages']}-message chat goes through "
-                  "(compacted by ContextPaw, relayed by bare mitmdump).", "",
-                  "| path | c=8 req/s | worst idle ms | worst during the big request ms | RSS MiB |", "|---|---:|---:|---:|---:|"]
+        lines += [
+            "## 6. Concurrency, stalls and memory",
+            "",
+            f"One fake llama-server (window {COMPACTION_CTX:,}); {health['clients']} clients sending small fitting "
+            f"chats for {health['seconds']:g} s; a small request every 10 ms while idle and while one "
+            f"{health['compaction_tokens']:,}-token, {health['compaction_messages']}-message chat goes through "
+            "(compacted by ContextPaw, relayed by bare mitmdump).",
+            "",
+            "| path | c=8 req/s | worst idle ms | worst during the big request ms | RSS MiB |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for name in ("mitmdump", "ContextPaw"):
             h = health[name]
-            lines.append(f"| {name} | {h['c8_req_per_s']:.0f} | {h['worst_idle_ms']:.1f} | {h['worst_during_big_request_ms']:.1f} | {h['rss_mib']:.0f} |")
+            lines.append(
+                f"| {name} | {h['c8_req_per_s']:.0f} | {h['worst_idle_ms']:.1f} | {h['worst_during_big_request_ms']:.1f} | {h['rss_mib']:.0f} |"
+            )
         lines += ["", f"c=8 ContextPaw vs bare mitmdump: {health['verdict']['c8_vs_mitmdump']:.2f}x (goal 0.9x).", ""]
-        lines += ["| path | proxy CPU per request at c=8, ms |", "|---|---:|",
-                  *(f"| {name} | {health[name].get('cpu_ms_per_request', float('nan')):.2f} |"
-                    for name in ("mitmdump", "ContextPaw", "ContextPaw, no relay") if name in health), ""]
+        lines += [
+            "| path | proxy CPU per request at c=8, ms |",
+            "|---|---:|",
+            *(
+                f"| {name} | {health[name].get('cpu_ms_per_request', float('nan')):.2f} |"
+                for name in ("mitmdump", "ContextPaw", "ContextPaw, no relay")
+                if name in health
+            ),
+            "",
+        ]
         if hooks := health.get("hooks"):
-            lines += [f"ContextPaw's own time in its hooks, {hooks['requests']} small fitting requests "
-                      f"(scripts/hook_timing.py): {hooks['total_us']:.0f} µs per request.", "",
-                      "| hook | calls | mean µs |", "|---|---:|---:|",
-                      *(f"| {name} | {h['n']} | {h['mean_us']:.1f} |" for name, h in hooks["by_hook"].items()), ""]
+            lines += [
+                f"ContextPaw's own time in its hooks, {hooks['requests']} small fitting requests "
+                f"(scripts/hook_timing.py): {hooks['total_us']:.0f} µs per request.",
+                "",
+                "| hook | calls | mean µs |",
+                "|---|---:|---:|",
+                *(f"| {name} | {h['n']} | {h['mean_us']:.1f} |" for name, h in hooks["by_hook"].items()),
+                "",
+            ]
         if steps := health.get("rss_by_import"):
-            lines += ["RSS of a fresh interpreter after each step of imports (before any request):", "",
-                      "| imports | RSS MiB |", "|---|---:|", *(f"| {r['step']} | {r['rss_mib']:.1f} |" for r in steps), ""]
+            lines += [
+                "RSS of a fresh interpreter after each step of imports (before any request):",
+                "",
+                "| imports | RSS MiB |",
+                "|---|---:|",
+                *(f"| {r['step']} | {r['rss_mib']:.1f} |" for r in steps),
+                "",
+            ]
         if handoff := health.get("process_handoff"):
-            lines += [f"A process for the big compaction instead of the worker thread: pickling the parsed request there and "
-                      f"back costs {handoff['pickle_request_ms']:.1f} ms and the fitted result {handoff['pickle_result_ms']:.1f} ms, "
-                      f"against {handoff['parse_ms']:.1f} ms to parse and {handoff['fit_ms']:.1f} ms to fit "
-                      f"({handoff['body_bytes'] / 1e6:.2f} MB body).", ""]
+            lines += [
+                f"A process for the big compaction instead of the worker thread: pickling the parsed request there and "
+                f"back costs {handoff['pickle_request_ms']:.1f} ms and the fitted result {handoff['pickle_result_ms']:.1f} ms, "
+                f"against {handoff['parse_ms']:.1f} ms to parse and {handoff['fit_ms']:.1f} ms to fit "
+                f"({handoff['body_bytes'] / 1e6:.2f} MB body).",
+                "",
+            ]
     if scale := result.get("scaling"):
-        lines += ["## 7. The engine at 1,200 to 10,000 messages", "",
-                  f"{scale['tokens']:,} tokens compacted into {scale['budget']:,} with the estimate; each size's fastest of "
-                  f"{scale.get('rounds', SCALING_ROUNDS)} runs, the sizes taking turns (the median beside it).", "",
-                  "| messages | ms | median ms | growth per doubling |", "|---:|---:|---:|---:|"]
-        lines += [f"| {r['messages']:,} | {r['ms']:.0f} | {r.get('median_ms', r['ms']):.0f} | "
-                  + (f"{r['per_doubling']:.2f}x |" if "per_doubling" in r else "|") for r in scale["rows"]]
+        lines += [
+            "## 7. The engine at 1,200 to 10,000 messages",
+            "",
+            f"{scale['tokens']:,} tokens compacted into {scale['budget']:,} with the estimate; each size's fastest of "
+            f"{scale.get('rounds', SCALING_ROUNDS)} runs, the sizes taking turns (the median beside it).",
+            "",
+            "| messages | ms | median ms | growth per doubling |",
+            "|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['messages']:,} | {r['ms']:.0f} | {r.get('median_ms', r['ms']):.0f} | "
+            + (f"{r['per_doubling']:.2f}x |" if "per_doubling" in r else "|")
+            for r in scale["rows"]
+        ]
         lines.append("")
     return "\n".join(lines)
 
@@ -964,21 +1218,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md and img/*.png")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and counts, for a smoke run")
     ap.add_argument("--skip-real", action="store_true", help="skip what needs llama-server (backend counter, loop, recall)")
-    ap.add_argument("--agent-loop", type=Path, nargs="+",
-                    help="reuse these scripts/bench_agent_loop.py --out JSONs (one per window) instead of running it at 2048 and 8192")
+    ap.add_argument(
+        "--agent-loop",
+        type=Path,
+        nargs="+",
+        help="reuse these scripts/bench_agent_loop.py --out JSONs (one per window) instead of running it at 2048 and 8192",
+    )
     ap.add_argument("--prefix", type=Path, help="reuse this scripts/bench_prefix.py --out JSON instead of running it")
-    ap.add_argument("--agent-sessions", type=Path,
-                    help="reuse this scripts/agent_sessions.py --out JSON instead of running the matrix")
-    ap.add_argument("--window-use", type=Path,
-                    help="reuse this scripts/measure_window_use.py --out JSON (real-token window use through ContextPaw) instead of running it")
+    ap.add_argument("--agent-sessions", type=Path, help="reuse this scripts/agent_sessions.py --out JSON instead of running the matrix")
+    ap.add_argument(
+        "--window-use",
+        type=Path,
+        help="reuse this scripts/measure_window_use.py --out JSON (real-token window use through ContextPaw) instead of running it",
+    )
     ap.add_argument("--recall-trials", type=int, default=3, help="--trials for each recall demo (1 with --quick)")
-    ap.add_argument("--docs", action="store_true",
-                    help="copy the markdown to docs/benchmarks.md and the plots to docs/img/")
+    ap.add_argument("--docs", action="store_true", help="copy the markdown to docs/benchmarks.md and the plots to docs/img/")
     ap.add_argument("--from-json", type=Path, help="write the report of an earlier run's bench.json, measuring nothing")
-    ap.add_argument("--reuse", type=Path, help="an earlier run's bench.json (--docs keeps one in docs/bench.json): the "
-                                               "sections --only does not name are taken from it, and the report says so")
-    ap.add_argument("--only", nargs="+", choices=MEASURED, metavar="SECTION",
-                    help=f"with --reuse, the sections to measure again: {', '.join(MEASURED)}")
+    ap.add_argument(
+        "--reuse",
+        type=Path,
+        help="an earlier run's bench.json (--docs keeps one in docs/bench.json): the "
+        "sections --only does not name are taken from it, and the report says so",
+    )
+    ap.add_argument(
+        "--only", nargs="+", choices=MEASURED, metavar="SECTION", help=f"with --reuse, the sections to measure again: {', '.join(MEASURED)}"
+    )
     args = ap.parse_args(argv)
     if args.from_json:
         return report(json.loads(args.from_json.read_text()), args.from_json.parent, args.docs)
@@ -1024,15 +1288,21 @@ def measure(result: dict[str, Any], wanted: set[str], work: Path, args: argparse
     if "compaction" in wanted:
         with counting_server(None if skip_real else binary.path, model.path, work) as llama_url:
             result["compaction"] = compaction(args.quick, model.path, llama_url, progress)
-            result["real_window_use"] = (asyncio.run(real_window_use(llama_url, REAL_USE_SIZES[:2] if args.quick else REAL_USE_SIZES))
-                                         if llama_url else {"skipped": skip_real or "no llama-server"})
+            result["real_window_use"] = (
+                asyncio.run(real_window_use(llama_url, REAL_USE_SIZES[:2] if args.quick else REAL_USE_SIZES))
+                if llama_url
+                else {"skipped": skip_real or "no llama-server"}
+            )
         result["window_use"] = window_use(result["compaction"])
     if "agent_loop" in wanted:
         result["agent_loops"] = agent_loops(work, args, binary, model, skip_real, progress)
         result["agent_loop"] = result["agent_loops"][0]
     if "prefix" in wanted:
-        result["prefix"] = json.loads(args.prefix.read_text()) if args.prefix else script_json(
-            "bench_prefix.py", work / "prefix.json", ["--turns", "40", "--windows", "8192"] if args.quick else [])
+        result["prefix"] = (
+            json.loads(args.prefix.read_text())
+            if args.prefix
+            else script_json("bench_prefix.py", work / "prefix.json", ["--turns", "40", "--windows", "8192"] if args.quick else [])
+        )
     if "window_use_through" in wanted:
         result["window_use_through"] = (
             json.loads(args.window_use.read_text()) if args.window_use else {"skipped": skip_real} if skip_real

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         clients = {name: stack.enter_context(httpx.Client(trust_env=False, timeout=30)) for name in urls}
         for name, url in urls.items():  # warm up: connections, window discovery
             for i in range(30):
-                clients[name].post(url + "/v1/chat/completions", content=body(-i), headers={"content-type": "application/json"}).raise_for_status()
+                clients[name].post(
+                    url + "/v1/chat/completions", content=body(-i), headers={"content-type": "application/json"}
+                ).raise_for_status()
         names = list(urls)
         latency: dict[str, list[float]] = {name: [] for name in names}
         cpu = dict.fromkeys(names, 0.0)

@@ -51,16 +51,17 @@ from typing import Any
 
 import aiohttp
 
-from contextpaw.compact import EARLIER_CUT, compact_chat
-from contextpaw.conversation import Conversation
-from contextpaw.counting import LlamaCppCounting
-from contextpaw.markers import MARKER_PREFIX
-from contextpaw.tokens import EstimateCounter
+from contextpaw.calls.server_counts import LlamaCppCounting
+from contextpaw.core.compact import EARLIER_CUT, compact_chat
+from contextpaw.core.conversation import Conversation
+from contextpaw.core.markers import MARKER_PREFIX
+from contextpaw.core.tokens import EstimateCounter
 from contextpaw.wire import Chat, Params
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_prefix, when imported by a test
 from bench_prefix import first_difference, shared
+
 from support.backends import Backend, start_llama_server, start_process, start_proxy
 from support.common import LOOPBACK, free_port
 
@@ -81,8 +82,9 @@ SCALE_CTX = 2048
 """Tool results have `window // SCALE_CTX` times as many lines (at least the 2,048-token loop's)."""
 CHAT = "/v1/chat/completions"
 PATHS = ("contextpaw", "baseline", "uncut")
-WORDS = ("alpha beta gamma delta epsilon parser token window budget cache slot prompt build test "
-         "module import return value error warning config").split()
+WORDS = (
+    "alpha beta gamma delta epsilon parser token window budget cache slot prompt build test module import return value error warning config"
+).split()
 
 
 def agent_turns(turns: int, seed: int = 11, scale: int = 1) -> list[list[dict[str, Any]]]:
@@ -96,14 +98,20 @@ def agent_turns(turns: int, seed: int = 11, scale: int = 1) -> list[list[dict[st
     requests = []
     for t in range(turns):
         if t and t % 6 == 0:
-            history += [{"role": "assistant", "content": f"Checked {t} files so far; nothing conclusive yet."},
-                        {"role": "user", "content": f"Keep going, look at more files (round {t // 6})."}]
-        call = {"id": f"call_{t}", "type": "function",
-                "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/mod_{t}.py"})}}
-        lines = [f"{n:4d} " + " ".join(rng.choices(WORDS, k=rng.randint(4, 10)))
-                 for n in range(rng.randint(3 * scale, 40 * scale))]
-        history += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": f"call_{t}", "content": "\n".join(lines)}]
+            history += [
+                {"role": "assistant", "content": f"Checked {t} files so far; nothing conclusive yet."},
+                {"role": "user", "content": f"Keep going, look at more files (round {t // 6})."},
+            ]
+        call = {
+            "id": f"call_{t}",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/mod_{t}.py"})},
+        }
+        lines = [f"{n:4d} " + " ".join(rng.choices(WORDS, k=rng.randint(4, 10))) for n in range(rng.randint(3 * scale, 40 * scale))]
+        history += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{t}", "content": "\n".join(lines)},
+        ]
         requests.append([dict(m) for m in history])
     return requests
 
@@ -119,8 +127,9 @@ def uncut_ctx(n_ctx: int) -> int:
 def start_uncut(binary: Path, model: Path, n_ctx: int, log: Path) -> Backend:
     """A one-slot llama-server whose slot really holds `n_ctx` tokens (checked in `/props`)."""
     port = free_port()
-    rope = [] if n_ctx <= TRAIN_CTX else ["--rope-scaling", "yarn", "--rope-scale", str(n_ctx / TRAIN_CTX),
-                                          "--yarn-orig-ctx", str(TRAIN_CTX)]
+    rope = (
+        [] if n_ctx <= TRAIN_CTX else ["--rope-scaling", "yarn", "--rope-scale", str(n_ctx / TRAIN_CTX), "--yarn-orig-ctx", str(TRAIN_CTX)]
+    )
     argv = [str(binary), "-m", str(model), "-c", str(n_ctx), "-np", "1", "--host", LOOPBACK, "--port", str(port), *rope]
     server = start_process(argv, f"http://{LOOPBACK}:{port}", "/health", log, 120.0)
     with urllib.request.urlopen(f"{server.url}/props", timeout=10) as resp:
@@ -144,17 +153,25 @@ async def post(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
             if fail:
                 raise RuntimeError(f"{url}: HTTP {resp.status}: {json.dumps(answer)[:300]}")
             headers = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-contextpaw")}
-            return {"contextpaw": answer.get("contextpaw") if isinstance(answer, dict) else None,
-                    "failed": {"status": resp.status, "headers": headers, "answer": json.dumps(answer)[:1000]}}
+            return {
+                "contextpaw": answer.get("contextpaw") if isinstance(answer, dict) else None,
+                "failed": {"status": resp.status, "headers": headers, "answer": json.dumps(answer)[:1000]},
+            }
         return answer
 
 
 def row(answer: dict[str, Any], compacted: bool, final_tokens: int | None) -> dict[str, Any]:
     timings = answer.get("timings") or {}
     cached, evaluated = timings.get("cache_n", 0), timings.get("prompt_n", 0)
-    return {"cache_n": cached, "prompt_n": evaluated, "cached": cached / max(1, cached + evaluated),
-            "prompt_ms": timings.get("prompt_ms"), "usage_prompt_tokens": (answer.get("usage") or {}).get("prompt_tokens"),
-            "compacted": compacted, "final_tokens": final_tokens}
+    return {
+        "cache_n": cached,
+        "prompt_n": evaluated,
+        "cached": cached / max(1, cached + evaluated),
+        "prompt_ms": timings.get("prompt_ms"),
+        "usage_prompt_tokens": (answer.get("usage") or {}).get("prompt_tokens"),
+        "compacted": compacted,
+        "final_tokens": final_tokens,
+    }
 
 
 async def from_scratch(counting: LlamaCppCounting, url: str, messages: list[dict[str, Any]], budget: int) -> tuple[list, bool, int | None]:
@@ -175,8 +192,9 @@ async def from_scratch(counting: LlamaCppCounting, url: str, messages: list[dict
     return sent, result.messages is not None, total
 
 
-async def loop(proxy: str, baseline: str | None, uncut: str, turns: list[list[dict[str, Any]]],
-               tick: Callable[[], None]) -> list[dict[str, Any]]:
+async def loop(
+    proxy: str, baseline: str | None, uncut: str, turns: list[list[dict[str, Any]]], tick: Callable[[], None]
+) -> list[dict[str, Any]]:
     """Every turn through ContextPaw, then by the baseline (unless None), then uncut; one record per turn."""
     rows = []
     timeout = aiohttp.ClientTimeout(total=600)
@@ -189,10 +207,17 @@ async def loop(proxy: str, baseline: str | None, uncut: str, turns: list[list[di
             budget = report.get("budget") or (answer.get("failed") and budget)  # a failed turn: the last turn's
             if budget is None:
                 raise RuntimeError(f"turn {n + 1}: the proxied answer carries no contextpaw report: {answer.get('failed')}")
-            r: dict[str, Any] = {"turn": n + 1, "messages": len(messages), "budget": budget,
-                                 "contextpaw": row(answer, bool(report.get("compacted")), report.get("final_tokens"))
-                                 | {"notes": report.get("notes") or [], "strategy": report.get("strategy"),
-                                    **({"failed": answer["failed"]} if "failed" in answer else {})}}
+            r: dict[str, Any] = {
+                "turn": n + 1,
+                "messages": len(messages),
+                "budget": budget,
+                "contextpaw": row(answer, bool(report.get("compacted")), report.get("final_tokens"))
+                | {
+                    "notes": report.get("notes") or [],
+                    "strategy": report.get("strategy"),
+                    **({"failed": answer["failed"]} if "failed" in answer else {}),
+                },
+            }
             if baseline is not None:
                 sent, compacted, total = await from_scratch(counting, baseline, messages, budget)
                 r["baseline"] = row(await post(session, baseline, body(sent)), compacted, total)
@@ -212,19 +237,25 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if path not in rows[0]:
             continue
         first = next((i for i, r in enumerate(rows) if r[path]["compacted"]), None) if path != "uncut" else first_cut
-        after = [r[path]["cached"] for r in rows[first + 1:]] if first is not None else []
-        out[path] = {"first_compacted_turn": None if first is None else first + 1, "turns_after": len(after),
-                     "mean_cached": sum(after) / len(after) if after else None,
-                     "min_cached": min(after) if after else None,
-                     "turns_at_goal": sum(f >= CACHE_GOAL for f in after),
-                     "turns_under_floor": sum(f < TURN_FLOOR for f in after),
-                     "evaluated_tokens": sum(r[path]["prompt_n"] for r in rows),
-                     "cached_tokens": sum(r[path]["cache_n"] for r in rows)}
+        after = [r[path]["cached"] for r in rows[first + 1 :]] if first is not None else []
+        out[path] = {
+            "first_compacted_turn": None if first is None else first + 1,
+            "turns_after": len(after),
+            "mean_cached": sum(after) / len(after) if after else None,
+            "min_cached": min(after) if after else None,
+            "turns_at_goal": sum(f >= CACHE_GOAL for f in after),
+            "turns_under_floor": sum(f < TURN_FLOOR for f in after),
+            "evaluated_tokens": sum(r[path]["prompt_n"] for r in rows),
+            "cached_tokens": sum(r[path]["cache_n"] for r in rows),
+        }
     if first_cut is not None and first_cut + 1 < len(rows) and all("uncut" in r for r in rows):
-        ceiling = [window_ceiling(r) for r in rows[first_cut + 1:]]
-        out["ceiling"] = {"mean_cached": sum(ceiling) / len(ceiling), "min_cached": min(ceiling),
-                          "turns_at_goal": sum(f >= CACHE_GOAL for f in ceiling),
-                          "turns_under_floor": sum(f < TURN_FLOOR for f in ceiling)}
+        ceiling = [window_ceiling(r) for r in rows[first_cut + 1 :]]
+        out["ceiling"] = {
+            "mean_cached": sum(ceiling) / len(ceiling),
+            "min_cached": min(ceiling),
+            "turns_at_goal": sum(f >= CACHE_GOAL for f in ceiling),
+            "turns_under_floor": sum(f < TURN_FLOOR for f in ceiling),
+        }
     return out
 
 
@@ -240,8 +271,7 @@ def sent_bodies(flows: Path) -> list[dict[str, Any]]:
     from mitmproxy import http, io
 
     with flows.open("rb") as f:
-        saved = [fl for fl in io.FlowReader(f).stream()
-                 if isinstance(fl, http.HTTPFlow) and fl.request.path.split("?")[0].endswith(CHAT)]
+        saved = [fl for fl in io.FlowReader(f).stream() if isinstance(fl, http.HTTPFlow) and fl.request.path.split("?")[0].endswith(CHAT)]
     saved.sort(key=lambda fl: fl.timestamp_created)
     return [json.loads(fl.request.content or b"{}") for fl in saved]
 
@@ -265,8 +295,13 @@ def describe(message: dict[str, Any] | None) -> dict[str, Any] | None:
     content = message.get("content")
     text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
     head = 240 if text.startswith(MARKER_PREFIX) else 80
-    return {"role": message.get("role"), "chars": len(text), "head": text[:head],
-            "marker": MARKER_PREFIX in text, **({"tool_calls": len(message["tool_calls"])} if message.get("tool_calls") else {})}
+    return {
+        "role": message.get("role"),
+        "chars": len(text),
+        "head": text[:head],
+        "marker": MARKER_PREFIX in text,
+        **({"tool_calls": len(message["tool_calls"])} if message.get("tool_calls") else {}),
+    }
 
 
 def layout(messages: Sequence[dict[str, Any]]) -> str:
@@ -304,8 +339,11 @@ def trace(rows: list[dict[str, Any]], bodies: Sequence[dict[str, Any]], tokens: 
             k, why = first_difference(before, now)
             last = max((i for i, m in enumerate(before) if MARKER_PREFIX in json.dumps(m, ensure_ascii=False)), default=None)
             r["recut_detail"] = {
-                "first_difference": k, "why": why, "was": describe(before[k] if k < len(before) else None),
-                "is": describe(now[k] if k < len(now) else None), "last_marker": last,
+                "first_difference": k,
+                "why": why,
+                "was": describe(before[k] if k < len(before) else None),
+                "is": describe(now[k] if k < len(now) else None),
+                "last_marker": last,
                 "before_last_marker": last is not None and k < last,
                 "earlier_cut_noted": any(EARLIER_CUT in n for n in ours.get("notes", [])),
                 "lost_tokens": max(0, round(r["ceiling"] * ours["prompt_tokens"]) - ours["cache_n"]),
@@ -318,26 +356,49 @@ def table(n_ctx: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     served (a failed turn is listed in `failed_turns`, not averaged)."""
     first = next((i for i, r in enumerate(rows) if r["contextpaw"]["compacted"]), None)
     failed = [r["turn"] for r in rows if "failed" in r["contextpaw"]]
-    after = [r for r in rows[first + 1:] if "failed" not in r["contextpaw"]] if first is not None else []
+    after = [r for r in rows[first + 1 :] if "failed" not in r["contextpaw"]] if first is not None else []
     recuts = [r for r in after if r.get("recut")]
     mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
     reuse = [r["contextpaw"]["cached"] for r in after]
     ceiling = [r["ceiling"] for r in after]
     worst = min(after, key=lambda r: r["contextpaw"]["cached"], default=None)
     return {
-        "window": n_ctx, "turns": len(rows), "first_compacted_turn": None if first is None else first + 1,
-        "failed_turns": failed, "turns_after_first_cut": len(after), "reuse_mean": mean(reuse), "reuse_worst": min(reuse, default=None),
-        "reuse_worst_turn": worst and worst["turn"], "ceiling_mean": mean(ceiling), "ceiling_worst": min(ceiling, default=None),
-        "recut_turns": len(recuts), "recut_reuse_mean": mean([r["contextpaw"]["cached"] for r in recuts]),
+        "window": n_ctx,
+        "turns": len(rows),
+        "first_compacted_turn": None if first is None else first + 1,
+        "failed_turns": failed,
+        "turns_after_first_cut": len(after),
+        "reuse_mean": mean(reuse),
+        "reuse_worst": min(reuse, default=None),
+        "reuse_worst_turn": worst and worst["turn"],
+        "ceiling_mean": mean(ceiling),
+        "ceiling_worst": min(ceiling, default=None),
+        "recut_turns": len(recuts),
+        "recut_reuse_mean": mean([r["contextpaw"]["cached"] for r in recuts]),
         "recut_ceiling_mean": mean([r["ceiling"] for r in recuts]),
-        "recuts": [{"turn": r["turn"], "reuse": r["contextpaw"]["cached"], "ceiling": r["ceiling"],
-                    **{k: v for k, v in r.get("recut_detail", {}).items() if k in ("first_difference", "why", "before_last_marker")}}
-                   for r in (rows[first:] if first is not None else []) if r.get("recut")],
+        "recuts": [
+            {
+                "turn": r["turn"],
+                "reuse": r["contextpaw"]["cached"],
+                "ceiling": r["ceiling"],
+                **{k: v for k, v in r.get("recut_detail", {}).items() if k in ("first_difference", "why", "before_last_marker")},
+            }
+            for r in (rows[first:] if first is not None else [])
+            if r.get("recut")
+        ],
     }
 
 
-def run(binary: Path, model: Path, work: Path, turns: int, n_ctx: int, tick: Callable[[], None],
-        baseline: bool = True, sent_to: Path | None = None) -> dict[str, Any]:
+def run(
+    binary: Path,
+    model: Path,
+    work: Path,
+    turns: int,
+    n_ctx: int,
+    tick: Callable[[], None],
+    baseline: bool = True,
+    sent_to: Path | None = None,
+) -> dict[str, Any]:
     """Start the servers and the proxy, run the loop, stop them; the section of the report. With
     `sent_to`, each turn's request as ContextPaw sent it, and its tokens, are written there."""
     big, measured = uncut_ctx(n_ctx), tree()  # what mitmdump loads now
@@ -345,21 +406,37 @@ def run(binary: Path, model: Path, work: Path, turns: int, n_ctx: int, tick: Cal
     conversation = agent_turns(turns, scale=scale_of(n_ctx))
     with contextlib.ExitStack() as stack:
         names = [("proxied", n_ctx), *([("baseline", n_ctx)] if baseline else []), ("uncut", big)]
-        servers = {name: stack.enter_context((start_uncut if name == "uncut" else start_llama_server)(
-                       binary, model, ctx, work / f"llama-{name}-{n_ctx}.log")) for name, ctx in names}
-        with start_proxy(servers["proxied"].url, work / f"mitm-loop-{n_ctx}", work / f"mitmdump-loop-{n_ctx}.log",
-                         options=[f"contextpaw_llamacpp={servers['proxied'].url}", "contextpaw_calibrate=false",
-                                  f"save_stream_file={flows}"]) as proxy:
-            rows = asyncio.run(loop(proxy.url, servers["baseline"].url if baseline else None, servers["uncut"].url,
-                                    conversation, tick))
+        servers = {
+            name: stack.enter_context(
+                (start_uncut if name == "uncut" else start_llama_server)(binary, model, ctx, work / f"llama-{name}-{n_ctx}.log")
+            )
+            for name, ctx in names
+        }
+        with start_proxy(
+            servers["proxied"].url,
+            work / f"mitm-loop-{n_ctx}",
+            work / f"mitmdump-loop-{n_ctx}.log",
+            options=[f"contextpaw_llamacpp={servers['proxied'].url}", "contextpaw_calibrate=false", f"save_stream_file={flows}"],
+        ) as proxy:
+            rows = asyncio.run(loop(proxy.url, servers["baseline"].url if baseline else None, servers["uncut"].url, conversation, tick))
         bodies = sent_bodies(flows)  # mitmdump has stopped: the file is whole
         tokens = asyncio.run(server_tokens(servers["uncut"].url, bodies))
         trace(rows, bodies, tokens)
     if sent_to is not None:
         sent_to.parent.mkdir(parents=True, exist_ok=True)
         sent_to.write_text(json.dumps([{"turn": r["turn"], "body": b, "tokens": t} for r, b, t in zip(rows, bodies, tokens)]))
-    return {"n_ctx": n_ctx, "uncut_ctx": big, "tree": measured, "scale": scale_of(n_ctx), "max_tokens": MAX_TOKENS, "turns": rows,
-            "summary": summarize(rows), "table": table(n_ctx, rows), "goal": CACHE_GOAL, "turn_floor": TURN_FLOOR}
+    return {
+        "n_ctx": n_ctx,
+        "uncut_ctx": big,
+        "tree": measured,
+        "scale": scale_of(n_ctx),
+        "max_tokens": MAX_TOKENS,
+        "turns": rows,
+        "summary": summarize(rows),
+        "table": table(n_ctx, rows),
+        "goal": CACHE_GOAL,
+        "turn_floor": TURN_FLOOR,
+    }
 
 
 def tree() -> dict[str, Any]:
@@ -386,8 +463,9 @@ def plot(section: dict[str, Any], path: Path) -> None:
     if "baseline" in rows[0]:
         ax.plot(x, [r["baseline"]["cached"] for r in rows], ls="--", lw=0.9, color="C1", label="from scratch each turn")
     recut = [r for r in rows if r.get("recut")]
-    ax.scatter([r["turn"] for r in recut], [r["contextpaw"]["cached"] for r in recut], marker="x", color="C3", zorder=3,
-               label="re-cut turn")
+    ax.scatter(
+        [r["turn"] for r in recut], [r["contextpaw"]["cached"] for r in recut], marker="x", color="C3", zorder=3, label="re-cut turn"
+    )
     if failed := [r["turn"] for r in rows if "failed" in r["contextpaw"]]:
         ax.scatter(failed, [0] * len(failed), marker="v", color="black", zorder=3, label="failed through ContextPaw")
     if (first := section["table"]["first_compacted_turn"]) is not None:
@@ -412,18 +490,22 @@ def print_table(tables: Sequence[dict[str, Any]]) -> None:
     print("| window | turns | 1st cut | reuse mean | reuse worst | ceiling mean | ceiling worst | re-cut turns | re-cut reuse / ceiling |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for t in tables:
-        print(f"| {t['window']:,} | {t['turns']} | {t['first_compacted_turn'] or '-'} | {percent(t['reuse_mean'])} | "
-              f"{percent(t['reuse_worst'])} (turn {t['reuse_worst_turn']}) | {percent(t['ceiling_mean'])} | "
-              f"{percent(t['ceiling_worst'])} | {t['recut_turns']} of {t['turns_after_first_cut']} | "
-              f"{percent(t['recut_reuse_mean'])} / {percent(t['recut_ceiling_mean'])} |")
+        print(
+            f"| {t['window']:,} | {t['turns']} | {t['first_compacted_turn'] or '-'} | {percent(t['reuse_mean'])} | "
+            f"{percent(t['reuse_worst'])} (turn {t['reuse_worst_turn']}) | {percent(t['ceiling_mean'])} | "
+            f"{percent(t['ceiling_worst'])} | {t['recut_turns']} of {t['turns_after_first_cut']} | "
+            f"{percent(t['recut_reuse_mean'])} / {percent(t['recut_ceiling_mean'])} |"
+        )
     for t in tables:
         if t.get("failed_turns"):
             print(f"  {t['window']}: turns {', '.join(map(str, t['failed_turns']))} FAILED through ContextPaw (see each turn's `failed`)")
     for t in tables:
         for c in t["recuts"]:
-            print(f"  {t['window']} turn {c['turn']}{' (first cut)' if c['turn'] == t['first_compacted_turn'] else ''}: "
-                  f"reuse {percent(c['reuse'])} of ceiling {percent(c['ceiling'])}; message {c.get('first_difference')} "
-                  f"first differs: {c.get('why')}{' (before the last marker)' if c.get('before_last_marker') else ''}")
+            print(
+                f"  {t['window']} turn {c['turn']}{' (first cut)' if c['turn'] == t['first_compacted_turn'] else ''}: "
+                f"reuse {percent(c['reuse'])} of ceiling {percent(c['ceiling'])}; message {c.get('first_difference')} "
+                f"first differs: {c.get('why')}{' (before the last marker)' if c.get('before_last_marker') else ''}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,8 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=30)
     ap.add_argument("--ctx", "--n-ctx", dest="ctx", type=int, nargs="+", default=[2048], help="llama-server windows, each a run")
     ap.add_argument("--no-baseline", action="store_true", help="skip the from-scratch path (its server and its turns)")
-    ap.add_argument("--out", default="bench-results/agent_loop.json",
-                    help="where the section is written as JSON (with several windows: this name with -N added, one per window)")
+    ap.add_argument(
+        "--out",
+        default="bench-results/agent_loop.json",
+        help="where the section is written as JSON (with several windows: this name with -N added, one per window)",
+    )
     ap.add_argument("--img-dir", default="docs/img", help="where agent-loop-N.png goes, one per window ('' for none)")
     args = ap.parse_args(argv)
     binary, model = locate_llama_server(), locate_smollm2()
@@ -446,8 +531,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"-c {n_ctx}: ", end="", flush=True)
         with tempfile.TemporaryDirectory(prefix="contextpaw-loop-") as work:
             where = out if len(args.ctx) == 1 else out.with_name(f"{out.stem}-{n_ctx}{out.suffix}")
-            result = run(binary.path, model.path, Path(work), args.turns, n_ctx, lambda: print(".", end="", flush=True),
-                         baseline=not args.no_baseline, sent_to=where.with_name(f"{where.stem}.sent.json"))
+            result = run(
+                binary.path,
+                model.path,
+                Path(work),
+                args.turns,
+                n_ctx,
+                lambda: print(".", end="", flush=True),
+                baseline=not args.no_baseline,
+                sent_to=where.with_name(f"{where.stem}.sent.json"),
+            )
         where.parent.mkdir(parents=True, exist_ok=True)
         where.write_text(json.dumps(result, indent=2))
         print(f" wrote {where}")

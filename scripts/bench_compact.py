@@ -19,10 +19,10 @@ import sys
 import time
 import tracemalloc
 
-from contextpaw.compact import compact_chat
-from contextpaw.conversation import Conversation, Message
-from contextpaw.prompt import compact_prompt
-from contextpaw.tokens import Counter, EstimateCounter
+from contextpaw.core.compact import compact_chat
+from contextpaw.core.conversation import Conversation, Message
+from contextpaw.core.prompt import compact_prompt
+from contextpaw.core.tokens import Counter, EstimateCounter
 
 
 def agent_conversation(target_tokens: int, counter: Counter, messages: int | None = None, seed: int = 7) -> list[dict]:
@@ -36,9 +36,19 @@ def agent_conversation(target_tokens: int, counter: Counter, messages: int | Non
     per_dump = max(8, target_tokens // turns)
     for t in range(turns):
         call_id = f"call_{t}"
-        msgs.append({"role": "assistant", "content": None, "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/m{t}.py"})}}
-        ]})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/m{t}.py"})},
+                    }
+                ],
+            }
+        )
         size = max(4, int(per_dump * rng.uniform(0.2, 1.8)))
         lines = [f"{n:5d}  def f_{t}_{n}(x): return x * {rng.randint(0, 999)}" for n in range(max(1, size // 14))]
         msgs.append({"role": "tool", "tool_call_id": call_id, "content": "\n".join(lines)})
@@ -79,16 +89,34 @@ def run(sizes: list[int], repeat: int, counter: Counter) -> list[dict]:
         budget = max(1000, original // 4)
         conv = Conversation.from_wire(msgs)
         seconds, peak, result = measure(lambda: compact_chat(conv, budget, counter), repeat)
-        rows.append({"kind": "chat", "tokens": original, "messages": len(msgs), "budget": budget,
-                     "final": result.report.final_tokens, "use": result.report.final_tokens / budget,
-                     "ms": seconds * 1000, "peak_mib": peak})
+        rows.append(
+            {
+                "kind": "chat",
+                "tokens": original,
+                "messages": len(msgs),
+                "budget": budget,
+                "final": result.report.final_tokens,
+                "use": result.report.final_tokens / budget,
+                "ms": seconds * 1000,
+                "peak_mib": peak,
+            }
+        )
         prompt = "\n".join(m["content"] or "" for m in msgs)
         ptokens = counter.text(prompt)
         pbudget = max(1000, ptokens // 4)
         seconds, peak, presult = measure(lambda: compact_prompt(prompt, pbudget, counter), repeat)
-        rows.append({"kind": "prompt", "tokens": ptokens, "messages": 1, "budget": pbudget,
-                     "final": presult.report.final_tokens, "use": presult.report.final_tokens / pbudget,
-                     "ms": seconds * 1000, "peak_mib": peak})
+        rows.append(
+            {
+                "kind": "prompt",
+                "tokens": ptokens,
+                "messages": 1,
+                "budget": pbudget,
+                "final": presult.report.final_tokens,
+                "use": presult.report.final_tokens / pbudget,
+                "ms": seconds * 1000,
+                "peak_mib": peak,
+            }
+        )
     return rows
 
 
@@ -96,9 +124,15 @@ def headline(counter: Counter, repeat: int) -> dict:
     msgs = agent_conversation(160_000, counter, messages=600)
     conv = Conversation.from_wire(msgs)
     seconds, peak, result = measure(lambda: compact_chat(conv, 32_000, counter), repeat)
-    return {"tokens": tokens_of(msgs, counter), "messages": len(msgs), "budget": 32_000,
-            "final": result.report.final_tokens, "use": result.report.final_tokens / 32_000,
-            "ms": seconds * 1000, "peak_mib": peak}
+    return {
+        "tokens": tokens_of(msgs, counter),
+        "messages": len(msgs),
+        "budget": 32_000,
+        "final": result.report.final_tokens,
+        "use": result.report.final_tokens / 32_000,
+        "ms": seconds * 1000,
+        "peak_mib": peak,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,12 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compaction.json").write_text(json.dumps({"headline": head, "sweep": rows}, indent=2))
-    print(f"headline: {head['tokens']:,} tokens / {head['messages']} messages -> {head['final']:,} "
-          f"(budget {head['budget']:,}, use {head['use']:.1%}) in {head['ms']:.1f} ms, peak {head['peak_mib']:.1f} MiB")
+    print(
+        f"headline: {head['tokens']:,} tokens / {head['messages']} messages -> {head['final']:,} "
+        f"(budget {head['budget']:,}, use {head['use']:.1%}) in {head['ms']:.1f} ms, peak {head['peak_mib']:.1f} MiB"
+    )
     print("| kind | tokens | budget | final | use | ms | peak MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['kind']} | {r['tokens']:,} | {r['budget']:,} | {r['final']:,} | {r['use']:.1%} | {r['ms']:.1f} | {r['peak_mib']:.1f} |")
+        print(
+            f"| {r['kind']} | {r['tokens']:,} | {r['budget']:,} | {r['final']:,} | {r['use']:.1%} | {r['ms']:.1f} | {r['peak_mib']:.1f} |"
+        )
     low = [r for r in rows if r["use"] < 0.95]
     return 1 if low and not args.quick else 0
 

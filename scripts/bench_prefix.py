@@ -28,20 +28,27 @@ import sys
 import time
 from typing import Any
 
-from contextpaw.calibration import CalibratedCounter
-from contextpaw.compact import EARLIER_CUT, BudgetTooSmall, Plan, compact_chat
-from contextpaw.conversation import Conversation
-from contextpaw.markers import MARKER_PREFIX
-from contextpaw.tokens import Counter, EstimateCounter, TokenizerCounter
+from contextpaw.core.compact import EARLIER_CUT, BudgetTooSmall, Plan, compact_chat
+from contextpaw.core.conversation import Conversation
+from contextpaw.core.markers import MARKER_PREFIX
+from contextpaw.core.tokens import Counter, EstimateCounter, TokenizerCounter
+from contextpaw.fitting.calibration import CalibratedCounter
 
 RESERVE = 1024 + 64
 """The proxy's default output reserve and margin: the budget is the window less these."""
 KEEP_RECENT = 4
-WORDS = ("alpha beta gamma delta epsilon parser token window budget cache slot prompt build test "
-         "module import return value error warning config").split()
+WORDS = (
+    "alpha beta gamma delta epsilon parser token window budget cache slot prompt build test module import return value error warning config"
+).split()
 TOOLS = [
-    {"type": "function", "function": {"name": name, "description": f"{name} in the workspace",
-                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name} in the workspace",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
     for name in ("read_file", "grep", "run_tests", "list_dir")
 ]
 SYSTEM = "You are a coding agent. Use the tools to inspect and change the workspace.\n" + "".join(
@@ -64,15 +71,19 @@ def session(turns: int, seed: int = 7) -> list[list[dict[str, Any]]]:
     for t in range(turns):
         step: list[dict[str, Any]] = []
         if t and t % 9 == 0:
-            step += [{"role": "assistant", "content": f"Checked {t} things so far; the cause is not clear yet."},
-                     {"role": "user", "content": f"Keep going; look at module {t} next."}]
+            step += [
+                {"role": "assistant", "content": f"Checked {t} things so far; the cause is not clear yet."},
+                {"role": "user", "content": f"Keep going; look at module {t} next."},
+            ]
         roll = rng.random()
         lines = rng.randint(2000, 6000) if roll < 0.04 else rng.randint(100, 400) if roll < 0.25 else rng.randint(3, 60)
-        call = {"id": f"call_{t}", "type": "function",
-                "function": {"name": rng.choice(TOOLS)["function"]["name"], "arguments": json.dumps({"path": f"src/mod_{t}.py"})}}
+        call = {
+            "id": f"call_{t}",
+            "type": "function",
+            "function": {"name": rng.choice(TOOLS)["function"]["name"], "arguments": json.dumps({"path": f"src/mod_{t}.py"})},
+        }
         body = "\n".join(f"{n:5d} " + " ".join(rng.choices(WORDS, k=rng.randint(4, 12))) for n in range(lines))
-        step += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": call["id"], "content": body}]
+        step += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": call["id"], "content": body}]
         out.append(step)
     return out
 
@@ -137,8 +148,10 @@ def shared(a: list[int], b: list[int]) -> int:
 def run_window(window: int, turns: list[list[dict[str, Any]]], counter_kind: str, tokenize, base: Counter) -> dict[str, Any]:
     budget = window - RESERVE
     jitter = random.Random(window)
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
-                                  {"role": "user", "content": "The nightly build fails. Find out why; the release tag is ORCHID-77."}]
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "The nightly build fails. Find out why; the release tag is ORCHID-77."},
+    ]
     plan: Plan | None = None
     sent: list[dict[str, Any]] | None = None
     sent_tokens: list[int] = []
@@ -155,10 +168,15 @@ def run_window(window: int, turns: list[list[dict[str, Any]]], counter_kind: str
         seconds += time.perf_counter() - started
         prompt = msgs if result.messages is None else result.messages
         tokens = tokenize(render([{"role": "system", "content": json.dumps(TOOLS)}, *prompt]) + "<|im_start|>assistant\n")
-        appended = len(tokenize(render(prompt[-len(step):])))
+        appended = len(tokenize(render(prompt[-len(step) :])))
         row: dict[str, Any] = {
-            "turn": t, "messages": len(msgs), "prompt_tokens": len(tokens), "counted": result.report.final_tokens,
-            "budget": budget, "compacted": result.report.compacted, "notes": result.report.notes,
+            "turn": t,
+            "messages": len(msgs),
+            "prompt_tokens": len(tokens),
+            "counted": result.report.final_tokens,
+            "budget": budget,
+            "compacted": result.report.compacted,
+            "notes": result.report.notes,
         }
         if sent is not None:
             row["shared"] = shared(sent_tokens, tokens)
@@ -167,9 +185,13 @@ def run_window(window: int, turns: list[list[dict[str, Any]]], counter_kind: str
             if prompt[: len(sent)] != sent:
                 k, why = first_difference(sent, prompt)
                 last = max((i for i, m in enumerate(sent) if MARKER_PREFIX in json.dumps(m, ensure_ascii=False)), default=None)
-                row["recut"] = {"first_difference": k, "why": why, "last_marker": last,
-                                "before_last_marker": last is not None and k < last,
-                                "earlier_cut_noted": any(EARLIER_CUT in n for n in result.report.notes)}
+                row["recut"] = {
+                    "first_difference": k,
+                    "why": why,
+                    "last_marker": last,
+                    "before_last_marker": last is not None and k < last,
+                    "earlier_cut_noted": any(EARLIER_CUT in n for n in result.report.notes),
+                }
         rows.append(row)
         sent, sent_tokens, plan = prompt, tokens, result.plan
     return summarize(window, budget, rows, seconds)
@@ -229,26 +251,58 @@ def main() -> None:
     print(f"counter: {counter_kind}; prefixes compared in {unit}; {args.turns} turns, keep_recent {KEEP_RECENT}")
     turns = session(args.turns)
     results = [run_window(w, turns, counter_kind, tokenize, base) for w in args.windows]
-    header = ("window", "1st cut", "reuse mean", "ceiling mean", "reuse worst", "ceiling worst", "re-cuts",
-              "re-cut reuse", "re-cut ceiling", "breaks<last", "window use", "ms/turn")
+    header = (
+        "window",
+        "1st cut",
+        "reuse mean",
+        "ceiling mean",
+        "reuse worst",
+        "ceiling worst",
+        "re-cuts",
+        "re-cut reuse",
+        "re-cut ceiling",
+        "breaks<last",
+        "window use",
+        "ms/turn",
+    )
     print(" | ".join(header))
     for r in results:
-        print(" | ".join([
-            str(r["window"]), str(r["first_compacted_turn"]), percent(r["reuse_mean"]), percent(r["ceiling_mean"]),
-            percent(r["reuse_worst"]), percent(r["ceiling_worst"]), f"{r['recut_turns']}/{r['turns_after_first_cut']}",
-            percent(r["recut_reuse_mean"]), percent(r["recut_ceiling_mean"]), str(r["breaks_before_last_marker"]),
-            percent(r["window_use_mean"]), f"{r['engine_ms_per_turn']:.1f}",
-        ]))
+        print(
+            " | ".join(
+                [
+                    str(r["window"]),
+                    str(r["first_compacted_turn"]),
+                    percent(r["reuse_mean"]),
+                    percent(r["ceiling_mean"]),
+                    percent(r["reuse_worst"]),
+                    percent(r["ceiling_worst"]),
+                    f"{r['recut_turns']}/{r['turns_after_first_cut']}",
+                    percent(r["recut_reuse_mean"]),
+                    percent(r["recut_ceiling_mean"]),
+                    str(r["breaks_before_last_marker"]),
+                    percent(r["window_use_mean"]),
+                    f"{r['engine_ms_per_turn']:.1f}",
+                ]
+            )
+        )
     for r in results:
         for c in r["recuts"]:
-            print(f"  {r['window']} turn {c['turn']}: reuse {percent(c['reuse'])} of ceiling {percent(c['ceiling'])}; "
-                  f"message {c['first_difference']} first differs: {c['why']}"
-                  + (" (before the last marker, noted)" if c["before_last_marker"] and c["earlier_cut_noted"] else
-                     " (before the last marker, NOT noted)" if c["before_last_marker"] else ""))
+            print(
+                f"  {r['window']} turn {c['turn']}: reuse {percent(c['reuse'])} of ceiling {percent(c['ceiling'])}; "
+                f"message {c['first_difference']} first differs: {c['why']}"
+                + (
+                    " (before the last marker, noted)"
+                    if c["before_last_marker"] and c["earlier_cut_noted"]
+                    else " (before the last marker, NOT noted)"
+                    if c["before_last_marker"]
+                    else ""
+                )
+            )
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"counter": counter_kind, "unit": unit, "turns": args.turns, "keep_recent": KEEP_RECENT,
-                               "windows": results}, indent=1))
+    out.write_text(
+        json.dumps({"counter": counter_kind, "unit": unit, "turns": args.turns, "keep_recent": KEEP_RECENT, "windows": results}, indent=1)
+    )
     print(f"wrote {out}")
 
 

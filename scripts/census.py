@@ -46,11 +46,23 @@ def census(rev: str) -> dict[str, object]:
     options: Counter[str] = Counter()
     for text in files.values():
         options.update(OPTION.findall(text))
-    state = sorted({f"{name}:{i}" for name, text in files.items() for i, line in enumerate(text.splitlines(), 1)
-                    if FLOW_KEYED.search(line) and not line.lstrip().startswith(("#", '"'))})
+    state = sorted(
+        {
+            f"{name}:{i}"
+            for name, text in files.items()
+            for i, line in enumerate(text.splitlines(), 1)
+            if FLOW_KEYED.search(line) and not line.lstrip().startswith(("#", '"'))
+        }
+    )
     metadata = sorted({key for text in files.values() for key in METADATA_KEY.findall(text)})
-    return {"rev": git("rev-parse", "--short", rev).strip(), "lines": {n: t.count("\n") for n, t in files.items()},
-            "classes": sorted(classes, reverse=True), "options": options, "state": state, "metadata": metadata}
+    return {
+        "rev": git("rev-parse", "--short", rev).strip(),
+        "lines": {n: t.count("\n") for n, t in files.items()},
+        "classes": sorted(classes, reverse=True),
+        "options": options,
+        "state": state,
+        "metadata": metadata,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -62,8 +74,10 @@ def main(argv: list[str]) -> int:
         b, a = lines_b.get(name), lines_a.get(name)
         if max(b or 0, a or 0) > 300:
             print(f"| {name} | {b if b is not None else '-'} | {a if a is not None else '-'} |")
-    print(f"\nmodules over 500 lines: {sum(v > 500 for v in lines_b.values())} -> {sum(v > 500 for v in lines_a.values())}; "
-          f"package lines {sum(lines_b.values()):,} -> {sum(lines_a.values()):,} in {len(lines_b)} -> {len(lines_a)} modules")
+    print(
+        f"\nmodules over 500 lines: {sum(v > 500 for v in lines_b.values())} -> {sum(v > 500 for v in lines_a.values())}; "
+        f"package lines {sum(lines_b.values()):,} -> {sum(lines_a.values()):,} in {len(lines_b)} -> {len(lines_a)} modules"
+    )
     print("\n## Largest classes (lines)\n\n| before | after |\n|---|---|")
     for (nb, cb), (na, ca) in zip(before["classes"][:8], after["classes"][:8]):
         print(f"| {cb} {nb} | {ca} {na} |")
@@ -75,8 +89,10 @@ def main(argv: list[str]) -> int:
     names = sorted(set(before["options"]) | set(after["options"]))
     spelled_b = [before["options"][n] for n in names if before["options"][n]]
     spelled_a = [after["options"][n] for n in names if after["options"][n]]
-    print(f"options: {len(spelled_b)} -> {len(spelled_a)}; spelled more than once: "
-          f"{sum(n > 1 for n in spelled_b)} -> {sum(n > 1 for n in spelled_a)}")
+    print(
+        f"options: {len(spelled_b)} -> {len(spelled_a)}; spelled more than once: "
+        f"{sum(n > 1 for n in spelled_b)} -> {sum(n > 1 for n in spelled_a)}"
+    )
     for n in names:
         if before["options"][n] > 1 or after["options"][n] > 1:
             print(f"- {n}: {before['options'][n]} -> {after['options'][n]}")

@@ -40,8 +40,7 @@ MODEL = "smollm2:135m"
 
 def ask(base_url: str, path: str, secret: str, messages: list[dict], num_ctx: int) -> Trial:
     """One /api/chat call; raw HTTP so the `contextpaw` report field is visible (the ollama client drops it)."""
-    body = {"model": MODEL, "messages": messages, "stream": False,
-            "options": {"num_ctx": num_ctx, "num_predict": 24, "temperature": 0}}
+    body = {"model": MODEL, "messages": messages, "stream": False, "options": {"num_ctx": num_ctx, "num_predict": 24, "temperature": 0}}
     reply = httpx.post(f"{base_url}/api/chat", json=body, timeout=600)
     data = reply.json()
     if reply.status_code != 200:
@@ -68,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             settings = OllamaSettings(model=MODEL, num_ctx=args.num_ctx)
             upstream = stack.enter_context(running(ollama_sim_app(server, settings)))
-        proxy = stack.enter_context(
-            start_proxy(upstream, work / "mitm", work / "mitmdump.log", options=[f"contextpaw_ollama={upstream}"])
-        )
+        proxy = stack.enter_context(start_proxy(upstream, work / "mitm", work / "mitmdump.log", options=[f"contextpaw_ollama={upstream}"]))
         trials: list[Trial] = []
         print(TABLE_HEAD)
         for n in range(args.trials):

@@ -106,7 +106,11 @@ def responses_trial(client: openai.OpenAI, path: str, secret: str, body: dict[st
     ``response.completed`` event or the response it carries; X-ContextPaw-* from the headers."""
     try:
         raw = client.responses.with_raw_response.create(
-            model=MODEL, max_output_tokens=GREEDY_TOKENS, temperature=0, stream=stream, **body  # type: ignore[arg-type]
+            model=MODEL,
+            max_output_tokens=GREEDY_TOKENS,
+            temperature=0,
+            stream=stream,
+            **body,  # type: ignore[arg-type]
         )
     except openai.APIStatusError as e:
         error = e.body if isinstance(e.body, Mapping) else {}

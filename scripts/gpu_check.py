@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
-from contextpaw.gpu import GpuUnavailable, NvmlProbe
-from contextpaw.vram import estimate, read_shape, server_plan
+from contextpaw.gpu.nvml import GpuUnavailable, NvmlProbe
+from contextpaw.gpu.vram import estimate, read_shape, server_plan
 from support.backends import free_port, locate_llama_server, locate_smollm2, start_process
 
 MIB = 1 << 20
@@ -43,7 +43,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": binary.reason or model.reason}))
         return 2
     port = free_port()
-    argv_ = [str(binary.path), "-m", str(model.path), "-c", str(args.ctx), "-ngl", "99", "-np", "1", "--host", "127.0.0.1", "--port", str(port)]
+    argv_ = [
+        str(binary.path),
+        "-m",
+        str(model.path),
+        "-c",
+        str(args.ctx),
+        "-ngl",
+        "99",
+        "-np",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     plan = server_plan(shlex.join(argv_))
     assert plan is not None
     need = estimate(read_shape(plan.model), args.ctx, plan.kv_type, plan.offloaded)
@@ -72,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         ("estimate: compute margin (MiB)", need.compute_bytes // MIB),
         ("estimate: total (MiB)", need.total_bytes // MIB),
         ("estimate / measured", round(need.total_bytes / max(own or delta, 1), 2)),
-        ("layers offloaded to the GPU", f"{layers.group(1)}/{layers.group(2)}" if offloaded and layers else "none: this llama-server build has no GPU backend"),
+        (
+            "layers offloaded to the GPU",
+            f"{layers.group(1)}/{layers.group(2)}" if offloaded and layers else "none: this llama-server build has no GPU backend",
+        ),
     ]
     print("| reading | value |\n|---|---|")
     for name, value in rows:

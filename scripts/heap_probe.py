@@ -162,8 +162,8 @@ def caches(everything: list[Any]) -> dict[str, Any]:
 
     out["HTTPFlow"] = sum(isinstance(obj, http.HTTPFlow) for obj in everything)
     try:
-        from contextpaw.evicted import EvictedStore
-        from contextpaw.state import LRU
+        from contextpaw.core.caches import LRU
+        from contextpaw.ops.evicted import EvictedStore
     except ImportError:
         return out
     for obj in everything:

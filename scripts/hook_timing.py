@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for `contextpaw`
-from contextpaw.compose import make_addons  # noqa: E402
+from contextpaw.proxy.compose import make_addons  # noqa: E402
 
 HOOKS = ("requestheaders", "request", "responseheaders", "response", "error", "http_connect_upstream")
 spent: defaultdict[str, list[float]] = defaultdict(list)

@@ -124,7 +124,14 @@ def parse_answer(path: str, streaming: bool, data: bytes) -> tuple[str, dict[str
     return text, report
 
 
-async def converse(c: Conversation, args: argparse.Namespace, urls: dict[str, dict[str, str]], session: aiohttp.ClientSession, stats: Stats, deadline: float) -> None:
+async def converse(
+    c: Conversation,
+    args: argparse.Namespace,
+    urls: dict[str, dict[str, str]],
+    session: aiohttp.ClientSession,
+    stats: Stats,
+    deadline: float,
+) -> None:
     for turn in range(args.turns):
         if time.monotonic() > deadline:
             stats.lost.append(f"c{c.n} turn {turn}: deadline")
@@ -244,7 +251,10 @@ async def run(args: argparse.Namespace, urls: dict[str, dict[str, str]], pid: in
         "proxied_ms": {"p50": round(pct(stats.proxied_s, 0.5) * ms, 2), "p99": round(pct(stats.proxied_s, 0.99) * ms, 2)},
         "added_ms": {"p50": round(pct(added_all, 0.5) * ms, 2), "p99": round(pct(added_all, 0.99) * ms, 2)},
         "added_ms_uncompacted": {"p50": round(pct(stats.added_s, 0.5) * ms, 2), "p99": round(pct(stats.added_s, 0.99) * ms, 2)},
-        "added_ms_compacted": {"p50": round(pct(stats.added_overflowing_s, 0.5) * ms, 2), "p99": round(pct(stats.added_overflowing_s, 0.99) * ms, 2)},
+        "added_ms_compacted": {
+            "p50": round(pct(stats.added_overflowing_s, 0.5) * ms, 2),
+            "p99": round(pct(stats.added_overflowing_s, 0.99) * ms, 2),
+        },
         "heartbeats": len(gaps),
         "worst_loop_stall_ms": round(max(gaps, default=0.0) * ms, 1),
         "heartbeat_gap_p99_ms": round(pct(gaps, 0.99) * ms, 1) if gaps else None,
@@ -268,7 +278,10 @@ def table(result: dict[str, Any]) -> str:
         ("added p50 / p99 ms (all)", f"{result['added_ms']['p50']} / {result['added_ms']['p99']}"),
         ("added p50 / p99 ms (not compacted)", f"{result['added_ms_uncompacted']['p50']} / {result['added_ms_uncompacted']['p99']}"),
         ("added p50 / p99 ms (compacted)", f"{result['added_ms_compacted']['p50']} / {result['added_ms_compacted']['p99']}"),
-        ("worst loop stall ms (heartbeat gap)", f"{result['worst_loop_stall_ms']} ({result['heartbeats']} beats, p99 {result['heartbeat_gap_p99_ms']})"),
+        (
+            "worst loop stall ms (heartbeat gap)",
+            f"{result['worst_loop_stall_ms']} ({result['heartbeats']} beats, p99 {result['heartbeat_gap_p99_ms']})",
+        ),
         ("mitmdump RSS MiB start / end / max", f"{result['rss_mib']['start']} / {result['rss_mib']['end']} / {result['rss_mib']['max']}"),
         ("evicted store MiB (bounded, kept)", str(result["evicted_store_mib"])),
         ("proxy errors / unreachable", f"{result['proxy_stats'].get('errors')} / {result['proxy_stats'].get('unreachable')}"),
@@ -278,13 +291,9 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def start_backends_and_proxy(
-    workdir: Path, slots: int, options: list[str]
-) -> tuple[list[Backend], dict[str, dict[str, str]], Backend]:
+def start_backends_and_proxy(workdir: Path, slots: int, options: list[str]) -> tuple[list[Backend], dict[str, dict[str, str]], Backend]:
     ollama = start_module("support.fake_ollama", ["--n-ctx", str(N_CTX), "--native"], "/", workdir / "ollama.log")
-    llamacpp = start_module(
-        "support.fake_llamacpp", ["--n-ctx", str(N_CTX), "--slots", str(slots)], "/health", workdir / "llamacpp.log"
-    )
+    llamacpp = start_module("support.fake_llamacpp", ["--n-ctx", str(N_CTX), "--slots", str(slots)], "/health", workdir / "llamacpp.log")
     ports = {"ollama": free_port(), "llamacpp": free_port()}
     argv = [
         sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q", "-s", str(ADDON),
@@ -311,8 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=600.0, help="seconds for the whole run; later turns count as lost")
     p.add_argument("--json", type=Path, default=REPO / "bench-results" / "load.json")
     p.add_argument("--workdir", type=Path, default=None, help="logs and mitmproxy confdir (default: a temp dir)")
-    p.add_argument("--set", dest="options", action="append", default=[], metavar="NAME=VALUE",
-                   help="a mitmproxy option for the proxy, e.g. contextpaw_evicted_mb=16 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a mitmproxy option for the proxy, e.g. contextpaw_evicted_mb=16 (repeatable)",
+    )
     args = p.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="contextpaw-load-"))
     backends, urls, proxy = start_backends_and_proxy(workdir, args.slots, args.options)

@@ -26,16 +26,24 @@ from pathlib import Path
 
 import aiohttp
 
-from contextpaw.calibration import Calibration
-from contextpaw.conversation import Conversation
-from contextpaw.counting import LlamaCppCounting
-from contextpaw.tokens import EstimateCounter, TokenizerCounter
+from contextpaw.calls.server_counts import LlamaCppCounting
+from contextpaw.core.conversation import Conversation
+from contextpaw.core.tokens import EstimateCounter, TokenizerCounter
+from contextpaw.fitting.calibration import Calibration
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 from support.backends import locate_llama_server, locate_smollm2, start_llama_server
 
-TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
-                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
 SNIPPETS = [
     "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n",
     "Zähle die Äpfel: 1, 2, 3… 日本語のテキスト 🐾 — naïve café.",
@@ -53,13 +61,20 @@ def chat(rng: random.Random, n: int) -> dict:
     messages.append({"role": "user", "content": rng.choice(SNIPPETS) * rng.randint(1, 6)})
     for turn in range(rng.randint(0, 4)):
         if rng.random() < 0.5:
-            call = {"id": f"c{n}_{turn}", "type": "function",
-                    "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/{turn}.py"})}}
-            messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": call["id"], "content": rng.choice(SNIPPETS) * rng.randint(1, 8)}]
+            call = {
+                "id": f"c{n}_{turn}",
+                "type": "function",
+                "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/{turn}.py"})},
+            }
+            messages += [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": rng.choice(SNIPPETS) * rng.randint(1, 8)},
+            ]
         else:
-            messages += [{"role": "assistant", "content": rng.choice(SNIPPETS)},
-                         {"role": "user", "content": rng.choice(SNIPPETS) * rng.randint(1, 3)}]
+            messages += [
+                {"role": "assistant", "content": rng.choice(SNIPPETS)},
+                {"role": "user", "content": rng.choice(SNIPPETS) * rng.randint(1, 3)},
+            ]
     if messages[-1]["role"] != "user":
         messages.append({"role": "user", "content": "Go on."})
     body = {"messages": messages}
@@ -75,8 +90,7 @@ async def measure(url: str, gguf: Path, count: int, seed: int) -> dict:
     estimate = EstimateCounter()
     calibration = Calibration()
     rows: dict[str, list[int]] = {"backend (per text)": [], "tokenizer (GGUF)": [], "calibrated (after 5)": []}
-    costs: dict[str, list[float]] = {"count, uncached": [], "count, cached": [], "total, uncached": [],
-                                     "total, cached": []}
+    costs: dict[str, list[float]] = {"count, uncached": [], "count, cached": [], "total, uncached": [], "total, cached": []}
     async with aiohttp.ClientSession(trust_env=False) as session:
         counting = LlamaCppCounting(session)
         await counting.template(url)
@@ -97,8 +111,11 @@ async def measure(url: str, gguf: Path, count: int, seed: int) -> dict:
             ours = fixed + counter.tools(conv.tools) + sum(counter.message(m) for m in conv.messages)
             rows["backend (per text)"].append(ours - truth)
             template = counting.templates[url]
-            local = (template.fixed_with_system if has_system else template.fixed) + tokenizer.tools(conv.tools) + sum(
-                tokenizer.text(m.text) + template.per_message for m in conv.messages)
+            local = (
+                (template.fixed_with_system if has_system else template.fixed)
+                + tokenizer.tools(conv.tools)
+                + sum(tokenizer.text(m.text) + template.per_message for m in conv.messages)
+            )
             rows["tokenizer (GGUF)"].append(local - truth)
             estimated = estimate.tools(conv.tools) + sum(estimate.message(m) for m in conv.messages)
             if len(calibration.ratios.get("llamacpp/m", ())) < 5:
@@ -106,9 +123,9 @@ async def measure(url: str, gguf: Path, count: int, seed: int) -> dict:
             else:
                 calibrated = calibration.counter("llamacpp/m", estimate)
                 rows["calibrated (after 5)"].append(
-                    calibrated.tools(conv.tools) + sum(calibrated.message(m) for m in conv.messages) - truth)
-    return {"errors": rows, "costs_ms": {k: [s * 1000 for s in v] for k, v in costs.items()},
-            "factor": calibration.factor("llamacpp/m")}
+                    calibrated.tools(conv.tools) + sum(calibrated.message(m) for m in conv.messages) - truth
+                )
+    return {"errors": rows, "costs_ms": {k: [s * 1000 for s in v] for k, v in costs.items()}, "factor": calibration.factor("llamacpp/m")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.conversations} conversations; error = our count - llama-server's count (tokens)\n")
     print("| source | mean error | worst over | worst under | exact |\n|---|---:|---:|---:|---|")
     for source, errors in result["errors"].items():
-        print(f"| {source} | {statistics.mean(errors):+.1f} | {max(max(errors), 0)} | {min(min(errors), 0)} "
-              f"| {'yes' if not any(errors) else 'no'} |")
+        print(
+            f"| {source} | {statistics.mean(errors):+.1f} | {max(max(errors), 0)} | {min(min(errors), 0)} "
+            f"| {'yes' if not any(errors) else 'no'} |"
+        )
     print(f"\ncalibration factor learned: {result['factor']:.3f}\n")
     print("| backend call | median ms | p90 ms |\n|---|---:|---:|")
     for call, ms in result["costs_ms"].items():

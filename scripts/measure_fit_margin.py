@@ -1,4 +1,4 @@
-"""No refusal lands within a few tokens of a feasible fit: the pure engine (contextpaw/compact.py) on
+"""No refusal lands within a few tokens of a feasible fit: the pure engine (contextpaw/core/compact.py) on
 random conversations and budgets, half of them within 20 tokens of the least the engine says the
 conversation needs.
 
@@ -23,9 +23,9 @@ import random
 import sys
 from collections import Counter as Tally
 
-from contextpaw.compact import BudgetTooSmall, compact_chat
-from contextpaw.conversation import Conversation, Message
-from contextpaw.tokens import EstimateCounter
+from contextpaw.core.compact import BudgetTooSmall, compact_chat
+from contextpaw.core.conversation import Conversation, Message
+from contextpaw.core.tokens import EstimateCounter
 
 LINES = ["log line 42 ok", "def f(x): return x", "データ 12", '{"k": [1, 2]}', "🐾 paw", "plain words here"]
 

@@ -40,11 +40,10 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
-from contextpaw.backends import MAX_BODY_MB
+from contextpaw.proxy.backends import MAX_BODY_MB
+from contextpaw.proxy.heap import SETTLE_S, TRIM_EVERY_S
 from support.backends import ADDON, Backend, free_port, start_process
 from support.common import LOOPBACK
-
-from contextpaw.heap import SETTLE_S, TRIM_EVERY_S
 from support.measure import PeakMemory, cpu_seconds, memory_mib, worst_latency_while
 
 N_CTX = 1024
@@ -387,7 +386,9 @@ def measure(attack: Attack, proxies: dict[str, Proxy]) -> dict[str, Any]:
         told: list[str] = []
         failed: list[str] = []
         with PeakMemory(proxy.pid) as memory:
-            worst = worst_latency_while(lambda client: ping(client, proxy.ping_url, failed), lambda: told.append(attack(proxy.url)), every=0.02)
+            worst = worst_latency_while(
+                lambda client: ping(client, proxy.ping_url, failed), lambda: told.append(attack(proxy.url)), every=0.02
+            )
         outcome = told[0] if told else "?"
         if failed:
             outcome += f"; {len(failed)} of the other client's requests failed ({', '.join(sorted(set(failed)))})"
@@ -439,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, sized in (("backend", sizes), ("ping-backend", {key: 0 for key in sizes})):
                 port = free_port()
                 argv = [sys.executable, __file__, "--serve", str(port), "--sizes", json.dumps(sized)]
-                backends.append(running.enter_context(start_process(argv, f"http://{LOOPBACK}:{port}", "/health", work / f"{name}.log", 120)))
+                backends.append(
+                    running.enter_context(start_process(argv, f"http://{LOOPBACK}:{port}", "/health", work / f"{name}.log", 120))
+                )
             backend, ping_backend = backends
             options = [f"contextpaw_llamacpp={backend.url}", f"contextpaw_state_dir={work / 'state'}", "flow_detail=0",
                        "contextpaw_request_read_timeout=5", "contextpaw_output_reserve=128",
@@ -452,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, opts in (("bare", None), ("contextpaw", options)):
                 proxies[name] = start_mitmdump(name, backend.url, ping_backend.url, work, opts, args.probe, env)
                 running.callback(proxies[name].process.stop)
-            print("| fault | attack | others' worst ms: ContextPaw / bare | peak RSS MiB: ContextPaw / bare | ContextPaw's outcome | bare mitmdump's |")
+            print(
+                "| fault | attack | others' worst ms: ContextPaw / bare | peak RSS MiB: ContextPaw / bare | ContextPaw's outcome | bare mitmdump's |"
+            )
             print("|---|---|---:|---:|---|---|")
             for fault, what, attack in rows:
                 row = measure(attack, proxies)

@@ -24,10 +24,11 @@ from typing import Any
 
 import aiohttp
 
-from contextpaw.compact import compact_chat
-from contextpaw.conversation import Conversation
-from contextpaw.summarize import ChatCompletions, Summarizer, SummaryModel
-from contextpaw.tokens import EstimateCounter
+from contextpaw.calls.summarizer import ChatCompletions, Summarizer
+from contextpaw.core.compact import compact_chat
+from contextpaw.core.conversation import Conversation
+from contextpaw.core.tokens import EstimateCounter
+from contextpaw.fitting.services import SummaryModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 from support.backends import locate_smollm2
@@ -35,10 +36,7 @@ from support.common import LOOPBACK, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ANSWER_TOKENS = 120
-QUESTION = (
-    "Answer from the conversation above, in one sentence: which host failed last night, what caused "
-    "the outage, and who fixed it?"
-)
+QUESTION = "Answer from the conversation above, in one sentence: which host failed last night, what caused the outage, and who fixed it?"
 
 
 @dataclass(frozen=True)
@@ -217,9 +215,7 @@ def next_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-async def score(
-    session: aiohttp.ClientSession, url: str, messages: list[Any], incident: Incident, row: Row, verbose: bool
-) -> None:
+async def score(session: aiohttp.ClientSession, url: str, messages: list[Any], incident: Incident, row: Row, verbose: bool) -> None:
     found, prompt_tokens, answer = await ask(session, url, messages, incident)
     row.facts += found
     row.asked += len(incident.checks)
@@ -234,9 +230,12 @@ async def llama_server(args: argparse.Namespace):
     if args.url:
         yield args.url.rstrip("/")
         return
-    binary = args.server_bin or subprocess.run(
-        ["bash", str(REPO / "scripts" / "get_llama_server.sh")], check=True, capture_output=True, text=True
-    ).stdout.strip()
+    binary = (
+        args.server_bin
+        or subprocess.run(
+            ["bash", str(REPO / "scripts" / "get_llama_server.sh")], check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )
     located = locate_smollm2()
     model = args.gguf or located.path
     if model is None:
@@ -283,9 +282,7 @@ def table(rows: dict[str, Row]) -> str:
         digest = f"{sum(row.digest_tokens) / len(row.digest_tokens):.0f}" if row.digest_tokens else "-"
         facts = f"{row.facts}/{row.asked}" if row.asked else "-"
         prompt = f"{sum(row.prompt_tokens) / len(row.prompt_tokens):.0f}" if row.prompt_tokens else "-"
-        lines.append(
-            f"| {name} | {facts} | {digest} | {row.calls} | {row.hits} | {row.seconds:.1f} | {prompt} |"
-        )
+        lines.append(f"| {name} | {facts} | {digest} | {row.calls} | {row.hits} | {row.seconds:.1f} | {prompt} |")
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/measure_switch.py [--rounds 5]
 
-Each round, the arbiter (the real `contextpaw.runtime.Arbiter`, no GPU here) hands the GPU from an
+Each round, the arbiter (the real `contextpaw.gpu.arbiter.Arbiter`, no GPU here) hands the GPU from an
 Ollama (the fake, holding a model) to llama-server: drain, unload Ollama, start llama-server, wait
 for /health, and then the first token of a completion; and back again (stop llama-server). Beside
 it, a bare restart of the same binary: start, /health, first token. Prints each round and the
@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
-from contextpaw.runtime import Arbiter, ArbiterSettings
+from contextpaw.gpu.arbiter import Arbiter, ArbiterSettings
 from support.backends import free_port, locate_llama_server, locate_smollm2, start_module, start_process
 
 LOOPBACK = "127.0.0.1"
@@ -36,7 +36,9 @@ def first_token(url: str) -> None:
 
 
 async def arbiter_round(arbiter: Arbiter, llama_url: str, ollama_url: str) -> dict[str, float]:
-    await asyncio.to_thread(httpx.post, f"{ollama_url}/api/generate", json={"model": "fake", "prompt": ""}, timeout=30)  # Ollama holds its model
+    await asyncio.to_thread(
+        httpx.post, f"{ollama_url}/api/generate", json={"model": "fake", "prompt": ""}, timeout=30
+    )  # Ollama holds its model
     started = time.perf_counter()
     async with arbiter.use("llamacpp"):
         healthy = time.perf_counter()

@@ -112,7 +112,9 @@ def main() -> int:
     for counter, outcomes in all_outcomes.items():
         print("\n".join(table(outcomes, counter)))
         print()
-    print("| counter | requests | cut by Ollama | told | possible-told (of them cut) | missed | false alarms | flagged (counter) | usage not as asked | refused (400) |")
+    print(
+        "| counter | requests | cut by Ollama | told | possible-told (of them cut) | missed | false alarms | flagged (counter) | usage not as asked | refused (400) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for counter, outcomes in all_outcomes.items():
         t = totals(outcomes)

@@ -35,7 +35,7 @@ overflow measured here. "ContextPaw's count" is the report's `final_tokens`: lla
 the first path, the calibrated estimate on the next two (by shape on /api/chat, where `truncate: false`
 makes an overshoot a rescued 400; by bytes on /v1), the tokenizer's on the last.
 
-The budget is the one the window gives (window - answer reserve - margin, contextpaw/windows.py), which
+The budget is the one the window gives (window - answer reserve - margin, contextpaw/fitting/windows.py), which
 is the report's `contextpaw.budget` (X-ContextPaw-Budget) on a plain fit, checked per row. Where the fit
 was held to less (the guard's note "budget X of Y" on a route that cannot forbid a cut, or the
 retry's budget after a rescued 400), that is the "fitted to" column, and what it held back counts as
@@ -62,10 +62,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_compact
 import httpx
 
-import bench_compact
-from contextpaw.tokens import EstimateCounter
+from contextpaw.core.tokens import EstimateCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 from support.backends import Backend, free_port, locate_llama_server, locate_smollm2, start_process, start_proxy
@@ -95,8 +95,12 @@ OLLAMA_V1_GGUF = "ollama /v1, model file read"
 PATHS = (LLAMACPP, OLLAMA_CHAT, OLLAMA_V1, OLLAMA_V1_GGUF)
 GOALS = {LLAMACPP: 0.97, OLLAMA_CHAT: 0.92, OLLAMA_V1: 0.92, OLLAMA_V1_GGUF: 0.92}
 """The least use of the budget each path should reach; none may go over 1.0."""
-COUNTER_KIND = {LLAMACPP: "llama-server's counts", OLLAMA_CHAT: "calibrated shape count", OLLAMA_V1: "calibrated estimate",
-                OLLAMA_V1_GGUF: "the model's tokenizer, from the GGUF file Ollama names"}
+COUNTER_KIND = {
+    LLAMACPP: "llama-server's counts",
+    OLLAMA_CHAT: "calibrated shape count",
+    OLLAMA_V1: "calibrated estimate",
+    OLLAMA_V1_GGUF: "the model's tokenizer, from the GGUF file Ollama names",
+}
 GUARD_NOTE = re.compile(r"budget (\d+) of (\d+)")
 HELD_BY = re.compile(r"cannot ask Ollama to refuse instead of cutting \((.+)\)$")
 """What held a guarded fit under its budget, as the report's note says."""
@@ -248,7 +252,7 @@ def send(client: httpx.Client, path: str, proxy_url: str, messages: list[dict], 
 
 def window_budget(window: int, max_tokens: int = 1) -> int:
     """The budget the window gives a request that caps its answer at `max_tokens`, with ContextPaw's
-    default options (output_reserve 1024, margin 64): contextpaw/windows.py's `Budgeter.for_window`
+    default options (output_reserve 1024, margin 64): contextpaw/fitting/windows.py's `Budgeter.for_window`
     and `Budget.tokens`, the prompt tokens a request that must be cut is cut to."""
     return window - min(max_tokens, 1024, window // 2) - min(64, window // 8)
 
@@ -480,9 +484,10 @@ def main(argv: list[str] | None = None) -> int:
                     "date": time.strftime("%Y-%m-%d %H:%M:%S")},  # fmt: skip
         "quick": args.quick, "overflow": args.overflow, "goals": GOALS, "windows": [],
     }  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="contextpaw-window-use-") as tmp, httpx.Client(
-        timeout=httpx.Timeout(args.timeout, connect=10), trust_env=False
-    ) as client:
+    with (
+        tempfile.TemporaryDirectory(prefix="contextpaw-window-use-") as tmp,
+        httpx.Client(timeout=httpx.Timeout(args.timeout, connect=10), trust_env=False) as client,
+    ):
         work = Path(tmp)
         for window in windows:
             try:

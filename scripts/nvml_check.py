@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from contextpaw.gpu import GpuUnavailable, NvmlProbe
+from contextpaw.gpu.nvml import GpuUnavailable, NvmlProbe
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,7 +152,7 @@ def main() -> None:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="contextpaw-screenshot-")))
         ollama = stack.enter_context(start_module("support.fake_ollama", ["--n-ctx", str(N_CTX)], "/", work / "ollama.log"))
         port, web_port, devtools = free_port(), free_port(), free_port()
-        argv = [sys.executable, "-m", "contextpaw.cli", "--web", "--ollama", ollama.url, "--port", str(port),
+        argv = [sys.executable, "-m", "contextpaw.command.cli", "--web", "--ollama", ollama.url, "--port", str(port),
                 "--confdir", str(work / "conf"), "--set", f"web_port={web_port}", "--set", f"web_password={token}",
                 "--set", "web_open_browser=false"]  # fmt: skip
         proxy, web = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{web_port}"
@@ -175,7 +175,9 @@ def main() -> None:
         }
         fine = asyncio.run(take(chromium, web, token, pages, args.out, args.width, args.height))
         for flow in flows(web, token):
-            print(f"  {flow['marked'] or ' '} {flow['request']['path']:<22} {flow['response']['status_code']}  {flow.get('comment', '')[:90]}")
+            print(
+                f"  {flow['marked'] or ' '} {flow['request']['path']:<22} {flow['response']['status_code']}  {flow.get('comment', '')[:90]}"
+            )
     sys.exit(0 if fine else 1)
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Run the whole test suite (unit, end-to-end against fakes, and real llama-server + model).
+# The checks (scripts/check.sh), then the whole test suite (unit, end-to-end against fakes, and
+# real llama-server + model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/check.sh
 export LLAMA_SERVER="${LLAMA_SERVER:-$(PYTHON=.venv/bin/python bash scripts/get_llama_server.sh)}"
 bash scripts/get_agents.sh >/dev/null || echo "the agent CLIs are not installed (above); tests/agents says why it skips or fails" >&2
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

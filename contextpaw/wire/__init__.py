@@ -4,7 +4,7 @@ One module per API (`ollama`, `openai`, `llamacpp`, `anthropic`) builds `Route`s
 conversation or a prompt plus the request parameters that size the budget, how to write the
 compacted body back, the API's own error shapes, and how its stream marks the final record. The
 types they share are in `base`, which they import; this module puts their routes together. The
-compaction engine is not imported here (`contextpaw.fitting` is where a parsed request meets it).
+compaction engine is not imported here (`contextpaw.fitting.engine` is where a parsed request meets it).
 Pure: bytes and dicts in, bytes and dicts out, no mitmproxy and no I/O.
 """
 
@@ -14,29 +14,29 @@ from typing import Any
 
 from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses
 from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
-    answer_params,
-    as_utf8,
+    MODEL_FIELD,
+    REFUSAL_STATUS,
     Backend,
     Chat,
-    dumps,
-    evaluated_tokens,
-    identify,
-    int_field,
     Kind,
-    load,
-    MODEL_FIELD,
-    model_of,
     NotCompactable,
     NotFittable,
     Overflow,
     Params,
-    positive,
     Prompt,
-    REFUSAL_STATUS,
     Route,
-    upstream_overflow,
     Unreadable,
     UpstreamOverflow,
+    answer_params,
+    as_utf8,
+    dumps,
+    evaluated_tokens,
+    identify,
+    int_field,
+    load,
+    model_of,
+    positive,
+    upstream_overflow,
     utf8_type,
     write,
 )
@@ -51,8 +51,7 @@ _OPENAI = {
 `/v1/responses/input_tokens` pass through)."""
 _ROUTES: dict[Kind, dict[str, Route]] = {
     Kind.OLLAMA: _OPENAI | {"/api/chat": ollama.CHAT, "/api/generate": ollama.GENERATE},
-    Kind.LLAMACPP: _OPENAI
-    | {"/chat/completions": openai.CHAT, "/completion": llamacpp.COMPLETION, "/completions": llamacpp.COMPLETION},
+    Kind.LLAMACPP: _OPENAI | {"/chat/completions": openai.CHAT, "/completion": llamacpp.COMPLETION, "/completions": llamacpp.COMPLETION},
 }
 
 
@@ -81,5 +80,3 @@ def proxy_error(kind: Kind | None, path: str, reason: str, status: int = 502) ->
 
 def _plain(path: str) -> str:
     return path.split("?", 1)[0].rstrip("/") or "/"
-
-

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from contextpaw.conversation import Conversation
+from contextpaw.core.conversation import Conversation
 from contextpaw.wire.base import Chat, NotCompactable, Overflow, Route, answer_params, int_field
 
 ERROR_TYPES = {

@@ -17,8 +17,8 @@ from enum import StrEnum
 from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
-from contextpaw.conversation import Conversation
-from contextpaw.tokens import Counter
+from contextpaw.core.conversation import Conversation
+from contextpaw.core.tokens import Counter
 
 
 class Kind(StrEnum):
@@ -243,7 +243,9 @@ class Chat:
         repeats what the server has counted: the history under a summary request's own system
         prompt, the files it reads again after its summary, the turns it keeps. The digests are
         Python's own string hash: kept in memory only, within one process."""
-        return tuple((hash(line), len(line)) for m in self.conversation.messages for line in m.text.split("\n") if len(line) >= FINGERPRINTED)
+        return tuple(
+            (hash(line), len(line)) for m in self.conversation.messages for line in m.text.split("\n") if len(line) >= FINGERPRINTED
+        )
 
     @property
     def characters(self) -> int:
@@ -288,6 +290,7 @@ class Prompt:
     @property
     def texts(self) -> list[str]:
         return [self.prompt, self.fixed_text]
+
 
 @dataclass(frozen=True, slots=True)
 class Overflow:

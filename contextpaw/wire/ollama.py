@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from contextpaw.conversation import Conversation
+from contextpaw.core.conversation import Conversation
 from contextpaw.wire import served
 from contextpaw.wire.base import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
 

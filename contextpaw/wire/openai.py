@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from contextpaw.conversation import Conversation
+from contextpaw.core.conversation import Conversation
 from contextpaw.wire import served
 from contextpaw.wire.base import Chat, NotCompactable, Overflow, Prompt, Route, answer_params, load, write
 
@@ -96,7 +96,7 @@ COMPLETIONS = Route("openai.completions", _completion, refusal("prompt"), proxy_
 # A streamed chat answer says how many prompt tokens were evaluated only in a usage chunk, and that
 # chunk comes only when the request asks for it (`stream_options.include_usage`). ContextPaw asks for
 # it where the client did not (the verdict and calibration need the count), and takes the chunk out
-# again, so that the client gets the stream it asked for (`contextpaw.answers`, `contextpaw.streams`).
+# again, so that the client gets the stream it asked for (`contextpaw.fitting.answers`, `contextpaw.wire.streams`).
 
 USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 
@@ -168,7 +168,7 @@ def models_with_windows(body: dict[str, Any], windows: Mapping[str, int]) -> dic
     clients read; other models and fields as they were."""
 
     def fitted(entry: Any) -> Any:
-        window = windows.get(entry.get("id")) if isinstance(entry, Mapping) else None
+        window = windows.get(str(entry.get("id"))) if isinstance(entry, Mapping) else None
         return _with_window(entry, window) if window else entry
 
     data = body.get("data")

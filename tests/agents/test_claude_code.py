@@ -44,9 +44,9 @@ def filler(label: str, words: int) -> str:
 
 def only_request(stack: Stack, run: AgentRun) -> dict:
     sent = stack.sent(MESSAGES)
-    assert len(sent) == 1, f"Claude Code -p sent {len(sent)} /v1/messages requests, expected 1:\n" + "\n".join(
-        map(describe, sent)
-    ) + "\n" + run.describe()
+    assert len(sent) == 1, (
+        f"Claude Code -p sent {len(sent)} /v1/messages requests, expected 1:\n" + "\n".join(map(describe, sent)) + "\n" + run.describe()
+    )
     return sent[0]
 
 
@@ -62,9 +62,7 @@ def test_say_hi_is_served_unchanged(claude_code: Path, stack: StartStack, home: 
         f"(max_tokens {sent['body'].get('max_tokens')}): {describe(sent)}"
     )
     forwarded = running.forwarded(MESSAGES)
-    assert len(forwarded) == 1, f"ContextPaw forwarded {len(forwarded)} requests for one:\n" + "\n".join(
-        map(describe, forwarded)
-    )
+    assert len(forwarded) == 1, f"ContextPaw forwarded {len(forwarded)} requests for one:\n" + "\n".join(map(describe, forwarded))
     prompt = reported_prompt_tokens(forwarded[0])
     assert prompt is not None and prompt < n_ctx, f"test set-up: the fake counted {prompt} prompt tokens"
     assert forwarded[0]["body_sha256"] == sent["body_sha256"], (
@@ -106,9 +104,7 @@ def test_resumed_session_is_compacted_and_answered(claude_code: Path, stack: Sta
             compacted = turn
             break
         forwarded = running.forwarded(MESSAGES)[-1]
-        assert forwarded["body_sha256"] == last["body_sha256"], (
-            f"turn {turn} fits but was changed: {body_changes(last, forwarded)}"
-        )
+        assert forwarded["body_sha256"] == last["body_sha256"], f"turn {turn} fits but was changed: {body_changes(last, forwarded)}"
     assert compacted is not None, "the session never outgrew the window: " + describe(running.sent(MESSAGES)[-1])
     sent, forwarded = running.sent(MESSAGES)[-1], running.forwarded(MESSAGES)[-1]
     headers = contextpaw_headers(sent)
@@ -132,8 +128,8 @@ def test_strict_overflow_is_prompt_too_long(claude_code: Path, stack: StartStack
     n_ctx = 8192
     running = stack("llamacpp", ["--n-ctx", str(n_ctx)], ["contextpaw_policy=strict"])
     plain = run_claude(claude_code, running.front, "say hi", home=home / "plain", timeout=TURN_TIMEOUT)
-    assert running.sent(MESSAGES)[0]["response"]["status"] == 200, (
-        "strict refused a request that fits: " + describe(running.sent(MESSAGES)[0])
+    assert running.sent(MESSAGES)[0]["response"]["status"] == 200, "strict refused a request that fits: " + describe(
+        running.sent(MESSAGES)[0]
     )
     assert plain.returncode == 0 and plain.result.get("result") == FIXED_REPLY, plain.describe()
 

@@ -52,7 +52,9 @@ def fake_args(kind: str, n_ctx: int) -> list[str]:
 
 def answer(run_events: list[dict] | None) -> str:
     return "".join(
-        e["item"].get("text", "") for e in run_events or [] if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
+        e["item"].get("text", "")
+        for e in run_events or []
+        if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
     )
 
 

@@ -24,11 +24,10 @@ from typing import Any
 
 import pytest
 
+from contextpaw.fitting.sizing import ANCHOR_MARGIN
 from support import agents as cli
 from support.backends import start_module
 from support.recorder import read_log
-
-from contextpaw.sizing import ANCHOR_MARGIN
 
 SESSIONS = {"claude": (65536, 16), "codex": (32768, 12), "opencode": (32768, 12), "qwen": (32768, 12)}
 """agent -> (window, files). Claude Code keeps 13,000 tokens for its summary besides its answer's
@@ -113,7 +112,19 @@ def launch_session(agent: str, behaviour: str, binary: Path, work: Path) -> Sess
         exits.enter_context(stops)
         own, env, stdin = headless(agent, home, task(paths))
         env = cli.scratch_env(home, {**env, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
-        argv = [sys.executable, "-m", "contextpaw.cli", "launch", agent, "--url", stack.front, "--state-dir", str(work / "state"), "--", *own]
+        argv = [
+            sys.executable,
+            "-m",
+            "contextpaw.command.cli",
+            "launch",
+            agent,
+            "--url",
+            stack.front,
+            "--state-dir",
+            str(work / "state"),
+            "--",
+            *own,
+        ]
         code, out, err, seconds = cli.run_process(argv, env, project, 300, stdin=stdin)
         run = cli.AgentRun(argv, code, out, err, None, seconds, home)
         (work / "agent.out").write_text(run.describe())
@@ -166,7 +177,18 @@ def printed(tmp_path: Path, behaviour: str, agent: str) -> tuple[subprocess.Comp
         stack, stops = cli.start_contextpaw_stack(tmp_path / "stack", model.url)
         exits.enter_context(stops)
         state = tmp_path / "state"
-        argv = [sys.executable, "-m", "contextpaw.cli", "launch", agent, "--url", stack.proxy.url, "--state-dir", str(state), "--print"]
+        argv = [
+            sys.executable,
+            "-m",
+            "contextpaw.command.cli",
+            "launch",
+            agent,
+            "--url",
+            stack.proxy.url,
+            "--state-dir",
+            str(state),
+            "--print",
+        ]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert not state.exists() and not log.exists(), "--print starts nothing and writes nothing"
@@ -207,7 +229,7 @@ def test_aider_asks_ollama_for_the_served_window(stack: cli.StartStack, home: Pa
            "--no-pretty", "--no-fancy-input", "--no-detect-urls", "--map-tokens", "0", "--message", "say hi"]  # fmt: skip
     binary = cli.require_agents("aider")["aider"]
     env = cli.scratch_env(home, {**cli.AIDER_ENV, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
-    argv = [sys.executable, "-m", "contextpaw.cli", "launch", "aider", "--url", running.front, "--model", "fake:latest",
+    argv = [sys.executable, "-m", "contextpaw.command.cli", "launch", "aider", "--url", running.front, "--model", "fake:latest",
             "--state-dir", str(home / "state"), "--", *own]  # fmt: skip
     code, out, err, _ = cli.run_process(argv, env, home, 180)
     chats = running.sent("/api/chat")

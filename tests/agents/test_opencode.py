@@ -54,9 +54,7 @@ def assert_no_refusal(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize("output", [1024, 4096])
-def test_list_of_parts_with_tools_up_to_the_window_is_unchanged(
-    opencode: Path, stack: StartStack, home: Path, output: int
-) -> None:
+def test_list_of_parts_with_tools_up_to_the_window_is_unchanged(opencode: Path, stack: StartStack, home: Path, output: int) -> None:
     """'say hi', then a file attached (list-of-parts content) that brings the prompt to within a few
     hundred tokens of the window less `limit.output`: every request is forwarded byte for byte, none
     is refused (no spurious 413), and opencode prints the fake's answer both times."""
@@ -80,8 +78,7 @@ def test_list_of_parts_with_tools_up_to_the_window_is_unchanged(
     assert prompt is not None and prompt + output <= N_CTX, f"test set-up: {prompt} + {output} > {N_CTX}"
     for a, b in zip(sent, forwarded, strict=True):
         assert a["body_sha256"] == b["body_sha256"], (
-            f"ContextPaw changed a request that fits ({prompt} + max_tokens {output} <= {N_CTX}): "
-            f"{body_changes(a, b)}"
+            f"ContextPaw changed a request that fits ({prompt} + max_tokens {output} <= {N_CTX}): {body_changes(a, b)}"
         )
         assert contextpaw_headers(a).get("x-contextpaw-compacted") == "false", describe(a)
     assert second.returncode == 0 and second.extra["text"] == FIXED_REPLY, second.describe()

@@ -106,9 +106,7 @@ def overflow_turn(running: Stack, qwen_code: Path, home: Path, kind: str) -> tup
 
 
 @pytest.mark.parametrize("kind", ["llamacpp", "ollama"])
-def test_an_overflowing_turn_is_compacted_with_its_head_and_answered(
-    qwen_code: Path, stack: StartStack, home: Path, kind: str
-) -> None:
+def test_an_overflowing_turn_is_compacted_with_its_head_and_answered(qwen_code: Path, stack: StartStack, home: Path, kind: str) -> None:
     running = stack(kind, fake_args(kind))
     run, sent, forwarded = overflow_turn(running, qwen_code, home, kind)
     headers = contextpaw_headers(sent)
@@ -126,9 +124,7 @@ def test_an_overflowing_turn_is_compacted_with_its_head_and_answered(
 
 
 @pytest.mark.parametrize("kind", ["llamacpp", "ollama"])
-def test_strict_is_context_length_exceeded_which_qwen_code_recognises(
-    qwen_code: Path, stack: StartStack, home: Path, kind: str
-) -> None:
+def test_strict_is_context_length_exceeded_which_qwen_code_recognises(qwen_code: Path, stack: StartStack, home: Path, kind: str) -> None:
     """One turn whose paste alone is over the window: OpenAI's 400 `context_length_exceeded` in
     OpenAI's wording, which Qwen Code reads as an overflow; with no history to compress, it stops
     and shows the refusal."""

@@ -61,9 +61,7 @@ def lines_file(work: Path, name: str, lines: int) -> Path:
     return path
 
 
-def test_aider_on_ollamas_openai_route_takes_the_strict_refusal_as_its_token_limit(
-    aider: Path, stack: StartStack, home: Path
-) -> None:
+def test_aider_on_ollamas_openai_route_takes_the_strict_refusal_as_its_token_limit(aider: Path, stack: StartStack, home: Path) -> None:
     running = stack("ollama", FAKE_ARGS, ["contextpaw_policy=strict"])
     openai_route = ["--model", f"openai/{MODEL}", "--openai-api-base", f"{running.front}/v1", "--openai-api-key", "local"]
     run = run_aider(aider, running.front, "say hi", home=home, model=MODEL, files=[lines_file(home / "work", "notes.txt", 1000)],
@@ -100,9 +98,7 @@ def test_claude_code_is_told_the_window_its_tools_and_instructions_need_and_that
     assert isinstance(served.result, dict) and served.result.get("result") == FIXED_REPLY, served.describe()
 
 
-def test_claude_code_compacts_its_session_after_the_strict_refusal_and_answers(
-    claude_code: Path, stack: StartStack, home: Path
-) -> None:
+def test_claude_code_compacts_its_session_after_the_strict_refusal_and_answers(claude_code: Path, stack: StartStack, home: Path) -> None:
     running = stack("llamacpp", ["--n-ctx", "16384"], ["contextpaw_policy=strict"])
     first = run_claude(claude_code, running.front, filler("a", 4000), home=home, timeout=120)
     assert isinstance(first.result, dict) and first.result.get("terminal_reason") == "completed", first.describe()
@@ -114,9 +110,7 @@ def test_claude_code_compacts_its_session_after_the_strict_refusal_and_answers(
     assert isinstance(second.result, dict) and second.result.get("result") == FIXED_REPLY, second.describe()
 
 
-def test_qwen_code_compresses_its_history_after_the_strict_refusal_and_answers(
-    qwen_code: Path, stack: StartStack, home: Path
-) -> None:
+def test_qwen_code_compresses_its_history_after_the_strict_refusal_and_answers(qwen_code: Path, stack: StartStack, home: Path) -> None:
     running = stack("llamacpp", ["--n-ctx", "32768"], ["contextpaw_policy=strict"])
     first = run_qwen(qwen_code, running.front, filler("a", 8000), home=home, timeout=150)
     assert first.extra["text"] == FIXED_REPLY, first.describe()
@@ -130,9 +124,7 @@ def test_qwen_code_compresses_its_history_after_the_strict_refusal_and_answers(
     assert second.extra["text"] == FIXED_REPLY and not second.extra["is_error"], second.describe()
 
 
-def test_opencode_compacts_its_session_after_the_strict_refusal_and_answers(
-    opencode: Path, stack: StartStack, home: Path
-) -> None:
+def test_opencode_compacts_its_session_after_the_strict_refusal_and_answers(opencode: Path, stack: StartStack, home: Path) -> None:
     """Its window set far above the server's (100,000 against 12,000), as when nobody told it, so
     its own compaction waits for the refusal."""
     running = stack("llamacpp", ["--n-ctx", "12000"], ["contextpaw_policy=strict"])

@@ -73,8 +73,15 @@ def mitmdump(workdir: Path, name: str, upstreams: Sequence[str], *extra: str) ->
     argv += ["--set", f"confdir={workdir / 'conf'}", "--set", f"contextpaw_state_dir={workdir / name}-state",
              "--set", "connection_strategy=lazy"]  # fmt: skip
     # no learning: each test sees the estimate as it starts, whatever ran before it
-    argv += ["--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128",
-             "--set", "contextpaw_calibrate=false", *extra]
+    argv += [
+        "--set",
+        f"contextpaw_default_ctx={N_CTX}",
+        "--set",
+        "contextpaw_output_reserve=128",
+        "--set",
+        "contextpaw_calibrate=false",
+        *extra,
+    ]
     urls = [f"http://{LOOPBACK}:{port}" for port in ports]
     process = start_process(argv, urls[0], "/contextpaw/health", workdir / f"{name}.log", 30)
     return Proxy(process, urls[0], urls[-1])
@@ -158,7 +165,7 @@ def command(workdir: Path, llamacpp: Backend) -> Iterator[Proxy]:
     down = f"http://{LOOPBACK}:{free_port()}"
     port, llama_port = free_port(), free_port()
     argv = [
-        sys.executable, "-m", "contextpaw.cli", "--ollama", down, "--port", str(port),
+        sys.executable, "-m", "contextpaw.command.cli", "--ollama", down, "--port", str(port),
         "--llamacpp", llamacpp.url, "--llamacpp-port", str(llama_port), "--confdir", str(workdir / "conf"), "-q",
         "--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128",
         "--set", f"contextpaw_state_dir={workdir / 'command-state'}",

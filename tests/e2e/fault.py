@@ -1,6 +1,6 @@
 """A second mitmdump script, for tests only: it breaks the compaction step, to see ContextPaw fail open."""
 
-from contextpaw import sizing
+from contextpaw.fitting import sizing
 
 
 def _broken(*args: object, **kwargs: object) -> None:

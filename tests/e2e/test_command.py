@@ -19,14 +19,14 @@ import pytest
 from support.backends import Backend, free_port, start_module, start_process
 
 LOOPBACK = "127.0.0.1"
-COMMAND = [sys.executable, "-m", "contextpaw.cli"]
-SCRIPT = '''
+COMMAND = [sys.executable, "-m", "contextpaw.command.cli"]
+SCRIPT = """
 class Stamp:
     def response(self, flow):
         flow.response.headers["X-Extra-Script"] = "loaded"
 
 addons = [Stamp()]
-'''
+"""
 
 
 def post(url: str, body: dict) -> tuple[int, dict[str, str], dict]:

@@ -26,7 +26,12 @@ def overflowing(calls: int = 6) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Read the files."}]
     for i in range(calls):
         messages.append({"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "read", "input": {"n": i}}]})
-        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"file {i}: " + "lorem ipsum " * 120}]})
+        messages.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"file {i}: " + "lorem ipsum " * 120}],
+            }
+        )
     messages.append({"role": "assistant", "content": "I have read them."})
     messages.append({"role": "user", "content": QUESTION})
     return messages
@@ -63,9 +68,7 @@ def test_an_overflowing_agent_loop_is_compacted_and_the_sdk_reads_the_report(pro
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_stream_parses_in_the_sdk_and_carries_the_report_on_message_delta(proxy: Proxy, backend: str) -> None:
-    with client(backend_url(proxy, backend)).messages.stream(
-        model="fake", max_tokens=16, system=SYSTEM, messages=overflowing()
-    ) as stream:
+    with client(backend_url(proxy, backend)).messages.stream(model="fake", max_tokens=16, system=SYSTEM, messages=overflowing()) as stream:
         events = list(stream)
         final = stream.get_final_message()
     assert SECRET in final.content[0].text

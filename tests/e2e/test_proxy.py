@@ -96,9 +96,7 @@ def test_ollama_generate_is_compacted(proxy: Proxy, stream: bool) -> None:
 
 @pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
 def test_openai_chat_reports_in_headers_and_body(proxy: Proxy, backend: str) -> None:
-    raw = openai_at(getattr(proxy, backend)).chat.completions.with_raw_response.create(
-        model="fake", messages=overflowing(), max_tokens=16
-    )
+    raw = openai_at(getattr(proxy, backend)).chat.completions.with_raw_response.create(model="fake", messages=overflowing(), max_tokens=16)
     completion = raw.parse()
     assert SECRET in completion.choices[0].message.content
     assert raw.headers["X-ContextPaw-Compacted"] == "true"
@@ -109,9 +107,7 @@ def test_openai_chat_reports_in_headers_and_body(proxy: Proxy, backend: str) -> 
 @pytest.mark.parametrize("backend", ["ollama", "llamacpp"])
 def test_openai_chat_stream_reports_in_the_last_chunk(proxy: Proxy, backend: str) -> None:
     chunks = list(
-        openai_at(getattr(proxy, backend)).chat.completions.create(
-            model="fake", messages=overflowing(), max_tokens=16, stream=True
-        )
+        openai_at(getattr(proxy, backend)).chat.completions.create(model="fake", messages=overflowing(), max_tokens=16, stream=True)
     )
     carriers = [c for c in chunks if c.model_extra and "contextpaw" in c.model_extra]
     assert carriers == [chunks[-1]]
@@ -145,9 +141,7 @@ def test_streams_are_passed_through_as_they_come(slow_proxy: Proxy) -> None:
     started = time.monotonic()
     arrivals = [
         time.monotonic() - started
-        for _ in client.chat.completions.create(
-            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
-        )
+        for _ in client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True)
     ]
     assert arrivals[-1] - arrivals[0] > 0.3, "chunks arrived together: the stream was buffered"
 
@@ -358,9 +352,7 @@ def test_a_summarizer_that_is_down_leaves_the_plain_marker_and_says_why(summariz
     assert {r["action"] for r in report["removals"]} <= {"dropped", "shrunk"}
 
 
-def test_health_lists_every_backend_before_any_traffic_and_flags_the_dead_one(
-    new_mitmdump: Callable[..., Proxy], ollama: Backend
-) -> None:
+def test_health_lists_every_backend_before_any_traffic_and_flags_the_dead_one(new_mitmdump: Callable[..., Proxy], ollama: Backend) -> None:
     """A reverse-mode target nobody has used yet is identified at once, and a configured backend that
     does not answer is listed as down, before a single model request."""
     dead = "http://127.0.0.1:9"
@@ -398,7 +390,9 @@ def test_a_compressed_chat_is_inflated_and_compacted(proxy: Proxy) -> None:
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])
-def test_a_compressed_bomb_is_refused_while_inflating_and_other_clients_go_on(new_mitmdump: Callable, ollama: Backend, encoding: str) -> None:
+def test_a_compressed_bomb_is_refused_while_inflating_and_other_clients_go_on(
+    new_mitmdump: Callable, ollama: Backend, encoding: str
+) -> None:
     """A body that inflates past contextpaw_max_body_mb (here 8 MB) gets a 413 in the caller's shape
     once the limit is reached, not after inflating it all; another client is answered meanwhile."""
     import concurrent.futures
@@ -408,7 +402,12 @@ def test_a_compressed_bomb_is_refused_while_inflating_and_other_clients_go_on(ne
     from backports import zstd
 
     zeros = b'{"model": "fake", "messages": [{"role": "user", "content": "' + b"0" * (400 << 20)
-    pack = {"gzip": lambda d: zlib.compress(d, wbits=31), "deflate": zlib.compress, "br": lambda d: brotli.compress(d, quality=1), "zstd": zstd.compress}
+    pack = {
+        "gzip": lambda d: zlib.compress(d, wbits=31),
+        "deflate": zlib.compress,
+        "br": lambda d: brotli.compress(d, quality=1),
+        "zstd": zstd.compress,
+    }
     bomb = pack[encoding](zeros)
     assert len(bomb) < 2 << 20
     limited = new_mitmdump(f"bomb-{encoding}", [ollama.url], "--set", "contextpaw_max_body_mb=8")

@@ -184,7 +184,10 @@ def test_instructions_and_tools_over_the_window_say_what_window_they_need(proxy:
 
     with pytest.raises(openai.BadRequestError) as responses_refused:
         openai_at(url).responses.create(
-            model="fake", instructions=INSTRUCTIONS, input="say hi", tools=[{"type": "function", **READ_FILE}],
+            model="fake",
+            instructions=INSTRUCTIONS,
+            input="say hi",
+            tools=[{"type": "function", **READ_FILE}],
             max_output_tokens=16,
         )
     said.append(fixed_part(openai_error(responses_refused, "input")["message"]))
@@ -199,7 +202,9 @@ def test_instructions_and_tools_over_the_window_say_what_window_they_need(proxy:
     if backend == "ollama":
         with pytest.raises(ollama_client.ResponseError) as native_refused:
             ollama_client.Client(host=url).chat(
-                model="fake", messages=chat, tools=[{"type": "function", "function": READ_FILE}],
+                model="fake",
+                messages=chat,
+                tools=[{"type": "function", "function": READ_FILE}],
                 options={"num_ctx": N_CTX, "num_predict": 16},
             )
         assert native_refused.value.status_code == 400 and LLAMA_SERVER_SENTENCE.match(native_refused.value.error)

@@ -19,7 +19,14 @@ if TYPE_CHECKING:
 SECRET = "kiwi"
 INSTRUCTIONS = f"SECRET={SECRET}. Answer in one sentence."
 QUESTION = "What is the SECRET?"
-TOOLS = [{"type": "function", "name": "shell", "description": "Runs a command.", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "shell",
+        "description": "Runs a command.",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+    }
+]
 
 
 def session(calls: int = 6) -> list[dict[str, Any]]:
@@ -30,7 +37,9 @@ def session(calls: int = 6) -> list[dict[str, Any]]:
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Read the files."}]},
     ]
     for i in range(calls):
-        items.append({"type": "reasoning", "id": f"rs_{i}", "summary": [], "content": [{"type": "reasoning_text", "text": f"I should read f{i}."}]})
+        items.append(
+            {"type": "reasoning", "id": f"rs_{i}", "summary": [], "content": [{"type": "reasoning_text", "text": f"I should read f{i}."}]}
+        )
         items.append({"type": "function_call", "call_id": f"call_{i}", "name": "shell", "arguments": json.dumps({"cmd": f"cat f{i}"})})
         items.append({"type": "function_call_output", "call_id": f"call_{i}", "output": f"file {i}: " + "lorem ipsum " * 120})
     items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]})

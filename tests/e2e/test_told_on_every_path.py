@@ -136,9 +136,7 @@ def test_under_policy_off_more_words_than_the_window_holds_is_told_as_a_certain_
 
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
 @pytest.mark.parametrize("route", ROUTES)
-def test_under_policy_off_a_possible_cut_reaches_the_client_on_every_path(
-    off: Backend, cutting: Backend, route: str, stream: bool
-) -> None:
+def test_under_policy_off_a_possible_cut_reaches_the_client_on_every_path(off: Backend, cutting: Backend, route: str, stream: bool) -> None:
     """1,500 words: the byte estimate allows more than the window, the words do not prove it, and
     the server's count does not tell. The client hears "possible": in its header when buffered, in
     the report in the body or the stream's final record, never only in ContextPaw's own counter."""
@@ -197,7 +195,11 @@ def test_a_text_completion_stream_whose_client_did_not_ask_for_usage_is_judged_b
 
 def test_a_client_that_asked_for_usage_keeps_its_usage_chunk_with_the_report(off: Backend, cutting: Backend) -> None:
     stream = sdk(off.url).chat.completions.create(
-        model="fake", messages=tool_dump(6, 600), max_tokens=8, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]
+        model="fake",
+        messages=tool_dump(6, 600),
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
     )
     chunks = list(stream)
     assert last_cut(cutting)["cut"]
@@ -210,7 +212,10 @@ def test_a_client_that_asked_for_usage_keeps_its_usage_chunk_with_the_report(off
 
 def shape(chunks: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     """What a stream is made of, without its ids, times and report."""
-    return [(len(c.get("choices") or []), "usage" in c, "timings" in c, [ch.get("finish_reason") for ch in c.get("choices") or []]) for c in chunks]
+    return [
+        (len(c.get("choices") or []), "usage" in c, "timings" in c, [ch.get("finish_reason") for ch in c.get("choices") or []])
+        for c in chunks
+    ]
 
 
 def test_llama_servers_stream_reaches_a_client_that_did_not_ask_for_usage_as_it_would_without_contextpaw(

@@ -20,7 +20,10 @@ def chat(words: int) -> dict[str, Any]:
     """A task, then notes enough to overflow 1,024 tokens but not 8,192, then the question."""
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Read my notes."}]
     for i in range(10):
-        messages += [{"role": "user", "content": f"Note {i}: " + "alpha beta gamma " * (words // 30)}, {"role": "assistant", "content": "Noted."}]
+        messages += [
+            {"role": "user", "content": f"Note {i}: " + "alpha beta gamma " * (words // 30)},
+            {"role": "assistant", "content": "Noted."},
+        ]
     return {"model": "fake-model", "messages": messages + [{"role": "user", "content": "Which notes?"}], "max_tokens": 8}
 
 

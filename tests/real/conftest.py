@@ -79,9 +79,7 @@ def llama_server(real_backend: tuple[Path, Path], tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="session")
-def small_llama_server(
-    real_backend: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Backend]:
+def small_llama_server(real_backend: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     """llama-server with a 1024-token slot (so an overflow is its 400) and :data:`STRICT_CHATML`."""
     binary, model = real_backend
     work = tmp_path_factory.mktemp("small-llama-server")

@@ -9,16 +9,21 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from contextpaw.tokens import TokenizerCounter
+from contextpaw.core.tokens import TokenizerCounter
 from support.backends import Backend, locate_smollm2, start_proxy
+
+pytestmark = pytest.mark.real
 
 VARIED_CHATS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Zähle: 1, 2, 3… 日本語 🐾"}],
     [
         {"role": "user", "content": "Read the file."},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{\"path\": \"a.py\"}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "def f(x):\n    return x * 2\n" * 20},
         {"role": "user", "content": "Summarize it."},
     ],
@@ -26,8 +31,16 @@ VARIED_CHATS = [
     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "   spaced\t\ttabs\n\n\n"}],
     [{"role": "system", "content": "JSON only."}, {"role": "user", "content": json.dumps({"k": [1, 2.5, None, "v"] * 30})}],
 ]
-TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file",
-                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
 
 
 FILLER = "lorem ipsum dolor sit amet " * 75
@@ -86,8 +99,12 @@ def test_every_silent_cut_of_the_simulator_is_flagged_and_nothing_else(
             {"role": "assistant", "content": "OK."},
             {"role": "user", "content": "status line\n" * lines + "What is the code?"},
         ]
-        body = {"model": sim_model, "messages": messages, "stream": False,
-                "options": {"num_ctx": num_ctx, "num_predict": 1, "temperature": 0}}
+        body = {
+            "model": sim_model,
+            "messages": messages,
+            "stream": False,
+            "options": {"num_ctx": num_ctx, "num_predict": 1, "temperature": 0},
+        }
         overflows = httpx.post(f"{ollama_sim}/api/chat", json={**body, "truncate": False}, timeout=120).status_code == 400
         before = truncations(observing)
         response = httpx.post(f"{observing}/api/chat", json={**body, "stream": stream}, timeout=120)

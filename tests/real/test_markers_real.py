@@ -1,6 +1,6 @@
 """Every marker shape through the real llama-server's own parsers (issue 39).
 
-The bodies of `tests/test_markers_on_wire.py`, compacted by ContextPaw so that a hole's marker stands
+The bodies of `tests/wire/test_markers_on_wire.py`, compacted by ContextPaw so that a hole's marker stands
 as an assistant message, a user message, or is folded beside tool blocks, go to the small
 llama-server (its strict ChatML refuses two messages of one role in a row) on each route it serves:
 its OpenAI chat, Responses and Anthropic converters, and Ollama's native chat through the simulator.
@@ -18,12 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-import test_markers_on_wire as shapes
-from support.backends import Backend
-from support.proof import FILLER, make_secret
 
 from contextpaw import wire
 from contextpaw.wire import anthropic, ollama, openai, responses
+from support import marker_shapes as shapes
+from support.backends import Backend
+from support.proof import FILLER, make_secret
 
 pytestmark = pytest.mark.real
 
@@ -40,7 +40,11 @@ def items(make: Any) -> Body:
 
 
 def codex(before_hole: str) -> dict[str, Any]:
-    return {"model": "m", "input": shapes.codex_calls(before_hole), "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}]}
+    return {
+        "model": "m",
+        "input": shapes.codex_calls(before_hole),
+        "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}],
+    }
 
 
 def messages(role: str) -> dict[str, Any]:
@@ -48,14 +52,26 @@ def messages(role: str) -> dict[str, Any]:
 
 
 def tool_blocks(thinking: str) -> dict[str, Any]:
-    turns = [shapes.plain("user", "the task"), *shapes.tool_turn(1, shapes.BIG), *shapes.tool_turn(2, "short", thinking == "thinking"), *shapes.tool_turn(3, "short")]
+    turns = [
+        shapes.plain("user", "the task"),
+        *shapes.tool_turn(1, shapes.BIG),
+        *shapes.tool_turn(2, "short", thinking == "thinking"),
+        *shapes.tool_turn(3, "short"),
+    ]
     return {"model": "m", "max_tokens": 1, "messages": turns}
 
 
 CASES: list[tuple[str, str, wire.Route, Body, str]] = [
-    *[("openai chat", path, openai.CHAT, chat, role) for path in ("/v1/chat/completions", "/chat/completions") for role in shapes.TEXT_ROLES],
+    *[
+        ("openai chat", path, openai.CHAT, chat, role)
+        for path in ("/v1/chat/completions", "/chat/completions")
+        for role in shapes.TEXT_ROLES
+    ],
     *[("responses, typed items", "/v1/responses", responses.RESPONSES, items(shapes.typed), role) for role in shapes.TEXT_ROLES],
-    *[("responses, shorthand user items", "/v1/responses", responses.RESPONSES, items(shapes.shorthand), role) for role in shapes.TEXT_ROLES],
+    *[
+        ("responses, shorthand user items", "/v1/responses", responses.RESPONSES, items(shapes.shorthand), role)
+        for role in shapes.TEXT_ROLES
+    ],
     *[("responses, before a call", "/v1/responses", responses.RESPONSES, codex, before) for before in ("user message", "tool output")],
     *[("anthropic", "/v1/messages", anthropic.MESSAGES, messages, role) for role in shapes.TEXT_ROLES],
     *[("anthropic, tool blocks", "/v1/messages", anthropic.MESSAGES, tool_blocks, how) for how in ("tool use", "thinking")],
@@ -98,7 +114,14 @@ def codex_session(secret: str, pairs: int = 45) -> dict[str, Any]:
     for _ in range(pairs):
         turns += [item("assistant", "Noted."), item("user", "More of the log:\n" + "\n".join(rng.choice(FILLER) for _ in range(3)))]
     turns += [item("assistant", "Noted."), item("user", "What is the password I asked you to remember?")]
-    return {"model": "smollm2", "instructions": "You are a coding agent. Answer briefly.", "input": turns, "max_output_tokens": 16, "temperature": 0, "stream": False}
+    return {
+        "model": "smollm2",
+        "instructions": "You are a coding agent. Answer briefly.",
+        "input": turns,
+        "max_output_tokens": 16,
+        "temperature": 0,
+        "stream": False,
+    }
 
 
 def test_a_codex_shaped_responses_request_is_compacted_and_answered(small_llama_server: Backend, llama_proxy: str) -> None:

@@ -61,25 +61,19 @@ def test_dropping_old_turns_loses_the_secret_silently(ollama_sim: str, sim_model
     assert "PELICAN" not in (reply.message.content or "")
 
 
-def test_the_middle_cut_loses_the_secret_and_reports_the_magic_count(
-    ollama_sim: str, sim_model: str, llama_server: Backend
-) -> None:
+def test_the_middle_cut_loses_the_secret_and_reports_the_magic_count(ollama_sim: str, sim_model: str, llama_server: Backend) -> None:
     messages = [{"role": "user", "content": SECRET + " " + FILLER * 60 + QUESTION}]
     num_ctx = 512
     assert count(llama_server, messages) > num_ctx
     keep = 4 + adds_bos(llama_server)  # num_keep and BOS
-    chunks = list(
-        ollama.Client(host=ollama_sim).chat(sim_model, messages, options={**GREEDY, "num_ctx": num_ctx}, stream=True)
-    )
+    chunks = list(ollama.Client(host=ollama_sim).chat(sim_model, messages, options={**GREEDY, "num_ctx": num_ctx}, stream=True))
     final = chunks[-1]
     assert final.done and not any(chunk.done for chunk in chunks[:-1])
     assert final.prompt_eval_count == num_ctx - (num_ctx - keep) // 2 <= num_ctx
     assert "PELICAN" not in "".join(chunk.message.content or "" for chunk in chunks)
 
 
-def test_truncate_false_is_the_400_with_llama_servers_body(
-    ollama_sim: str, sim_model: str, llama_server: Backend
-) -> None:
+def test_truncate_false_is_the_400_with_llama_servers_body(ollama_sim: str, sim_model: str, llama_server: Backend) -> None:
     messages = [{"role": "user", "content": SECRET + " " + FILLER * 30 + QUESTION}]
     body = {"model": sim_model, "messages": messages, "options": {"num_ctx": 256}, "truncate": False}
     response = httpx.post(f"{ollama_sim}/api/chat", json=body)

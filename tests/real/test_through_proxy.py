@@ -24,8 +24,8 @@ import pytest
 
 from support.backends import Backend
 from support.proof import (
-    GREEDY_TOKENS,
     FILLER,
+    GREEDY_TOKENS,
     completion_trial,
     make_secret,
     needle_chat,
@@ -72,9 +72,7 @@ def test_ollama_direct_cuts_the_secret_silently(ollama_sim: str, sim_model: str,
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
-def test_ollama_through_contextpaw_recalls_the_secret(
-    sim_proxy: str, sim_model: str, needle: tuple, stream: bool
-) -> None:
+def test_ollama_through_contextpaw_recalls_the_secret(sim_proxy: str, sim_model: str, needle: tuple, stream: bool) -> None:
     secret, messages = needle
     client = ollama.Client(host=sim_proxy)
     if stream:
@@ -184,6 +182,7 @@ def agent_chat(secret: str, rng: random.Random) -> list[dict[str, Any]]:
     """An agent loop: a task, three file reads with big outputs, a reply, a follow-up and one more
     read whose output is the newest message. Every hole compaction can make lies between two
     different roles."""
+
     def call(n: int) -> dict[str, Any]:
         arguments = json.dumps({"path": f"logs/build-{n}.log"})
         return {"role": "assistant", "content": "", "tool_calls": [
@@ -212,9 +211,7 @@ def test_the_strict_template_refuses_what_breaks_its_rules(small_llama_server: B
     assert reply.status_code == 400 and "roles must alternate" in reply.text
 
 
-def test_a_compacted_agent_chat_renders_through_the_strict_template(
-    small_llama_server: Backend, llama_proxy: str
-) -> None:
+def test_a_compacted_agent_chat_renders_through_the_strict_template(small_llama_server: Backend, llama_proxy: str) -> None:
     rng = random.Random(99)
     secret = make_secret(rng)
     messages = agent_chat(secret, rng)

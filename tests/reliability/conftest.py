@@ -27,7 +27,7 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.test import taddons, tflow, tutils
 
-from contextpaw.compose import make_addons
+from contextpaw.proxy.compose import make_addons
 from support.backends import ADDON, Backend, free_port, start_process
 from support.common import FAKE_N_CTX, LOOPBACK, context_overflow_error, running, sse
 from support.inprocess import Proxy as InProcess
@@ -142,9 +142,7 @@ def flow_for(
     hdrs = http.Headers(host="127.0.0.1:11434", content_type="application/json", authorization="Bearer k")
     for k, v in (headers or {}).items():
         hdrs[k] = v
-    flow = tflow.tflow(
-        req=tutils.treq(host="127.0.0.1", port=port, path=path.encode(), method=method.encode(), headers=hdrs, content=b"")
-    )
+    flow = tflow.tflow(req=tutils.treq(host="127.0.0.1", port=port, path=path.encode(), method=method.encode(), headers=hdrs, content=b""))
     flow.request.raw_content = raw  # as the client sent it, encoded or not
     flow.client_conn.peername = (peer, 50000)
     flow.server_conn.state = ConnectionState.OPEN
@@ -402,7 +400,9 @@ def summarizer_silent(workdir: Path, llamacpp: Backend, silent: str) -> Iterator
         yield running_proxy
 
 
-def fetch(url: str, data: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 15) -> tuple[int, dict[str, str], bytes]:
+def fetch(
+    url: str, data: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 15
+) -> tuple[int, dict[str, str], bytes]:
     """A plain request; status, headers and body even on HTTP errors; status 0 when the connection failed."""
     request = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data is not None else "GET")
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

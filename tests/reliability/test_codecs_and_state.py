@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from mitmproxy.test import tutils
 
-from contextpaw import inflate
-from contextpaw.evicted import encode
-from contextpaw.state import KeptCalibration
+from contextpaw.ops.evicted import encode
+from contextpaw.ops.kept import KeptCalibration
+from contextpaw.wire import bodies
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 LIMIT = 1 << 20
@@ -29,22 +29,22 @@ LIMIT = 1 << 20
 
 def test_a_multi_member_gzip_is_inflated_whole() -> None:
     two = gzip.compress(CHAT[:20]) + gzip.compress(CHAT[20:])
-    assert inflate.inflate(two, "gzip", LIMIT) == CHAT
+    assert bodies.inflate(two, "gzip", LIMIT) == CHAT
 
 
 @pytest.mark.parametrize(("encoding", "compress"), [("bz2", bz2.compress), ("zlib", zlib.compress)])
 def test_the_codecs_mitmproxy_decodes_without_a_limit_are_inflated_with_one(encoding: str, compress: Any) -> None:
-    assert inflate.inflate(compress(CHAT), encoding, LIMIT) == CHAT
+    assert bodies.inflate(compress(CHAT), encoding, LIMIT) == CHAT
     bomb = compress(b"\0" * (64 << 20))
-    with pytest.raises(inflate.TooLarge):
-        inflate.inflate(bomb, encoding, LIMIT)
+    with pytest.raises(bodies.TooLarge):
+        bodies.inflate(bomb, encoding, LIMIT)
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "bz2", "zlib"])
 def test_a_truncated_body_does_not_decode(encoding: str) -> None:
     compress = {"gzip": gzip.compress, "bz2": bz2.compress, "zlib": zlib.compress}[encoding]
     with pytest.raises(ValueError):
-        inflate.inflate(compress(CHAT * 50)[:-12], encoding, LIMIT)
+        bodies.inflate(compress(CHAT * 50)[:-12], encoding, LIMIT)
 
 
 async def test_an_encoding_nobody_can_read_is_refused_in_the_callers_shape(harness: Any, kit: Any) -> None:

@@ -13,11 +13,11 @@ import json
 import pytest
 
 from contextpaw import wire
-from contextpaw.metrics import Stats
-from contextpaw.calibration import EARLY_RANGE, PHYSICAL, Calibration
-from contextpaw.evicted import EvictedStore
-from contextpaw.fitter import Fitter
-from contextpaw.flow import FlowState
+from contextpaw.fitting.calibration import EARLY_RANGE, PHYSICAL, Calibration
+from contextpaw.fitting.fitter import Fitter
+from contextpaw.fitting.flow import FlowState
+from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.metrics import Stats
 from contextpaw.settings import FitSettings
 
 KEY = "ollama/m"

@@ -14,10 +14,9 @@ import threading
 import weakref
 
 import pytest
-
 from mitmproxy.test import tflow, tutils
 
-from contextpaw import heap
+from contextpaw.proxy import heap
 
 
 class FakeLibc:

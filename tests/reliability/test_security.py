@@ -115,7 +115,7 @@ def command(workdir: Path, ollama: Backend, llamacpp: Backend) -> Iterator[tuple
     """The `contextpaw` command as documented, with a 2 MB body limit set by the operator."""
     port, llama_port = free_port(), free_port()
     argv = [
-        sys.executable, "-m", "contextpaw.cli", "--ollama", ollama.url, "--port", str(port),
+        sys.executable, "-m", "contextpaw.command.cli", "--ollama", ollama.url, "--port", str(port),
         "--llamacpp", llamacpp.url, "--llamacpp-port", str(llama_port), "--confdir", str(workdir / "conf"), "-q",
         "--set", "contextpaw_max_body_mb=2",
     ]  # fmt: skip
@@ -159,7 +159,9 @@ def test_the_documented_mitmdump_line_listens_on_loopback_only(workdir: Path, ol
 
 
 @pytest.mark.parametrize(("path", "shape"), [("/api/chat", str), ("/v1/chat/completions", dict)])
-def test_a_body_over_the_limit_gets_a_json_413_in_the_api_convention_and_the_proxy_stays_up(command: tuple[Backend, int, int], kit: Any, cases: Any, path: str, shape: type) -> None:
+def test_a_body_over_the_limit_gets_a_json_413_in_the_api_convention_and_the_proxy_stays_up(
+    command: tuple[Backend, int, int], kit: Any, cases: Any, path: str, shape: type
+) -> None:
     _, port, _ = command
     url = f"http://{LOOPBACK}:{port}{path}"
     big = {"model": "fake", "messages": [{"role": "user", "content": "x" * (3 << 20)}], "stream": False}
@@ -192,7 +194,9 @@ async def admin_call(
 
 @pytest.mark.parametrize("peer", ["192.168.1.20", "10.0.0.5", "8.8.8.8", "::ffff:192.168.1.20", "fe80::1", "not-an-ip", ""])
 @pytest.mark.parametrize("path", ADMIN_PATHS)
-async def test_admin_endpoints_are_refused_to_non_loopback_clients_without_the_token(harness: Any, kit: Any, cases: Any, peer: str, path: str) -> None:
+async def test_admin_endpoints_are_refused_to_non_loopback_clients_without_the_token(
+    harness: Any, kit: Any, cases: Any, peer: str, path: str
+) -> None:
     for method in METHODS:
         for token in (None, "", "guess"):
             flow = await admin_call(harness, kit, path, peer, method, token)
@@ -258,7 +262,10 @@ def test_the_clients_authorization_reaches_the_backend_unchanged(proxy: Any, fau
 
     req_id = uuid.uuid4().hex
     turns = 40 if overflowing else 1
-    body = {"model": "fault", "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"t{i} " + "w " * 100} for i in range(turns)]}
+    body = {
+        "model": "fault",
+        "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"t{i} " + "w " * 100} for i in range(turns)],
+    }
     secret = "Bearer sk-" + "Zz9/+=" * 6
     response = httpx.post(
         proxy["fault"] + "/v1/chat/completions", json=body, timeout=10,
@@ -274,7 +281,9 @@ def test_the_clients_authorization_reaches_the_backend_unchanged(proxy: Any, fau
 
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:11434", "127.0.0.1.evil.example", "192.168.1.2:11434", "[fe80::1]:80", ""])
 @pytest.mark.parametrize("path", ADMIN_PATHS)
-async def test_admin_endpoints_refuse_a_loopback_client_that_names_another_host(harness: Any, kit: Any, cases: Any, host: str, path: str) -> None:
+async def test_admin_endpoints_refuse_a_loopback_client_that_names_another_host(
+    harness: Any, kit: Any, cases: Any, host: str, path: str
+) -> None:
     """DNS rebinding: a web page whose name resolves to 127.0.0.1 is a loopback client, but its
     browser sends the page's name as the Host; without the token it learns nothing."""
     flow = await admin_call(harness, kit, path, "127.0.0.1", headers={"Host": host})
@@ -286,7 +295,9 @@ async def test_admin_endpoints_refuse_a_loopback_client_that_names_another_host(
     cases["security"] += 2
 
 
-@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:11434", "localhost.", "127.0.0.1", "127.8.9.10:80", "[::1]", "[::1]:11434", "app.localhost:3000"])
+@pytest.mark.parametrize(
+    "host", ["localhost", "LOCALHOST:11434", "localhost.", "127.0.0.1", "127.8.9.10:80", "[::1]", "[::1]:11434", "app.localhost:3000"]
+)
 async def test_admin_endpoints_answer_a_loopback_client_that_names_a_loopback_host(harness: Any, kit: Any, cases: Any, host: str) -> None:
     flow = await admin_call(harness, kit, "/contextpaw/metrics", "127.0.0.1", headers={"Host": host})
     assert flow.response is not None and flow.response.status_code == 200, host

@@ -20,7 +20,7 @@ from aiohttp import web
 from mitmproxy import connection, exceptions
 from mitmproxy.test import taddons, tflow
 
-from contextpaw.deadlines import RequestDeadlines
+from contextpaw.proxy.deadlines import RequestDeadlines
 from support.backends import Backend, start_proxy
 from support.common import LOOPBACK, running
 

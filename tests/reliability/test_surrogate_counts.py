@@ -4,8 +4,8 @@ forwarded the whole request unfitted ("UnicodeEncodeError while compacting")."""
 
 from __future__ import annotations
 
-from contextpaw.counting import BackendCounter
-from contextpaw.tokens import EstimateCounter
+from contextpaw.calls.server_counts import BackendCounter
+from contextpaw.core.tokens import EstimateCounter
 
 
 def test_a_text_with_a_lone_surrogate_teaches_the_counter_its_rate() -> None:

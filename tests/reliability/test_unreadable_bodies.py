@@ -43,7 +43,11 @@ def conversation(path: str, turns: int = 12) -> list[dict[str, Any]]:
     messages.append({"role": "user", "content": "And now?"})
     if path == "/v1/responses":
         return [
-            {"type": "message", "role": m["role"], "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text", "text": m["content"]}]}
+            {
+                "type": "message",
+                "role": m["role"],
+                "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text", "text": m["content"]}],
+            }
             for m in messages
         ]
     if path == "/v1/messages":  # Anthropic: user first, roles alternating
@@ -125,7 +129,9 @@ def test_a_field_nested_deeper_than_the_parser_goes_is_said_to_go_unjudged(runne
 
 @pytest.mark.parametrize(("port", "path"), ROUTES, ids=IDS)
 @pytest.mark.parametrize("literal", [b"1e400", b"-1E+400", b"1.50", b"-0"], ids=lambda b: b.decode())
-def test_a_number_python_would_not_write_back_goes_as_written(runner: Any, kit: Any, cases: Any, port: int, path: str, literal: bytes) -> None:
+def test_a_number_python_would_not_write_back_goes_as_written(
+    runner: Any, kit: Any, cases: Any, port: int, path: str, literal: bytes
+) -> None:
     flow, state = send(runner, kit, port, path, overflowing(path, literal))
     cases["bad_input.numbers"] += 1
     assert state is not None and state.report is not None and state.report.compacted, state and state.headers

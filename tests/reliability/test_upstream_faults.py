@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from contextpaw.fitter import MAX_RESCUES
+from contextpaw.fitting.fitter import MAX_RESCUES
 from contextpaw.wire import openai
 
 BOUND_S = 2 + 4.0
@@ -30,11 +30,19 @@ def chat(stream: bool = False, words: int = 5) -> dict[str, Any]:
     return {"model": "fault", "messages": [{"role": "user", "content": "hi " * words}], "stream": stream, "max_tokens": 8}
 
 
-def call(url: str, fault: str, body: dict[str, Any], path: str = "/v1/chat/completions", extra: dict[str, str] | None = None) -> tuple[int | None, dict[str, str], bytes, str | None, float, str, bytes]:
+def call(
+    url: str, fault: str, body: dict[str, Any], path: str = "/v1/chat/completions", extra: dict[str, str] | None = None
+) -> tuple[int | None, dict[str, str], bytes, str | None, float, str, bytes]:
     """POST through the proxy with `X-Fault`; returns status, headers, body, transport error, seconds, id, sent bytes."""
     req_id = uuid.uuid4().hex
     raw = json.dumps(body).encode()
-    headers = {"X-Fault": fault, "X-Req-Id": req_id, "Authorization": "Bearer sk-client", "Content-Type": "application/json", **(extra or {})}
+    headers = {
+        "X-Fault": fault,
+        "X-Req-Id": req_id,
+        "Authorization": "Bearer sk-client",
+        "Content-Type": "application/json",
+        **(extra or {}),
+    }
     started = time.monotonic()
     status, got_headers, data, error = None, {}, b"", None
     try:
@@ -79,7 +87,9 @@ def assert_received_whole(fault_server: Any, req_id: str, raw: bytes) -> None:
     ("path", "shape"),
     [("/api/chat", "ollama"), ("/api/generate", "ollama"), ("/v1/chat/completions", "openai"), ("/completion", "llamacpp")],
 )
-def test_connection_refused_is_a_json_502_in_the_api_convention(proxy: Any, fault_server: Any, kit: Any, cases: Any, path: str, shape: str) -> None:
+def test_connection_refused_is_a_json_502_in_the_api_convention(
+    proxy: Any, fault_server: Any, kit: Any, cases: Any, path: str, shape: str
+) -> None:
     before = stats_of(proxy, kit)
     started = time.monotonic()
     response = httpx.post(proxy["dead"] + path, json=chat(), timeout=BOUND_S + 5)
@@ -238,7 +248,7 @@ def test_a_probe_of_a_silent_backend_is_bounded(proxy: Any, fault_server: Any, k
     """A reverse target that accepts and never says a byte: the kind probe gives up after
     PROBE_TIMEOUT_S, the request is forwarded as is, and tcp_timeout ends it; meanwhile the proxy
     keeps answering everything else."""
-    from contextpaw.session import PROBE_TIMEOUT_S
+    from contextpaw.calls.session import PROBE_TIMEOUT_S
 
     started = time.monotonic()
     with httpx.Client(timeout=BOUND_S + PROBE_TIMEOUT_S + 5) as client:
@@ -263,10 +273,12 @@ def overflowing_chat(turns: int = 12) -> dict[str, Any]:
             + [{"role": "user", "content": "and?"}], "max_tokens": 8}  # fmt: skip
 
 
-def test_a_token_count_endpoint_that_hangs_costs_one_timeout_and_the_request_goes_on(proxy: Any, fault_server: Any, kit: Any, cases: Any) -> None:
+def test_a_token_count_endpoint_that_hangs_costs_one_timeout_and_the_request_goes_on(
+    proxy: Any, fault_server: Any, kit: Any, cases: Any
+) -> None:
     """llama-server's /tokenize hangs: the request is compacted with the calibrated estimate after the
     count's timeout, answered, counted and logged; the next request does not wait again."""
-    from contextpaw.counting import CALL_TIMEOUT_S as call_timeout
+    from contextpaw.calls.server_counts import CALL_TIMEOUT_S as call_timeout
 
     before, log_size = kit.health(proxy["fault"])["counter"]["backend"], proxy.process.log.stat().st_size
     fault_server.counting_hangs = True

@@ -119,7 +119,11 @@ def scratch_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str,
 
 
 def run_process(
-    argv: Sequence[str], env: Mapping[str, str], cwd: Path, timeout: float, stdin: str | None = None,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path,
+    timeout: float,
+    stdin: str | None = None,
     stdout_file: Path | None = None,
 ) -> tuple[int | None, str, str, float]:
     """Run ``argv`` in a new process group; at ``timeout`` stop the whole group (returncode None).
@@ -455,9 +459,7 @@ def start_contextpaw_stack(work: Path, backend: str, options: Sequence[str] = ()
                 "--set", "tcp_timeout=600", "--set", "contextpaw_calibrate=false"]  # fmt: skip
         for option in options:
             argv += ["--set", option]
-        proxy = exits.enter_context(
-            start_process(argv, f"http://127.0.0.1:{port}", "/contextpaw/health", work / "mitmdump.log", 60)
-        )
+        proxy = exits.enter_context(start_process(argv, f"http://127.0.0.1:{port}", "/contextpaw/health", work / "mitmdump.log", 60))
         front = exits.enter_context(running(recorder_app(proxy.url, front_log)))
     except BaseException:
         exits.close()
@@ -526,6 +528,7 @@ def check_recorded(entry: Mapping[str, Any], fixture: Path, client: str) -> str 
         return None
     lines = [f"  {k}: recorded {v[0]!r}, now {v[1]!r}" for k, v in changed.items()]
     return (
-        f"{client} sent a request unlike the one recorded in {fixture.name}:\n" + "\n".join(lines)
+        f"{client} sent a request unlike the one recorded in {fixture.name}:\n"
+        + "\n".join(lines)
         + f"\n(if the client changed on purpose, record it again with {RECORD_ENV}=1)"
     )

@@ -1,4 +1,4 @@
-"""The real arbiter (`contextpaw.runtime.Arbiter`) replayed against request schedules and VRAM
+"""The real arbiter (`contextpaw.gpu.arbiter.Arbiter`) replayed against request schedules and VRAM
 traces, on a simulated clock, with a fake NVML and fake runtimes.
 
 The clock: an asyncio loop whose `time()` is virtual and whose selector, when nothing is ready, moves
@@ -7,7 +7,7 @@ every wait, timeout and hold in the arbiter runs as written. The fakes replace o
 two runtimes on its `card` (Ollama's HTTP API, and the supervisor that starts and stops
 llama-server; both with their GGUF estimates); every decision, phase, drain, hold and cancellation
 is the arbiter's own. Evictions under a running request are counted from the clients' side. Used
-by `scripts/bench_arbitration.py` and `tests/test_bench_arbitration.py`.
+by `scripts/bench_arbitration.py` and `tests/scripts/test_bench_arbitration.py`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from contextpaw.gpu import DeviceMemory, ProcessMemory, VramReading
-from contextpaw import card as arbiter_card
-from contextpaw.runtime import Arbiter, ArbiterSettings, RuntimeUnavailable
-from contextpaw.supervisor import ServerState
+from contextpaw.gpu import card as arbiter_card
+from contextpaw.gpu.arbiter import Arbiter, ArbiterSettings, RuntimeUnavailable
+from contextpaw.gpu.nvml import DeviceMemory, ProcessMemory, VramReading
+from contextpaw.gpu.supervisor import ServerState
 from contextpaw.wire import Kind
 
 GB = 10**9
@@ -166,7 +166,9 @@ class SimulatedArbiter(Arbiter):
     """The real arbiter with simulated runtimes behind it: Ollama loads its model on a request it
     admits (`load_s`), llama-server starts in `start_s`, and both give their memory back when evicted."""
 
-    def __init__(self, settings: ArbiterSettings, card: SimulatedCard, needs: dict[Kind, int], start_s: float = 4.0, load_s: float = 3.0) -> None:
+    def __init__(
+        self, settings: ArbiterSettings, card: SimulatedCard, needs: dict[Kind, int], start_s: float = 4.0, load_s: float = 3.0
+    ) -> None:
         nvml = FakeNvml(card, asyncio.get_running_loop().time)  # read in a worker thread
         super().__init__(settings, nvml)
         self.simulated, self.needs, self.load_s = card, needs, load_s
@@ -202,7 +204,9 @@ def alternating(seconds: float, hz: float = 1.0) -> tuple[Request, ...]:
     """Two clients, one per runtime, each asking at `hz`, half a period apart."""
     period = 1 / hz
     times = [n * period for n in range(int(seconds * hz))]
-    return tuple(sorted([Request(t, Kind.OLLAMA) for t in times] + [Request(t + period / 2, Kind.LLAMACPP) for t in times], key=lambda r: r.at))
+    return tuple(
+        sorted([Request(t, Kind.OLLAMA) for t in times] + [Request(t + period / 2, Kind.LLAMACPP) for t in times], key=lambda r: r.at)
+    )
 
 
 @dataclass
@@ -256,7 +260,7 @@ async def _replay(scenario: Scenario) -> Outcome:
     settings = ArbiterSettings("http://ollama.invalid", "http://llama.invalid", llamacpp_cmd="true", min_hold=scenario.min_hold)
     arbiter = SimulatedArbiter(settings, card, scenario.needs)
     decisions = _Decisions()
-    logger = logging.getLogger("contextpaw.runtime")
+    logger = logging.getLogger("contextpaw.gpu.arbiter")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(decisions)
@@ -299,9 +303,14 @@ def scenarios(min_hold: float = 20.0) -> list[Scenario]:
         Scenario("alternating clients, 1 Hz, 120 s", 24 * GB, big, alternating(120), min_hold=min_hold),
         Scenario("24 GB card, 15.1 GB + 11.0 GB", 24 * GB, big, alternating(60, 0.5), min_hold=min_hold),
         Scenario("80 GB card, both fit", 80 * GB, big, alternating(60), min_hold=min_hold),
-        Scenario("another process takes 10 GB at 30 s", 32 * GB, big,
-                 (Request(0, Kind.OLLAMA), *(Request(40 + 2 * n, Kind.LLAMACPP) for n in range(10)), Request(70, Kind.OLLAMA)),
-                 others=lambda t: 10 * GB if t >= 30 else 0, min_hold=min_hold),  # fmt: skip
+        Scenario(
+            "another process takes 10 GB at 30 s",
+            32 * GB,
+            big,
+            (Request(0, Kind.OLLAMA), *(Request(40 + 2 * n, Kind.LLAMACPP) for n in range(10)), Request(70, Kind.OLLAMA)),
+            others=lambda t: 10 * GB if t >= 30 else 0,
+            min_hold=min_hold,
+        ),  # fmt: skip
     ]
 
 

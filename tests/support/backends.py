@@ -95,9 +95,7 @@ class Backend:
     def __enter__(self) -> Backend:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
         self.stop()
 
 
@@ -110,7 +108,13 @@ def _answers(url: str) -> bool:
 
 
 def start_process(
-    argv: Sequence[str], url: str, health_path: str, log: Path, timeout: float, *, env: Mapping[str, str] | None = None,
+    argv: Sequence[str],
+    url: str,
+    health_path: str,
+    log: Path,
+    timeout: float,
+    *,
+    env: Mapping[str, str] | None = None,
     poll: float = 0.1,
 ) -> Backend:
     """Start ``argv`` in a new process group, logging to ``log``, and wait until
@@ -125,11 +129,7 @@ def start_process(
         if process.poll() is not None or time.monotonic() > deadline:
             backend.stop()
             tail = log.read_text(errors="replace")[-3000:]
-            state = (
-                f"exited with {process.returncode}"
-                if process.returncode is not None
-                else f"not ready in {timeout:.0f}s"
-            )
+            state = f"exited with {process.returncode}" if process.returncode is not None else f"not ready in {timeout:.0f}s"
             raise RuntimeError(f"{argv[0]} {state}; log {log}:\n{tail}")
         time.sleep(poll)
     return backend

@@ -172,8 +172,7 @@ def context_overflow_error(n_prompt_tokens: int, n_ctx: int) -> dict[str, Any]:
     return {
         "error": {
             "code": 400,
-            "message": f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), "
-            "try increasing it",
+            "message": f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it",
             "type": "exceed_context_size_error",
             "n_prompt_tokens": n_prompt_tokens,
             "n_ctx": n_ctx,
@@ -181,9 +180,7 @@ def context_overflow_error(n_prompt_tokens: int, n_ctx: int) -> dict[str, Any]:
     }
 
 
-def routing_errors(
-    not_found: Callable[[], web.Response], method_not_allowed: Callable[[], web.Response]
-) -> Callable[..., Any]:
+def routing_errors(not_found: Callable[[], web.Response], method_not_allowed: Callable[[], web.Response]) -> Callable[..., Any]:
     """Middleware that answers unknown paths and wrong methods with the imitated server's bodies
     instead of aiohttp's own."""
 
@@ -199,9 +196,7 @@ def routing_errors(
     return middleware
 
 
-def application(
-    middlewares: list[Callable[..., Any]], gets: dict[str, Handler], posts: dict[str, Handler]
-) -> web.Application:
+def application(middlewares: list[Callable[..., Any]], gets: dict[str, Handler], posts: dict[str, Handler]) -> web.Application:
     """An app with these routes (GET routes answer HEAD too)."""
     app = web.Application(middlewares=middlewares)
     for path, handler in gets.items():

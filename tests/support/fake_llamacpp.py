@@ -741,9 +741,7 @@ class FakeLlamaServer:
             {
                 "models": [{"name": name, "model": name, "type": "model", "capabilities": ["completion"]}],
                 "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "created": self.loaded_at, "owned_by": "llamacpp", "meta": meta}
-                ],
+                "data": [{"id": name, "object": "model", "created": self.loaded_at, "owned_by": "llamacpp", "meta": meta}],
             }
         )
 
@@ -912,9 +910,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=1, help="parallel slots, each with its own window (default 1)")
     parser.add_argument("--n-ctx-train", type=int, default=None, help="the model's trained length (default: --n-ctx)")
     args = parser.parse_args(argv)
-    settings = LlamaSettings(
-        model=args.model, n_ctx=args.n_ctx, slots=args.slots, pacing=pacing(args), n_ctx_train=args.n_ctx_train
-    )
+    settings = LlamaSettings(model=args.model, n_ctx=args.n_ctx, slots=args.slots, pacing=pacing(args), n_ctx_train=args.n_ctx_train)
     serve(fake_llamacpp_app(settings), args.port)
 
 

@@ -126,9 +126,7 @@ class WhitespaceEngine:
         self._vocab = Vocabulary({"<s>": self.BOS})
 
     async def open(self) -> ModelCard:
-        return ModelCard(
-            "llama", self._train_ctx, 64, 1_000_000, "1M", "Q4_0", 1_000_000, "<|{{ .Role }}|> {{ .Content }}"
-        )
+        return ModelCard("llama", self._train_ctx, 64, 1_000_000, "1M", "Q4_0", 1_000_000, "<|{{ .Role }}|> {{ .Content }}")
 
     async def close(self) -> None:
         return None
@@ -149,9 +147,7 @@ class WhitespaceEngine:
     async def adds_bos(self) -> bool:
         return self._add_bos
 
-    async def generate(
-        self, tokens: list[int], num_predict: int, options: dict[str, Any]
-    ) -> AsyncGenerator[str | Finish]:
+    async def generate(self, tokens: list[int], num_predict: int, options: dict[str, Any]) -> AsyncGenerator[str | Finish]:
         seen = " ".join(self._vocab.pieces(t for t in tokens if t != self.BOS))
         words = common.scripted_reply(seen).split()
         emitted = words[:num_predict]
@@ -248,9 +244,7 @@ class NativeCodec:
 
     content_type = "application/x-ndjson"
 
-    def __init__(
-        self, model: str, part: Callable[[str], dict[str, Any]], context: Callable[[str], Awaitable[dict[str, Any]]]
-    ) -> None:
+    def __init__(self, model: str, part: Callable[[str], dict[str, Any]], context: Callable[[str], Awaitable[dict[str, Any]]]) -> None:
         self._model = model
         self._part = part
         self._context = context
@@ -290,9 +284,7 @@ class OpenAICodec:
         self._created = int(time.time())
         self._include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-    def _object(
-        self, choices: list[dict[str, Any]], chunk: bool, model: str | None = None, **rest: Any
-    ) -> dict[str, Any]:
+    def _object(self, choices: list[dict[str, Any]], chunk: bool, model: str | None = None, **rest: Any) -> dict[str, Any]:
         kind = ("chat.completion" if self._chat else "text_completion") + (".chunk" if chunk and self._chat else "")
         head = {"id": self._id, "object": kind, "created": self._created}
         tail = {"model": self._model if model is None else model, "system_fingerprint": "fp_ollama"}
@@ -744,9 +736,7 @@ class OllamaServer:
             num_predict = min(num_predict, num_ctx - len(tokens))
         return prompt, self.engine.generate(tokens, num_predict, request.options)
 
-    async def respond(
-        self, request: web.Request, stream: bool, pieces: AsyncGenerator[str | Finish], codec: Codec
-    ) -> web.StreamResponse:
+    async def respond(self, request: web.Request, stream: bool, pieces: AsyncGenerator[str | Finish], codec: Codec) -> web.StreamResponse:
         """Drive a generation into ``codec``: one object, or a stream flushed per piece whose
         headers go out with the first one (so an early error still gets its own status). The
         generation is closed however this ends, so a client that goes away stops the engine."""
@@ -803,16 +793,12 @@ class OllamaServer:
 
         async def context(text: str) -> dict[str, Any]:
             """The prompt as rendered before the token-level cut, plus the response, as token ids."""
-            return (
-                {} if body.get("raw") else {"context": await self.engine.tokenize(rendered + text, add_special=False)}
-            )
+            return {} if body.get("raw") else {"context": await self.engine.tokenize(rendered + text, add_special=False)}
 
         return await self.respond(request, body.get("stream", True), pieces, NativeCodec(model, part, context))
 
     @staticmethod
-    def _native(
-        body: dict[str, Any], model: str, messages: list[dict[str, Any]] | None, prompt: str, native_chat: bool
-    ) -> Request:
+    def _native(body: dict[str, Any], model: str, messages: list[dict[str, Any]] | None, prompt: str, native_chat: bool) -> Request:
         return Request(
             model=model,
             messages=messages,
@@ -847,9 +833,7 @@ class OllamaServer:
         return await self.respond(request, bool(body.get("stream")), pieces, OpenAICodec(model, body, chat=False))
 
     @staticmethod
-    def _openai(
-        body: dict[str, Any], model: str, messages: list[dict[str, Any]], prompt: str, native_chat: bool
-    ) -> Request:
+    def _openai(body: dict[str, Any], model: str, messages: list[dict[str, Any]], prompt: str, native_chat: bool) -> Request:
         """ollama.md §3.6: no num_ctx, truncate, shift or keep_alive can come through here, and
         temperature and top_p default to 1.0."""
         options = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0)}
@@ -873,9 +857,7 @@ class OllamaServer:
         _check_go_types(body)
         model = self.model(body)
         if body.get("background") is True:
-            raise OllamaError(
-                400, "background mode is not supported for local models; use a cloud model or omit the background field"
-            )
+            raise OllamaError(400, "background mode is not supported for local models; use a cloud model or omit the background field")
         messages, tools = responses_messages(body)
         options: dict[str, Any] = {"temperature": body.get("temperature", 1.0)}
         options |= {"top_p": body["top_p"]} if body.get("top_p") is not None else {}
@@ -916,9 +898,7 @@ class OllamaServer:
         return {"id": canonical(self.settings.model), "object": "model", "created": self.started_at, "owned_by": "library"}
 
     async def openai_models(self, request: web.Request) -> web.Response:
-        return web.Response(
-            text=go_json({"object": "list", "data": [self._openai_model()]}), headers={"Content-Type": "application/json"}
-        )
+        return web.Response(text=go_json({"object": "list", "data": [self._openai_model()]}), headers={"Content-Type": "application/json"})
 
     async def openai_model(self, request: web.Request) -> web.Response:
         """`GET /v1/models/{model}`: the one model as the list has it; 404 for one not served."""
@@ -1005,8 +985,7 @@ class OllamaServer:
         }
         return _json(
             {
-                "modelfile": f"FROM {self.card.blob or canonical(self.settings.model)}\n"
-                f"TEMPLATE {json.dumps(self.card.template)}\n",
+                "modelfile": f"FROM {self.card.blob or canonical(self.settings.model)}\nTEMPLATE {json.dumps(self.card.template)}\n",
                 "template": self.card.template,
                 "details": self._details(),
                 "model_info": model_info,
@@ -1063,12 +1042,12 @@ _JSON_KINDS = {bool: "bool", int: "number", float: "number", str: "string", list
 
 
 def _check_go_types(body: dict[str, Any]) -> None:
-    for field, (go_type, kinds) in _GO_FIELDS.items():
-        value = body.get(field)
+    for name, (go_type, kinds) in _GO_FIELDS.items():
+        value = body.get(name)
         wrong_bool = isinstance(value, bool) and bool not in kinds
         if value is not None and (wrong_bool or not isinstance(value, kinds)):
             kind = _JSON_KINDS.get(type(value), "value")
-            raise OllamaError(400, f"json: cannot unmarshal {kind} into Go struct field ResponsesRequest.{field} of type {go_type}")
+            raise OllamaError(400, f"json: cannot unmarshal {kind} into Go struct field ResponsesRequest.{name} of type {go_type}")
     for tool in body.get("tools") or []:
         if not isinstance(tool, dict):
             raise OllamaError(400, f"json: cannot unmarshal {_JSON_KINDS.get(type(tool), 'value')} into Go struct field "
@@ -1158,9 +1137,7 @@ def responses_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list
         messages.append({"role": "assistant", "content": "", "thinking": thinking})
     effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
     if effort and effort not in REASONING_EFFORTS:
-        raise OllamaError(
-            400, f'invalid reasoning value: "{effort}" (must be "high", "medium", "low", "max", or "none")'
-        )
+        raise OllamaError(400, f'invalid reasoning value: "{effort}" (must be "high", "medium", "low", "max", or "none")')
     tools = [
         {
             "type": t.get("type", ""),
@@ -1240,9 +1217,7 @@ def ollama_settings(args: argparse.Namespace) -> OllamaSettings:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ollama_arguments(
-        "A fast deterministic fake Ollama.", model=OllamaSettings.model, n_ctx=OllamaSettings.num_ctx
-    )
+    parser = ollama_arguments("A fast deterministic fake Ollama.", model=OllamaSettings.model, n_ctx=OllamaSettings.num_ctx)
     parser.add_argument("--train-ctx", type=int, default=32768, help="trained length; caps num_ctx (default 32768)")
     args = parser.parse_args(argv)
     common.serve(fake_ollama_app(ollama_settings(args), args.train_ctx), args.port)

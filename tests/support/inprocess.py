@@ -21,10 +21,11 @@ from mitmproxy.proxy.layers.http import (  # imported for their registration in 
 from mitmproxy.test import taddons
 
 if TYPE_CHECKING:
-    from contextpaw.addon import Compactor, Upstream
-    from contextpaw.endpoints import AdminEndpoints
-    from contextpaw.backends import Backends
-    from contextpaw.arbitration import Arbitration
+    from contextpaw.proxy.arbitration import Arbitration
+    from contextpaw.proxy.backends import Backends
+    from contextpaw.proxy.compactor import Compactor
+    from contextpaw.proxy.endpoints import AdminEndpoints
+    from contextpaw.proxy.upstream import Upstream
 
 ROLES = {
     "arbitration": "arbitration",

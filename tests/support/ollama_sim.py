@@ -125,9 +125,7 @@ class LlamaServerEngine:
             self._bos = len(await self.tokenize("a", True)) > len(await self.tokenize("a", False))
         return self._bos
 
-    async def generate(
-        self, tokens: list[int], num_predict: int, options: dict[str, Any]
-    ) -> AsyncGenerator[str | Finish]:
+    async def generate(self, tokens: list[int], num_predict: int, options: dict[str, Any]) -> AsyncGenerator[str | Finish]:
         payload = {"prompt": tokens, "n_predict": num_predict, "stream": True, "cache_prompt": True}
         payload |= {key: options[key] for key in SAMPLING if key in options}
         async with self.session.post(self._upstream + "/completion", json=payload) as response:
@@ -167,9 +165,7 @@ def ollama_sim_app(upstream: str, settings: OllamaSettings = DEFAULT_SETTINGS) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ollama_arguments(
-        "Ollama simulated over a running llama-server.", DEFAULT_SETTINGS.model, DEFAULT_SETTINGS.num_ctx
-    )
+    parser = ollama_arguments("Ollama simulated over a running llama-server.", DEFAULT_SETTINGS.model, DEFAULT_SETTINGS.num_ctx)
     parser.add_argument("--upstream", required=True, help="base URL of the llama-server, e.g. http://127.0.0.1:8080")
     args = parser.parse_args(argv)
     serve(ollama_sim_app(args.upstream, ollama_settings(args)), args.port)

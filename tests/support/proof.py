@@ -12,8 +12,8 @@ import contextlib
 import random
 import sys
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -212,8 +212,15 @@ def completion_trial(base_url: str, path: str, secret: str, prompt: str, *, n_pr
     data = reply.json()
     headers = contextpaw_headers(reply.headers)
     if reply.status_code != 200:
-        return Trial(path, reply.status_code, error_answer(data.get("error") or {}), False,
-                     (data.get("error") or {}).get("n_prompt_tokens"), data.get("contextpaw"), headers=headers)
+        return Trial(
+            path,
+            reply.status_code,
+            error_answer(data.get("error") or {}),
+            False,
+            (data.get("error") or {}).get("n_prompt_tokens"),
+            data.get("contextpaw"),
+            headers=headers,
+        )
     answer = data.get("content", "")
     return Trial(path, 200, answer, recalled(secret, answer), data.get("tokens_evaluated"), data.get("contextpaw"),
                  headers=headers)  # fmt: skip

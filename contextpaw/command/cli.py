@@ -1,0 +1,373 @@
+"""`contextpaw`: mitmdump (or mitmweb with `--web`) with ContextPaw loaded, a reverse mode per
+backend and safe presets; `contextpaw doctor` checks such a set-up and says how to fix it.
+
+    contextpaw --ollama http://127.0.0.1:11435 --port 11434 \\
+               --llamacpp http://127.0.0.1:8091 --llamacpp-port 8092 [--policy strict] [--web]
+
+Every argument mitmdump (or mitmweb) takes works the same here (`-w flows`, `-r flows`, `-s script`,
+a filter expression, `--set name=value`), since the command line is parsed by mitmproxy's own parser
+with ContextPaw's arguments added to it. ContextPaw's presets are applied before `--set`, so the
+command line always wins over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from contextpaw import wire
+from contextpaw.command import doctor
+from contextpaw.core import logs
+from contextpaw.settings import POLICIES
+
+logger = logs.get(__name__)
+
+CONFDIR = "~/.contextpaw"
+PRESETS: dict[str, Any] = {
+    "connection_strategy": "lazy",
+    "contextpaw_header_timeout": 3600,
+    "contextpaw_idle_timeout": 3600,
+    "tcp_timeout": 7200,
+    "onboarding": False,
+}
+"""What `contextpaw` sets before mitmproxy reads `--set` and config.yaml (either overrides it): listen
+only where clients need it, connect upstream only when a request needs it (so the proxy's own
+endpoints work while a backend is down), wait an hour for a slow prompt instead of nine minutes (the
+relay's timeouts, under mitmproxy's idle timeout so the client gets the 504), and no onboarding app
+(it would serve mitmproxy's CA)."""
+WEB_COLUMNS = ["icon", "path", "method", "status", "size", "time", "comment"]
+"""mitmweb's flow list with the comment column, where compacted flows say what they lost."""
+
+OLD_FLAGS: dict[str, tuple[str, type | None, str]] = {
+    "--keep-recent": ("contextpaw_keep_recent", int, "most recent messages that are never evicted"),
+    "--headroom": ("contextpaw_headroom", str, "room a cut leaves for the next turns: auto, or a percentage of the budget"),
+    "--default-ctx": ("contextpaw_default_ctx", int, "window when neither the request nor the backend says"),
+    "--margin": ("contextpaw_margin", int, "tokens kept for the chat template and counting error"),
+    "--tokenizer": ("contextpaw_tokenizer", str, "a tokenizer.json or GGUF file to count with"),
+    "--summarize": ("contextpaw_summarize", None, "put a digest of what was evicted where its marker goes"),
+    "--summarizer-model": ("contextpaw_summarizer_model", str, "the model that writes digests"),
+    "--summarizer-url": ("contextpaw_summarizer_url", str, "the server that writes digests"),
+    "--arbitrate": ("contextpaw_arbitrate", None, "give the GPU to one runtime at a time"),
+    "--llamacpp-cmd": ("contextpaw_llamacpp_cmd", str, "command that starts llama-server (for --arbitrate)"),
+    "--min-hold": ("contextpaw_min_hold", int, "seconds a runtime keeps the GPU once it has won it (for --arbitrate)"),
+}
+"""The earlier proxy's flags: flag -> (the option it sets, its value's type or None for a switch, help)."""
+
+EPILOG = """\
+Everything else is mitmdump's (with --web, mitmweb's), spelled as there: -w FILE, -r FILE,
+-s SCRIPT, a filter expression, --flow-detail, --anticache, --set NAME=VALUE. --set sets any
+mitmproxy or contextpaw_* option and wins over what contextpaw presets (connection_strategy=lazy,
+tcp_timeout=7200, contextpaw_header_timeout=3600, contextpaw_idle_timeout=3600, onboarding=false,
+confdir=~/.contextpaw). --options lists every option.
+
+Check a running set-up at http://127.0.0.1:PORT/contextpaw/health (backends, whether they answer,
+the counters). With --web, mitmweb listens on http://127.0.0.1:8081 (--web-host, --web-port); open
+the address with ?token=... that it prints at start, it refuses requests without the token.
+
+`contextpaw doctor [the same arguments]` checks the backends and the set-up and says how to fix
+what is wrong (windows smaller than the model's, unreachable backends, a tokenizer of another model,
+listeners beyond the loopback).
+
+`contextpaw launch AGENT [--print] [-- AGENT ARGS]` starts claude, codex, opencode, aider or qwen
+pointed at a running ContextPaw, told the window it serves (`contextpaw launch --help`)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """ContextPaw's own arguments. Those that set an option keep its name as their `dest`, so
+    mitmproxy applies them as it applies its own flags (after `--set`, as mitmdump does)."""
+    own = p.add_argument_group("contextpaw")
+    own.add_argument("--ollama", metavar="URL", help="the Ollama server to front, e.g. http://127.0.0.1:11435")
+    own.add_argument("--port", type=int, default=11434, help="where clients reach Ollama (default 11434)")
+    own.add_argument("--llamacpp", metavar="URL", help="the llama-server to front, e.g. http://127.0.0.1:8091")
+    own.add_argument("--llamacpp-port", type=int, default=8092, help="where clients reach llama-server (default 8092)")
+    own.add_argument("--host", default="127.0.0.1", help="where both listen (default 127.0.0.1: loopback only)")
+    own.add_argument("--policy", dest="contextpaw_policy", choices=POLICIES,
+                     help="compact (default): cut an overflowing request to fit and report what went; strict: "
+                          "refuse it in the API's own overflow error; off: pass everything through (contextpaw_policy)")  # fmt: skip
+    own.add_argument("--confdir", metavar="DIR", help=f"mitmproxy's state, its CA and config.yaml (default {CONFDIR})")
+    own.add_argument("--web", action="store_true", help="run mitmweb, to inspect flows in a browser, instead of mitmdump")
+    old = p.add_argument_group("the earlier proxy's flags", "each sets the contextpaw_* option it names")
+    for flag, (option, kind, text) in OLD_FLAGS.items():
+        if kind is None:
+            old.add_argument(flag, dest=option, action="store_true", default=None, help=f"{text} ({option})")
+        else:
+            old.add_argument(flag, dest=option, type=kind, metavar=flag.strip("-").split("-")[-1].upper(),
+                             help=f"{text} ({option})")  # fmt: skip
+
+
+def own_parser() -> argparse.ArgumentParser:
+    """ContextPaw's arguments alone, to read them before mitmproxy starts (its parser needs a master)."""
+    p = argparse.ArgumentParser(prog="contextpaw", add_help=False)
+    add_arguments(p)
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class Fronted:
+    """A backend named on the command line: its kind, its URL, where clients reach it."""
+
+    kind: wire.Kind
+    url: str
+    listen: tuple[str, int]
+
+
+def backend_url(flag: str, text: str) -> tuple[str, str | None]:
+    """The URL for a backend given as `text`, and what to say at start about it; a ValueError says
+    what to write instead. A URL without a scheme means plain HTTP, as `OLLAMA_HOST` does (mitmproxy's
+    reverse mode would have taken it for TLS)."""
+    note = None
+    if "://" not in text:
+        note = f"{flag} {text} has no scheme: using http://{text} (write https:// for a backend that speaks TLS)"
+        text = f"http://{text}"
+    parts = urlsplit(text)
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: the port is not a number; write http://HOST:PORT") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag} {text!r} is not a backend URL; write http://HOST:PORT (https:// for TLS)")
+    if parts.path.strip("/") or parts.query:
+        raise ValueError(f"{flag} {text!r}: a backend is a server, not a path; write {parts.scheme}://{parts.netloc}")
+    return wire.Backend.parse(wire.Kind.OLLAMA, text).url, note
+
+
+def fronted(ns: argparse.Namespace) -> tuple[list[Fronted], list[str]]:
+    """The backends on the command line, and the notes to print at start (ValueError: a bad URL)."""
+    backends, notes = [], []
+    for kind, flag, text, port in (
+        (wire.Kind.OLLAMA, "--ollama", ns.ollama, ns.port),
+        (wire.Kind.LLAMACPP, "--llamacpp", ns.llamacpp, ns.llamacpp_port),
+    ):
+        if text:
+            url, note = backend_url(flag, text)
+            backends.append(Fronted(kind, url, (ns.host, port)))
+            notes += [note] if note else []
+    return backends, notes
+
+
+def command_parser(mitmproxy_parser: Callable[[Any], argparse.ArgumentParser], opts: Any) -> argparse.ArgumentParser:
+    """mitmdump's (or mitmweb's) own parser, with ContextPaw's arguments and help added."""
+    p = mitmproxy_parser(opts)
+    p.prog, p.epilog, p.formatter_class = "contextpaw", EPILOG, argparse.RawDescriptionHelpFormatter
+    p.description = __doc__.split("\n\n")[0]
+    p.set_defaults(filter_args=None)  # mitmweb has none; run() asks
+    add_arguments(p)
+    return p
+
+
+def mitmproxy_args(backends: Sequence[Fronted]) -> list[str]:
+    """What the backends add to mitmproxy's command line: a reverse mode each, and the option that
+    names its kind (both lists, so a `--mode` or `--set contextpaw_ollama=` of the user's adds to them)."""
+    args: list[str] = []
+    for b in backends:
+        host, port = b.listen
+        args += ["--mode", f"reverse:{b.url}@{host}:{port}", "--set", f"contextpaw_{b.kind}={b.url}"]
+    return args
+
+
+def presets(ns: argparse.Namespace) -> dict[str, Any]:
+    """The options `contextpaw` sets before mitmproxy reads the command line."""
+    chosen = {**PRESETS, "confdir": ns.confdir or CONFDIR}
+    return {**chosen, "web_columns": WEB_COLUMNS} if ns.web else chosen
+
+
+def mitmdump_filters(args: argparse.Namespace) -> dict[str, str]:
+    """A filter expression on the command line, applied as mitmdump applies it."""
+    if not args.filter_args:
+        return {}
+    expression = " ".join(args.filter_args)
+    return {"save_stream_filter": expression, "readfile_filter": expression, "dumper_filter": expression}
+
+
+def has_work(args: argparse.Namespace, options: Any) -> bool:
+    """Whether mitmproxy has something to do: a backend, a mode of the user's, or flows to read or replay."""
+    return bool(
+        options.contextpaw_ollama or options.contextpaw_llamacpp or args.mode or args.rfile
+        or args.client_replay or args.server_replay or args.server is False
+    )  # fmt: skip
+
+
+class StartupLine:
+    """Says once, when the proxy is up, what runs: the version, the policy, each backend with its
+    kind and where clients reach it, and where mitmweb listens."""
+
+    def __init__(self, notes: Sequence[str]) -> None:
+        self.notes = list(notes)
+
+    def running(self) -> None:
+        from mitmproxy import ctx
+
+        for note in self.notes:
+            logger.warning(note)
+        logger.info(startup_line(ctx.options))
+
+
+def startup_line(options: Any) -> str:
+    """The line from mitmproxy's options as they ended up (after `--set` and config.yaml)."""
+    from mitmproxy.proxy import mode_specs
+
+    from contextpaw.ops.admin import package_version
+    from contextpaw.proxy.backends import endpoint
+
+    kinds = {}
+    for kind in wire.Kind:
+        for url in getattr(options, f"contextpaw_{kind}"):
+            b = wire.Backend.parse(kind, url)
+            kinds[endpoint(b.host, b.port)] = kind
+    served = []
+    for spec in options.mode:
+        mode = mode_specs.ProxyMode.parse(spec)
+        host = mode.listen_host(options.listen_host) or "0.0.0.0"
+        where = f"http://{host}:{mode.listen_port(options.listen_port)}"
+        if isinstance(mode, mode_specs.ReverseMode):
+            named = kinds.get(endpoint(*mode.address)) or "kind found on first contact"
+            served.append(f"{named} {_target(mode)} at {where}")
+        else:
+            served.append(f"{mode.type_name} proxy at {where}")
+    line = f"contextpaw {package_version()}, policy {options.contextpaw_policy}: {'; '.join(served)}"
+    if "web_port" in options:
+        line += (f"; mitmweb at http://{options.web_host}:{options.web_port}/ (open it with the ?token= "
+                 "address mitmweb prints)")  # fmt: skip
+    return line + "; /contextpaw/health on each"
+
+
+def _target(mode: Any) -> str:
+    """A reverse mode's backend URL."""
+    host, port = mode.address
+    return f"{mode.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def check_tls(backends: Sequence[Fronted]) -> list[str]:
+    """For each https backend that answers in plain HTTP, what to write instead (one probe each,
+    only for https URLs)."""
+    secure = [b for b in backends if b.url.startswith("https://")]
+    if not secure:
+        return []
+    answers = asyncio.run(doctor.answers_of([(b.kind, b.url) for b in secure]))
+    return [f"--{a.kind} {a.url}: {f.what}; {f.fix}" for a in answers for f in doctor.check_answer(a) if a.plain_http]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"]:
+        sys.exit(run_doctor(argv[1:]))
+    if argv[:1] == ["launch"]:
+        from contextpaw.command import launcher
+
+        sys.exit(launcher.main(argv[1:]))
+    ns, _ = own_parser().parse_known_args(argv)
+    try:
+        backends, notes = fronted(ns)
+    except ValueError as e:
+        own_parser().error(str(e))
+    if problems := check_tls(backends):
+        own_parser().error("; ".join(problems))
+    from mitmproxy import exceptions
+    from mitmproxy.tools import cmdline
+    from mitmproxy.tools.main import run
+
+    from contextpaw.proxy.compose import make_addons
+
+    master: type[Any]
+    if ns.web:
+        from mitmproxy.tools.web.master import WebMaster
+
+        master, mitmproxy_parser = WebMaster, cmdline.mitmweb
+    else:
+        from mitmproxy.tools.dump import DumpMaster
+
+        master, mitmproxy_parser = DumpMaster, cmdline.mitmdump
+    masters: list[Any] = []
+
+    class WithContextPaw(master):
+        """The mitmproxy master with ContextPaw's addons and presets (set here, so that `--set` and
+        config.yaml, which mitmproxy applies after this, override them)."""
+
+        def __init__(self, opts, **kwargs) -> None:
+            super().__init__(opts, **kwargs)
+            self.addons.add(*make_addons(), StartupLine(notes))
+            opts.update(**presets(ns))
+            masters.append(self)
+
+    def extra(args: argparse.Namespace) -> dict[str, str]:
+        if not has_work(args, masters[0].options):
+            raise exceptions.OptionsError("give --ollama URL, --llamacpp URL, or both (or mitmproxy's own --mode)")
+        return mitmdump_filters(args)
+
+    run(WithContextPaw, functools.partial(command_parser, mitmproxy_parser), [*mitmproxy_args(backends), *argv], extra)
+
+
+def doctor_parser() -> argparse.ArgumentParser:
+    """`contextpaw doctor`: the command line of `contextpaw` (what it does not need is ignored), and
+    what the servers cannot say themselves."""
+    p = argparse.ArgumentParser(prog="contextpaw doctor", description=run_doctor.__doc__, add_help=True)
+    add_arguments(p)
+    mitm = p.add_argument_group("mitmproxy's arguments the doctor reads")
+    mitm.add_argument("--mode", "-m", action="append", default=[])
+    mitm.add_argument("--listen-host", default="")
+    mitm.add_argument("--listen-port", "-p", type=int, default=8080)
+    mitm.add_argument("--set", dest="setoptions", action="append", default=[], metavar="NAME=VALUE")
+    asked = p.add_argument_group("doctor")
+    asked.add_argument("--model", action="append", default=[],
+                       help="an Ollama model to check (repeatable; default: the loaded ones, else the first listed)")  # fmt: skip
+    asked.add_argument("--ctx", type=int, metavar="N",
+                       help="the -c llama-server was started with (default: the model's trained length, as -c 0 asks)")  # fmt: skip
+    asked.add_argument("--timeout", type=float, default=60.0,
+                       help="seconds a backend may take to answer, loading a model included (default 60)")  # fmt: skip
+    return p
+
+
+def _set_values(setoptions: Sequence[str], name: str) -> list[str]:
+    return [s.partition("=")[2] for s in setoptions if s.partition("=")[0] == name]
+
+
+def run_doctor(argv: Sequence[str]) -> int:
+    """Checks the backends of a `contextpaw` command line, and the set-up itself, and says how to fix
+    what is wrong. Exit status 1 when something is."""
+    from mitmproxy.proxy import mode_specs
+
+    p = doctor_parser()
+    ns, _ = p.parse_known_args(argv)
+    try:
+        backends, notes = fronted(ns)
+        specs = [*(f"reverse:{b.url}@{b.listen[0]}:{b.listen[1]}" for b in backends), *ns.mode]
+        modes = [(spec, mode_specs.ProxyMode.parse(spec)) for spec in specs or ["regular"]]
+    except ValueError as e:
+        p.error(str(e))
+    named: list[tuple[wire.Kind | None, str]] = [(b.kind, b.url) for b in backends]
+    for kind in wire.Kind:
+        named += [(kind, wire.Backend.parse(kind, url).url) for url in _set_values(ns.setoptions, f"contextpaw_{kind}")]
+    for _, mode in modes:
+        if isinstance(mode, mode_specs.ReverseMode) and mode.scheme in ("http", "https"):
+            named.append((None, _target(mode)))
+    tokenizer = ns.contextpaw_tokenizer or next(iter(_set_values(ns.setoptions, "contextpaw_tokenizer")[-1:]), "")
+    setup = doctor.Setup(
+        backends=tuple(named_first_kind(named)),
+        listeners=tuple((spec, mode.listen_host(ns.listen_host)) for spec, mode in modes),
+        tokenizer=tokenizer,
+        models=tuple(ns.model),
+        asked_ctx=ns.ctx,
+        timeout=ns.timeout,
+    )
+    findings = [doctor.Finding("note", "command line", note) for note in notes]
+    findings += asyncio.run(doctor.diagnose(setup))
+    print(doctor.render(findings))
+    return 1 if any(f.level == "problem" for f in findings) else 0
+
+
+def named_first_kind(named: Sequence[tuple[wire.Kind | None, str]]) -> list[tuple[wire.Kind | None, str]]:
+    """Each URL once, with the kind the command line gave it where it gave one."""
+    kinds: dict[str, wire.Kind | None] = {}
+    for kind, url in named:
+        kinds[url] = kinds.get(url) or kind
+    return [(kind, url) for url, kind in kinds.items()]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""What `contextpaw launch` sets for each agent, pure: the agent, the window ContextPaw serves the
+model at, the proxy's address and the model in; the environment, the command line and the files to
+write out. Nothing here reads or writes anything.
+
+Each agent learns the window its own way, and its own compaction fires from that number: told the
+served window, the agent compacts its history with the model's own summary before the window is
+reached, and ContextPaw's cut stays the safety net. A user's own config file is never touched: the
+settings travel as environment variables and flags, or in a file of ContextPaw's own (in its state
+directory) that the agent is pointed at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from contextpaw.wire import Kind
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What the agent is pointed at: ContextPaw's address, the model, the window the agent is told,
+    the kind of backend behind it, and where generated files go."""
+
+    proxy: str
+    model: str
+    window: int
+    kind: Kind
+    state_dir: Path
+    served: int | None = None
+    """The window the backend serves, where the agent is told less (`/contextpaw/window`'s
+    `agent_window`: ContextPaw counts the model by estimate); None: the same."""
+
+    @property
+    def num_ctx(self) -> int:
+        """The window to ask Ollama for: the one it serves, whatever the agent is told."""
+        return self.served or self.window
+
+    @property
+    def output(self) -> int:
+        """The room an answer gets: an eighth of the window, at least 1,024 and at most 16,384
+        tokens (an agent's own default, 32,000 for Claude Code and Qwen Code, would leave no
+        window to a local model)."""
+        return max(1024, min(16384, self.window // 8))
+
+    @property
+    def compact_at(self) -> int:
+        """Where an agent that takes a token count compacts: nine tenths of what the answer's room
+        leaves, so that one more turn fits before the window."""
+        return (self.window - self.output) * 9 // 10
+
+
+def _frozen(values: Mapping[str, str]) -> Mapping[str, str]:
+    return MappingProxyType(dict(values))
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One agent's start: `argv` (the agent's own arguments follow it), `env` (set over the user's
+    environment), `defaults` (set only where the user's environment has none, such as a key that a
+    local server ignores), `files` (path -> text, written before the start) and `notes` (what each
+    setting does, for `--print`)."""
+
+    agent: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=lambda: _frozen({}))
+    defaults: Mapping[str, str] = field(default_factory=lambda: _frozen({}))
+    files: Mapping[Path, str] = field(default_factory=lambda: MappingProxyType({}))
+    notes: tuple[str, ...] = ()
+
+    def script(self, args: tuple[str, ...] = ()) -> str:
+        """A shell script that does what the launch does: the files, the environment, the command."""
+        lines = [f"# {note}" for note in self.notes]
+        for path, text in self.files.items():
+            lines += [f"mkdir -p {shlex.quote(str(path.parent))}", f"cat > {shlex.quote(str(path))} <<'EOF'", text.rstrip("\n"), "EOF"]
+        lines += [f": ${{{name}:={shlex.quote(value)}}}; export {name}" for name, value in self.defaults.items()]
+        lines += [f"export {name}={shlex.quote(value)}" for name, value in self.env.items()]
+        lines.append("exec " + shlex.join((*self.argv, *args)))
+        return "\n".join(lines) + "\n"
+
+
+def _slug(model: str) -> str:
+    """A model name as a file name: `qwen3:8b` -> `qwen3-8b`."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-") or "model"
+
+
+def _generated(target: Target, agent: str, suffix: str) -> Path:
+    return target.state_dir / "launch" / f"{agent}-{_slug(target.model)}{suffix}"
+
+
+def _v1(target: Target) -> str:
+    return target.proxy.rstrip("/") + "/v1"
+
+
+CLAUDE_MODELS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
+                 "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")  # fmt: skip
+"""Every model name Claude Code may pick (its main model, the aliases, the one for its background
+tasks and subagents): all the one local model."""
+
+
+def claude(target: Target) -> Launch:
+    """Claude Code gives a model it does not know a 1,000,000-token window;
+    `CLAUDE_CODE_MAX_CONTEXT_TOKENS` is the window of such a model (`CLAUDE_CODE_AUTO_COMPACT_WINDOW`
+    takes nothing under 100k). It compacts at the window less its answer's room (at most 20,000)
+    less 13,000 tokens for the summary, so the answer's room is set too."""
+    env = {
+        "ANTHROPIC_BASE_URL": target.proxy.rstrip("/"),
+        **{name: target.model for name in CLAUDE_MODELS},
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(target.window),
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(target.output),
+    }
+    compacts = target.window - min(target.output, 20_000) - 13_000
+    notes = (
+        f"Claude Code: window {target.window} (CLAUDE_CODE_MAX_CONTEXT_TOKENS), answers up to {target.output} tokens; "
+        + (f"it compacts its history from {compacts} tokens" if compacts > 0 else
+           "it keeps 13,000 tokens for a summary, more than the window leaves: raise the window"),
+    )  # fmt: skip
+    return Launch("claude", ("claude",), _frozen(env), _frozen({"ANTHROPIC_AUTH_TOKEN": "contextpaw"}), notes=notes)
+
+
+def codex(target: Target) -> Launch:
+    """Codex: a `contextpaw` provider on the Responses API, and `model_context_window` with
+    `model_auto_compact_token_limit`, all as `-c` overrides (its config.toml is left alone)."""
+    provider = f'{{name="ContextPaw", base_url={json.dumps(_v1(target))}, wire_api="responses"}}'
+    overrides = {
+        "model": json.dumps(target.model),
+        "model_provider": '"contextpaw"',
+        "model_providers.contextpaw": provider,
+        "model_context_window": str(target.window),
+        "model_auto_compact_token_limit": str(target.compact_at),
+    }
+    argv = ("codex", *(a for key, value in overrides.items() for a in ("-c", f"{key}={value}")))
+    notes = (f"Codex: window {target.window} (model_context_window); it compacts its history from "
+             f"{target.compact_at} tokens (model_auto_compact_token_limit)",)  # fmt: skip
+    return Launch("codex", argv, notes=notes)
+
+
+def opencode(target: Target) -> Launch:
+    """opencode: a generated config (`OPENCODE_CONFIG`, merged over the user's own) with a
+    `contextpaw` provider whose model has `limit.context` and `limit.output`; opencode compacts when
+    its history leaves less than the answer's room."""
+    path = _generated(target, "opencode", ".json")
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {
+            "contextpaw": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "ContextPaw",
+                "options": {"baseURL": _v1(target)},
+                "models": {target.model: {"name": target.model, "limit": {"context": target.window, "output": target.output}}},
+            }
+        },
+        "model": f"contextpaw/{target.model}",
+        "small_model": f"contextpaw/{target.model}",
+    }
+    notes = (f"opencode: window {target.window}, answers up to {target.output} (limit.context, limit.output) "
+             f"in {path}, through OPENCODE_CONFIG",)  # fmt: skip
+    return Launch("opencode", ("opencode",), _frozen({"OPENCODE_CONFIG": str(path)}),
+                  files=MappingProxyType({path: json.dumps(config, indent=2) + "\n"}), notes=notes)  # fmt: skip
+
+
+def aider(target: Target) -> Launch:
+    """aider: a model metadata file (`max_input_tokens`, which sizes its chat-history summary and its
+    warning) and, on Ollama, model settings that ask for the served window as `num_ctx` (aider
+    would ask for 1.25 times its prompt plus 8,192, and Ollama would load the model again at that
+    size); Ollama's native API, or llama-server's OpenAI one."""
+    name = f"ollama_chat/{target.model}" if target.kind == Kind.OLLAMA else f"openai/{target.model}"
+    metadata_path = _generated(target, "aider", ".metadata.json")
+    metadata = {name: {"max_input_tokens": target.window, "max_output_tokens": target.output, "max_tokens": target.output,
+                       "input_cost_per_token": 0, "output_cost_per_token": 0,
+                       "litellm_provider": name.split("/")[0], "mode": "chat"}}  # fmt: skip
+    files = {metadata_path: json.dumps(metadata, indent=2) + "\n"}
+    argv = ["aider", "--model", name, "--model-metadata-file", str(metadata_path)]
+    if target.kind == Kind.OLLAMA:
+        env = {"OLLAMA_API_BASE": target.proxy.rstrip("/")}
+        settings_path = _generated(target, "aider", ".settings.yml")
+        files[settings_path] = json.dumps([{"name": name, "extra_params": {"num_ctx": target.num_ctx}}], indent=2) + "\n"
+        argv += ["--model-settings-file", str(settings_path)]
+        defaults = {}
+    else:
+        env = {"OPENAI_API_BASE": _v1(target)}
+        defaults = {"OPENAI_API_KEY": "contextpaw"}
+    notes = (f"aider: window {target.window} (max_input_tokens in {metadata_path})"
+             + (f", num_ctx {target.num_ctx} on every request" if target.kind == Kind.OLLAMA else ""),)  # fmt: skip
+    return Launch("aider", tuple(argv), _frozen(env), _frozen(defaults), MappingProxyType(files), notes)
+
+
+def qwen(target: Target) -> Launch:
+    """Qwen Code: OpenAI's API through ContextPaw; the window as `model.generationConfig.
+    contextWindowSize` in a generated system defaults file (`QWEN_CODE_SYSTEM_DEFAULTS_PATH`: the
+    settings of lowest precedence, under the user's and the project's own) and the answer's room as
+    `QWEN_CODE_MAX_OUTPUT_TOKENS` (it would ask for 32,000). It compacts at 85% of the window, or
+    33,000 tokens below it where that is lower and positive."""
+    path = _generated(target, "qwen", ".defaults.json")
+    settings = {"model": {"generationConfig": {"contextWindowSize": target.window}}}
+    env = {"OPENAI_BASE_URL": _v1(target), "OPENAI_MODEL": target.model, "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(path),
+           "QWEN_CODE_MAX_OUTPUT_TOKENS": str(target.output)}  # fmt: skip
+    notes = (f"Qwen Code: window {target.window} (model.generationConfig.contextWindowSize in {path}, through "
+             f"QWEN_CODE_SYSTEM_DEFAULTS_PATH), answers up to {target.output} (QWEN_CODE_MAX_OUTPUT_TOKENS)",)  # fmt: skip
+    return Launch("qwen", ("qwen", "--auth-type", "openai", "-m", target.model), _frozen(env),
+                  _frozen({"OPENAI_API_KEY": "contextpaw"}), MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}), notes)  # fmt: skip
+
+
+PLANS: Mapping[str, Callable[[Target], Launch]] = MappingProxyType(
+    {"claude": claude, "codex": codex, "opencode": opencode, "aider": aider, "qwen": qwen}
+)
+FIXED_TOKENS: Mapping[str, int] = MappingProxyType({"claude": 12_000, "codex": 8_900, "opencode": 7_400, "aider": 1_000, "qwen": 16_800})
+"""What each pinned agent sends besides the conversation (system prompt, tools, environment), in
+tokens: its first request as recorded in tests/agents/fixtures/, counted with SmolLM2's tokenizer
+(a model's own counts a little more or less). aider's repository map comes on top."""
+
+
+def least_window(agent: str, output: int) -> int:
+    """The smallest window, in whole KiB of tokens, that holds the agent's fixed part and an answer."""
+    return -(-(FIXED_TOKENS[agent] + output) // 1024) * 1024
+
+
+def plan(agent: str, target: Target) -> Launch:
+    """The launch of `agent` at `target` (KeyError: not an agent `launch` knows), with a note where
+    the window cannot hold the agent's own fixed part and an answer."""
+    chosen = PLANS[agent](target)
+    least = least_window(agent, target.output)
+    if target.window >= least:
+        return chosen
+    warning = (f"the agent's tools and instructions alone take about {FIXED_TOKENS[agent]:,} tokens: at a window of "
+               f"{target.window:,} ContextPaw refuses every request; give the model a window of at least {least:,}")  # fmt: skip
+    return dataclasses.replace(chosen, notes=(*chosen.notes, warning))

@@ -1,0 +1,128 @@
+"""`contextpaw launch AGENT [--print] [-- AGENT ARGS]`: the shell around `launch`. It asks the running
+ContextPaw which model and window it serves (`/contextpaw/window`), writes the generated files
+into ContextPaw's state directory and starts the agent in this process's place; `--print` shows
+all of it as a shell script instead and starts nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from contextpaw import wire
+from contextpaw.command import launch
+
+DEFAULT_PROXIES = ("http://127.0.0.1:11434", "http://127.0.0.1:8092")
+"""Where `contextpaw` listens by default: in front of Ollama, then of llama-server."""
+ASK_TIMEOUT_S = 120.0
+"""Learning an Ollama model's window may load it, as the agent's first request would."""
+
+
+class LaunchError(Exception):
+    """What to tell the user instead of starting the agent."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="contextpaw launch",
+        description="Start an agent pointed at a running ContextPaw and told the window it serves the model at, in "
+                    "the agent's own setting, so that the agent compacts its own history before the window. "
+                    "No config file of yours is changed; --print shows what is set.",
+        epilog="Everything after -- goes to the agent: contextpaw launch codex -- exec 'fix the tests'",
+    )  # fmt: skip
+    p.add_argument("agent", choices=sorted(launch.PLANS), help="the agent to start")
+    p.add_argument("--url", help=f"where ContextPaw listens (default: the first of {', '.join(DEFAULT_PROXIES)} that answers)")
+    p.add_argument("--model", help="the model (default: the one the backend lists, when it lists one)")
+    p.add_argument("--window", type=int, metavar="N", help="tell the agent this window instead of the one ContextPaw serves")
+    p.add_argument("--state-dir", type=Path, default=Path("~/.contextpaw"), metavar="DIR",
+                   help="where the generated files go, under launch/ (default ~/.contextpaw, ContextPaw's own)")  # fmt: skip
+    p.add_argument("--print", action="store_true", help="show what would be set and written, as a shell script; start nothing")
+    return p
+
+
+def ask(url: str) -> tuple[int, Any]:
+    """GET `url`: (status, JSON body or None); status 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=ASK_TIMEOUT_S) as answer:
+            return answer.status, json.loads(answer.read() or b"null")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"null")
+        except ValueError:
+            return e.code, None
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, None
+
+
+def proxy_url(given: str | None) -> str:
+    for url in [given] if given else DEFAULT_PROXIES:
+        status, _ = ask(url.rstrip("/") + "/contextpaw/health")
+        if status == 200:
+            return url.rstrip("/")
+    where = given or " or ".join(DEFAULT_PROXIES)
+    raise LaunchError(f"no ContextPaw answers at {where}: start `contextpaw --ollama URL` or `--llamacpp URL`, or give --url")
+
+
+def listed_model(proxy: str) -> str:
+    """The model the backend lists, where it lists exactly one (llama-server serves one)."""
+    _, listing = ask(proxy + "/v1/models")
+    names = [m.get("id") for m in (listing or {}).get("data") or [] if isinstance(m, dict) and m.get("id")]
+    if len(names) == 1:
+        return str(names[0])
+    raise LaunchError(f"name the model with --model: the backend lists {', '.join(map(str, names)) or 'none'}")
+
+
+def target(ns: argparse.Namespace) -> launch.Target:
+    proxy = proxy_url(ns.url)
+    model = ns.model or listed_model(proxy)
+    status, served = ask(f"{proxy}/contextpaw/window?model={quote(model, safe='')}")
+    if status != 200 or not isinstance(served, dict):
+        reason = served.get("error") if isinstance(served, dict) else f"status {status}"
+        raise LaunchError(f"ContextPaw at {proxy} did not say the window of {model}: {reason}")
+    if served["source"] != "backend" and ns.window is None:
+        print(f"contextpaw launch: the backend did not say the window of {model}; ContextPaw fits to its default "
+              f"({served['window']}, contextpaw_default_ctx); give --window N to tell the agent another", file=sys.stderr)  # fmt: skip
+    told = int(served["agent_window"] if "agent_window" in served else served["window"])
+    if ns.window is None and told != served["window"]:
+        print(
+            f"contextpaw launch: the agent is told a window of {told}, not the {served['window']} served: {served.get('note', '')}",
+            file=sys.stderr,
+        )
+    window = ns.window or told
+    kind = wire.Kind(served["backend"]["kind"])
+    return launch.Target(
+        proxy, model, window, kind, ns.state_dir.expanduser(), served=int(served["window"]) if window != served["window"] else None
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    ours, agent_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    ns = parser().parse_args(ours)
+    try:
+        chosen = launch.plan(ns.agent, target(ns))
+    except LaunchError as e:
+        print(f"contextpaw launch: {e}", file=sys.stderr)
+        return 2
+    if ns.print:
+        sys.stdout.write(chosen.script(tuple(agent_args)))
+        return 0
+    binary = shutil.which(chosen.argv[0])
+    if binary is None:
+        print(f"contextpaw launch: {chosen.argv[0]} is not on PATH (--print shows what it would be started with)", file=sys.stderr)
+        return 2
+    for path, text in chosen.files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for note in chosen.notes:
+        print(f"contextpaw launch: {note}", file=sys.stderr)
+    env = {**os.environ, **{k: v for k, v in chosen.defaults.items() if not os.environ.get(k)}, **chosen.env}
+    os.execve(binary, [binary, *chosen.argv[1:], *agent_args], env)

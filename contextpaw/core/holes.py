@@ -1,0 +1,147 @@
+"""The holes of one compaction run: maximal runs of evicted messages, each read by the model as one
+marker. Kept up to date on every eviction, so that what the markers cost together is known in
+constant time while the engine weighs unit after unit. Pure."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+from contextpaw.core.conversation import Message, content_id
+from contextpaw.core.markers import hole_text, kind_of
+from contextpaw.core.shrink import PLACEHOLDER_ID
+from contextpaw.core.tokens import Counter
+
+MARKER_SLACK = 4
+"""Tokens allowed for a marker's real id tokenizing differently from the placeholder it was sized with."""
+
+Hole = tuple[int, int]
+"""The first and last index of a run of evicted messages."""
+
+
+class Holes:
+    """The holes by both ends, their markers' cost, and what each marker says."""
+
+    def __init__(self, msgs: Sequence[Message], cost: Sequence[int], counter: Counter, digests: Mapping[str, str]) -> None:
+        self.msgs = msgs
+        self.counter = counter
+        self.digests = digests
+        """A hole's marker id -> a summary of what it held, carried inside its marker."""
+        self.end: dict[int, int] = {}
+        """A hole's first index -> its last."""
+        self.start: dict[int, int] = {}
+        """A hole's last index -> its first."""
+        self.starts: list[int] = []
+        """Hole starts in order, to find the hole that holds a message."""
+        self.marker_total = 0
+        self.walls: set[int] = set()
+        """Indices no hole joins across (between `i - 1` and `i`): the ends of holes whose markers were
+        sent before, so that a new eviction beside one makes a hole and a marker of its own instead of
+        rewriting the marker the server has cached."""
+        self._marker_cost: dict[Hole, int] = {}
+        # Prefix sums, so a hole's note (its size and what kinds of message it held) costs O(1).
+        self._cost_before = [0, *itertools.accumulate(cost)]
+        kinds = {kind_of(m.role) for m in msgs}
+        self._kinds_before = {k: [0, *itertools.accumulate(1 if kind_of(m.role) == k else 0 for m in msgs)] for k in kinds}
+
+    def __iter__(self) -> Iterator[Hole]:
+        """The holes in order."""
+        return iter([(start, self.end[start]) for start in self.starts])
+
+    def add(self, indices: Iterable[int]) -> None:
+        """Messages that went: each run of them is a hole, joined with the holes just before and after it."""
+        for lo, hi in _runs(indices):
+            start, end = lo, hi
+            if lo - 1 in self.start and lo not in self.walls:
+                start = self.start[lo - 1]
+                self._forget(start, lo - 1)
+            if hi + 1 in self.end and hi + 1 not in self.walls:
+                end = self.end[hi + 1]
+                self._forget(hi + 1, end)
+            self._add(start, end)
+
+    def seal(self) -> None:
+        """Wall in every hole as it stands: its marker is sent, and stays byte for byte."""
+        for start, end in self:
+            self.walls.update((start, end + 1))
+
+    def unwall(self, since: int) -> None:
+        """Let the holes after `since` join again: what follows a cut made there is read anew by
+        the server anyway, and markers side by side cost the window more than one would."""
+        for wall in sorted(w for w in self.walls if w > since):
+            self.walls.discard(wall)
+            if wall - 1 in self.start and wall in self.end:
+                first, last = self.start[wall - 1], self.end[wall]
+                self._forget(first, wall - 1)
+                self._forget(wall, last)
+                self._add(first, last)
+
+    def remove(self, indices: Iterable[int]) -> None:
+        """Messages taken back: the hole holding each run of them is split around it."""
+        for lo, hi in _runs(indices):
+            start = self.starts[bisect.bisect_right(self.starts, lo) - 1]
+            end = self.end[start]
+            self._forget(start, end)
+            for a, b in ((start, lo - 1), (hi + 1, end)):
+                if a <= b:
+                    self._add(a, b)
+
+    def taken_back(self, indices: Iterable[int]) -> int | None:
+        """How much `marker_total` would change if these messages were taken back (`remove`),
+        without taking them back: the engine weighs many units that stay out. None for messages in
+        more than one run (a result that strayed from its call), which `remove` must weigh."""
+        runs = _runs(indices)
+        if len(runs) != 1:
+            return None
+        ((lo, hi),) = runs
+        start = self.starts[bisect.bisect_right(self.starts, lo) - 1]
+        end = self.end[start]
+        change = -self.marker_cost((start, end))
+        for a, b in ((start, lo - 1), (hi + 1, end)):
+            if a <= b:
+                change += self.marker_cost((a, b))
+        return change
+
+    def _add(self, start: int, end: int) -> None:
+        self.end[start], self.start[end] = end, start
+        bisect.insort(self.starts, start)
+        self.marker_total += self.marker_cost((start, end))
+
+    def _forget(self, start: int, end: int) -> None:
+        del self.end[start], self.start[end]
+        del self.starts[bisect.bisect_left(self.starts, start)]
+        self.marker_total -= self.marker_cost((start, end))
+
+    def marker_cost(self, hole: Hole) -> int:
+        """Tokens of a hole's marker, with a placeholder id of the real id's length (ids are hashes)."""
+        if hole not in self._marker_cost:
+            real_id = self.marker_id(hole) if self.digests else None
+            note = self.note(hole, PLACEHOLDER_ID, self.digests.get(real_id or ""))
+            self._marker_cost[hole] = self.counter.text(note) + self.counter.message_overhead + MARKER_SLACK
+        return self._marker_cost[hole]
+
+    def folded_cost(self, note: str) -> int:
+        """What a marker adds to the message it is folded into, counted on its own, as `marker_total`
+        did: a counter that knows the message exactly should not have to guess the joined text."""
+        return self.counter.text(note) + MARKER_SLACK
+
+    def marker_id(self, hole: Hole) -> str:
+        return content_id([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
+
+    def note(self, hole: Hole, marker_id: str, digest: str | None = None) -> str:
+        start, stop = hole[0], hole[1] + 1
+        kinds = {k: before[stop] - before[start] for k, before in self._kinds_before.items()}
+        tokens = self._cost_before[stop] - self._cost_before[start]
+        return hole_text({k: n for k, n in kinds.items() if n}, tokens, marker_id, digest)
+
+
+def _runs(indices: Iterable[int]) -> list[Hole]:
+    """Sorted indices as maximal (first, last) runs; a unit is one run unless a result strayed."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [(a, b) for a, b in runs]

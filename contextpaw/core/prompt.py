@@ -1,0 +1,49 @@
+"""A raw prompt (/api/generate, /v1/completions, /completion) fitted into a token budget: it has no
+messages to evict, so its middle is cut and its head and tail are kept. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contextpaw.core.compact import BudgetTooSmall, as_sent
+from contextpaw.core.conversation import content_id
+from contextpaw.core.report import Removal, Report
+from contextpaw.core.shrink import SHRINK_FLOOR, shrink_text
+from contextpaw.core.tokens import Counter
+
+
+@dataclass(slots=True)
+class PromptResult:
+    prompt: str | None
+    """What to send; None when nothing changed (forward the original bytes)."""
+    report: Report
+
+
+def compact_prompt(
+    prompt: str,
+    budget: int,
+    counter: Counter,
+    *,
+    fixed_tokens: int = 0,
+    admit: int | None = None,
+) -> PromptResult:
+    """Fit a raw prompt: keep its head and tail, elide the middle with a marker. A prompt of up to
+    `admit` tokens (default: the budget) is left as it is."""
+    original = fixed_tokens + counter.text(prompt)
+    limit = budget if admit is None else max(admit, budget)
+    if original <= limit:
+        return PromptResult(None, as_sent(original, limit, counter))
+    report = as_sent(original, budget, counter)
+    room = budget - fixed_tokens
+    if room < SHRINK_FLOOR:
+        raise BudgetTooSmall(fixed_tokens + SHRINK_FLOOR, budget, "the system text and template", original, counter)
+    marker_id = content_id(prompt)
+    cut = shrink_text(prompt, room, counter)
+    kept = cut.apply(prompt, marker_id)
+    report.compacted = True
+    report.strategy = "head_tail"
+    report.final_tokens = fixed_tokens + counter.text(kept)
+    report.removals = [Removal(-1, "prompt", cut.elided, "shrunk", marker_id)]
+    report.markers = [marker_id]
+    report.evicted = {marker_id: prompt}
+    return PromptResult(kept, report)

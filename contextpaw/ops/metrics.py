@@ -1,0 +1,217 @@
+"""What ContextPaw counts, as Prometheus metrics: per backend, route and (bounded) model, with
+histograms of compaction time and of tokens evicted, and each backend's up gauge at scrape time.
+
+`Stats` is the collector every part of the proxy counts into; `/contextpaw/metrics` (admin.py)
+serves it and `/contextpaw/health` shows its unlabelled totals. `FailureLedger` is the one ledger
+of backend failures: what is counted, what is logged, and the last error seen at each backend,
+whichever part of ContextPaw saw it fail. No I/O here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import astuple, dataclass
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from contextpaw.core import logs
+from contextpaw.ops.evicted import EvictedStore
+
+logger = logs.get(__name__)
+
+COUNTS = {
+    "requests": "Requests ContextPaw fitted (or proved to fit) on a compactable route",
+    "compacted": "Requests sent on compacted to fit the window: evicted, shrunk or cut middle-out",
+    "refused": "Requests answered here with their API's overflow error (413, or 400 where the API says so), never sent",
+    "retried_400": "Context-overflow 400s from the backend that ContextPaw answered by sending a compacted retry",
+    "recovered_400": "Compacted retries after a context-overflow 400 that the backend then served",
+    "errors": "Internal ContextPaw failures; each request or answer concerned went on unchanged (fail open)",
+    "unreachable": "Requests answered 502 here because the backend did not accept a connection",
+    "too_large": "Requests answered 413 because the body was (or inflated to) over contextpaw_max_body_mb",
+    "bad_request": "Requests answered 400 because HTTP does not allow their target (a raw non-ASCII byte), or 415 for a Content-Encoding ContextPaw cannot read",
+    "upstream_errors": "Handled requests whose backend failed: 5xx, an answer that is not JSON, a reset or a timeout",
+    "upstream_timeouts": "Handled requests whose backend fell silent past contextpaw_header_timeout or contextpaw_idle_timeout",
+    "original_tokens": "Prompt tokens of the requests as clients sent them, in the deciding counter's units (counted requests only)",
+    "evicted_tokens": "Prompt tokens compaction took out of the model's view (dropped, shrunk or summarized)",
+    "upstream_truncated": "Answers whose server evaluated fewer prompt tokens than it was sent: it cut the prompt in silence",
+    "upstream_truncation_possible": "Answers whose server may have cut the prompt: an estimated count near the window, which the numbers cannot settle",
+}
+SOURCE_HELP = {
+    "runtime_switches": "GPU hand-overs from one runtime to the other that brought the new one up (contextpaw_arbitrate)",
+    "runtime_failures": "Runtime start-ups or switches that failed or timed out; the previous owner kept the GPU where it could",
+    "runtime_switch_seconds": "Seconds spent bringing runtimes up and taking them down, failed attempts included",
+    "runtime_refused": "Requests answered 503 with Retry-After because their runtime could not get the GPU",
+    "runtime_wait_timeouts": "Requests that waited contextpaw_arbitrate_wait seconds for their runtime and were answered 503",
+    "runtime_cancelled": "Switches abandoned because no request waited for that runtime any more",
+    "runtime_loads": "Runtimes brought up on the GPU, with an eviction (a switch) or without",
+    "runtime_loaded_beside": "Runtimes brought up beside another one that stayed resident (both fit in memory)",
+    "summarizer_digests": "Digests of evicted spans asked for (contextpaw_summarize), cache hits and failures included",
+    "summarizer_calls": "Completion calls made to the summarizer model",
+    "summarizer_cache_hits": "Digest pieces answered from the summarizer's cache without a call",
+    "summarizer_failures": "Digests that could not be made; the plain marker stayed in their place",
+    "summarizer_seconds": "Seconds spent making digests, cache hits included",
+}
+"""Help for the counters other parts of ContextPaw own (`Stats.sources`), which report bare numbers."""
+
+LABELS = ("backend", "route", "model")
+ROUTE_LABELS = ("backend", "route")
+MODEL_LABELS = 20
+"""Distinct `model` label values kept; later models are counted as "other" (clients choose the names)."""
+MODEL_NAME_CHARS = 128
+UNKNOWN = "unknown"
+OTHER = "other"
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Compaction time: a small chat takes milliseconds; a 10 MB agent history, or one counted by llama-server, seconds."""
+TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """The labels of one request's series: the backend's kind, the route, and the model (bounded)."""
+
+    backend: str = UNKNOWN
+    route: str = UNKNOWN
+    model: str = UNKNOWN
+
+
+UNPLACED = Where()
+"""For counts whose request was not read (a body too large, a backend that failed before an answer)."""
+
+
+class Histogram:
+    """Cumulative bucket counts and a sum for one label set, as the exposition format wants them."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        edges = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        return list(zip(edges, itertools.accumulate(self.counts), strict=True))
+
+
+class Stats(Collector):
+    """Counts for /health (totals) and /metrics (per backend, route and model), with histograms of
+    compactions and whether each backend answers, in a registry of their own (one per addon
+    instance). Fed on the event loop only."""
+
+    def __init__(self, store: EvictedStore) -> None:
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.series: dict[str, dict[Where, float]] = {name: {} for name in COUNTS}
+        self.seconds: dict[tuple[str, str], Histogram] = {}
+        self.evicted: dict[tuple[str, str], Histogram] = {}
+        """Per (backend, route): a model label would multiply every bucket by the models."""
+        self.models: set[str] = set()
+        self.store = store
+        self.sources: list[Callable[[], dict[str, float]]] = []
+        """More counters owned by other addons (the GPU arbiter's), read at each scrape."""
+        self.answering: list[tuple[str, str, bool]] = []
+        """(kind, url, answers) per backend, as the last health probe found them (set before each scrape)."""
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def where(self, kind: str | None, route: str | None, model: str | None = None) -> Where:
+        """The labels for a request; the first `MODEL_LABELS` models keep their names."""
+        if not model:
+            model = UNKNOWN
+        elif model not in self.models:
+            if len(self.models) < MODEL_LABELS and len(model) <= MODEL_NAME_CHARS:
+                self.models.add(model)
+            else:
+                model = OTHER
+        return Where(str(kind) if kind else UNKNOWN, route or UNKNOWN, model)
+
+    def add(self, name: str, amount: int = 1, where: Where = UNPLACED) -> None:
+        self.counts[name] += amount
+        series = self.series[name]
+        series[where] = series.get(where, 0) + amount
+
+    def compaction(self, where: Where, seconds: float, evicted_tokens: int) -> None:
+        """One compacted request sent on: counted, its time and its evicted tokens observed."""
+        self.add("compacted", where=where)
+        self.add("evicted_tokens", evicted_tokens, where)
+        place = (where.backend, where.route)
+        self.seconds.setdefault(place, Histogram(SECONDS_BUCKETS)).observe(seconds)
+        self.evicted.setdefault(place, Histogram(TOKEN_BUCKETS)).observe(evicted_tokens)
+
+    def collect(self) -> Iterator[Metric]:
+        for name, text in COUNTS.items():
+            family = CounterMetricFamily(f"contextpaw_{name}", text, labels=LABELS)
+            for where, value in self.series[name].items():
+                family.add_metric(astuple(where), value)
+            yield family
+        yield self._histogram(
+            "compaction_seconds",
+            "Seconds from the start of fitting a request to its compacted body, the backend's counting calls included (a rescue's refit on its own)",
+            self.seconds,
+        )
+        yield self._histogram("compaction_evicted_tokens", "Prompt tokens evicted from each compacted request", self.evicted)
+        for source in self.sources:
+            for name, value in source().items():
+                yield CounterMetricFamily(f"contextpaw_{name}", SOURCE_HELP.get(name, name.replace("_", " ")), value=value)
+        up = GaugeMetricFamily(
+            "contextpaw_backend_up", "1 if the backend accepted a connection when this scrape asked, else 0", labels=("backend", "url")
+        )
+        for kind, url, answers in self.answering:
+            up.add_metric((kind or UNKNOWN, url), float(answers))
+        yield up
+        yield GaugeMetricFamily(
+            "contextpaw_evicted_store_items", "Evicted contents kept for /contextpaw/evicted/<id>", value=len(self.store)
+        )
+        yield GaugeMetricFamily(
+            "contextpaw_evicted_store_bytes", "Bytes of evicted content kept for /contextpaw/evicted/<id>", value=self.store.bytes
+        )
+
+    @staticmethod
+    def _histogram(name: str, text: str, observed: dict[tuple[str, str], Histogram]) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(f"contextpaw_{name}", text, labels=ROUTE_LABELS)
+        for labels, histogram in observed.items():
+            family.add_metric(labels, histogram.buckets(), histogram.sum)
+        return family
+
+
+class FailureLedger:
+    def __init__(self, stats: Stats, broken: Callable[[str], None] = lambda target: None) -> None:
+        self.stats = stats
+        self.broken = broken
+        """Told the "host:port" of a backend that refused or broke a connection (not one that was
+        only slow): it may have restarted, with another window."""
+        self.last_error: dict[str, str] = {}
+        """"host:port" -> the last failure seen there; cleared when a connection opens again."""
+
+    def connect_failed(self, target: str, reason: str) -> None:
+        """mitmproxy could not connect (its own answer, or ours, says so to the client)."""
+        self.last_error[target] = reason
+        self.broken(target)
+
+    def connected(self, target: str) -> None:
+        self.last_error.pop(target, None)
+
+    def unreachable(self, target: str, what: str, reason: str, where: Where = UNPLACED) -> None:
+        """A handled request answered 502 because its backend does not answer."""
+        self.last_error[target] = reason
+        self.broken(target)
+        self.stats.add("unreachable", where=where)
+        logger.warning("%s: answered 502: %s", what, reason)
+
+    def failed(
+        self, what: str, reason: str, *, target: str | None = None, timed_out: bool = False, answered: str = "", where: Where = UNPLACED
+    ) -> None:
+        """A backend that answered badly: a 5xx, an answer that is not JSON, a reset or a stall."""
+        if target is not None:
+            self.last_error[target] = reason
+            if not timed_out:
+                self.broken(target)
+        self.stats.add("upstream_errors", where=where)
+        self.stats.add("upstream_timeouts", timed_out, where)
+        logger.warning("%s: upstream failure: %s%s", what, reason, f" ({answered})" if answered else "")

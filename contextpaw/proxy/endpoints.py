@@ -1,0 +1,152 @@
+"""The shell of ContextPaw's own endpoints and of the Host check: `/contextpaw/*` is answered here
+(by `admin.Admin`) and never forwarded, and a backend route keeps the backends' own Host defence."""
+
+from __future__ import annotations
+
+import functools
+import math
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from mitmproxy import ctx, http
+from mitmproxy.net.http import url
+from mitmproxy.proxy import mode_specs
+
+from contextpaw import wire
+from contextpaw.calls.session import HttpServices
+from contextpaw.core import logs
+from contextpaw.fitting.fitter import Fitter
+from contextpaw.fitting.sizing import ANCHOR_MARGIN
+from contextpaw.ops import admin
+from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.metrics import FailureLedger
+from contextpaw.proxy.backends import Backends
+from contextpaw.proxy.replies import ADMIN_MARK, REFUSED_MARK, flag, reply
+from contextpaw.wire.streams import report_bytes
+
+CLIENT_HOST = "contextpaw.client_host"
+"""The Host header the client sent (reverse mode replaces it with the backend's)."""
+
+logger = logs.get(__name__)
+
+
+class AdminEndpoints:
+    """`/contextpaw/*` (health, metrics, evicted content, the GPU runtime): answered here, never
+    forwarded; loopback only unless a token is set."""
+
+    def __init__(
+        self,
+        backends: Backends,
+        fitter: Fitter,
+        services: HttpServices,
+        ledger: FailureLedger,
+        store: EvictedStore,
+        runtime: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> None:
+        self.backends = backends
+        self.fitter = fitter
+        self.services = services
+        self.admin = admin.Admin(ledger.stats, store, self._health, runtime, self._window)
+        self.rewrites_host = False
+        self.hostname = socket.gethostname()
+        """This machine's name, a Host a local client may name (read once, not per request)."""
+
+    def load(self, loader: Any) -> None:
+        loader.add_option(
+            "contextpaw_admin_token", str | None, None,
+            "Token (header X-ContextPaw-Token) that lets non-loopback clients use /contextpaw/*.",
+        )  # fmt: skip
+
+    def running(self) -> None:
+        """Warn of listeners off the loopback; and see the Host each client sent, which reverse mode
+        replaces before any hook: mitmproxy is told to keep it, and `requestheaders` rewrites it as
+        mitmproxy would have, for every flow but the admin check."""
+        for spec in ctx.options.mode:
+            host = mode_specs.ProxyMode.parse(spec).listen_host(ctx.options.listen_host)
+            if not admin.loopback_address(host) and host != "localhost":
+                logger.warning("listening on %s (%s), not on the loopback: other machines can reach the backends through it",
+                               host or "every interface", spec)  # fmt: skip
+        if "keep_host_header" in ctx.options and not ctx.options.keep_host_header:  # a proxy's option (not in taddons)
+            self.rewrites_host = True
+            ctx.options.update(keep_host_header=True)
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if self.rewrites_host and isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):
+            flow.metadata[CLIENT_HOST] = flow.request.host_header
+            flow.request.host_header = url.hostport(flow.request.scheme, flow.request.host, flow.request.port)
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response or flow.error or not flow.live:
+            return
+        if not admin.is_admin(flow.request.path):
+            self._check_host(flow)
+            return
+        if not self.backends.serves(flow):
+            return
+        client_host = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        token = flow.request.headers.get("X-ContextPaw-Token")
+        host = flow.metadata.get(CLIENT_HOST, flow.request.host_header)
+        if admin.authorized(client_host, host, token, ctx.options.contextpaw_admin_token):
+            try:
+                backend = functools.partial(self.backends.backend_of, flow)
+                answer = await self.admin.answer(flow.request.method, flow.request.path, backend)
+            except Exception as e:  # answered here all the same: /contextpaw/* never reaches a backend
+                logger.exception("ContextPaw failed to answer %s", flow.request.path)
+                answer = admin.json_reply(500, {"error": f"ContextPaw failed to answer: {type(e).__name__}"})
+        else:
+            answer = admin.json_reply(
+                403, {"error": "ContextPaw endpoints are for loopback clients naming a loopback host, or token holders"}
+            )
+        reply(flow, answer.status, answer.body, answer.content_type)
+        flag(flow, ADMIN_MARK, f"answered {answer.status} by ContextPaw itself, never forwarded")
+
+    def _check_host(self, flow: http.HTTPFlow) -> None:
+        """Keep the backends' own DNS-rebinding defence up: reverse mode gives the backend its own
+        Host, so Ollama's check would see a loopback name for every request. A loopback client
+        that named a Host Ollama would refuse (a page whose name resolves to 127.0.0.1) is answered
+        403 here, in its API's convention, as Ollama would have answered it."""
+        host = flow.metadata.get(CLIENT_HOST)
+        client = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        if CLIENT_HOST not in flow.metadata or not admin.loopback_address(client) or admin.local_host(host, self.hostname):
+            return
+        reason = f"ContextPaw: the Host {host!r} does not name this machine; a page on another site cannot reach the backends"
+        reply(flow, 403, report_bytes(wire.proxy_error(None, flow.request.path, reason, 403)))
+        flag(flow, REFUSED_MARK, f"answered 403: Host {host!r} from a loopback client")
+        logger.warning("%s %s: answered 403: the Host %r does not name this machine", flow.request.method, flow.request.path, host)
+
+    async def _window(self, backend: wire.Backend, model: str) -> dict[str, Any]:
+        """The window requests for `model` without one of their own are fitted to (the backend's,
+        else `contextpaw_default_ctx`), how they are counted, and the window to tell an agent: on
+        Ollama without the model's tokenizer a turn goes out unchanged only while its count, with
+        the count's error margin, fits, so an agent told the whole window would compact itself
+        after ContextPaw had already cut."""
+        budgeter = self.fitter.budgeter
+        found = await budgeter.source.window(backend, model)
+        window = found or budgeter.default_ctx
+        exact = await self.fitter.counters.exact_for(backend, model)
+        served = {
+            "window": window,
+            "source": "backend" if found else "contextpaw_default_ctx",
+            "counted": "exactly" if exact else "by estimate",
+        }
+        if exact or backend.kind != wire.Kind.OLLAMA:
+            return {**served, "agent_window": window}
+        told = math.floor(budgeter.for_window(window, wire.Params(model, False)).admits / ANCHOR_MARGIN)
+        note = (f"no tokenizer for {model}: a turn is counted at its conversation's rate with {ANCHOR_MARGIN - 1:.0%} for "
+                f"the count's error, so an agent told {told} compacts itself before ContextPaw would cut")  # fmt: skip
+        return {**served, "agent_window": told, "note": note}
+
+    async def _health(self) -> dict[str, Any]:
+        return {
+            "policy": self.fitter.settings.policy,
+            "backends": await self.backends.health(),
+            "counter": {
+                "order": ["tokenizer option", "backend (llama-server)", "tokenizer (Ollama's GGUF)", "calibrated"],
+                "tokenizers": {path: bool(c) for path, c in self.services.tokenizers.items()},
+                "backend": self.services.counting.stats(),
+            },
+            "calibration": self.fitter.calibration.to_json(),
+            "summarizer": self.fitter.summarizer.stats() if self.fitter.summarizer else None,
+            "conversations": len(self.fitter.plans),
+        }

@@ -1,0 +1,413 @@
+"""One request through the relay: sent to the backend, and its answer relayed, or its failure
+answered in the caller's API (see `contextpaw.relay.loopback` for what each failure gets). A backend's
+overflow goes through the rescue loop (`contextpaw.relay.rescue`) with the decision the relay was given
+for the request's flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, cast
+
+import h11
+
+from contextpaw import wire
+from contextpaw.core import logs
+from contextpaw.relay.rescue import RESCUABLE, Decide, rescued
+from contextpaw.wire import bodies
+from contextpaw.wire.streams import STREAM_TYPES, record_bytes
+
+logger = logs.get(__name__)
+
+READ_SIZE = 64 * 1024
+ERROR_HEADER = "X-ContextPaw-Upstream-Error"
+FLOW_HEADER = "X-ContextPaw-Flow"
+"""The key of the flow a request belongs to, for its rescue; the backend never sees it."""
+FLOW_KEY = FLOW_HEADER.lower().encode()
+JSON_TYPE = bodies.JSON_TYPE.encode()
+CONNECTION_HEADERS = frozenset(name.encode() for name in bodies.CONNECTION_HEADERS)
+"""Headers of the backend connection, not of the answer: the tunnel frames and keeps its own."""
+MAX_HEAD_EVENT = 1 << 20
+"""The largest request or answer head h11 accepts (its own default, 16 KiB, is below mitmproxy's)."""
+WRITE_SIZE = 1 << 20
+"""A read answer goes on to the client in writes of about this size: one write of 300 MB copies it
+three times over (the join, h11, the transport) in one step of the event loop, and every other
+client waits for it."""
+KEEP_ALIVE_S = 2.0
+"""A backend connection idle for longer is not reused: servers close idle ones after 5 s or more."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float
+    headers: float
+    """From the request's last byte to the answer's headers: a long prompt or a long buffered
+    answer takes this long on a slow machine."""
+    idle: float
+    """Between two reads of the answer's body."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A backend that failed one request, and how."""
+
+    method: str
+    path: str
+    target: str
+    reason: str
+    timed_out: bool
+    streamed: bool
+    """The answer's headers had reached the client: it got an error record, not an error status."""
+    connected: bool = True
+    """False when no connection to the backend could be opened."""
+
+
+@dataclass
+class Link:
+    """A backend connection kept between two exchanges of one tunnel."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    idle_since: float
+
+
+class BackendFailed(Exception):
+    def __init__(self, reason: str, timed_out: bool = False, connected: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.timed_out = timed_out
+        self.connected = connected
+
+
+class ClientGone(Exception):
+    """mitmproxy closed the tunnel: the client went away, so the backend's answer is not wanted."""
+
+
+def _close(work: Awaitable[Any]) -> None:
+    """A coroutine that will not be awaited is closed (no "never awaited" warning)."""
+    if asyncio.iscoroutine(work):
+        work.close()
+
+
+def json_answer(status: int, body: dict[str, Any], *headers: tuple[bytes, bytes]) -> list[h11.Event]:
+    """A whole JSON answer of the relay's own, as h11 events."""
+    return _whole_answer(status, json.dumps(body).encode(), *headers)
+
+
+def _whole_answer(status: int, data: bytes, *headers: tuple[bytes, bytes]) -> list[h11.Event]:
+    head = [(b"Content-Type", JSON_TYPE), (b"Content-Length", str(len(data)).encode()), *headers]
+    return [h11.Response(status_code=status, headers=head), h11.Data(data=data), h11.EndOfMessage()]
+
+
+Rescuer = Callable[[str], Decide | None]
+"""A flow's key -> the rescue's decision for that flow, or None when it is not one to rescue."""
+
+
+class Terms(Protocol):
+    """What an exchange reads of its relay (`contextpaw.relay.loopback.Relay`), read anew each time
+    it is needed: the options may change while an answer streams."""
+
+    timeouts: Timeouts
+    rescue: Rescuer | None
+
+    def on_failure(self, failure: Failure) -> None: ...
+
+
+class Exchange:
+    """One request through the relay: forward it, and relay the answer or answer the failure."""
+
+    def __init__(
+        self,
+        relay: Terms,
+        target: tuple[str, int],
+        down: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request: h11.Request,
+        body: bytes,
+        spare: Link | None,
+    ) -> None:
+        self.relay = relay
+        self.target = target
+        self.down = down
+        self.reader = reader
+        self.writer = writer
+        self.request = request
+        self.body = body
+        self.path = request.target.decode("latin-1")
+        self.up = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_EVENT)
+        self.up_reader: asyncio.StreamReader | None = None
+        self.up_writer: asyncio.StreamWriter | None = None
+        self.watch: asyncio.Task[bytes] | None = None
+        self.spare = spare
+        """A backend connection kept from the tunnel's last exchange; this one's, when it ends whole."""
+        self.up_closed = False
+        self.headers_sent = False
+        self.framing: Literal["ndjson", "sse"] | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.waiting = False
+        """In a wait on the backend: the only place a client that goes away interrupts."""
+        self.client_gone = False
+
+    async def run(self) -> None:
+        self.task = asyncio.current_task()
+        self.watch = asyncio.ensure_future(self.reader.read(READ_SIZE))
+        self.watch.add_done_callback(self._client_moved)
+        try:
+            await self._forward()
+        except BackendFailed as e:
+            await self._answer_failure(e)
+        except (ClientGone, OSError):
+            raise
+        except Exception as e:  # a bug of ours, or a request h11 cannot send: answered, never dropped
+            logger.exception("the relay could not forward %s", self.path)
+            await self._answer_failure(BackendFailed(f"the relay could not forward the request ({type(e).__name__}: {e})"))
+        finally:
+            self._release()
+            await self._stop_watching()
+
+    def _release(self) -> None:
+        """Keep the backend connection for the tunnel's next exchange if it is whole, else close it."""
+        if self.up_writer is None or self.up_reader is None:
+            return
+        if self.up.our_state is h11.DONE and self.up.their_state is h11.DONE and not self.up_closed:
+            self.spare = Link(self.up_reader, self.up_writer, time.monotonic())
+        else:
+            self.up_writer.close()
+        self.up_reader = self.up_writer = None
+
+    async def _forward(self) -> None:
+        response = await self._ask(self.body)
+        if self._streams(response):
+            return await self._relay_stream(response)
+        pieces: list[bytes] | None = await self._read_body()
+        decide = self._decision() if response.status_code in RESCUABLE else None
+        if decide is not None:
+
+            async def send(retry: bytes) -> tuple[int, bytes | None]:
+                nonlocal response, pieces
+                response = await self._ask(retry)
+                pieces = None if self._streams(response) else await self._read_body()
+                return response.status_code, None if pieces is None else b"".join(pieces)
+
+            assert pieces is not None, "the first answer is not a stream: it was read whole"
+            refusal = await rescued(response.status_code, b"".join(pieces), decide, send)
+            if refusal is not None:  # nothing that must be kept fits: the addon's own answer
+                return await self._answer(*_whole_answer(refusal.status, refusal.body))
+            if pieces is None:
+                return await self._relay_stream(response)
+        assert pieces is not None
+        await self._answer_read(response, pieces)
+
+    async def _ask(self, body: bytes) -> h11.Response:
+        """Send the request with `body` to the backend; the head of its answer.
+
+        A connection kept from the tunnel's last exchange is used while it is fresh (well inside the
+        servers' idle timeouts) and not closed by the backend. A request is never sent twice: the
+        backend may have started on it."""
+        self._release()
+        kept, self.spare = self.spare, None
+        if kept is not None:
+            await asyncio.sleep(0)  # let a close that has arrived be seen
+            if time.monotonic() - kept.idle_since > KEEP_ALIVE_S or kept.reader.at_eof() or kept.writer.is_closing():
+                kept.writer.close()
+                kept = None
+        return await self._request(kept, body)
+
+    async def _request(self, kept: Link | None, body: bytes) -> h11.Response:
+        """Send the request on `kept` or a new connection; the head of the answer (1xx skipped)."""
+        timeouts = self.relay.timeouts
+        self.up, self.up_closed = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_EVENT), False
+        if kept is not None:
+            reader, writer = kept.reader, kept.writer
+        else:
+            try:
+                reader, writer = await self._race(asyncio.open_connection(*self.target), timeouts.connect)
+            except (OSError, TimeoutError) as e:
+                raise BackendFailed(f"the backend at {self._target()} does not answer ({type(e).__name__})", connected=False) from None
+        self.up_reader, self.up_writer = reader, writer
+        resized = body is not self.body
+        headers = [
+            (k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v)
+            for k, v in self.request.headers.raw_items()
+            if k.lower() != FLOW_KEY
+        ]
+        if not any(k.lower() == b"host" for k, _ in headers):  # an HTTP/1.0 request may have none
+            headers.insert(0, (b"Host", self._target().encode()))
+        head = h11.Request(method=self.request.method, target=self.request.target, headers=headers)
+        writer.write(self.up.send(head) + self.up.send(h11.Data(data=body)) + self.up.send(h11.EndOfMessage()))
+        try:
+            await self._race(writer.drain(), timeouts.headers)
+        except TimeoutError:
+            raise BackendFailed(
+                f"the backend at {self._target()} stopped reading the request for {timeouts.headers:g} s", timed_out=True
+            ) from None
+        except OSError:
+            raise BackendFailed(f"the backend at {self._target()} closed the connection while receiving the request") from None
+        response = await self._next_event(timeouts.headers, "before its answer's headers", "sent no answer")
+        while isinstance(response, h11.InformationalResponse):
+            response = await self._next_event(timeouts.headers, "before its answer's headers", "sent no answer")
+        assert isinstance(response, h11.Response)
+        return response
+
+    def _streams(self, response: h11.Response) -> bool:
+        content_type = dict(response.headers).get(b"content-type", b"").decode("latin-1")
+        if not content_type.startswith(STREAM_TYPES):
+            return False
+        self.framing = "ndjson" if "ndjson" in content_type else "sse"
+        return True
+
+    async def _read_body(self) -> list[bytes]:
+        """A whole answer is read before its headers go on: if it breaks off, the client gets an
+        error status. Kept in the pieces it came in, never joined unless the rescue reads it."""
+        pieces = []
+        while not isinstance(
+            event := await self._next_event(self.relay.timeouts.idle, "in the middle of its answer", "stalled in its answer"),
+            h11.EndOfMessage,
+        ):
+            if isinstance(event, h11.Data) and event.data:
+                pieces.append(bytes(event.data))
+        return pieces
+
+    def _decision(self) -> Decide | None:
+        """The addon's rescue decision for this request's flow, or None; a failure of ours in it
+        passes the backend's answer on."""
+        key = dict(self.request.headers).get(FLOW_KEY)
+        decide = self.relay.rescue(key.decode("latin-1")) if self.relay.rescue is not None and key else None
+        if decide is None:
+            return None
+
+        async def guarded(status: int, answer: bytes) -> Any:
+            try:
+                return await decide(status, answer)
+            except Exception:
+                logger.exception("the rescue of %s failed; the backend's answer is passed on", self.path)
+                return None
+
+        return guarded
+
+    async def _relay_stream(self, response: h11.Response) -> None:
+        """Records pass on as they come; the framing is chunked, so an error record can still be added."""
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
+        await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
+        self.headers_sent = True
+        while not isinstance(
+            event := await self._next_event(self.relay.timeouts.idle, "in the middle of its stream", "stalled in its stream"),
+            h11.EndOfMessage,
+        ):
+            if isinstance(event, h11.Data) and event.data:
+                await self._answer(h11.Data(data=event.data))
+        await self._answer(h11.EndOfMessage())
+
+    # -- reading the backend, while watching the client ---------------------------------------------
+
+    async def _next_event(self, timeout: float, broke: str, silent: str) -> h11.Event:
+        assert self.up_reader is not None
+        while True:
+            try:
+                event = self.up.next_event()
+            except h11.RemoteProtocolError as e:
+                if self.up_closed:  # h11 calls an end in the middle of a message a protocol error
+                    raise BackendFailed(f"the backend at {self._target()} closed the connection {broke}") from None
+                raise BackendFailed(f"the backend at {self._target()} answered with broken HTTP ({e})") from None
+            if event is not h11.NEED_DATA:
+                if isinstance(event, h11.ConnectionClosed):
+                    raise BackendFailed(f"the backend at {self._target()} closed the connection {broke}")
+                return cast(h11.Event, event)  # PAUSED comes only after a whole answer: none is read past its end
+            try:
+                data = await self._race(self.up_reader.read(READ_SIZE), timeout)
+            except TimeoutError:
+                raise BackendFailed(f"the backend at {self._target()} {silent} for {timeout:g} s", timed_out=True) from None
+            except OSError as e:
+                raise BackendFailed(f"the backend at {self._target()} reset the connection {broke} ({type(e).__name__})") from None
+            self.up_closed = not data
+            self.up.receive_data(data)
+
+    async def _race[T](self, work: Awaitable[T], timeout: float) -> T:
+        """Await backend work within `timeout`, giving up at once if the client goes away (the watch
+        on the client cancels this wait; no task per wait)."""
+        if self.client_gone:
+            _close(work)
+            raise ClientGone()
+        self.waiting = True
+        try:
+            async with asyncio.timeout(timeout):
+                return await work
+        except asyncio.CancelledError:
+            assert self.task is not None
+            if self.client_gone and self.task.uncancel() == 0:
+                raise ClientGone() from None
+            raise
+        finally:
+            self.waiting = False
+
+    def _client_moved(self, watch: asyncio.Future[bytes]) -> None:
+        """The watch on the client ended: a pipelined request goes to h11 for the next cycle; the
+        client's end (or a reset) interrupts a wait on the backend, now or at the next one."""
+        if watch is not self.watch:
+            return  # stopped by `_stop_watching`, which keeps what it read
+        self.watch = None
+        leftover = b"" if watch.cancelled() or watch.exception() else watch.result()
+        if leftover:
+            self.down.receive_data(leftover)
+            return
+        self.client_gone = True
+        if self.waiting and self.task is not None:
+            self.task.cancel()
+
+    async def _stop_watching(self) -> None:
+        """End the watch on the client; what it read (a next request, or the end) goes to h11."""
+        watch, self.watch = self.watch, None
+        if watch is None:
+            return
+        watch.cancel()
+        try:
+            self.down.receive_data(await watch)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the tunnel itself is being cancelled
+                raise
+        except OSError:
+            pass
+
+    # -- answering --------------------------------------------------------------------------------
+
+    async def _answer_read(self, response: h11.Response, pieces: list[bytes]) -> None:
+        """A whole answer on to the client, a batch of pieces of WRITE_SIZE at a time, each
+        drained before the next."""
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
+        headers.append((b"Content-Length", str(sum(map(len, pieces))).encode()))
+        events: list[h11.Event] = [h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)]
+        batch, size = [], 0
+        for piece in pieces:
+            batch.append(piece)
+            size += len(piece)
+            if size >= WRITE_SIZE:
+                await self._answer(*events, h11.Data(data=b"".join(batch)))
+                events, batch, size = [], [], 0
+        await self._answer(*events, *([h11.Data(data=b"".join(batch))] if batch else []), h11.EndOfMessage())
+
+    async def _answer(self, *events: h11.Event) -> None:
+        self.writer.write(b"".join(self.down.send(event) or b"" for event in events))  # one write, one send
+        await self.writer.drain()
+
+    async def _answer_failure(self, failure: BackendFailed) -> None:
+        reason = f"ContextPaw: {failure.reason}"
+        method = self.request.method.decode("latin-1")
+        self.relay.on_failure(
+            Failure(method, self.path, self._target(), failure.reason, failure.timed_out, self.headers_sent, failure.connected)
+        )
+        status = 504 if failure.timed_out else 502
+        body = wire.proxy_error(None, self.path, reason, status)
+        if self.headers_sent:
+            assert self.framing is not None
+            await self._answer(h11.Data(data=record_bytes(self.framing, body)), h11.EndOfMessage())
+            return
+        await self._answer(*json_answer(status, body, (ERROR_HEADER.encode(), reason.encode("ascii", "replace"))))
+
+    def _target(self) -> str:
+        return f"{self.target[0]}:{self.target[1]}"

@@ -1,0 +1,248 @@
+"""The `contextpaw` command line: mitmproxy's own arguments, ContextPaw's, and what wins."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mitmproxy import master, options
+from mitmproxy.tools import cmdline
+
+from contextpaw.command import cli
+
+URL = "http://127.0.0.1:11435"
+
+
+@pytest.fixture
+def start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """`contextpaw ARGS` through mitmproxy's own start-up (parsing, --set, config.yaml, flags), up to
+    where the master would start serving; returns the master's options."""
+    started: list[Any] = []
+
+    async def serve(self: master.Master) -> None:
+        started.append(self)
+
+    monkeypatch.setattr(master.Master, "run", serve)
+
+    def run(*argv: str) -> Any:
+        own_confdir = any(a.startswith("confdir=") for a in argv)
+        cli.main([*([] if own_confdir else ["--confdir", str(tmp_path)]), *argv])
+        return started[-1].options
+
+    yield run
+
+
+def mitmproxy_parser(web: bool) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """mitmproxy's own parser (mitmdump's or mitmweb's, with every addon's options loaded) and
+    `contextpaw`'s, built on the same options."""
+    from mitmproxy.tools.dump import DumpMaster
+    from mitmproxy.tools.web.master import WebMaster
+
+    from contextpaw.proxy.compose import make_addons
+
+    async def build() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+        opts = options.Options()
+        m = WebMaster(opts, with_termlog=False) if web else DumpMaster(opts, with_termlog=False)
+        m.addons.add(*make_addons())
+        make = cmdline.mitmweb if web else cmdline.mitmdump
+        return make(opts), cli.command_parser(make, opts)
+
+    return asyncio.run(build())
+
+
+def sample(action: argparse.Action) -> list[str]:
+    """One use of a mitmproxy argument, with a value of the type it takes."""
+    if not action.option_strings:
+        return ["~q"]
+    flag = action.option_strings[-1]
+    if action.nargs == 0:
+        return [flag]
+    value = str(action.choices[-1]) if action.choices else "7" if action.type is int else "some-value"
+    return [flag, value]
+
+
+def mitmproxy_arguments(web: bool) -> list[tuple[str, list[str]]]:
+    parser, _ = mitmproxy_parser(web)
+    skip = {"help", "version", "options", "commands"}  # they exit
+    return [(a.dest, sample(a)) for a in parser._actions if a.dest not in skip]
+
+
+@pytest.mark.parametrize("web", [False, True], ids=["mitmdump", "mitmweb"])
+def test_every_mitmproxy_argument_parses_as_mitmproxy_parses_it(web: bool) -> None:
+    """Against mitmproxy's own list: each argument (its short spelling where it has one) means in
+    `contextpaw` what it means to mitmdump/mitmweb, and ContextPaw's early read of its own arguments
+    takes none of it."""
+    theirs, ours = mitmproxy_parser(web)
+    checked = 0
+    for action in theirs._actions:
+        if action.dest in {"help", "version", "options", "commands"}:
+            continue
+        argv = sample(action)
+        expected = vars(theirs.parse_args(argv))
+        got = vars(ours.parse_args(argv))
+        assert {k: got[k] for k in expected} == expected, argv
+        own, rest = cli.own_parser().parse_known_args(argv)
+        assert vars(own) == vars(cli.own_parser().parse_args([])) and rest == argv, argv
+        checked += 1
+    assert checked > 40  # mitmproxy's addons' arguments are in the list, not just the core options
+
+
+@pytest.mark.parametrize(
+    "argv, option, value",
+    [
+        (["-w", "flows.mitm"], "save_stream_file", "flows.mitm"),
+        (["--flow-detail", "3"], "flow_detail", 3),
+        (["--anticache"], "anticache", True),
+        (["-q"], "termlog_verbosity", "error"),
+        (["~u /api/chat"], "dumper_filter", "~u /api/chat"),
+        (["--set", "contextpaw_keep_recent=9"], "contextpaw_keep_recent", 9),
+        (["--policy", "strict"], "contextpaw_policy", "strict"),
+    ],
+)
+def test_mitmproxy_habits_reach_the_options(
+    start: Callable[..., Any], argv: list[str], option: str, value: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # `-w` opens its file at start
+    assert getattr(start("--ollama", URL, *argv), option) == value
+
+
+def test_a_script_is_loaded(start: Callable[..., Any], tmp_path: Path) -> None:
+    script = tmp_path / "extra.py"
+    script.write_text("addons = []\n")
+    assert start("--ollama", URL, "-s", str(script)).scripts == [str(script)]
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [(name, "1" if isinstance(v, int) and not isinstance(v, bool) else "eager" if name == "connection_strategy" else "true")
+     for name, v in cli.PRESETS.items()] + [("confdir", "/tmp/elsewhere"), ("contextpaw_policy", "strict")],
+)  # fmt: skip
+def test_set_on_the_command_line_wins_over_every_preset(start: Callable[..., Any], name: str, value: str) -> None:
+    opts = start("--ollama", URL, "--set", f"{name}={value}")
+    assert str(getattr(opts, name)).lower() == value
+
+
+def test_presets_apply_when_not_set(start: Callable[..., Any], tmp_path: Path) -> None:
+    opts = start("--ollama", URL)
+    assert {name: getattr(opts, name) for name in cli.PRESETS} == cli.PRESETS
+    assert opts.confdir == str(tmp_path)
+
+
+def test_both_backends_get_a_loopback_reverse_mode_and_are_declared(start: Callable[..., Any]) -> None:
+    opts = start("--ollama", URL, "--llamacpp", "http://127.0.0.1:8091", "--llamacpp-port", "9000")
+    assert opts.mode == ["reverse:http://127.0.0.1:11435@127.0.0.1:11434", "reverse:http://127.0.0.1:8091@127.0.0.1:9000"]
+    assert (opts.contextpaw_ollama, opts.contextpaw_llamacpp) == ([URL], ["http://127.0.0.1:8091"])
+
+
+def test_a_mode_of_the_users_adds_to_the_backends(start: Callable[..., Any]) -> None:
+    opts = start("--ollama", URL, "--mode", "regular@127.0.0.1:8080", "--set", "contextpaw_llamacpp=http://h:1")
+    assert opts.mode == ["reverse:http://127.0.0.1:11435@127.0.0.1:11434", "regular@127.0.0.1:8080"]
+    assert opts.contextpaw_llamacpp == ["http://h:1"]
+
+
+def test_web_shows_the_comment_column(start: Callable[..., Any]) -> None:
+    assert "comment" in start("--ollama", URL, "--web", "--web-port", "0", "--no-web-open-browser").web_columns
+
+
+def test_a_url_without_a_scheme_is_plain_http_and_said_so() -> None:
+    backends, notes = cli.fronted(cli.own_parser().parse_args(["--ollama", "127.0.0.1:21435"]))
+    assert backends[0].url == "http://127.0.0.1:21435"
+    assert notes == ["--ollama 127.0.0.1:21435 has no scheme: using http://127.0.0.1:21435 (write https:// for a backend that speaks TLS)"]
+    assert cli.mitmproxy_args(backends)[:2] == ["--mode", "reverse:http://127.0.0.1:21435@127.0.0.1:11434"]
+
+
+@pytest.mark.parametrize(
+    "url, said",
+    [("ftp://h:1", "write http://HOST:PORT"), ("http://h:port", "the port is not a number"), ("http://h:1/api", "write http://h:1")],
+)
+def test_a_bad_backend_url_says_what_to_write(url: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--llamacpp", url])
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("unknown", ["--port-x", "--bogus", "--keep-recents=3"])
+def test_an_unknown_flag_is_named(unknown: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main([unknown])
+    assert exited.value.code != 0
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {unknown}" in err
+    assert "--ollama URL" not in err
+
+
+def test_a_backend_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([])
+    assert "--ollama URL, --llamacpp URL, or both" in capsys.readouterr().err
+
+
+def test_reading_flows_needs_no_backend(start: Callable[..., Any], tmp_path: Path) -> None:
+    flows = tmp_path / "flows.mitm"
+    flows.write_bytes(b"")
+    assert start("-n", "-r", str(flows)).rfile == str(flows)
+
+
+def test_help_names_set_health_and_mitmweb(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for said in ("--set", "/contextpaw/health", "8081", "?token=", "contextpaw doctor", "strict: refuse"):
+        assert said in shown
+    for flag, (option, _, _) in cli.OLD_FLAGS.items():
+        assert flag in shown and option in shown
+
+
+OLD_FLAG_VALUES = {
+    "--keep-recent": ("7", 7),
+    "--headroom": ("15", "15"),
+    "--default-ctx": ("8192", 8192),
+    "--margin": ("96", 96),
+    "--tokenizer": (__file__, __file__),
+    "--summarize": (None, True),
+    "--summarizer-model": ("qwen3:0.6b", "qwen3:0.6b"),
+    "--summarizer-url": ("http://127.0.0.1:11436", "http://127.0.0.1:11436"),
+    "--arbitrate": (None, True),
+    "--llamacpp-cmd": ("llama-server -m m.gguf --port 8091", "llama-server -m m.gguf --port 8091"),
+    "--min-hold": ("45", 45),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(cli.OLD_FLAGS))
+def test_each_earlier_proxy_flag_sets_its_option(start: Callable[..., Any], flag: str) -> None:
+    given, expected = OLD_FLAG_VALUES[flag]
+    argv = ["--ollama", URL, "--llamacpp", "http://127.0.0.1:8091", flag, *([given] if given is not None else [])]
+    if flag == "--arbitrate":  # it needs the command that starts llama-server
+        argv += ["--llamacpp-cmd", f"{sys.executable} -c pass"]
+    assert getattr(start(*argv), cli.OLD_FLAGS[flag][0]) == expected
+
+
+def test_every_earlier_proxy_flag_has_a_value_under_test() -> None:
+    assert set(OLD_FLAG_VALUES) == set(cli.OLD_FLAGS)
+
+
+def test_the_startup_line_names_version_policy_backends_and_mitmweb() -> None:
+    opts = argparse.Namespace(
+        contextpaw_ollama=[URL], contextpaw_llamacpp=[], contextpaw_policy="strict", listen_host="", listen_port=8080,
+        mode=["reverse:http://127.0.0.1:11435@127.0.0.1:11434", "reverse:http://127.0.0.1:8091@127.0.0.1:8092"],
+        web_host="127.0.0.1", web_port=8081,
+    )  # fmt: skip
+    line = cli.startup_line(opts)
+    assert line.startswith("contextpaw ") and "policy strict" in line
+    assert "ollama http://127.0.0.1:11435 at http://127.0.0.1:11434" in line
+    assert "kind found on first contact http://127.0.0.1:8091 at http://127.0.0.1:8092" in line
+    assert "mitmweb at http://127.0.0.1:8081/" in line
+
+
+def test_a_reverse_mode_that_speaks_tls_to_a_plain_http_backend_is_refused(
+    start: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mitmproxy takes a reverse spec without a scheme for https; ContextPaw's option says http."""
+    with pytest.raises(SystemExit):
+        start("--mode", "reverse:127.0.0.1:11435@127.0.0.1:0", "--set", f"contextpaw_ollama={URL}")
+    assert f"write --mode reverse:{URL}" in capsys.readouterr().err

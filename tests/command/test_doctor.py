@@ -1,0 +1,127 @@
+"""`contextpaw doctor`'s checks: each misconfiguration found, with its fix; a sound set-up passes.
+
+The readings here are what the servers would say; tests/e2e/test_command.py takes them from the fakes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from contextpaw.command import doctor
+from contextpaw.command.doctor import Answer, LlamaServer, OllamaModel, TokenizerFile
+from contextpaw.wire import Kind
+
+
+def levels(findings: list[doctor.Finding]) -> list[str]:
+    return [f.level for f in findings]
+
+
+def test_an_ollama_window_far_below_the_trained_length_says_how_to_raise_it() -> None:
+    [finding] = doctor.check_ollama_window(OllamaModel("http://o:1", "qwen3:8b", 4096, 131072, None))
+    assert finding.level == "problem" and "4,096 tokens of the 131,072" in finding.what
+    assert "OLLAMA_CONTEXT_LENGTH=32768" in finding.fix and "PARAMETER num_ctx 32768" in finding.fix
+    assert "contextpaw_ollama_context_length=32768" in finding.fix
+
+
+def test_a_modelfile_window_is_fixed_in_the_modelfile() -> None:
+    [finding] = doctor.check_ollama_window(OllamaModel("http://o:1", "m", 2048, 32768, 2048))
+    assert finding.level == "problem"
+    assert "Modelfile sets num_ctx 2048" in finding.fix and "OLLAMA_CONTEXT_LENGTH does not override" in finding.fix
+
+
+@pytest.mark.parametrize("window, trained", [(32768, 131072), (4096, 8192), (4096, None)])
+def test_an_ollama_window_near_the_trained_length_is_fine(window: int, trained: int | None) -> None:
+    assert levels(doctor.check_ollama_window(OllamaModel("http://o:1", "m", window, trained, None))) == ["ok"]
+
+
+def test_an_ollama_window_not_learned_is_a_note() -> None:
+    assert levels(doctor.check_ollama_window(OllamaModel("http://o:1", "m", None, 131072, None))) == ["note"]
+
+
+def test_np_dividing_the_context_is_found_with_the_command_line_that_undoes_it() -> None:
+    [finding] = doctor.check_llamacpp_window(LlamaServer("http://l:1", 2048, 4, 131072), asked=8192)
+    assert finding.level == "problem" and "-np 4 divides the -c 8,192" in finding.what
+    assert "-c 32768 -np 4" in finding.fix and "-np 1" in finding.fix
+
+
+def test_fit_shrinking_the_context_below_c_is_found() -> None:
+    [finding] = doctor.check_llamacpp_window(LlamaServer("http://l:1", 4096, 1, 131072), asked=32768)
+    assert finding.level == "problem" and "--fit lowered the context" in finding.what and "-c 32,768" in finding.what
+    assert "-ctk q8_0" in finding.fix and "-c 4096" in finding.fix
+
+
+def test_without_c_a_window_below_the_trained_length_is_a_note_that_asks_for_it() -> None:
+    [finding] = doctor.check_llamacpp_window(LlamaServer("http://l:1", 8192, 1, 131072), asked=None)
+    assert finding.level == "note" and "--ctx N" in finding.fix
+
+
+@pytest.mark.parametrize(
+    "server, asked",
+    [
+        (LlamaServer("http://l:1", 8192, 1, 131072), 8192),
+        (LlamaServer("http://l:1", 8192, 4, 131072), 8192),  # unified: every slot may use all of -c
+        (LlamaServer("http://l:1", 1024, 1, 131072), 1000),  # -c 1000 is padded up to a multiple of 256
+        (LlamaServer("http://l:1", 32768, 1, 32768), None),
+    ],
+)
+def test_a_window_as_asked_is_fine(server: LlamaServer, asked: int | None) -> None:
+    assert levels(doctor.check_llamacpp_window(server, asked)) == ["ok"]
+
+
+def test_c_above_the_trained_length_is_capped_there() -> None:
+    findings = doctor.check_llamacpp_window(LlamaServer("http://l:1", 8192, 1, 8192), asked=32768)
+    assert levels(findings) == ["note", "ok"] and "caps each slot" in findings[0].what
+
+
+def test_a_backend_that_does_not_answer() -> None:
+    [finding] = doctor.check_answer(Answer(Kind.OLLAMA, "http://127.0.0.1:9", False))
+    assert finding.level == "problem" and finding.what == "does not answer" and "--ollama" in finding.fix
+
+
+def test_https_to_a_plain_http_server_says_to_write_http() -> None:
+    [finding] = doctor.check_answer(Answer(Kind.LLAMACPP, "https://127.0.0.1:8091", False, plain_http=True))
+    assert finding.level == "problem" and "write http://127.0.0.1:8091" in finding.fix
+
+
+def test_a_tokenizer_of_another_vocabulary_is_found() -> None:
+    findings = doctor.check_tokenizer(TokenizerFile("t.json", 32000), [("qwen", 151936), ("llama", 32000), ("x", None)])
+    assert levels(findings) == ["problem", "ok", "note"]
+    assert "32,000 tokens, qwen has 151,936" in findings[0].what and "--tokenizer" in findings[0].fix
+
+
+def test_gguf_padding_of_the_vocabulary_is_no_mismatch() -> None:
+    assert levels(doctor.check_tokenizer(TokenizerFile("t.json", 151665), [("qwen", 151936)])) == ["ok"]
+
+
+def test_a_tokenizer_file_that_cannot_be_read(tmp_path: Path) -> None:
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text("{}")
+    reading = doctor.read_tokenizer(str(broken))
+    assert reading.vocab is None and reading.error
+    assert levels(doctor.check_tokenizer(reading, [("m", 32000)])) == ["problem"]
+
+
+def test_the_vocabulary_of_a_tokenizer_file_is_read(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(123)}, unk_token="w0")).save(str(path))
+    assert doctor.read_tokenizer(str(path)).vocab == 123
+
+
+@pytest.mark.parametrize(
+    "host, level",
+    [("127.0.0.1", "ok"), ("::1", "ok"), ("localhost", "ok"), ("0.0.0.0", "problem"), ("", "problem"), ("192.168.1.5", "problem")],
+)
+def test_a_listener_beyond_the_loopback_is_a_problem(host: str, level: str) -> None:
+    [finding] = doctor.check_listeners([("regular", host)])
+    assert finding.level == level
+    if level == "problem":
+        assert "--host 127.0.0.1" in finding.fix
+
+
+def test_render_shows_each_fix_under_its_finding_and_counts_problems() -> None:
+    text = doctor.render([doctor.Finding("ok", "a", "fine"), doctor.Finding("problem", "b", "broken", "mend it")])
+    assert text.splitlines() == ["ok      a: fine", "PROBLEM b: broken", "        fix: mend it", "1 problem found"]
+    assert text.isascii()

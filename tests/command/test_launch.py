@@ -1,0 +1,197 @@
+"""`contextpaw launch`'s core: what each agent is told, as a frozen value (contextpaw/command/launch.py).
+
+That each setting takes effect in the real agent is tests/agents/test_launch_compaction.py's; here, that each
+agent gets the served window in its own setting, that nothing is written outside ContextPaw's state
+directory, and that `--print`'s script says all of it. The `/contextpaw/window` endpoint's refusals
+are checked on `admin.Admin` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from contextpaw.command import launch
+from contextpaw.ops import admin
+from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.metrics import Stats
+from contextpaw.wire import Backend, Kind
+
+STATE = Path("/home/u/.contextpaw")
+
+
+def target(window: int = 32768, kind: Kind = Kind.LLAMACPP, model: str = "qwen3:8b") -> launch.Target:
+    return launch.Target("http://127.0.0.1:8092", model, window, kind, STATE)
+
+
+def overrides(plan: launch.Launch) -> dict[str, str]:
+    """Codex's `-c key=value` pairs."""
+    pairs = [plan.argv[i + 1] for i, a in enumerate(plan.argv) if a == "-c"]
+    return dict(p.split("=", 1) for p in pairs)
+
+
+def test_the_answer_room_is_an_eighth_of_the_window_within_bounds() -> None:
+    assert [target(w).output for w in (4096, 32768, 262144)] == [1024, 4096, 16384]
+    assert target(32768).compact_at == (32768 - 4096) * 9 // 10
+
+
+def test_claude_code_gets_the_window_of_a_model_it_does_not_know() -> None:
+    plan = launch.plan("claude", target(65536))
+    assert plan.env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "65536"
+    assert plan.env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "8192"
+    assert plan.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8092"
+    assert {plan.env[name] for name in launch.CLAUDE_MODELS} == {"qwen3:8b"}
+    assert plan.defaults == {"ANTHROPIC_AUTH_TOKEN": "contextpaw"} and not plan.files
+    assert "from 44344 tokens" in plan.notes[0]
+
+
+def test_claude_code_is_told_when_its_summary_room_leaves_no_window() -> None:
+    assert "raise the window" in launch.plan("claude", target(8192)).notes[0]
+
+
+def test_a_window_under_the_agents_fixed_part_is_named_with_the_least_that_holds_it() -> None:
+    small = launch.plan("qwen", target(16384)).notes
+    assert "about 16,800 tokens" in small[-1] and "at least 19,456" in small[-1]
+    assert len(launch.plan("qwen", target(32768)).notes) == 1
+
+
+def test_the_fixed_parts_are_those_of_the_recorded_first_requests() -> None:
+    """Each agent's fixture (its first request), system, tools and the messages before the task,
+    counted as the scripted model counts them: within a tenth of `FIXED_TOKENS`."""
+    from support import scripted_model as sm
+
+    tokenizer = sm.load_tokenizer(sm.default_gguf(), Path.home() / ".cache" / "contextpaw" / "scripted-model")
+    readers = {"claude-code": sm.from_anthropic, "codex": sm.from_responses, "opencode": sm.from_chat, "aider": sm.from_chat,
+               "qwen-code": sm.from_chat}  # fmt: skip
+    fixtures = Path(__file__).parents[1] / "agents" / "fixtures"
+    counted = {}
+    for client, agent in (
+        ("claude-code", "claude"),
+        ("codex", "codex"),
+        ("opencode", "opencode"),
+        ("aider", "aider"),
+        ("qwen-code", "qwen"),
+    ):
+        (fixture,) = [f for f in fixtures.glob(f"{client}-[0-9]*.json") if "count-tokens" not in f.name]
+        talk = readers[client](json.loads(fixture.read_text())["request"]["body"])
+        counted[agent] = len(tokenizer.encode(sm.render(talk), add_special_tokens=False).ids)
+    assert all(abs(counted[a] - launch.FIXED_TOKENS[a]) <= launch.FIXED_TOKENS[a] / 10 for a in counted), counted
+
+
+def test_codex_gets_a_provider_and_the_window_as_overrides_only() -> None:
+    plan = launch.plan("codex", target(32768))
+    given = overrides(plan)
+    assert given["model_context_window"] == "32768"
+    assert given["model_auto_compact_token_limit"] == str(target(32768).compact_at)
+    assert given["model"] == '"qwen3:8b"' and given["model_provider"] == '"contextpaw"'
+    assert 'base_url="http://127.0.0.1:8092/v1"' in given["model_providers.contextpaw"]
+    assert not plan.env and not plan.files
+
+
+def test_opencode_reads_a_generated_config_in_the_state_dir() -> None:
+    plan = launch.plan("opencode", target(24576))
+    ((path, text),) = plan.files.items()
+    assert plan.env == {"OPENCODE_CONFIG": str(path)} and path.parent == STATE / "launch"
+    model = json.loads(text)["provider"]["contextpaw"]["models"]["qwen3:8b"]
+    assert model["limit"] == {"context": 24576, "output": 3072}
+    assert path.name == "opencode-qwen3-8b.json"
+
+
+def test_aider_on_ollama_asks_for_the_served_window_as_num_ctx() -> None:
+    plan = launch.plan("aider", target(16384, Kind.OLLAMA))
+    metadata, settings = (Path(plan.argv[plan.argv.index(flag) + 1]) for flag in ("--model-metadata-file", "--model-settings-file"))
+    assert plan.argv[plan.argv.index("--model") + 1] == "ollama_chat/qwen3:8b"
+    assert json.loads(plan.files[metadata])["ollama_chat/qwen3:8b"]["max_input_tokens"] == 16384
+    assert json.loads(plan.files[settings]) == [{"name": "ollama_chat/qwen3:8b", "extra_params": {"num_ctx": 16384}}]
+    assert plan.env == {"OLLAMA_API_BASE": "http://127.0.0.1:8092"}
+
+
+def test_aider_on_llama_server_speaks_openai_without_num_ctx() -> None:
+    plan = launch.plan("aider", target(16384, Kind.LLAMACPP))
+    assert plan.argv[plan.argv.index("--model") + 1] == "openai/qwen3:8b"
+    assert "--model-settings-file" not in plan.argv
+    assert plan.env == {"OPENAI_API_BASE": "http://127.0.0.1:8092/v1"} and plan.defaults == {"OPENAI_API_KEY": "contextpaw"}
+
+
+def test_qwen_code_reads_a_generated_system_defaults_file() -> None:
+    plan = launch.plan("qwen", target(32768))
+    path = Path(plan.env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"])
+    assert json.loads(plan.files[path]) == {"model": {"generationConfig": {"contextWindowSize": 32768}}}
+    assert plan.env["QWEN_CODE_MAX_OUTPUT_TOKENS"] == "4096"
+    assert plan.env["OPENAI_BASE_URL"] == "http://127.0.0.1:8092/v1" and plan.argv[-2:] == ("-m", "qwen3:8b")
+
+
+@pytest.mark.parametrize("agent", sorted(launch.PLANS))
+def test_every_file_is_written_under_the_state_dir_and_the_plan_is_frozen(agent: str) -> None:
+    plan = launch.plan(agent, target())
+    assert all(path.is_relative_to(STATE / "launch") for path in plan.files)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.argv = ()  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        plan.env["X"] = "y"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("agent", sorted(launch.PLANS))
+def test_the_printed_script_sets_what_the_launch_sets(agent: str, tmp_path: Path) -> None:
+    """The script run by a shell, with a stand-in agent that dumps what it got: the generated files,
+    the environment (a default only where the user's is unset) and the command line."""
+    plan = launch.plan(agent, dataclasses.replace(target(), state_dir=tmp_path / "state"))
+    stand_in = tmp_path / "bin" / plan.argv[0]
+    stand_in.parent.mkdir()
+    stand_in.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$DUMP.args"; env > "$DUMP.env"\n')
+    stand_in.chmod(0o755)
+    env = {"PATH": f"{stand_in.parent}:{os.environ['PATH']}", "DUMP": str(tmp_path / "dump")}
+    subprocess.run(["sh", "-c", plan.script(("--their", "arg s"))], env=env, check=True, timeout=30)
+    assert (tmp_path / "dump.args").read_text().splitlines() == [*plan.argv[1:], "--their", "arg s"]
+    got = dict(line.split("=", 1) for line in (tmp_path / "dump.env").read_text().splitlines() if "=" in line)
+    assert {k: got.get(k) for k in (*plan.env, *plan.defaults)} == {**plan.defaults, **plan.env}
+    assert {path: path.read_text() for path in plan.files} == dict(plan.files)
+
+
+def test_a_default_yields_to_the_users_own_value(tmp_path: Path) -> None:
+    plan = launch.plan("claude", target())
+    env = {"PATH": os.environ["PATH"], "ANTHROPIC_AUTH_TOKEN": "mine"}
+    script = plan.script().replace("exec claude", 'printf %s "$ANTHROPIC_AUTH_TOKEN"')
+    done = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True, timeout=30)
+    assert done.stdout == "mine" and shlex.quote("contextpaw") in script
+
+
+def _admin(window: tuple[int, str] = (8192, "backend")) -> admin.Admin:
+    async def nothing() -> dict:
+        return {}
+
+    async def served(backend: Backend, model: str) -> dict:
+        return {"window": window[0], "source": window[1], "counted": "exactly", "agent_window": window[0]}
+
+    store = EvictedStore(max_items=1, max_bytes=1, max_age_s=1)
+    return admin.Admin(Stats(store), store, nothing, nothing, served)
+
+
+async def test_the_window_endpoint_names_the_served_window_and_the_backend() -> None:
+    async def llamacpp() -> Backend:
+        return Backend.parse(Kind.LLAMACPP, "http://127.0.0.1:8091")
+
+    reply = await _admin().answer("GET", "/contextpaw/window", llamacpp)
+    assert reply.status == 200
+    assert json.loads(reply.body) == {"model": "", "backend": {"kind": "llamacpp", "url": "http://127.0.0.1:8091"},
+                                      "window": 8192, "source": "backend", "counted": "exactly", "agent_window": 8192}  # fmt: skip
+
+
+async def test_the_window_endpoint_asks_for_the_model_on_ollama_and_for_a_backend() -> None:
+    async def ollama() -> Backend:
+        return Backend.parse(Kind.OLLAMA, "http://127.0.0.1:11435")
+
+    async def none() -> None:
+        return None
+
+    unnamed = await _admin().answer("GET", "/contextpaw/window", ollama)
+    assert unnamed.status == 400 and b"model=NAME" in unnamed.body
+    named = await _admin().answer("GET", "/contextpaw/window?model=qwen3%3A8b", ollama)
+    assert json.loads(named.body)["model"] == "qwen3:8b"
+    assert (await _admin().answer("GET", "/contextpaw/window?model=m", none)).status == 404

@@ -1,0 +1,222 @@
+"""The report inside buffered bodies and streams, byte for byte around it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from contextpaw.wire import llamacpp, ollama, openai
+from contextpaw.wire.streams import StreamReport, Unasked, splice
+
+REPORT = b'{"compacted":true}'
+
+OLLAMA_STREAM = (
+    b'{"model":"m","created_at":"t","message":{"role":"assistant","content":"Hel"},"done":false}\n'
+    b'{"model":"m","created_at":"t","message":{"role":"assistant","content":"\\u003cb\\u003e"},"done":false}\n'
+    b'{"model":"m","created_at":"t","message":{"role":"assistant","content":""},"done":true,"done_reason":"stop"}\n'
+)
+OPENAI_STREAM = (
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}\n\n'
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}\n\n'
+    b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3}}\n\n'
+    b"data: [DONE]\n\n"
+)
+LLAMA_STREAM = (
+    b'data: {"index":0,"content":"Hel","stop":false}\n\n: ping\n\ndata: {"index":0,"content":"","stop":true,"tokens_evaluated":9}\n\n'
+)
+
+
+def records(framing: str, body: bytes) -> list[bytes]:
+    separator = b"\n" if framing == "ndjson" else b"\n\n"
+    return [r for r in body.split(separator) if r]
+
+
+def run(transformer: StreamReport, body: bytes, size: int) -> tuple[list[bytes], bytes]:
+    pieces: list[bytes] = []
+    for i in range(0, len(body), size):
+        pieces += transformer(body[i : i + size])
+    pieces += transformer(b"")
+    return pieces, b"".join(pieces)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "carrier"),
+    [
+        (ollama.CHAT, OLLAMA_STREAM, 2),
+        (openai.CHAT, OPENAI_STREAM, 3),
+        (llamacpp.COMPLETION, LLAMA_STREAM, 2),
+    ],
+)
+@pytest.mark.parametrize("size", [1, 7, 10_000])
+def test_report_lands_in_the_final_record_and_nothing_else_changes(route, body: bytes, carrier: int, size: int) -> None:
+    pieces, out = run(StreamReport(route.framing, route.is_final, REPORT), body, size)
+    assert b"" not in pieces
+    got, sent = records(route.framing, out), records(route.framing, body)
+    assert len(got) == len(sent)
+    for i, (a, b) in enumerate(zip(got, sent, strict=True)):
+        if i == carrier:
+            payload = a.removeprefix(b"data: ")
+            assert json.loads(payload)["contextpaw"] == {"compacted": True}
+            assert a.startswith(b.removesuffix(b"}"))
+        else:
+            assert a == b
+
+
+def test_token_events_are_not_held_back() -> None:
+    transformer = StreamReport("sse", openai.CHAT.is_final, REPORT)
+    first = OPENAI_STREAM.split(b"\n\n")[0] + b"\n\n"
+    assert transformer(first) == [first]
+
+
+def test_a_partial_record_waits_for_its_end_without_an_empty_chunk() -> None:
+    transformer = StreamReport("ndjson", ollama.CHAT.is_final, REPORT)
+    assert transformer(b'{"done":fa') == []
+    assert transformer(b"lse}\n") == [b'{"done":false}\n']
+
+
+def test_a_stream_cut_short_is_passed_on_as_it_is() -> None:
+    transformer = StreamReport("sse", openai.CHAT.is_final, REPORT)
+    body = OPENAI_STREAM.split(b"\n\n")[0] + b'\n\ndata: {"trunc'
+    assert b"".join(transformer(body) + transformer(b"")) == body
+
+
+def test_mid_stream_errors_pass_through() -> None:
+    body = b'{"message":{"content":"a"},"done":false}\n{"error":"runner died"}\n'
+    assert StreamReport("ndjson", ollama.CHAT.is_final, REPORT).transform(body) == body
+
+
+def test_buffered_json_keeps_its_bytes() -> None:
+    raw = b'{"a":"\\u003c","b":[1, 2]}\n'
+    assert splice(raw, REPORT) == b'{"a":"\\u003c","b":[1, 2],"contextpaw":{"compacted":true}}\n'
+    assert splice(b"{}", REPORT) == b'{"contextpaw":{"compacted":true}}'
+    assert splice(b"[1]", REPORT) is None
+    assert splice(b"404 page not found", REPORT) is None
+
+
+@given(st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), st.text(max_size=5)), max_size=4))
+def test_splice_adds_exactly_the_report(obj: dict) -> None:
+    raw = json.dumps(obj).encode()
+    assert json.loads(splice(raw, REPORT)) == {**obj, "contextpaw": {"compacted": True}}
+
+
+def test_a_giant_record_in_many_small_chunks_comes_out_whole_with_the_report_after_it() -> None:
+    """A record without a separator for megabytes: each chunk is searched from where the last
+    search stopped (the probe's 200 MB record was rescanned on every chunk), and a separator that
+    straddles two chunks is still found."""
+    giant = b'{"model":"m","message":{"role":"assistant","content":"' + b"x" * (4 << 20) + b'"},"done":false}\n'
+    body = giant + OLLAMA_STREAM
+    stream = StreamReport("ndjson", ollama.CHAT.is_final, REPORT)
+    out = b"".join(piece for i in range(0, len(body), 4093) for piece in stream(body[i : i + 4093])) + b"".join(stream(b""))
+    assert out.startswith(giant) and b'"contextpaw":{"compacted":true}' in out
+    assert out.replace(b',"contextpaw":{"compacted":true}', b"") == body
+
+
+def test_a_record_over_the_limit_goes_on_as_it_comes_without_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    from contextpaw.wire import streams
+
+    monkeypatch.setattr(streams, "MAX_RECORD", 1 << 16)
+    body = b'{"message":{"content":"' + b"y" * (1 << 18) + b'"},"done":false}\n' + OLLAMA_STREAM
+    stream = StreamReport("ndjson", ollama.CHAT.is_final, REPORT)
+    out = b"".join(piece for i in range(0, len(body), 8192) for piece in stream(body[i : i + 8192])) + b"".join(stream(b""))
+    assert out == body
+
+
+# -- the usage chunk asked for in the client's stead ------------------------------------------------
+
+LLAMA_CHAT_WITH_USAGE = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hel"}}],"id":"c","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],"id":"c","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[],"id":"c","object":"chat.completion.chunk","usage":{"prompt_tokens":7},"timings":{"prompt_n":7}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 7, 4096])
+def test_a_usage_chunk_the_client_did_not_ask_for_is_read_for_its_count_and_taken_out(size: int) -> None:
+    seen: list[tuple[dict, int | None]] = []
+
+    def report(final: dict, counted: int | None) -> bytes:
+        seen.append((final, counted))
+        return REPORT
+
+    transformer = StreamReport("sse", openai.CHAT.is_final, report, openai.CHAT.evaluated, unasked=Unasked(openai.is_usage_chunk))
+    _, out = run(transformer, OPENAI_STREAM, size)
+    assert b'"usage"' not in out and transformer.taken == 1
+    assert seen == [({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, 3)]
+    finish = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"contextpaw":' + REPORT + b"}\n\n"
+    assert out == OPENAI_STREAM.replace(b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3}}\n\n', b"").replace(
+        b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n', finish
+    )
+
+
+def test_llama_servers_timings_go_back_onto_the_finish_chunk_where_they_ride_without_usage() -> None:
+    transformer = StreamReport(
+        "sse", openai.CHAT.is_final, lambda final, counted: None, openai.CHAT.evaluated, unasked=Unasked(openai.is_usage_chunk)
+    )
+    out = transformer.transform(LLAMA_CHAT_WITH_USAGE)
+    assert out == (
+        b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hel"}}],"id":"c","object":"chat.completion.chunk"}\n\n'
+        b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],"id":"c","object":"chat.completion.chunk","timings":{"prompt_n":7}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert transformer.counted == 7
+
+
+OLLAMA_TEXT_WITH_USAGE = (
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"choices":[{"text":"\\u003cb","index":0,"finish_reason":null}],"model":"m","system_fingerprint":"fp_ollama","usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}}\n\n'
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"choices":[{"text":"","index":0,"finish_reason":"stop"}],"model":"m","system_fingerprint":"fp_ollama","usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}}\n\n'
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"choices":[],"model":"m","system_fingerprint":"fp_ollama","usage":{"prompt_tokens":2048,"completion_tokens":2,"total_tokens":2050}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 9, 4096])
+def test_the_zero_usage_ollama_puts_on_each_text_chunk_once_asked_is_taken_out_and_never_read_as_the_count(size: int) -> None:
+    """Asked for usage, Ollama's `/v1/completions` stream puts a zero `usage` on every chunk: the
+    client that did not ask gets its chunks without it, the rest of their bytes as they came, and
+    the verdict reads the usage chunk's count, not the zeros."""
+    seen: list[tuple[dict, int | None]] = []
+
+    def report(final: dict, counted: int | None) -> bytes:
+        seen.append((final, counted))
+        return REPORT
+
+    transformer = StreamReport(
+        "sse", openai.COMPLETIONS.is_final, report, openai.COMPLETIONS.evaluated, unasked=Unasked(openai.is_usage_chunk, "usage")
+    )
+    _, out = run(transformer, OLLAMA_TEXT_WITH_USAGE, size)
+    zero = b',"usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}'
+    first, finish, _, done = OLLAMA_TEXT_WITH_USAGE.split(b"\n\n")[:4]
+    assert (
+        out == first.replace(zero, b"") + b"\n\n" + finish.replace(zero, b"")[:-1] + b',"contextpaw":' + REPORT + b"}\n\n" + done + b"\n\n"
+    )
+    assert seen[0][1] == 2048 and openai.COMPLETIONS.evaluated(seen[0][0]) is None and transformer.taken == 1
+
+
+def test_a_client_that_asked_for_usage_keeps_its_chunk_and_the_report_goes_into_it() -> None:
+    transformer = StreamReport("sse", openai.CHAT.is_final, REPORT, openai.CHAT.evaluated)
+    out = transformer.transform(OPENAI_STREAM)
+    assert b'"choices":[],"usage":{"prompt_tokens":3},"contextpaw":{"compacted":true}}' in out and transformer.taken == 0
+
+
+def test_asking_for_usage_adds_the_option_and_leaves_every_other_byte() -> None:
+    raw = b'{"model": "m",  "stream": true, "messages": [{"role": "user", "content": "\\u003c 1e400"}]}'
+    asked = openai.asking_usage(raw, {})
+    assert (
+        asked
+        == b'{"stream_options":{"include_usage":true},"model": "m",  "stream": true, "messages": [{"role": "user", "content": "\\u003c 1e400"}]}'
+    )
+    beside = openai.asking_usage(b'{"stream":true,"stream_options":{"x":1}}', {"stream_options": {"x": 1}})
+    assert json.loads(beside)["stream_options"] == {"x": 1, "include_usage": True}
+    assert openai.usage_asked({"stream_options": {"include_usage": True}}) and not openai.usage_asked({"stream_options": None})
+
+
+def test_asking_for_usage_beside_the_clients_own_options_keeps_its_numbers_as_written() -> None:
+    """The body is written again there: a `1e400` stays `1e400` (not `Infinity`, which is not JSON)."""
+    raw = b'{"stream":true,"stream_options":{"x":1.50},"seed":1e400,"n":-0}'
+    asked = openai.asking_usage(raw, {"stream_options": {"x": 1.5}})
+    assert asked == b'{"stream":true,"stream_options":{"x":1.50,"include_usage":true},"seed":1e400,"n":-0}'
