@@ -7,4 +7,7 @@ bash scripts/setup.sh
 bash scripts/check.sh
 export LLAMA_SERVER="${LLAMA_SERVER:-$(PYTHON=.venv/bin/python bash scripts/get_llama_server.sh)}"
 bash scripts/get_agents.sh >/dev/null || echo "the agent CLIs are not installed (above); tests/agents says why it skips or fails" >&2
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# coverage of the package by the tests run in-process (agents and servers run as child processes
+# are not counted), summed up at the end; sys.monitoring keeps its cost low on 3.12
+export COVERAGE_CORE=sysmon
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --cov=contextpaw --cov-report=term:skip-covered "$@"
