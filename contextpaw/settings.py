@@ -97,6 +97,8 @@ class FitSettings:
     summary_tokens: int = 256
     calibrate: bool = True
     state_dir: Path = Path("~/.mitmproxy")
+    archive: str = "sqlite"
+    """Where evicted content is kept: `sqlite` (under `state_dir`), `memory`, or `redis://host:port/db`."""
     ollama_context_length: int = 0
     """The Ollama server's OLLAMA_CONTEXT_LENGTH as the operator states it (0: learn it)."""
 
@@ -120,6 +122,12 @@ class FitSettings:
         fields = read(o, FIT_OPTIONS)
         fields["state_dir"] = Path(fields["state_dir"] or o.confdir).expanduser()
         return cls(**fields)
+
+
+def _archive(spec: str) -> str:
+    if spec in ("sqlite", "memory") or spec.startswith(("redis://", "rediss://", "unix://")):
+        return spec
+    raise ValueError(f"must be sqlite, memory or redis://host:port/db, not {spec!r}")
 
 
 def _tokenizer_file(path: str) -> str:
@@ -194,7 +202,10 @@ FIT_OPTIONS = _with_field_defaults(
     summary_tokens=Option(int, "The most tokens all digests of one request may take.", least=32),
     calibrate=Option(bool,
         "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model."),
-    state_dir=Option(str, "Where the calibration is kept across restarts (default: confdir).", default=""),
+    state_dir=Option(str, "Where the calibration and the archive are kept across restarts (default: confdir).", default=""),
+    archive=Option(
+        str, "Where evicted content is kept: sqlite (in the state dir), memory, or redis://host:port/db (shared).", read=_archive
+    ),
     ollama_context_length=Option(int,
         "The Ollama server's OLLAMA_CONTEXT_LENGTH, the window of requests without num_ctx (all of /v1); "
         "0: learn it from the server (by loading the model as such a request would).",

@@ -126,9 +126,7 @@ class Fitter:
             margin=settings.margin,
             source=self.windows if settings.discover_window else NoDiscovery(),
         )
-        self.store.max_items = settings.evicted_items
-        self.store.max_bytes = settings.evicted_bytes
-        self.store.max_age_s = settings.evicted_ttl
+        self.store.bound(max_items=settings.evicted_items, max_bytes=settings.evicted_bytes, max_age_s=settings.evicted_ttl)
         self.plans.limit = self.sizer.overcounts.limit = settings.conversations
 
     # -- the request ----------------------------------------------------------------------------

@@ -1,18 +1,26 @@
-"""Evicted content, kept for `GET /contextpaw/evicted/<id>`.
+"""Evicted content, kept for `GET /contextpaw/evicted/<ref>` and `/contextpaw/search`.
 
-An agent told that something was removed can fetch it again. The store is bounded by count, bytes
-and age, because prompts can be large and the proxy runs for weeks.
+An agent told that something was removed can fetch it again. A store is bounded by count, bytes
+and age, because prompts can be large and the proxy runs for weeks. `EvictedStore` is what every
+store answers; `MemoryStore` (here) keeps content in this process only, `archive_sqlite.SqliteStore`
+on disk across restarts, `archive_redis.RedisStore` in a Redis server that several instances share;
+`archive.Archive` is the one the proxy holds, and opens the store the options name.
 """
 
 from __future__ import annotations
 
+import abc
 import builtins
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from contextpaw import wire
+
+SNIPPET_CHARS = 160
+"""Characters of context a search result shows around what matched."""
 
 
 def encode(content: Any) -> bytes:
@@ -23,13 +31,86 @@ def encode(content: Any) -> bytes:
     return wire.dumps(content).encode("utf-8", "backslashreplace")
 
 
-class EvictedStore:
-    """Evicted content by marker id, oldest dropped first when a bound is reached."""
+def searchable(data: builtins.bytes) -> str:
+    """The text of kept content, as a search reads it: every string inside the JSON, one a line
+    (a lone surrogate replaced, so that any database takes it)."""
+    try:
+        content = json.loads(data)
+    except ValueError:
+        return data.decode("utf-8", "replace")
+    texts: list[str] = []
+    stack = [content]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+    return "\n".join(texts).encode("utf-8", "replace").decode("utf-8")
 
-    def __init__(self, *, max_items: int, max_bytes: int, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+
+class EvictedStore(abc.ABC):
+    """Evicted content by marker id, oldest dropped first when a bound is reached.
+
+    `put` never waits on a disk or a network: it returns at once, and `get` of that id answers it
+    from then on. `get` of one id is fast enough for the event loop; `search` may not be (run it
+    in a thread)."""
+
+    def __init__(self, *, max_items: int, max_bytes: int, max_age_s: float) -> None:
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
+
+    def bound(self, *, max_items: int, max_bytes: int, max_age_s: float) -> None:
+        """New bounds, applied from the next `put` on."""
+        self.max_items, self.max_bytes, self.max_age_s = max_items, max_bytes, max_age_s
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Contents kept."""
+
+    @property
+    @abc.abstractmethod
+    def bytes(self) -> int:
+        """Bytes of content kept."""
+
+    @abc.abstractmethod
+    def put(self, marker_id: str, data: builtins.bytes) -> None:
+        """Keep `data` (content made with `encode`, off the event loop for a big eviction) under
+        `marker_id`; the same id again refreshes its age."""
+
+    @abc.abstractmethod
+    def get(self, marker_id: str) -> builtins.bytes | None:
+        """The content as JSON bytes, or None when it was never kept or has been dropped."""
+
+    @abc.abstractmethod
+    def search(self, query: str, limit: int) -> list[tuple[str, str]]:
+        """(id, snippet) of at most `limit` kept contents whose text holds every word of `query`."""
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every `put` so far is written (tests, measurements, shutdown); whether it was."""
+        return True
+
+    def close(self) -> None:
+        """Write what is pending and let go of files and connections."""
+
+
+def snippet(text: str, words: list[str]) -> str:
+    """Some text around the first word of `words` found in `text`, on one line."""
+    lower = text.lower()
+    at = min((i for i in (lower.find(w.lower()) for w in words) if i >= 0), default=0)
+    start = max(at - SNIPPET_CHARS // 2, 0)
+    piece = text[start : start + SNIPPET_CHARS]
+    return ("…" if start else "") + " ".join(piece.split()) + ("…" if start + SNIPPET_CHARS < len(text) else "")
+
+
+class MemoryStore(EvictedStore):
+    """In this process only (`contextpaw_archive=memory`, and tests): gone at restart."""
+
+    def __init__(self, *, max_items: int, max_bytes: int, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
         self._clock = clock
         self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._bytes = 0
@@ -42,8 +123,6 @@ class EvictedStore:
         return self._bytes
 
     def put(self, marker_id: str, data: builtins.bytes) -> None:
-        """Keep `data` (content made with `encode`, off the event loop for a big eviction) under
-        `marker_id`; the same id again refreshes its age."""
         self._drop(marker_id)
         if len(data) > self.max_bytes:
             return
@@ -54,10 +133,21 @@ class EvictedStore:
             self._drop(next(iter(self._items)))
 
     def get(self, marker_id: str) -> builtins.bytes | None:
-        """The content as JSON bytes, or None when it was never kept or has been dropped."""
         self._expire()
         item = self._items.get(marker_id)
         return item[1] if item else None
+
+    def search(self, query: str, limit: int) -> list[tuple[str, str]]:
+        self._expire()
+        words = query.lower().split()
+        found: list[tuple[str, str]] = []
+        for marker_id, (_, data) in reversed(self._items.items()):
+            if len(found) >= limit or not words:
+                break
+            text = searchable(data)
+            if all(w in text.lower() for w in words):
+                found.append((marker_id, snippet(text, words)))
+        return found
 
     def _expire(self) -> None:
         deadline = self._clock() - self.max_age_s

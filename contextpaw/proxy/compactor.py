@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import sqlite3
 import weakref
 from typing import Any
 
@@ -34,6 +35,7 @@ from contextpaw.core import logs
 from contextpaw.fitting.fitter import Fitter
 from contextpaw.fitting.flow import FlowState, Refuse
 from contextpaw.fitting.services import OFFLOAD_BYTES, off_loop
+from contextpaw.ops.archive import Archive
 from contextpaw.ops.kept import KeptCalibration
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.backends import UNDECODED, Backends
@@ -63,8 +65,18 @@ FlowStates = weakref.WeakKeyDictionary[http.HTTPFlow, FlowState]
 class Compactor:
     """Fits handled requests into the budget, refuses or rescues them, and reports what was lost."""
 
-    def __init__(self, backends: Backends, fitter: Fitter, states: FlowStates, ledger: FailureLedger, session: Session) -> None:
+    def __init__(
+        self,
+        backends: Backends,
+        fitter: Fitter,
+        states: FlowStates,
+        ledger: FailureLedger,
+        session: Session,
+        archive: Archive | None = None,
+    ) -> None:
         self.backends = backends
+        self.archive = archive
+        """The evicted store the options choose (None: the fitter's own, as it was made)."""
         self.fitter = fitter
         self.states = states
         self.ledger = ledger
@@ -92,11 +104,18 @@ class Compactor:
             self.kept = KeptCalibration(settings.state_dir / CALIBRATION_FILE)
             if self.kept.restore(self.fitter.calibration) is False:
                 logger.warning("calibration state %s is damaged; starting from scratch", self.kept.path)
+        if self.archive is not None and {"contextpaw_archive", "contextpaw_state_dir", "confdir"} & updated:
+            try:
+                self.archive.open(settings.archive, settings.state_dir)
+            except (OSError, ValueError, sqlite3.Error) as e:
+                raise exceptions.OptionsError(f"contextpaw_archive: {settings.archive} cannot be opened: {e}") from None
         self.fitter.configure(settings, summarizer)
 
     def done(self) -> None:
         """Close the shared session and keep what calibration learned (sync: hot reload)."""
         self.session.close()
+        if self.archive is not None:
+            self.archive.close()
         if self.kept is not None:
             self.kept.save(self.fitter.calibration, force=True)
 

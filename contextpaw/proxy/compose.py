@@ -12,7 +12,7 @@ from mitmproxy import contentviews
 from contextpaw.calls.session import HttpServices, Session
 from contextpaw.fitting.fitter import Fitter
 from contextpaw.gpu.arbiter import Arbiter, ArbiterSettings
-from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.archive import Archive
 from contextpaw.ops.metrics import FailureLedger, Stats
 from contextpaw.proxy.arbitration import Arbitration
 from contextpaw.proxy.backends import Backends, located
@@ -31,7 +31,7 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     fake one in tests; by default the real one, on the shared session)."""
     contentviews.add(ContextPawView())
     defaults = FitSettings()  # until mitmproxy configures the options
-    store = EvictedStore(max_items=defaults.evicted_items, max_bytes=defaults.evicted_bytes, max_age_s=defaults.evicted_ttl)
+    store = Archive(max_items=defaults.evicted_items, max_bytes=defaults.evicted_bytes, max_age_s=defaults.evicted_ttl)
     stats = Stats(store)
     session = Session()
     services = HttpServices(session)
@@ -40,7 +40,7 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     backends = Backends(ledger, session)
     gpu = Arbitration(backends, new_arbiter or functools.partial(Arbiter, session=session.get))
-    compactor = Compactor(backends, fitter, states, ledger, session)
+    compactor = Compactor(backends, fitter, states, ledger, session, store)
     stats.sources += [gpu.metrics, compactor.summary_metrics]
     upstream = Upstream(backends, fitter, states, ledger)
     backends.relay = upstream.relay

@@ -19,7 +19,7 @@ import pytest
 
 from contextpaw.command import launch
 from contextpaw.ops import admin
-from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.evicted import MemoryStore
 from contextpaw.ops.metrics import Stats
 from contextpaw.wire import Backend, Kind
 
@@ -169,7 +169,7 @@ def _admin(window: tuple[int, str] = (8192, "backend")) -> admin.Admin:
     async def served(backend: Backend, model: str) -> dict:
         return {"window": window[0], "source": window[1], "counted": "exactly", "agent_window": window[0]}
 
-    store = EvictedStore(max_items=1, max_bytes=1, max_age_s=1)
+    store = MemoryStore(max_items=1, max_bytes=1, max_age_s=1)
     return admin.Admin(Stats(store), store, nothing, nothing, served)
 
 

@@ -20,7 +20,7 @@ from contextpaw.fitting.counter_choice import rough_size
 from contextpaw.fitting.engine import Fitted
 from contextpaw.fitting.fitter import MAX_RESCUES, Fitter
 from contextpaw.fitting.flow import PHASES, UNCHANGED, FlowState, Forward, IllegalPhase, Phase, Refuse
-from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.evicted import MemoryStore
 from contextpaw.ops.metrics import Stats
 from contextpaw.settings import FitSettings
 from support.backends import locate_smollm2
@@ -340,7 +340,7 @@ async def test_a_small_request_starts_loading_the_tokenizer_its_model_will_count
     """A GGUF vocabulary takes seconds to read: the first request big enough to need it must not
     wait for it. A small one is counted with the estimate, and sends for the tokenizer meanwhile."""
     services = NamingServices("/root/.ollama/models/blobs/sha256-0a1b")
-    f = Fitter(services, Stats(store := EvictedStore(max_items=100, max_bytes=1 << 20, max_age_s=60)), store, FitSettings())
+    f = Fitter(services, Stats(store := MemoryStore(max_items=100, max_bytes=1 << 20, max_age_s=60)), store, FitSettings())
     small = state(chat(turns=3, num_ctx=8192))
     await f.fit(small)
     assert small.report is not None and not small.report.compacted and small.report.counter == "calibrated", "counted with the estimate"

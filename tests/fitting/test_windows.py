@@ -140,12 +140,12 @@ async def test_what_was_learned_of_a_backend_that_refused_or_reset_a_connection_
 
 
 def test_the_ledger_tells_of_refused_and_reset_connections_but_not_of_slow_answers():
-    from contextpaw.ops.evicted import EvictedStore
+    from contextpaw.ops.evicted import MemoryStore
     from contextpaw.ops.metrics import FailureLedger, Stats
     from contextpaw.proxy.backends import located
 
     told: list[str] = []
-    ledger = FailureLedger(Stats(EvictedStore(max_items=1, max_bytes=1, max_age_s=1)), broken=told.append)
+    ledger = FailureLedger(Stats(MemoryStore(max_items=1, max_bytes=1, max_age_s=1)), broken=told.append)
     ledger.unreachable("127.0.0.1:8091", "POST /v1/chat/completions", "refused")
     ledger.failed("POST /completion", "reset the connection", target="localhost:8091")
     ledger.failed("POST /completion", "sent no answer for 2 s", target="127.0.0.1:8091", timed_out=True)

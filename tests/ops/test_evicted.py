@@ -9,7 +9,7 @@ import pytest
 from contextpaw import wire
 from contextpaw.core.caches import LRU
 from contextpaw.core.compact import Plan
-from contextpaw.ops.evicted import EvictedStore, encode
+from contextpaw.ops.evicted import EvictedStore, MemoryStore, encode
 
 
 class Clock:
@@ -22,7 +22,7 @@ class Clock:
 
 def store(clock: Clock | None = None, **bounds: int) -> EvictedStore:
     limits = {"max_items": 100, "max_bytes": 1 << 20, "max_age_s": 60} | bounds
-    return EvictedStore(**limits, clock=clock or Clock())
+    return MemoryStore(**limits, clock=clock or Clock())
 
 
 def test_content_comes_back_verbatim_as_json() -> None:

@@ -15,7 +15,7 @@ from mitmproxy.test import taddons
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.evicted import MemoryStore
 from contextpaw.ops.metrics import MODEL_LABELS, SOURCE_HELP, Stats
 from contextpaw.proxy.compose import make_addons
 from support.common import free_port
@@ -112,7 +112,7 @@ async def test_a_refusal_and_an_unreachable_backend_are_counted_with_their_label
 
 
 def test_the_model_label_keeps_the_first_models_and_counts_the_rest_as_other() -> None:
-    stats = Stats(EvictedStore(max_items=1, max_bytes=1, max_age_s=1))
+    stats = Stats(MemoryStore(max_items=1, max_bytes=1, max_age_s=1))
     for n in range(MODEL_LABELS + 5):
         stats.add("requests", where=stats.where("ollama", "ollama.chat", f"model-{n}"))
     stats.add("requests", where=stats.where("ollama", "ollama.chat", "model-0"))

@@ -16,7 +16,7 @@ from contextpaw import wire
 from contextpaw.fitting.calibration import EARLY_RANGE, PHYSICAL, Calibration
 from contextpaw.fitting.fitter import Fitter
 from contextpaw.fitting.flow import FlowState
-from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.evicted import MemoryStore
 from contextpaw.ops.metrics import Stats
 from contextpaw.settings import FitSettings
 
@@ -57,7 +57,7 @@ class Quiet:
 
 async def test_a_backend_that_lies_low_cannot_talk_the_fitter_into_an_overflow() -> None:
     """After twenty lying answers a 12 KB chat into a 1,024-token window is still compacted."""
-    store = EvictedStore(max_items=10, max_bytes=1 << 20, max_age_s=60)
+    store = MemoryStore(max_items=10, max_bytes=1 << 20, max_age_s=60)
     fitter = Fitter(Quiet(), Stats(store), store, FitSettings(default_ctx=1024, output_reserve=128, discover_window=False))  # type: ignore[arg-type]
     route = wire.route_for(wire.Kind.OLLAMA, "POST", "/v1/chat/completions")
     backend = wire.Backend.parse(wire.Kind.OLLAMA, "http://127.0.0.1:1")

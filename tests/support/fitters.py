@@ -12,7 +12,7 @@ from contextpaw.core.tokens import Counter
 from contextpaw.fitting.fitter import Fitter
 from contextpaw.fitting.flow import FlowState
 from contextpaw.fitting.services import Complete
-from contextpaw.ops.evicted import EvictedStore
+from contextpaw.ops.evicted import MemoryStore
 from contextpaw.ops.metrics import Stats
 from contextpaw.settings import FitSettings
 
@@ -74,7 +74,7 @@ def chat(turns: int = 12, num_ctx: int = 2048, **extra: Any) -> dict[str, Any]:
 def fitter(**settings: Any) -> Fitter:
     return Fitter(
         FakeServices(),
-        Stats(store := EvictedStore(max_items=100, max_bytes=1 << 20, max_age_s=60)),
+        Stats(store := MemoryStore(max_items=100, max_bytes=1 << 20, max_age_s=60)),
         store,
         replace(FitSettings(), **settings),
     )

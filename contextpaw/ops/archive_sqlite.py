@@ -1,0 +1,194 @@
+"""The archive on disk: evicted content in SQLite (the standard library's `sqlite3`, WAL mode) under
+the state directory, private to the user (a 0700 directory, 0600 files), bounded by count, bytes
+and age in SQL, searchable through an FTS5 table over its text, and there again after a restart.
+
+Writes go through one writer thread and its queue: `put` hands the content over and returns, so a
+slow or full disk never holds up the event loop; until the writer has committed it, `get` answers
+the content from the queue's own copy. Reads of one id are made on the caller's thread, on a
+connection of their own: in WAL mode a reader never waits for the writer (it reads the last
+commit), and a primary-key lookup costs tens of microseconds, less than handing it to a thread
+would. `search` reads the FTS index, which can take longer: the endpoint runs it in a thread.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from contextpaw.core import logs
+from contextpaw.ops.evicted import EvictedStore, searchable
+
+logger = logs.get(__name__)
+
+ARCHIVE_FILE = "contextpaw-archive.sqlite3"
+BATCH = 256
+"""Puts the writer commits in one transaction at most."""
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS items (seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, at REAL NOT NULL,
+                                  size INTEGER NOT NULL, data BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS items_at ON items (at);
+CREATE VIRTUAL TABLE IF NOT EXISTS texts USING fts5 (text);
+CREATE TRIGGER IF NOT EXISTS items_gone AFTER DELETE ON items BEGIN DELETE FROM texts WHERE rowid = old.seq; END;
+"""
+
+TRIM = """DELETE FROM items WHERE seq IN (
+    SELECT seq FROM (SELECT seq, SUM(size) OVER newest AS total, ROW_NUMBER() OVER newest AS n
+                     FROM items WINDOW newest AS (ORDER BY seq DESC))
+    WHERE total > ? OR n > ?)"""
+"""Drop the oldest until the newest fit both the count and the byte bound."""
+
+
+def private_dir(path: Path) -> None:
+    """Make `path` (and its parents) for this user only, if missing: 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def private_file(path: Path) -> None:
+    """Make `path` an empty file for this user only (0600) if missing, and make it 0600 if not."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def fts_query(query: str) -> str:
+    """Each word of `query` as an FTS5 string, all of them required: what a user types is never
+    read as FTS5's own syntax (`AND`, `*`, quotes, column filters)."""
+    return " ".join('"' + word.replace('"', '""') + '"' for word in query.split())
+
+
+class SqliteStore(EvictedStore):
+    """Evicted content in `path`, an SQLite database in WAL mode (see the module's note)."""
+
+    def __init__(self, path: Path, *, max_items: int, max_bytes: int, max_age_s: float, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
+        self.path = path
+        self._clock = clock
+        private_dir(path.parent)
+        private_file(path)
+        self._read = self._connect()
+        self._read.executescript(SCHEMA)
+        self._read_lock = threading.Lock()
+        self._count, self._bytes = self._read.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()
+        self._pending: dict[str, tuple[float, builtins.bytes]] = {}
+        """Puts handed to the writer and not yet committed, by id: read from here meanwhile."""
+        self._pending_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[str, float, builtins.bytes] | threading.Event | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="contextpaw-archive", daemon=True)
+        self._writer.start()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
+
+    def __len__(self) -> int:
+        return self._count + len(self._pending)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def put(self, marker_id: str, data: builtins.bytes) -> None:
+        at = self._clock()
+        with self._pending_lock:
+            self._pending[marker_id] = (at, data)
+        self._queue.put((marker_id, at, data))
+
+    def get(self, marker_id: str) -> builtins.bytes | None:
+        oldest = self._clock() - self.max_age_s
+        with self._pending_lock:
+            pending = self._pending.get(marker_id)
+        if pending is not None:
+            return pending[1] if pending[0] >= oldest and len(pending[1]) <= self.max_bytes else None
+        with self._read_lock:
+            row = self._read.execute("SELECT data FROM items WHERE id = ? AND at >= ?", (marker_id, oldest)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def search(self, query: str, limit: int) -> list[tuple[str, str]]:
+        if not query.split() or limit < 1:
+            return []
+        sql = (
+            "SELECT items.id, snippet(texts, 0, '', '', '…', 24) FROM texts JOIN items ON items.seq = texts.rowid"
+            " WHERE texts MATCH ? AND items.at >= ? ORDER BY rank LIMIT ?"
+        )
+        with self._read_lock:
+            rows = self._read.execute(sql, (fts_query(query), self._clock() - self.max_age_s, limit)).fetchall()
+        return [(marker_id, " ".join(text.split())) for marker_id, text in rows]
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=30)
+        with self._read_lock:
+            self._read.close()
+
+    # -- the writer thread ----------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        db = self._connect()
+        try:
+            while True:
+                batch = [self._queue.get()]
+                while len(batch) < BATCH and isinstance(batch[-1], tuple):
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                puts = [item for item in batch if isinstance(item, tuple)]
+                if puts:
+                    try:
+                        self._write(db, puts)
+                    except sqlite3.Error as e:
+                        logger.warning("the archive %s could not be written (%s): %d evicted contents lost", self.path, e, len(puts))
+                        self._forget_pending(puts)
+                for item in batch:
+                    if isinstance(item, threading.Event):
+                        item.set()
+                if batch[-1] is None:
+                    return
+        finally:
+            db.close()
+
+    def _write(self, db: sqlite3.Connection, puts: list[tuple[str, float, builtins.bytes]]) -> None:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for marker_id, at, data in puts:
+                db.execute("DELETE FROM items WHERE id = ?", (marker_id,))
+                if len(data) > self.max_bytes:
+                    continue
+                seq = db.execute("INSERT INTO items (id, at, size, data) VALUES (?, ?, ?, ?)", (marker_id, at, len(data), data)).lastrowid
+                db.execute("INSERT INTO texts (rowid, text) VALUES (?, ?)", (seq, searchable(data)))
+            db.execute("DELETE FROM items WHERE at < ?", (self._clock() - self.max_age_s,))
+            count, size = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()
+            if count > self.max_items or size > self.max_bytes:
+                db.execute(TRIM, (self.max_bytes, self.max_items))
+                count, size = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()
+            db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            raise
+        self._count, self._bytes = count, size
+        self._forget_pending(puts)
+
+    def _forget_pending(self, puts: list[tuple[str, float, builtins.bytes]]) -> None:
+        with self._pending_lock:
+            for marker_id, at, data in puts:
+                if self._pending.get(marker_id) == (at, data):
+                    del self._pending[marker_id]

@@ -1,0 +1,172 @@
+"""Every evicted store through one suite: the in-memory one and the SQLite archive (and Redis,
+where its server is installed) keep, bound, expire and search the same way."""
+
+from __future__ import annotations
+
+import json
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from contextpaw.ops.archive import Archive
+from contextpaw.ops.archive_sqlite import ARCHIVE_FILE, SqliteStore
+from contextpaw.ops.evicted import EvictedStore, MemoryStore, encode
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Opener = Callable[..., EvictedStore]
+"""(clock, **bounds) -> a store over the same place each call (a restart)."""
+
+KINDS = ["memory", "sqlite"]
+
+
+@pytest.fixture(params=KINDS)
+def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    opened: list[EvictedStore] = []
+
+    def open_store(clock: Clock, **bounds: int) -> EvictedStore:
+        limits = {"max_items": 100, "max_bytes": 1 << 20, "max_age_s": 60} | bounds
+        store: EvictedStore
+        if request.param == "memory":
+            store = MemoryStore(**limits, clock=clock)
+        else:
+            store = SqliteStore(tmp_path / "state" / ARCHIVE_FILE, **limits, clock=clock)
+        opened.append(store)
+        return store
+
+    open_store.kind = request.param  # type: ignore[attr-defined]
+    yield open_store
+    for store in opened:
+        store.close()
+
+
+def test_content_comes_back_verbatim_and_unknown_ids_are_none(opener: Opener) -> None:
+    s = opener(Clock())
+    content = [{"role": "tool", "content": 'ünïcode \n\t and "quotes" \udc80'}]
+    s.put("cp-1", encode(content))
+    assert s.get("cp-1") == encode(content)
+    assert s.flush() and s.get("cp-1") == encode(content)
+    assert json.loads(s.get("cp-1") or b"")[0]["content"].startswith("ünïcode")
+    assert s.get("cp-unknown") is None
+
+
+def test_count_bound_drops_the_oldest(opener: Opener) -> None:
+    s = opener(Clock(), max_items=2)
+    for i in range(3):
+        s.put(f"cp-{i}", encode("x"))
+    s.flush()
+    assert (s.get("cp-0"), len(s)) == (None, 2)
+    assert s.get("cp-1") is not None and s.get("cp-2") is not None
+
+
+def test_byte_bound_drops_the_oldest_and_refuses_what_never_fits(opener: Opener) -> None:
+    s = opener(Clock(), max_bytes=20)
+    s.put("cp-a", encode("a" * 10))
+    s.put("cp-b", encode("b" * 10))
+    s.flush()
+    assert s.get("cp-a") is None and s.get("cp-b") is not None
+    s.put("cp-huge", encode("c" * 100))
+    s.flush()
+    assert s.get("cp-huge") is None and s.bytes == 12
+
+
+def test_age_bound_expires_and_a_repeat_refreshes(opener: Opener) -> None:
+    clock = Clock()
+    s = opener(clock, max_age_s=10)
+    s.put("cp-old", encode("x"))
+    s.put("cp-kept", encode("y"))
+    clock.now += 8
+    s.put("cp-kept", encode("y"))
+    s.flush()
+    clock.now += 3
+    assert s.get("cp-old") is None and s.get("cp-kept") is not None
+    assert [ref for ref, _ in s.search("y", 5)] == ["cp-kept"]
+
+
+def test_search_finds_every_word_and_shows_where(opener: Opener) -> None:
+    s = opener(Clock())
+    s.put("cp-env", encode([{"role": "tool", "content": "DB_HOST=db.internal\nDB_PASSWORD=hunter2"}]))
+    s.put("cp-log", encode([{"role": "tool", "content": "GET /health 200\nGET /metrics 500 UnicodeEncodeError"}]))
+    s.flush()
+    found = s.search("metrics UnicodeEncodeError", 10)
+    assert [ref for ref, _ in found] == ["cp-log"] and "UnicodeEncodeError" in found[0][1]
+    assert s.search("nothing-like-this", 10) == [] and s.search("  ", 10) == []
+    assert s.search('" OR * NEAR(', 10) == []  # what a user types is never the database's syntax
+    assert len(s.search("GET", 1)) == 1
+
+
+def test_a_restart_keeps_what_the_archive_held(opener: Opener) -> None:
+    clock = Clock()
+    first = opener(clock)
+    first.put("cp-1", encode("kept across restarts"))
+    first.close()
+    again = opener(clock)
+    durable = opener.kind != "memory"  # type: ignore[attr-defined]
+    assert (again.get("cp-1") == encode("kept across restarts")) is durable
+    assert bool(again.search("restarts", 5)) is durable and (len(again) == 1) is durable
+
+
+def test_the_archive_is_private_to_its_user(tmp_path: Path) -> None:
+    state = tmp_path / "new" / "state"
+    s = SqliteStore(state / ARCHIVE_FILE, max_items=10, max_bytes=1 << 20, max_age_s=60)
+    s.put("cp-1", encode("secret"))
+    s.flush()
+    try:
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        files = [p for p in state.iterdir() if p.name.startswith(ARCHIVE_FILE)]
+        assert {p.name for p in files} >= {ARCHIVE_FILE, ARCHIVE_FILE + "-wal"}
+        assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o600 for p in files}
+    finally:
+        s.close()
+
+
+def test_put_returns_while_the_disk_is_stuck_and_get_answers_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that takes seconds per write holds up the writer thread, never the caller."""
+    stuck = threading.Event()
+    write = SqliteStore._write
+
+    def slow_write(self: SqliteStore, *args: object) -> None:
+        stuck.wait(30)
+        write(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqliteStore, "_write", slow_write)
+    s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=10, max_bytes=1 << 20, max_age_s=60)
+    try:
+        started = time.perf_counter()
+        for i in range(50):
+            s.put(f"cp-{i}", encode(f"content {i}"))
+        assert time.perf_counter() - started < 0.5
+        assert s.get("cp-49") == encode("content 49") and not s.flush(timeout=0.2)
+        stuck.set()
+        assert s.flush() and s.get("cp-49") == encode("content 49") and len(s) == 10
+    finally:
+        stuck.set()
+        s.close()
+
+
+def test_the_archive_opens_what_the_options_name(tmp_path: Path) -> None:
+    archive = Archive(max_items=10, max_bytes=1 << 20, max_age_s=60)
+    assert isinstance(archive.store, MemoryStore)
+    archive.open("sqlite", tmp_path)
+    archive.bound(max_items=1, max_bytes=1 << 20, max_age_s=60)
+    archive.put("cp-1", encode("one"))
+    archive.put("cp-2", encode("two"))
+    archive.flush()
+    assert isinstance(archive.store, SqliteStore) and (tmp_path / ARCHIVE_FILE).exists()
+    assert archive.get("cp-1") is None and archive.get("cp-2") == encode("two") and len(archive) == 1
+    archive.open("memory", tmp_path)
+    assert isinstance(archive.store, MemoryStore) and archive.get("cp-2") is None
+    with pytest.raises(ValueError, match="not an archive"):
+        archive.open("postgres://x", tmp_path)
+    archive.close()
