@@ -261,6 +261,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from contextpaw.command import launcher
 
         sys.exit(launcher.main(argv[1:]))
+    if argv[:1] == ["mcp"]:
+        from contextpaw.command import mcp
+
+        sys.exit(mcp.main(argv[1:]))
     ns, _ = own_parser().parse_known_args(argv)
     try:
         backends, notes = fronted(ns)

@@ -7,6 +7,10 @@ served window, the agent compacts its history with the model's own summary befor
 reached, and ContextPaw's cut stays the safety net. A user's own config file is never touched: the
 settings travel as environment variables and flags, or in a file of ContextPaw's own (in its state
 directory) that the agent is pointed at.
+
+Each agent that speaks MCP (Claude Code, Codex, opencode, Qwen Code) also gets `contextpaw mcp`
+registered the same way, for this session only: its `contextpaw_retrieve` and `contextpaw_search`
+tools give back what ContextPaw evicted (contextpaw/command/mcp.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,17 @@ class Target:
     served: int | None = None
     """The window the backend serves, where the agent is told less (`/contextpaw/window`'s
     `agent_window`: ContextPaw counts the model by estimate); None: the same."""
+    contextpaw: tuple[str, ...] = ("contextpaw",)
+    """The command that runs ContextPaw, for the agent to start `contextpaw mcp` with."""
+    token_dir: Path | None = None
+    """The proxy's state directory, where `contextpaw mcp` finds its token; None: the server's own
+    default (~/.contextpaw, then ~/.mitmproxy)."""
+
+    @property
+    def mcp(self) -> tuple[str, ...]:
+        """The command line of the MCP server that reads back from this proxy."""
+        where = ("--state-dir", str(self.token_dir)) if self.token_dir else ()
+        return (*self.contextpaw, "mcp", "--url", self.proxy.rstrip("/"), *where)
 
     @property
     def num_ctx(self) -> int:
@@ -98,6 +113,18 @@ def _v1(target: Target) -> str:
     return target.proxy.rstrip("/") + "/v1"
 
 
+MCP_NAME = "contextpaw"
+"""The name the MCP server is registered under (Claude Code shows its tools as
+`mcp__contextpaw__contextpaw_retrieve`)."""
+MCP_STARTUP_S = 30
+"""How long an agent waits for the server to start (Codex's default, 10 s, is short for a cold
+Python start on a busy machine)."""
+
+
+def _mcp_note(agent: str, how: str) -> str:
+    return f"{agent}: contextpaw_retrieve and contextpaw_search (`contextpaw mcp`, MCP server {MCP_NAME!r}) through {how}"
+
+
 CLAUDE_MODELS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
                  "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")  # fmt: skip
 """Every model name Claude Code may pick (its main model, the aliases, the one for its background
@@ -116,12 +143,17 @@ def claude(target: Target) -> Launch:
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(target.output),
     }
     compacts = target.window - min(target.output, 20_000) - 13_000
+    command, *args = target.mcp
+    servers = {"mcpServers": {MCP_NAME: {"type": "stdio", "command": command, "args": args}}}
     notes = (
         f"Claude Code: window {target.window} (CLAUDE_CODE_MAX_CONTEXT_TOKENS), answers up to {target.output} tokens; "
         + (f"it compacts its history from {compacts} tokens" if compacts > 0 else
            "it keeps 13,000 tokens for a summary, more than the window leaves: raise the window"),
+        _mcp_note("Claude Code", "--mcp-config (this session only, beside your own servers)"),
     )  # fmt: skip
-    return Launch("claude", ("claude",), _frozen(env), _frozen({"ANTHROPIC_AUTH_TOKEN": "contextpaw"}), notes=notes)
+    # One argument, `--mcp-config=JSON`: the flag takes several values, and would take the user's prompt after it too.
+    argv = ("claude", "--mcp-config=" + json.dumps(servers, separators=(",", ":")))
+    return Launch("claude", argv, _frozen(env), _frozen({"ANTHROPIC_AUTH_TOKEN": "contextpaw"}), notes=notes)
 
 
 def codex(target: Target) -> Launch:
@@ -134,10 +166,14 @@ def codex(target: Target) -> Launch:
         "model_providers.contextpaw": provider,
         "model_context_window": str(target.window),
         "model_auto_compact_token_limit": str(target.compact_at),
+        f"mcp_servers.{MCP_NAME}.command": json.dumps(target.mcp[0]),
+        f"mcp_servers.{MCP_NAME}.args": json.dumps(list(target.mcp[1:])),
+        f"mcp_servers.{MCP_NAME}.startup_timeout_sec": str(MCP_STARTUP_S),
     }
     argv = ("codex", *(a for key, value in overrides.items() for a in ("-c", f"{key}={value}")))
     notes = (f"Codex: window {target.window} (model_context_window); it compacts its history from "
-             f"{target.compact_at} tokens (model_auto_compact_token_limit)",)  # fmt: skip
+             f"{target.compact_at} tokens (model_auto_compact_token_limit)",
+             _mcp_note("Codex", f"-c mcp_servers.{MCP_NAME}.*"))  # fmt: skip
     return Launch("codex", argv, notes=notes)
 
 
@@ -158,9 +194,11 @@ def opencode(target: Target) -> Launch:
         },
         "model": f"contextpaw/{target.model}",
         "small_model": f"contextpaw/{target.model}",
+        "mcp": {MCP_NAME: {"type": "local", "command": list(target.mcp), "enabled": True, "timeout": MCP_STARTUP_S * 1000}},
     }
     notes = (f"opencode: window {target.window}, answers up to {target.output} (limit.context, limit.output) "
-             f"in {path}, through OPENCODE_CONFIG",)  # fmt: skip
+             f"in {path}, through OPENCODE_CONFIG",
+             _mcp_note("opencode", f"mcp.{MCP_NAME} in the same file"))  # fmt: skip
     return Launch("opencode", ("opencode",), _frozen({"OPENCODE_CONFIG": str(path)}),
                   files=MappingProxyType({path: json.dumps(config, indent=2) + "\n"}), notes=notes)  # fmt: skip
 
@@ -187,7 +225,9 @@ def aider(target: Target) -> Launch:
         env = {"OPENAI_API_BASE": _v1(target)}
         defaults = {"OPENAI_API_KEY": "contextpaw"}
     notes = (f"aider: window {target.window} (max_input_tokens in {metadata_path})"
-             + (f", num_ctx {target.num_ctx} on every request" if target.kind == Kind.OLLAMA else ""),)  # fmt: skip
+             + (f", num_ctx {target.num_ctx} on every request" if target.kind == Kind.OLLAMA else ""),
+             "aider: no MCP, so no contextpaw_retrieve; what ContextPaw evicts is read back with the curl command "
+             "its marker names")  # fmt: skip
     return Launch("aider", tuple(argv), _frozen(env), _frozen(defaults), MappingProxyType(files), notes)
 
 
@@ -198,11 +238,15 @@ def qwen(target: Target) -> Launch:
     `QWEN_CODE_MAX_OUTPUT_TOKENS` (it would ask for 32,000). It compacts at 85% of the window, or
     33,000 tokens below it where that is lower and positive."""
     path = _generated(target, "qwen", ".defaults.json")
-    settings = {"model": {"generationConfig": {"contextWindowSize": target.window}}}
+    settings = {
+        "model": {"generationConfig": {"contextWindowSize": target.window}},
+        "mcpServers": {MCP_NAME: {"command": target.mcp[0], "args": list(target.mcp[1:])}},
+    }
     env = {"OPENAI_BASE_URL": _v1(target), "OPENAI_MODEL": target.model, "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(path),
            "QWEN_CODE_MAX_OUTPUT_TOKENS": str(target.output)}  # fmt: skip
     notes = (f"Qwen Code: window {target.window} (model.generationConfig.contextWindowSize in {path}, through "
-             f"QWEN_CODE_SYSTEM_DEFAULTS_PATH), answers up to {target.output} (QWEN_CODE_MAX_OUTPUT_TOKENS)",)  # fmt: skip
+             f"QWEN_CODE_SYSTEM_DEFAULTS_PATH), answers up to {target.output} (QWEN_CODE_MAX_OUTPUT_TOKENS)",
+             _mcp_note("Qwen Code", f"mcpServers.{MCP_NAME} in the same file"))  # fmt: skip
     return Launch("qwen", ("qwen", "--auth-type", "openai", "-m", target.model), _frozen(env),
                   _frozen({"OPENAI_API_KEY": "contextpaw"}), MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}), notes)  # fmt: skip
 

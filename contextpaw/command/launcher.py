@@ -22,6 +22,7 @@ from contextpaw.command import launch
 
 DEFAULT_PROXIES = ("http://127.0.0.1:11434", "http://127.0.0.1:8092")
 """Where `contextpaw` listens by default: in front of Ollama, then of llama-server."""
+DEFAULT_STATE_DIR = "~/.contextpaw"
 ASK_TIMEOUT_S = 120.0
 """Learning an Ollama model's window may load it, as the agent's first request would."""
 
@@ -42,8 +43,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help=f"where ContextPaw listens (default: the first of {', '.join(DEFAULT_PROXIES)} that answers)")
     p.add_argument("--model", help="the model (default: the one the backend lists, when it lists one)")
     p.add_argument("--window", type=int, metavar="N", help="tell the agent this window instead of the one ContextPaw serves")
-    p.add_argument("--state-dir", type=Path, default=Path("~/.contextpaw"), metavar="DIR",
-                   help="where the generated files go, under launch/ (default ~/.contextpaw, ContextPaw's own)")  # fmt: skip
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="ContextPaw's state directory: the generated files go under launch/, and `contextpaw mcp` reads the "
+                        "proxy's token there (default ~/.contextpaw, ContextPaw's own)")  # fmt: skip
     p.add_argument("--print", action="store_true", help="show what would be set and written, as a shell script; start nothing")
     return p
 
@@ -98,9 +100,20 @@ def target(ns: argparse.Namespace) -> launch.Target:
         )
     window = ns.window or told
     kind = wire.Kind(served["backend"]["kind"])
+    state_dir = (ns.state_dir or Path(DEFAULT_STATE_DIR)).expanduser()
     return launch.Target(
-        proxy, model, window, kind, ns.state_dir.expanduser(), served=int(served["window"]) if window != served["window"] else None
-    )
+        proxy, model, window, kind, state_dir, served=int(served["window"]) if window != served["window"] else None,
+        contextpaw=contextpaw_command(), token_dir=state_dir if ns.state_dir else None,
+    )  # fmt: skip
+
+
+def contextpaw_command() -> tuple[str, ...]:
+    """How the agent starts ContextPaw again (for `contextpaw mcp`): the `contextpaw` that runs now,
+    by its full path, else this Python with the module."""
+    running = Path(sys.argv[0])
+    if running.name == "contextpaw" and running.is_file():
+        return (str(running.resolve()),)
+    return (sys.executable, "-m", "contextpaw.command.cli")
 
 
 def main(argv: Sequence[str]) -> int:

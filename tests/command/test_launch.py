@@ -58,7 +58,7 @@ def test_claude_code_is_told_when_its_summary_room_leaves_no_window() -> None:
 def test_a_window_under_the_agents_fixed_part_is_named_with_the_least_that_holds_it() -> None:
     small = launch.plan("qwen", target(16384)).notes
     assert "about 16,800 tokens" in small[-1] and "at least 19,456" in small[-1]
-    assert len(launch.plan("qwen", target(32768)).notes) == 1
+    assert launch.plan("qwen", target(32768)).notes == launch.qwen(target(32768)).notes
 
 
 def test_the_fixed_parts_are_those_of_the_recorded_first_requests() -> None:
@@ -122,7 +122,7 @@ def test_aider_on_llama_server_speaks_openai_without_num_ctx() -> None:
 def test_qwen_code_reads_a_generated_system_defaults_file() -> None:
     plan = launch.plan("qwen", target(32768))
     path = Path(plan.env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"])
-    assert json.loads(plan.files[path]) == {"model": {"generationConfig": {"contextWindowSize": 32768}}}
+    assert json.loads(plan.files[path])["model"] == {"generationConfig": {"contextWindowSize": 32768}}
     assert plan.env["QWEN_CODE_MAX_OUTPUT_TOKENS"] == "4096"
     assert plan.env["OPENAI_BASE_URL"] == "http://127.0.0.1:8092/v1" and plan.argv[-2:] == ("-m", "qwen3:8b")
 
@@ -154,8 +154,69 @@ def test_the_printed_script_sets_what_the_launch_sets(agent: str, tmp_path: Path
     assert {path: path.read_text() for path in plan.files} == dict(plan.files)
 
 
+MCP = ("/venv/bin/contextpaw", "mcp", "--url", "http://127.0.0.1:8092")
+"""The MCP server's command line for `target()`, started by the `contextpaw` that launched."""
+
+
+def mcp_target(token_dir: Path | None = None) -> launch.Target:
+    return dataclasses.replace(target(), contextpaw=("/venv/bin/contextpaw",), token_dir=token_dir)
+
+
+def test_claude_code_gets_the_mcp_server_for_this_session_only_in_one_argument() -> None:
+    """`--mcp-config` takes several values: given as one `--mcp-config=JSON` argument, the user's
+    prompt after it stays a prompt; without `--strict-mcp-config`, the user's own servers stay."""
+    plan = launch.plan("claude", mcp_target())
+    (given,) = [a for a in plan.argv if a.startswith("--mcp-config")]
+    assert given.startswith("--mcp-config={")
+    server = json.loads(given.partition("=")[2])["mcpServers"]["contextpaw"]
+    assert server == {"type": "stdio", "command": MCP[0], "args": list(MCP[1:])}
+    assert "--strict-mcp-config" not in plan.argv and not plan.files
+    assert any("contextpaw_retrieve" in note and "--mcp-config" in note for note in plan.notes)
+
+
+def test_codex_gets_the_mcp_server_as_overrides_only() -> None:
+    plan = launch.plan("codex", mcp_target())
+    given = overrides(plan)
+    assert given["mcp_servers.contextpaw.command"] == json.dumps(MCP[0])
+    assert json.loads(given["mcp_servers.contextpaw.args"]) == list(MCP[1:])
+    assert given["mcp_servers.contextpaw.startup_timeout_sec"] == "30"
+    assert not plan.env and not plan.files
+
+
+def test_opencode_gets_the_mcp_server_in_its_generated_config() -> None:
+    plan = launch.plan("opencode", mcp_target())
+    ((_, text),) = plan.files.items()
+    server = json.loads(text)["mcp"]["contextpaw"]
+    assert server == {"type": "local", "command": list(MCP), "enabled": True, "timeout": 30000}
+
+
+def test_qwen_code_gets_the_mcp_server_in_its_generated_defaults() -> None:
+    plan = launch.plan("qwen", mcp_target())
+    defaults = json.loads(plan.files[Path(plan.env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"])])
+    assert defaults["mcpServers"] == {"contextpaw": {"command": MCP[0], "args": list(MCP[1:])}}
+
+
+def test_aider_has_no_mcp_and_its_notes_say_so() -> None:
+    plan = launch.plan("aider", mcp_target())
+    assert any("no MCP" in note and "curl" in note for note in plan.notes)
+    assert not any("mcp" in a for a in plan.argv) and not any("mcp" in text for text in plan.files.values())
+
+
+def test_the_mcp_server_reads_the_token_where_launch_was_told_the_state_dir() -> None:
+    assert mcp_target().mcp == MCP
+    assert mcp_target(Path("/srv/cp")).mcp == (*MCP, "--state-dir", "/srv/cp")
+    assert launch.Target("http://h:1/", "m", 8192, Kind.OLLAMA, STATE).mcp == ("contextpaw", "mcp", "--url", "http://h:1")
+
+
+@pytest.mark.parametrize("agent", ["claude", "codex", "opencode", "qwen"])
+def test_the_printed_script_registers_the_mcp_server(agent: str) -> None:
+    script = launch.plan(agent, mcp_target()).script()
+    assert "/venv/bin/contextpaw" in script and "http://127.0.0.1:8092" in script
+    assert "contextpaw_retrieve" in script  # the note, as a comment
+
+
 def test_a_default_yields_to_the_users_own_value(tmp_path: Path) -> None:
-    plan = launch.plan("claude", target())
+    plan = dataclasses.replace(launch.plan("claude", target()), argv=("claude",))  # its environment only
     env = {"PATH": os.environ["PATH"], "ANTHROPIC_AUTH_TOKEN": "mine"}
     script = plan.script().replace("exec claude", 'printf %s "$ANTHROPIC_AUTH_TOKEN"')
     done = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True, timeout=30)
