@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin
-[[ -x $py/ruff ]] || bash scripts/setup.sh
+[[ -x $py/ruff ]] || bash scripts/install/setup.sh
 step() { printf 'check: %s\n' "$1" >&2; }
 step "ruff (lint)";    "$py/ruff" check contextpaw tests scripts contextpaw_addon.py
 step "ruff (format)";  "$py/ruff" format --check contextpaw tests scripts contextpaw_addon.py

@@ -3,10 +3,10 @@
 # real llama-server + model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/install/setup.sh
 bash scripts/check.sh
-export LLAMA_SERVER="${LLAMA_SERVER:-$(PYTHON=.venv/bin/python bash scripts/get_llama_server.sh)}"
-bash scripts/get_agents.sh >/dev/null || echo "the agent CLIs are not installed (above); tests/agents says why it skips or fails" >&2
+export LLAMA_SERVER="${LLAMA_SERVER:-$(PYTHON=.venv/bin/python bash scripts/install/get_llama_server.sh)}"
+bash scripts/install/get_agents.sh >/dev/null || echo "the agent CLIs are not installed (above); tests/agents says why it skips or fails" >&2
 # coverage of the package by the tests run in-process (agents and servers run as child processes
 # are not counted), summed up at the end; sys.monitoring keeps its cost low on 3.12
 export COVERAGE_CORE=sysmon

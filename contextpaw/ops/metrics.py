@@ -70,6 +70,16 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 
 
+def label(value: str) -> str:
+    """`value` as a label the page can always carry: what UTF-8 cannot encode (a lone surrogate from a
+    client's JSON, `"m\\ud800"`) written as its backslash escape, so a scrape never fails on it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Where:
     """The labels of one request's series: the backend's kind, the route, and the model (bounded)."""
@@ -121,15 +131,18 @@ class Stats(Collector):
         self.registry.register(self)
 
     def where(self, kind: str | None, route: str | None, model: str | None = None) -> Where:
-        """The labels for a request; the first `MODEL_LABELS` models keep their names."""
+        """The labels for a request, each one encodable (`label`); the first `MODEL_LABELS` models
+        keep their names."""
         if not model:
             model = UNKNOWN
-        elif model not in self.models:
-            if len(self.models) < MODEL_LABELS and len(model) <= MODEL_NAME_CHARS:
-                self.models.add(model)
-            else:
-                model = OTHER
-        return Where(str(kind) if kind else UNKNOWN, route or UNKNOWN, model)
+        else:
+            model = label(model)
+            if model not in self.models:
+                if len(self.models) < MODEL_LABELS and len(model) <= MODEL_NAME_CHARS:
+                    self.models.add(model)
+                else:
+                    model = OTHER
+        return Where(label(str(kind)) if kind else UNKNOWN, label(route) if route else UNKNOWN, model)
 
     def add(self, name: str, amount: int = 1, where: Where = UNPLACED) -> None:
         self.counts[name] += amount
@@ -163,7 +176,7 @@ class Stats(Collector):
             "contextpaw_backend_up", "1 if the backend accepted a connection when this scrape asked, else 0", labels=("backend", "url")
         )
         for kind, url, answers in self.answering:
-            up.add_metric((kind or UNKNOWN, url), float(answers))
+            up.add_metric((label(kind) if kind else UNKNOWN, label(url)), float(answers))
         yield up
         yield GaugeMetricFamily(
             "contextpaw_evicted_store_items", "Evicted contents kept for /contextpaw/evicted/<id>", value=len(self.store)

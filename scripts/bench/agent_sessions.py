@@ -39,8 +39,8 @@ the next file, then with the facts it can see. Per session it measures:
 
 Usage:
 
-    .venv/bin/python scripts/agent_sessions.py                      # the whole matrix, 12 files, 32k window
-    .venv/bin/python scripts/agent_sessions.py --agents claude --behaviours llamacpp --files 4 --n-ctx 16384
+    PYTHONPATH=tests .venv/bin/python scripts/bench/agent_sessions.py                      # the whole matrix, 12 files, 32k window
+    PYTHONPATH=tests .venv/bin/python scripts/bench/agent_sessions.py --agents claude --behaviours llamacpp --files 4 --n-ctx 16384
 
 It prints a markdown table and writes the JSON (every session's numbers) to ``--out``; the sessions'
 logs (the model's, the recorders', mitmdump's) stay under ``--work``.
@@ -60,8 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
-
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support import agents as agent_cli  # noqa: E402
 from support import scripted_model as sm  # noqa: E402
 from support.backends import start_module  # noqa: E402
@@ -556,7 +555,7 @@ def use_commit(revision: str, work: Path) -> None:
     import os
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     commit = subprocess.run(["git", "-C", str(repo), "rev-parse", revision], capture_output=True, text=True, check=True).stdout.strip()
     print(f"ContextPaw as committed at {commit}", file=sys.stderr)
     tree = work / f"contextpaw-{commit[:12]}"

@@ -1,6 +1,6 @@
 """Interleaved A/B of the small-request path: bare mitmdump and ContextPaw variants, one run.
 
-    .venv/bin/python scripts/bench_ab.py NAME=CHECKOUT[,OPTION=VALUE...] ... [--rounds 8] [--requests 200]
+    PYTHONPATH=tests .venv/bin/python scripts/bench/bench_ab.py NAME=CHECKOUT[,OPTION=VALUE...] ... [--rounds 8] [--requests 200]
 
 Each NAME runs one mitmdump in reverse mode in front of one fake llama-server; CHECKOUT is a
 checkout of ContextPaw whose `contextpaw_addon.py` it loads (a `git worktree` of another commit, say),
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import free_port, start_module, start_process  # noqa: E402
 from support.measure import cpu_seconds  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Prefix-cache reuse in an agent loop: ContextPaw's sticky plan vs re-deciding from scratch each turn.
 
-    .venv/bin/python scripts/bench_agent_loop.py [--turns 30] [--ctx 2048 8192] [--no-baseline]
+    PYTHONPATH=tests .venv/bin/python scripts/bench/bench_agent_loop.py [--turns 30] [--ctx 2048 8192] [--no-baseline]
 
 A scripted agent conversation (OpenAI format: tool calls, tool results of varied size, now and then
 a user follow-up; the results grow with the window, `scale` lines per 2,048 tokens of it) grows
@@ -31,7 +31,7 @@ that is before the last turn's last marker, and ContextPaw's notes for the turn.
 Each turn's request as sent, and its tokens, go to `--out`'s name with `.sent` added. With several
 windows each gets its own JSON (`--out`'s name with `-N` added) and plot
 (`--img-dir`/agent-loop-N.png: reuse per turn against the ceiling); a summary table (`table`)
-covers the turns after ContextPaw's first compaction. Used by scripts/bench.py (one window).
+covers the turns after ContextPaw's first compaction. Used by scripts/bench/bench.py (one window).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ from typing import Any
 
 import aiohttp
 
+# a script beside this one: Python puts the running script's folder first on sys.path
+from bench_prefix import first_difference, shared
+
 from contextpaw.calls.server_counts import LlamaCppCounting
 from contextpaw.core.compact import EARLIER_CUT, compact_chat
 from contextpaw.core.conversation import Conversation
@@ -58,10 +61,7 @@ from contextpaw.core.markers import MARKER_PREFIX
 from contextpaw.core.tokens import EstimateCounter
 from contextpaw.wire import Chat, Params
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_prefix, when imported by a test
-from bench_prefix import first_difference, shared
-
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import Backend, start_llama_server, start_process, start_proxy
 from support.common import LOOPBACK, free_port
 
@@ -443,7 +443,7 @@ def tree() -> dict[str, Any]:
     """The commit measured, and the files of contextpaw/ changed in the working tree since."""
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=repo).stdout.strip()  # noqa: E731
     return {"commit": git("rev-parse", "HEAD"), "changed": git("status", "--porcelain", "--", "contextpaw").splitlines()}
 

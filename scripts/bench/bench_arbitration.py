@@ -1,7 +1,7 @@
 """The arbiter replayed against request schedules and VRAM traces (the real `Arbiter`, a fake NVML,
 fake runtimes, a simulated clock): one JSON object per scenario, then a table.
 
-    .venv/bin/python scripts/bench_arbitration.py [--min-hold 20]
+    PYTHONPATH=tests .venv/bin/python scripts/bench/bench_arbitration.py [--min-hold 20]
 
 Scenarios (tests/support/arbitration_sim.py): two clients alternating runtimes at 1 Hz for 120 s;
 the earlier proxy's 24 GB card with models of 15.1 GB and 11.0 GB; an 80 GB card where both fit;
@@ -14,9 +14,8 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.arbitration_sim import replay, scenarios
 
 COLUMNS = ("scenario", "switches", "dropped", "evicted_in_flight", "over_commits", "decisions_logged", "served", "most_resident")

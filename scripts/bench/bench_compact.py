@@ -1,6 +1,6 @@
 """Compaction cost and window use, measured (not asserted): time and peak memory per size, final/budget.
 
-    .venv/bin/python scripts/bench_compact.py [--out bench-results] [--quick]
+    .venv/bin/python scripts/bench/bench_compact.py [--out bench-results] [--quick]
 
 Builds agent conversations (system prompt, task, tool calls with dumps of varied size, chatter) from
 1k to 200k tokens, compacts each into a budget of a quarter of its size (at least 1k), and records the

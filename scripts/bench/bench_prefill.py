@@ -1,7 +1,7 @@
 """Prefill speed of llama-server builds on this machine, side by side (e.g. the portable build
 against a `-march=native` one), so the cost of portability is a measured number.
 
-    .venv/bin/python scripts/bench_prefill.py portable=PATH native=PATH [--tokens 1500] [--rounds 3]
+    PYTHONPATH=tests .venv/bin/python scripts/bench/bench_prefill.py portable=PATH native=PATH [--tokens 1500] [--rounds 3]
 
 Each build serves the bundled SmolLM2-135M in turn, one round each, repeated: the same prompt,
 prompt cache off, one generated token. Prints the median prompt tokens per second of each, and its
@@ -18,7 +18,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import locate_smollm2, start_llama_server
 
 

@@ -1,6 +1,6 @@
 """Prefix reuse across the turns of a simulated agent session, over the engine alone (no server).
 
-    .venv/bin/python scripts/bench_prefix.py [--turns 200] [--windows 8192 32768 131072] [--counter auto]
+    .venv/bin/python scripts/bench/bench_prefix.py [--turns 200] [--windows 8192 32768 131072] [--counter auto]
 
 A scripted agent loop (a system prompt and tools, a task, then tool calls with results of varied
 size, a few big dumps, now and then a remark and a follow-up) grows every turn; each turn is fitted

@@ -1,11 +1,11 @@
 """ContextPaw as a mitmproxy script, with the time spent inside each of its hooks measured.
 
-    CONTEXTPAW_HOOK_TIMES=hooks.json mitmdump -s scripts/hook_timing.py --mode reverse:...
+    CONTEXTPAW_HOOK_TIMES=hooks.json mitmdump -s scripts/bench/hook_timing.py --mode reverse:...
 
 The same addons as `contextpaw_addon.py`; each hook method is wrapped with a wall clock, and when
 mitmdump stops (`done`) the count and mean of every hook is written to $CONTEXTPAW_HOOK_TIMES as
 JSON. It tells ContextPaw's own code apart from mitmproxy's dispatch and the relay in
-`scripts/bench.py`'s overhead figures. For measuring only: the wrappers cost a little themselves.
+`scripts/bench/bench.py`'s overhead figures. For measuring only: the wrappers cost a little themselves.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ import functools
 import inspect
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for `contextpaw`
 from contextpaw.proxy.compose import make_addons  # noqa: E402
 
 HOOKS = ("requestheaders", "request", "responseheaders", "response", "error", "http_connect_upstream")

@@ -1,6 +1,6 @@
 """Many agent sessions at once through one mitmdump with ContextPaw, against the fake backends.
 
-    .venv/bin/python scripts/load_test.py [--conversations 50] [--turns 20] [--json bench-results/load.json]
+    PYTHONPATH=tests .venv/bin/python scripts/bench/load_test.py [--conversations 50] [--turns 20] [--json bench-results/load.json]
 
 Each conversation plants a unique `SECRET=<token>` in its system prompt (and, when it overflows, in
 every padding note) and asks for it each turn; the fake model answers with the secret it saw. Every
@@ -29,9 +29,9 @@ from typing import Any
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+REPO = Path(__file__).resolve().parents[2]
 
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import ADDON, Backend, free_port, start_module, start_process  # noqa: E402
 from support.common import LOOPBACK  # noqa: E402
 from support.measure import memory_mib  # noqa: E402

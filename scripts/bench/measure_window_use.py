@@ -1,10 +1,10 @@
 """Window use in real tokens, end to end through ContextPaw (issue 29: no window wasted by the estimate).
 
-    .venv/bin/python scripts/measure_window_use.py [--out bench-results/window_use.json] [--quick]
+    PYTHONPATH=tests .venv/bin/python scripts/bench/measure_window_use.py [--out bench-results/window_use.json] [--quick]
         [--windows 1024 2048 4096] [--overflow 4] [--shapes scaled fixed] [--chats 1] [--warmups 5]
 
-scripts/bench.py's `real_window_use` measures the engine alone (`compact_chat` with a counter). This
-measures what users get: agent chats (scripts/bench_compact.py's `agent_conversation`, with tool dumps
+scripts/bench/bench.py's `real_window_use` measures the engine alone (`compact_chat` with a counter). This
+measures what users get: agent chats (scripts/bench/bench_compact.py's `agent_conversation`, with tool dumps
 scaled to an eighth of the window, and in its own shape, dumps of about 1,200 tokens) about
 `--overflow` times the window in llama-server's tokens, sent through mitmdump with
 contextpaw_addon.py to a real llama-server with the SmolLM2-135M model, whose window is the server's
@@ -67,7 +67,7 @@ import httpx
 
 from contextpaw.core.tokens import EstimateCounter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import Backend, free_port, locate_llama_server, locate_smollm2, start_process, start_proxy
 from support.common import LOOPBACK, running
 from support.fake_ollama import ModelCard, OllamaSettings, ollama_app
@@ -149,7 +149,7 @@ def whole_count(client: httpx.Client, server: str, messages: list[dict]) -> int:
 
 
 def agent_chat(size: int, window: int, seed: int, shape: str = SCALED) -> list[dict]:
-    """scripts/bench_compact.py's agent chat of `size` estimated tokens: in its own turns (`FIXED`:
+    """scripts/bench/bench_compact.py's agent chat of `size` estimated tokens: in its own turns (`FIXED`:
     tool dumps of about 780 estimated tokens whatever the window, so a small window holds one or
     none), or in turns whose dumps average an eighth of the window (`SCALED`: the window holds
     several turns, as a chat's turns before it overflowed were sent whole)."""

@@ -4,10 +4,13 @@
 # both over Anthropic's /v1/messages, then both over OpenAI's /v1/responses, as one request and as
 # a Codex session of tool calls).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-.venv/bin/python scripts/demo_needle.py "$@"
-.venv/bin/python scripts/demo_400.py "$@"
-.venv/bin/python scripts/demo_messages.py --trials 2
-.venv/bin/python scripts/demo_responses.py --trials 2
-.venv/bin/python scripts/demo_responses.py --trials 2 --shape codex --num-ctx 1024
+cd "$(dirname "$0")/../.."
+bash scripts/install/setup.sh
+# the demos reuse the test support (fakes, process helpers: tests/support/, imported as `support`);
+# it is not part of the package, so it comes from PYTHONPATH, as under pytest (pyproject's pythonpath)
+export PYTHONPATH="$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+.venv/bin/python scripts/demo/demo_needle.py "$@"
+.venv/bin/python scripts/demo/demo_400.py "$@"
+.venv/bin/python scripts/demo/demo_messages.py --trials 2
+.venv/bin/python scripts/demo/demo_responses.py --trials 2
+.venv/bin/python scripts/demo/demo_responses.py --trials 2 --shape codex --num-ctx 1024

@@ -1,6 +1,6 @@
 """The 400 demo: an overflowing chat sent to llama-server, direct vs through ContextPaw.
 
-    .venv/bin/python scripts/demo_400.py [--trials 6] [--num-ctx 1024] [--llama URL] [--seed 2026]
+    PYTHONPATH=tests .venv/bin/python scripts/demo/demo_400.py [--trials 6] [--num-ctx 1024] [--llama URL] [--seed 2026]
 
 Without --llama it starts a real llama-server with SmolLM2-135M-Instruct and a small window
 (``-c --num-ctx``, one slot), and mitmdump with the ContextPaw addon in front of it
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import start_proxy
 from support.proof import (
     TABLE_HEAD,
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama", help="use this llama-server instead of starting one (its window must overflow)")
     ap.add_argument("--seed", type=int, default=2026)
     args, ignored = ap.parse_known_args(argv)
-    if ignored:  # scripts/demo.sh passes its arguments to demo_needle.py too (e.g. --ollama)
+    if ignored:  # scripts/demo/demo.sh passes its arguments to demo_needle.py too (e.g. --ollama)
         print(f"demo_400: ignoring {' '.join(ignored)}", file=sys.stderr)
     rng = random.Random(args.seed)
 

@@ -1,6 +1,6 @@
 """The proof over Claude Code's API: the needle and the 400 over /v1/messages with the anthropic SDK.
 
-    .venv/bin/python scripts/demo_messages.py [--trials 4] [--num-ctx 1024] [--seed 2026]
+    PYTHONPATH=tests .venv/bin/python scripts/demo/demo_messages.py [--trials 4] [--num-ctx 1024] [--seed 2026]
 
 It starts a real llama-server with SmolLM2-135M-Instruct at ``-c --num-ctx`` (where an overflow is
 a 400), the Ollama simulator over a second one (where it is cut in silence to ``--num-ctx``), and
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import anthropic
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import running, start_proxy
 from support.fake_ollama import OllamaSettings
 from support.ollama_sim import ollama_sim_app

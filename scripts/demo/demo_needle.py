@@ -1,6 +1,6 @@
 """The needle demo: a secret at the start of an overflowing chat, asked back, direct vs through ContextPaw.
 
-    .venv/bin/python scripts/demo_needle.py [--trials 6] [--num-ctx 1024] [--ollama URL]
+    PYTHONPATH=tests .venv/bin/python scripts/demo/demo_needle.py [--trials 6] [--num-ctx 1024] [--ollama URL]
 
 Without --ollama it starts what it needs: a real llama-server with SmolLM2-135M-Instruct, the
 Ollama simulator on top of it (Ollama's own truncation, reproduced), and mitmdump with the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import running, start_proxy
 from support.fake_ollama import OllamaSettings
 from support.ollama_sim import ollama_sim_app

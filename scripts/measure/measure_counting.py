@@ -1,6 +1,6 @@
 """How close each counter comes to what llama-server counts, and what asking the server costs.
 
-    .venv/bin/python scripts/measure_counting.py [--llama URL] [--conversations 24]
+    PYTHONPATH=tests .venv/bin/python scripts/measure/measure_counting.py [--llama URL] [--conversations 24]
 
 Starts a real llama-server with SmolLM2-135M (unless --llama is given), builds varied chats (tools,
 tool calls, unicode, code, JSON, long and short), and for each compares the server's own count of the
@@ -31,7 +31,7 @@ from contextpaw.core.conversation import Conversation
 from contextpaw.core.tokens import EstimateCounter, TokenizerCounter
 from contextpaw.fitting.calibration import Calibration
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import locate_llama_server, locate_smollm2, start_llama_server
 
 TOOLS = [

@@ -2,7 +2,7 @@
 random conversations and budgets, half of them within 20 tokens of the least the engine says the
 conversation needs.
 
-    .venv/bin/python scripts/measure_fit_margin.py [--cases 1000] [--few 8] [--seed 26]
+    .venv/bin/python scripts/measure/measure_fit_margin.py [--cases 1000] [--few 8] [--seed 26]
 
 Each case is a random conversation (a system prompt, a task, turns of chat and tool calls, recent
 messages of several text parts, one of them huge) and a random budget, counted either by the

@@ -1,13 +1,13 @@
 """The hardening figures for the README's fault table: one row per fault of the probe (N1-N14), each
 measured on ContextPaw and on a bare mitmdump in front of the same backend, in the same run.
 
-    .venv/bin/python scripts/measure_hardening.py [--quick] [--passes 3]
+    PYTHONPATH=tests .venv/bin/python scripts/measure/measure_hardening.py [--quick] [--passes 3]
 
 For each attack: the worst latency another client saw meanwhile (a small chat request every 20 ms)
 through ContextPaw and through the bare mitmdump, each proxy's peak RSS during it, and the outcome
 (refused in the caller's shape, or passed whole). The fuzz row (N8) is `--passes` passes of the
 same seeded bodies: the proxy's RSS after each (flat within 50 MiB after the first, is the bound)
-and its CPU time in each. With `--probe 0` (or a number of tracemalloc frames), scripts/heap_probe.py
+and its CPU time in each. With `--probe 0` (or a number of tracemalloc frames), scripts/measure/heap_probe.py
 runs in both proxies and says after each pass what their memory is made of (live objects, garbage
 the collector had not reached yet, malloc's free pages, RSS once trimmed); it collects and trims as
 it looks, so the RSS figures of a probed run are not the product's.
@@ -39,9 +39,10 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 from contextpaw.proxy.backends import MAX_BODY_MB
 from contextpaw.proxy.heap import SETTLE_S, TRIM_EVERY_S
+
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import ADDON, Backend, free_port, start_process
 from support.common import LOOPBACK
 from support.measure import PeakMemory, cpu_seconds, memory_mib, worst_latency_while
@@ -141,7 +142,7 @@ class Proxy:
 def start_mitmdump(name: str, upstream: str, ping_upstream: str, work: Path, options: list[str] | None,
                    probe: int = -1, env: dict[str, str] | None = None) -> Proxy:  # fmt: skip
     """Bare mitmdump (`options` None) or mitmdump with ContextPaw and `options`; with `probe` at
-    least 0, scripts/heap_probe.py too, tracing that many frames (what `heap_report` asks it);
+    least 0, scripts/measure/heap_probe.py too, tracing that many frames (what `heap_report` asks it);
     `env` is added to the environment."""
     port, ping_port = free_port(), free_port()
     argv = [sys.executable, "-c", "from mitmproxy.tools.main import mitmdump; mitmdump()", "-q",
@@ -161,7 +162,7 @@ def start_mitmdump(name: str, upstream: str, ping_upstream: str, work: Path, opt
 
 
 def heap_report(proxy: Proxy) -> dict[str, Any]:
-    """What scripts/heap_probe.py in the proxy says its memory is made of."""
+    """What scripts/measure/heap_probe.py in the proxy says its memory is made of."""
     with socket.create_connection((LOOPBACK, proxy.probe_port), timeout=600) as s:
         s.sendall(b"report\n")
         data = b""
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--only", default="", metavar="N1,N8", help="these faults' rows only")
     ap.add_argument("--probe", type=int, default=-1, metavar="FRAMES",
-                    help="load scripts/heap_probe.py in both proxies (tracemalloc with FRAMES frames, 0: off) "
+                    help="load scripts/measure/heap_probe.py in both proxies (tracemalloc with FRAMES frames, 0: off) "
                          "and write what it reports after each fuzz pass to --probe-out")  # fmt: skip
     ap.add_argument("--probe-out", type=Path, default=Path("heap-probe.json"))
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set in both proxies' environment")

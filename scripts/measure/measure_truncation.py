@@ -8,7 +8,7 @@ planted at the start, direct and through ContextPaw. Streamed policy-off cases r
 with clients that did not ask for usage and one that did, and the verdict's word floor is tried with
 a chat whose words alone exceed the window.
 
-    .venv/bin/python scripts/measure_truncation.py [--quick] [--json out.json]
+    PYTHONPATH=tests .venv/bin/python scripts/measure/measure_truncation.py [--quick] [--json out.json]
 
 Counters: "estimate" is the fast fake Ollama, whose tokenizer ContextPaw cannot read (it counts
 with its calibrated byte estimate); "exact" is the Ollama simulator on the real llama-server and
@@ -27,8 +27,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: tests/support/ as `support`
-
+# `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support import truncation_matrix as matrix  # noqa: E402
 from support.backends import locate_llama_server, locate_smollm2, start_llama_server, start_module  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Each test starts its own fake backend, ContextPaw (mitmdump with the addon in reverse mode, as the
 README runs it) and a recorder on each side of it, so it can compare byte for byte what the client
-sent with what ContextPaw forwarded. The CLIs come from scripts/get_agents.sh (pinned versions,
+sent with what ContextPaw forwarded. The CLIs come from scripts/install/get_agents.sh (pinned versions,
 cached per user; about 2 minutes to install once, seconds after that). Without them the tests skip
 with the script's reason; under CI only an unreachable registry may skip.
 

@@ -6,7 +6,7 @@ without a tokenizer ContextPaw can load, and like llama-server (400 on overflow)
 ``FILES`` generated files of 20-40 KB (about 8-12k tokens each) in a ``N_CTX`` window, one per turn
 with the agent's own read tool, so the history overflows from the third turn on; then the agent
 gives the final answer. Each session runs once (about 10-25 s) and every test below reads its
-measures (scripts/agent_sessions.py, which runs the whole matrix, direct too).
+measures (scripts/bench/agent_sessions.py, which runs the whole matrix, direct too).
 
 What must hold through ContextPaw: the agent finishes; every tool call reaches the model with its
 result; no cut by the server goes untold; the head (system, tools, every message up to and including
@@ -26,7 +26,7 @@ import pytest
 from support.agents import CLAUDE_CODE_VERSION, check_recorded, require_agents
 from support.recorder import read_log
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import agent_sessions as sessions  # noqa: E402
 
 FIXTURES = Path(__file__).with_name("fixtures")

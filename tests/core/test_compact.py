@@ -626,13 +626,13 @@ def test_both_shrunk_results_of_one_parallel_call_are_cut_the_same_way_next_turn
 
 
 def test_no_refusal_is_a_few_tokens_short_of_a_fit_the_engine_can_make(capsys: pytest.CaptureFixture[str]) -> None:
-    """scripts/measure_fit_margin.py's random conversations near the edge (its first 120 held 3 such
+    """scripts/measure/measure_fit_margin.py's random conversations near the edge (its first 120 held 3 such
     refusals): none is refused when the same steps, given the tokens it says it lacks, land within
     the budget; no fit goes over it; every refusal's named need fits."""
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "measure_fit_margin.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "measure" / "measure_fit_margin.py"
     spec = importlib.util.spec_from_file_location("measure_fit_margin", script)
     assert spec is not None and spec.loader is not None
     margin = importlib.util.module_from_spec(spec)

@@ -3,7 +3,7 @@
 Ollama names the model's GGUF file, and a tokenizer rebuilt from it counts exactly where the byte
 estimate would price every text at the densest text's rate. llama.cpp's source ships vocabulary-only
 GGUF files with test inputs and the ids its reference tokenizer makes of them
-(`scripts/get_vocabularies.py` takes them out of the pinned source once); each pre-tokenizer group
+(`scripts/install/get_vocabularies.py` takes them out of the pinned source once); each pre-tokenizer group
 ContextPaw knows is checked against one of them, input for input.
 """
 
@@ -45,9 +45,9 @@ SEPARATOR = "\n__ggml_vocab_test__\n"
 
 @pytest.fixture(scope="module")
 def vocabularies() -> Path:
-    got = subprocess.run([sys.executable, str(REPO / "scripts" / "get_vocabularies.py")], capture_output=True, text=True)
+    got = subprocess.run([sys.executable, str(REPO / "scripts" / "install" / "get_vocabularies.py")], capture_output=True, text=True)
     if got.returncode != 0:
-        pytest.fail(f"scripts/get_vocabularies.py exited {got.returncode}: {got.stderr.strip()[-800:]}")
+        pytest.fail(f"scripts/install/get_vocabularies.py exited {got.returncode}: {got.stderr.strip()[-800:]}")
     return Path(got.stdout.strip())
 
 

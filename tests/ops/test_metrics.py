@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from contextpaw.ops.evicted import MemoryStore
-from contextpaw.ops.metrics import MODEL_LABELS, SOURCE_HELP, Stats
+from contextpaw.ops.metrics import MODEL_LABELS, SOURCE_HELP, Stats, Where
 from contextpaw.proxy.compose import make_addons
 from support.common import free_port
 from support.flows import CLOSED_PORT, get, long_chat, ok_json, post
@@ -120,6 +120,32 @@ def test_the_model_label_keeps_the_first_models_and_counts_the_rest_as_other() -
     models = {where.model: value for where, value in stats.series["requests"].items()}
     assert len(models) == MODEL_LABELS + 1 and models["other"] == 6 and models["model-0"] == 2
     assert stats.counts["requests"] == MODEL_LABELS + 7, "the totals keep every request"
+
+
+MODEL_NAMES = {
+    "m\ud800": "m\\ud800",  # a lone surrogate, as JSON's "\\ud800" gives it: UTF-8 cannot encode it
+    "\udfff\ud83d": "\\udfff\\ud83d",
+    'q"uote\\back\nline': 'q"uote\\back\nline',  # the exposition format escapes these itself
+    "nul\x00": "nul\x00",
+    "émoji 🐾 \u202eRTL": "émoji 🐾 \u202eRTL",
+}
+
+
+async def test_a_model_name_utf8_cannot_encode_leaves_the_page_answering_with_its_series_escaped(proxy: Proxy) -> None:
+    for model in MODEL_NAMES:
+        await compact(proxy, model=model)
+    for _ in range(2):  # every scrape after it, not only the first
+        families = await scrape(proxy)
+        requests = samples(families["contextpaw_requests"], "contextpaw_requests_total")
+        assert {dict(labels)["model"] for labels in requests} == set(MODEL_NAMES.values())
+
+
+def test_every_label_is_encodable_utf8() -> None:
+    stats = Stats(MemoryStore(max_items=1, max_bytes=1, max_age_s=1))
+    where = stats.where("olla\ud800ma", "route\udc00", "m\ud800")
+    assert where == Where("olla\\ud800ma", "route\\udc00", "m\\ud800")
+    assert stats.where("ollama", "ollama.chat", "m\ud800").model in stats.models
+    assert "x\ud800" * 40 not in stats.models and stats.where(None, None, "x\ud800" * 40).model == "other"
 
 
 async def test_every_metric_has_a_help_text_that_explains_it(proxy: Proxy) -> None:

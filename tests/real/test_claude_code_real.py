@@ -11,7 +11,7 @@ nothing (an end-of-turn bias) makes Claude Code ask again. The cost is the prefi
 about 4,100 tokens for a first turn, 15 to 60 s on two cores depending on load.
 
 Skipped without the real backend (tests/real/conftest.py) or without the CLI
-(scripts/get_agents.sh); under CI only an unreachable registry may skip the CLI.
+(scripts/install/get_agents.sh); under CI only an unreachable registry may skip the CLI.
 """
 
 from __future__ import annotations

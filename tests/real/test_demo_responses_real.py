@@ -1,4 +1,4 @@
-"""The Responses demo as `scripts/demo.sh` runs it, on the real llama-server: a Codex session of
+"""The Responses demo as `scripts/demo/demo.sh` runs it, on the real llama-server: a Codex session of
 typed items (the task with the secret, the log read by shell calls, the question) overflows the
 window; through ContextPaw it is answered 200, compacted, and SmolLM2-135M recalls the secret, on
 llama-server and on the Ollama simulator, streamed and not (issue 39)."""
@@ -12,16 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from support import backends
+
 pytestmark = pytest.mark.real
 
-DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo_responses.py"
+DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo" / "demo_responses.py"
 
 
 def test_the_codex_shaped_responses_demo_recalls_the_secret_through_contextpaw(real_backend: tuple[Path, Path]) -> None:
-    """As `scripts/demo.sh` runs it: its own llama-server at -c 1024, and the simulator over another."""
+    """As `scripts/demo/demo.sh` runs it: its own llama-server at -c 1024, and the simulator over another."""
     done = subprocess.run(
         [sys.executable, str(DEMO), "--trials", "2", "--shape", "codex", "--num-ctx", "1024"],
-        capture_output=True, text=True, timeout=1800,
+        capture_output=True, text=True, timeout=1800, env=backends.tests_on_path(),  # the demo imports `support`
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     recall = dict(re.findall(r"^(\S+ \S+): recalled (\d+/\d+)$", done.stdout, re.MULTILINE))

@@ -1,4 +1,4 @@
-"""scripts/get_llama_server.sh: no binary is printed, and so used, before it passes the smoke check."""
+"""scripts/install/get_llama_server.sh: no binary is printed, and so used, before it passes the smoke check."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ shrank it), once the flow is let go of, the garbage it left is collected and the
 are handed back to the system, once for a burst, off the event loop; malloc's arenas are capped at
 start.
 
-RSS over three fuzz passes is measured in scripts/measure_hardening.py (N8 row), not here.
+RSS over three fuzz passes is measured in scripts/measure/measure_hardening.py (N8 row), not here.
 """
 
 from __future__ import annotations

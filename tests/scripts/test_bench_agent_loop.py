@@ -1,4 +1,4 @@
-"""scripts/bench_agent_loop.py's bookkeeping, without a server: what a turn shared with the last,
+"""scripts/bench/bench_agent_loop.py's bookkeeping, without a server: what a turn shared with the last,
 which message first differed and why, the summary row and the plot. Nothing here is timed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(SCRIPTS))
 import bench_agent_loop as loop  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The arbitration scenarios of scripts/bench_arbitration.py, as tests: the real arbiter on a
+"""The arbitration scenarios of scripts/bench/bench_arbitration.py, as tests: the real arbiter on a
 simulated clock against a fake NVML and fake runtimes."""
 
 from __future__ import annotations

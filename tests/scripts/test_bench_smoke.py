@@ -1,4 +1,4 @@
-"""scripts/bench.py --quick --skip-real runs end to end and writes every section, the table and the plots.
+"""scripts/bench/bench.py --quick --skip-real runs end to end and writes every section, the table and the plots.
 
 The real-backend sections are skipped here on purpose (they take minutes on a real model); the
 JSON must still name them, saying why.
@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from support import backends
+
 REPO = Path(__file__).resolve().parents[2]
+# the scripts reuse the test support (`support`, from tests/): they are run with tests/ on PYTHONPATH
 SECTIONS = {"machine", "overhead", "compaction", "window_use", "agent_loop", "recall", "loop_health", "scaling"}
 
 pytest.importorskip("matplotlib")
@@ -21,8 +24,8 @@ pytest.importorskip("matplotlib")
 
 def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--skip-real", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=180, cwd=REPO,
+        [sys.executable, str(REPO / "scripts" / "bench" / "bench.py"), "--quick", "--skip-real", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=180, cwd=REPO, env=backends.tests_on_path(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -43,9 +46,9 @@ def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
     assert {"bench-overhead.png", "bench-compaction.png", "bench-window-use.png"} <= {p.name for p in (tmp_path / "img").glob("*.png")}
     reran = tmp_path / "reran"
     again = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--skip-real", "--out", str(reran),
+        [sys.executable, str(REPO / "scripts" / "bench" / "bench.py"), "--quick", "--skip-real", "--out", str(reran),
          "--reuse", str(tmp_path / "bench.json"), "--only", "scaling"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=backends.tests_on_path(),
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     partial = json.loads((reran / "bench.json").read_text())
@@ -56,16 +59,16 @@ def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
 
 
 def test_only_without_reuse_is_refused() -> None:
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--only", "scaling"],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench.py"), "--only", "scaling"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=backends.tests_on_path())  # fmt: skip
     assert done.returncode == 2 and "--only needs --reuse" in done.stderr
 
 
 def test_the_interleaved_ab_bench_measures_each_path_against_the_first() -> None:
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_ab.py"), "bare=bare", f"paw={REPO}", f"plain={REPO},contextpaw_relay=false",
+        [sys.executable, str(REPO / "scripts" / "bench" / "bench_ab.py"), "bare=bare", f"paw={REPO}", f"plain={REPO},contextpaw_relay=false",
          "--rounds", "2", "--requests", "3"],
-        capture_output=True, text=True, timeout=180, cwd=REPO,
+        capture_output=True, text=True, timeout=180, cwd=REPO, env=backends.tests_on_path(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split()[0]: line for line in done.stdout.splitlines()}

@@ -1,4 +1,4 @@
-"""scripts/measure_window_use.py's bookkeeping, without servers: the budget it measures against is the
+"""scripts/bench/measure_window_use.py's bookkeeping, without servers: the budget it measures against is the
 one ContextPaw computes, the guard's note is read, and the chats are shaped as it says."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from contextpaw.core.tokens import EstimateCounter
 from contextpaw.fitting.budget import Budgeter
 from contextpaw.wire.base import Params
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import measure_window_use as wu  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""scripts/smoke_llama_server.py tells a binary that cannot run here from a port someone else took."""
+"""scripts/install/smoke_llama_server.py tells a binary that cannot run here from a port someone else took."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
 def smoke() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("smoke_llama_server", REPO / "scripts" / "smoke_llama_server.py")
+    spec = importlib.util.spec_from_file_location("smoke_llama_server", REPO / "scripts" / "install" / "smoke_llama_server.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,6 +1,6 @@
 """Run the real agent CLIs non-interactively against a base URL, as the agent tests do.
 
-The CLIs come from scripts/get_agents.sh (pinned versions, cached per user, each proven by
+The CLIs come from scripts/install/get_agents.sh (pinned versions, cached per user, each proven by
 ``--version`` before use): :func:`locate_agents`. Each ``run_*`` function starts one CLI in its own
 process group with a scratch HOME (and the XDG folders, ``CODEX_HOME`` and config files it reads
 there), telemetry, update checks and every other outbound call turned off, and stops the whole group
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-GET_AGENTS = REPO / "scripts" / "get_agents.sh"
+GET_AGENTS = REPO / "scripts" / "install" / "get_agents.sh"
 UNREACHABLE = 3
 """get_agents.sh's exit status when a registry cannot be reached."""
 
@@ -51,7 +51,7 @@ class Agents:
 
 
 def locate_agents(*names: str, install: bool = True, timeout: float = 1800) -> Agents:
-    """Run scripts/get_agents.sh for ``names`` (default: all) and read its ``name=path`` lines."""
+    """Run scripts/install/get_agents.sh for ``names`` (default: all) and read its ``name=path`` lines."""
     argv = ["bash", str(GET_AGENTS), *([] if install else ["--no-install"]), *names]
     started = time.monotonic()
     try:

@@ -7,7 +7,7 @@ every wait, timeout and hold in the arbiter runs as written. The fakes replace o
 two runtimes on its `card` (Ollama's HTTP API, and the supervisor that starts and stops
 llama-server; both with their GGUF estimates); every decision, phase, drain, hold and cancellation
 is the arbiter's own. Evictions under a running request are counted from the clients' side. Used
-by `scripts/bench_arbitration.py` and `tests/scripts/test_bench_arbitration.py`.
+by `scripts/bench/bench_arbitration.py` and `tests/scripts/test_bench_arbitration.py`.
 """
 
 from __future__ import annotations

