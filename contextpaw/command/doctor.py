@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from contextpaw import wire
+from contextpaw.command import launch
 from contextpaw.ops.admin import loopback_address
 
 Level = Literal["ok", "note", "problem"]
@@ -100,15 +102,19 @@ def check_ollama_window(m: OllamaModel) -> list[Finding]:
     if not m.trained or m.window * FAR_BELOW > m.trained or m.window >= SUGGESTED_WINDOW:
         return [Finding("ok", subject, f"requests without num_ctx (all of /v1) get {m.window:,} tokens{of}")]
     want = min(m.trained, SUGGESTED_WINDOW)
+    what = f"requests without num_ctx (all of /v1, so every OpenAI client) get {m.window:,} tokens{of}"
+    return [Finding("problem", subject, what, _ollama_raise(m, want))]
+
+
+def _ollama_raise(m: OllamaModel, want: int) -> str:
+    """How to give the model a window of `want` on every request: the Modelfile where it sets the
+    window, else Ollama's default for every model."""
     copy = (f"a Modelfile with `FROM {m.name}` and `PARAMETER num_ctx {want}`, "
             f"then `ollama create {m.name.split(':')[0]}-{want // 1024}k -f Modelfile`")  # fmt: skip
     if m.modelfile_ctx is not None:
-        fix = f"its Modelfile sets num_ctx {m.modelfile_ctx}, which OLLAMA_CONTEXT_LENGTH does not override: make {copy}"
-    else:
-        fix = (f"start Ollama with OLLAMA_CONTEXT_LENGTH={want} (every model's default), or give this model its own: "
-               f"{copy}; then tell ContextPaw with --set contextpaw_ollama_context_length={want}")  # fmt: skip
-    what = f"requests without num_ctx (all of /v1, so every OpenAI client) get {m.window:,} tokens{of}"
-    return [Finding("problem", subject, what, fix)]
+        return f"its Modelfile sets num_ctx {m.modelfile_ctx}, which OLLAMA_CONTEXT_LENGTH does not override: make {copy}"
+    return (f"start Ollama with OLLAMA_CONTEXT_LENGTH={want} (every model's default), or give this model its own: "
+            f"{copy}; then tell ContextPaw with --set contextpaw_ollama_context_length={want}")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +164,68 @@ def check_llamacpp_window(s: LlamaServer, asked: int | None) -> list[Finding]:
     if not asked:
         fix += "; if you gave llama-server -c, tell the doctor with --ctx N"
     return [*findings, Finding(level, subject, what, fix)]
+
+
+def agents_short_of(window: int) -> dict[str, int]:
+    """The agents `contextpaw launch` knows whose fixed part (tools, instructions, environment) and
+    an answer's room do not fit in `window`, each with the least window from there on that holds
+    them (as `launch` decides: its numbers, its room for an answer)."""
+    return {agent: need for agent in launch.FIXED_TOKENS if (need := _holding(agent, window)) > window}
+
+
+def _holding(agent: str, window: int) -> int:
+    """The least window from `window` on where `launch` finds room for the agent: the answer's
+    room grows with the window, so it is found step by step."""
+    while (least := launch.least_window(agent, launch.Target("", "", window, wire.Kind.LLAMACPP, Path()).output)) > window:
+        window = least
+    return window
+
+
+def check_agents(subject: str, window: int | None, trained: int | None, raise_to: Callable[[int], str]) -> list[Finding]:
+    """Which agents cannot start at the served `window`: ContextPaw would refuse each of their
+    requests, since what an agent sends before any conversation is never cut. `raise_to(n)` is
+    how to serve this model at `n`; beyond `trained`, only another model helps."""
+    if not window:
+        return []
+    short = agents_short_of(window)
+    if not short:
+        most = max(launch.FIXED_TOKENS, key=launch.FIXED_TOKENS.__getitem__)
+        return [Finding("ok", subject, f"{window:,} tokens hold the tools and instructions of every agent `contextpaw launch` "
+                                       f"starts, and an answer ({most}, the largest, needs {_holding(most, 0):,})")]  # fmt: skip
+    what = (f"{window:,} tokens are too few for {_names([f'{a} ({n:,})' for a, n in short.items()])}: the tools and "
+            "instructions each sends, with room for an answer, need that window, so ContextPaw would refuse their every request")  # fmt: skip
+    reachable = {agent: need for agent, need in short.items() if not trained or need <= trained}
+    beyond = [agent for agent in short if agent not in reachable]
+    fixes = []
+    if reachable:
+        want = max(reachable.values())
+        fixes.append(f"for {'all of them' if not beyond else _names(list(reachable))}, a window of {want:,}: {raise_to(want)}")
+    if beyond:
+        fixes.append(f"{_names(beyond)} need{'s' * (len(beyond) == 1)} more than the {trained:,} tokens the model was "
+                     "trained on: a model trained on a longer context")  # fmt: skip
+    return [Finding("note", subject, what, "; ".join(fixes))]
+
+
+def _names(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def check_ollama_agents(m: OllamaModel) -> list[Finding]:
+    """`check_agents` at the window a request without `num_ctx` gets (what launch asks for too)."""
+    return check_agents(f"{m.url} model {m.name}", m.window, m.trained, functools.partial(_ollama_raise, m))
+
+
+def check_llamacpp_agents(s: LlamaServer) -> list[Finding]:
+    """`check_agents` at the window of one request (the smallest slot's)."""
+    slots = max(s.slots, len(s.slot_windows), 1)
+
+    def raise_to(n: int) -> str:
+        if slots == 1:
+            return f"start llama-server with -c {n}"
+        return f"start llama-server with -c {n * slots} -np {slots}, or -c {n} -np 1, or -c {n} --kv-unified"
+
+    window = min([s.slot_ctx, *s.slot_windows]) if s.slot_ctx else None
+    return check_agents(f"{s.url} (llama-server)", window, s.trained, raise_to)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,13 +324,13 @@ async def diagnose(setup: Setup) -> list[Finding]:
             backend = wire.Backend.parse(a.kind, a.url) if a.kind else None
             if backend and backend.kind == wire.Kind.OLLAMA:
                 for model in await read_ollama(fetch, windows, backend, setup.models):
-                    findings += check_ollama_window(model)
+                    findings += check_ollama_window(model) + check_ollama_agents(model)
                     vocabularies.append((f"{model.name} at {a.url}", model.vocab))
                 if not vocabularies:
                     findings.append(Finding("note", a.url, "has no model to check", "ollama pull MODEL, or name one with --model"))
             elif backend:
                 server = await read_llamacpp(fetch, backend)
-                findings += check_llamacpp_window(server, setup.asked_ctx)
+                findings += check_llamacpp_window(server, setup.asked_ctx) + check_llamacpp_agents(server)
                 vocabularies.append((f"the model at {a.url}", server.vocab))
     finally:
         await session.get().close()

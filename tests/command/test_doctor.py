@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from contextpaw.command import doctor
+from contextpaw.command import doctor, launch
 from contextpaw.command.doctor import Answer, LlamaServer, OllamaModel, TokenizerFile
 from contextpaw.wire import Kind
 
@@ -125,3 +125,72 @@ def test_render_shows_each_fix_under_its_finding_and_counts_problems() -> None:
     text = doctor.render([doctor.Finding("ok", "a", "fine"), doctor.Finding("problem", "b", "broken", "mend it")])
     assert text.splitlines() == ["ok      a: fine", "PROBLEM b: broken", "        fix: mend it", "1 problem found"]
     assert text.isascii()
+
+
+# -- the agents' fixed part against the served window -----------------------------------------------
+
+
+def launch_warns(agent: str, window: int) -> bool:
+    """Whether `contextpaw launch` says the agent's tools and instructions leave it no room at `window`."""
+    plan = launch.plan(agent, launch.Target("http://127.0.0.1:8092", "m", window, Kind.LLAMACPP, Path("/state")))
+    return any("ContextPaw refuses every request" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("window", [1024, 4096, 8192, 16384, 18432, 32768])
+def test_the_agents_short_of_a_window_are_those_launch_warns_of_each_with_a_window_launch_accepts(window: int) -> None:
+    short = doctor.agents_short_of(window)
+    assert set(short) == {agent for agent in launch.FIXED_TOKENS if launch_warns(agent, window)}
+    for agent, need in short.items():
+        assert need > window and need % 1024 == 0 and not launch_warns(agent, need), (agent, need)
+
+
+def test_at_4096_every_agent_but_aider_is_short_and_qwen_needs_the_most() -> None:
+    short = doctor.agents_short_of(4096)
+    assert set(short) == {"claude", "codex", "opencode", "qwen"}
+    assert max(short, key=short.__getitem__) == "qwen" and doctor.agents_short_of(short["qwen"]) == {}
+
+
+def test_an_ollama_window_too_small_for_agents_names_them_and_how_to_raise_it() -> None:
+    short = doctor.agents_short_of(4096)
+    [finding] = doctor.check_ollama_agents(OllamaModel("http://o:1", "qwen3:8b", 4096, 131072, None))
+    assert finding.level == "note" and finding.subject == "http://o:1 model qwen3:8b"
+    assert all(f"{agent} ({need:,})" in finding.what for agent, need in short.items()) and "aider" not in finding.what
+    assert "refuse their every request" in finding.what
+    most = max(short.values())
+    assert f"for all of them, a window of {most:,}" in finding.fix
+    assert f"OLLAMA_CONTEXT_LENGTH={most}" in finding.fix and f"contextpaw_ollama_context_length={most}" in finding.fix
+
+
+def test_an_ollama_window_set_by_the_modelfile_is_raised_in_the_modelfile() -> None:
+    [finding] = doctor.check_ollama_agents(OllamaModel("http://o:1", "m", 8192, 131072, 8192))
+    assert "Modelfile sets num_ctx 8192" in finding.fix and "OLLAMA_CONTEXT_LENGTH=" not in finding.fix
+
+
+def test_a_window_that_holds_every_agent_is_one_ok_line() -> None:
+    [finding] = doctor.check_ollama_agents(OllamaModel("http://o:1", "m", 32768, 131072, None))
+    assert finding.level == "ok" and "every agent" in finding.what and not finding.fix
+
+
+def test_an_unknown_window_says_nothing_of_agents() -> None:
+    assert doctor.check_ollama_agents(OllamaModel("http://o:1", "m", None, 131072, None)) == []
+    assert doctor.check_llamacpp_agents(LlamaServer("http://l:1", None, 1, 131072)) == []
+
+
+def test_llama_server_slots_are_raised_per_slot_and_an_agent_beyond_the_trained_length_needs_another_model() -> None:
+    short = doctor.agents_short_of(2048)
+    [finding] = doctor.check_llamacpp_agents(LlamaServer("http://l:1", 2048, 4, 16384))
+    assert finding.level == "note" and finding.subject == "http://l:1 (llama-server)"
+    reachable = max(need for need in short.values() if need <= 16384)
+    assert f"-c {reachable * 4} -np 4" in finding.fix and f"-c {reachable} -np 1" in finding.fix
+    assert "qwen needs more than the 16,384 tokens the model was trained on" in finding.fix
+    assert "for claude, codex and opencode" in finding.fix
+
+
+def test_a_llama_server_window_is_the_smallest_slot() -> None:
+    [finding] = doctor.check_llamacpp_agents(LlamaServer("http://l:1", 32768, 2, 131072, slot_windows=(32768, 4096)))
+    assert finding.what.startswith("4,096 tokens are too few") and "-c 19456 -np 1" in finding.fix
+
+
+def test_agents_that_do_not_fit_are_a_note_not_a_problem() -> None:
+    text = doctor.render(doctor.check_llamacpp_agents(LlamaServer("http://l:1", 1024, 1, 131072)))
+    assert text.startswith("note") and text.endswith("no problems found")

@@ -109,10 +109,14 @@ def doctor(*argv: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
-def problems(report: str) -> list[str]:
-    """Each PROBLEM line with the fix under it."""
+def problems(report: str, mark: str = "PROBLEM") -> list[str]:
+    """Each PROBLEM line (or another `mark`'s) with the fix under it."""
     lines = report.splitlines()
-    return [line + " " + (lines[i + 1] if i + 1 < len(lines) else "") for i, line in enumerate(lines) if line.startswith("PROBLEM")]
+    return [line + " " + (lines[i + 1] if i + 1 < len(lines) else "") for i, line in enumerate(lines) if line.startswith(mark)]
+
+
+def notes(report: str) -> list[str]:
+    return problems(report, "note")
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +164,10 @@ def test_doctor_finds_windows_tokenizer_and_listener(small_window_ollama: Backen
     assert any("has 500 tokens, the model at" in p and "32,000" in p for p in found), report
     assert sum("listens on 0.0.0.0" in p for p in found) == 2, report  # both listeners
     assert len(found) == 5, report
+    # Both windows are too small for an agent's own tools and instructions: a note each, with the fix.
+    short = notes(report)
+    assert any(small_window_ollama.url in n and "claude (14,336)" in n and "OLLAMA_CONTEXT_LENGTH=19456" in n for n in short), report
+    assert any(divided_llamacpp.url in n and "claude (14,336)" in n and "-c 77824 -np 4" in n for n in short), report
 
 
 def test_doctor_finds_fit_and_a_backend_that_does_not_answer(fitted_llamacpp: Backend) -> None:
@@ -187,3 +195,16 @@ def test_the_command_refuses_https_to_a_plain_http_backend(llamacpp: Backend) ->
 def test_doctor_passes_a_sound_setup(llamacpp: Backend) -> None:
     status, report = doctor("--llamacpp", llamacpp.url)
     assert status == 0 and report.rstrip().endswith("no problems found"), report
+
+
+@pytest.fixture(scope="module")
+def roomy_llamacpp(workdir: Path) -> Iterator[Backend]:
+    """llama-server -c 32768: room for every agent's tools and instructions."""
+    with start_module("support.fake_llamacpp", ["--n-ctx", "32768"], "/health", workdir / "doctor-roomy.log") as backend:
+        yield backend
+
+
+def test_doctor_says_in_one_line_that_every_agent_fits(roomy_llamacpp: Backend) -> None:
+    status, report = doctor("--llamacpp", roomy_llamacpp.url, "--ctx", "32768")
+    assert status == 0 and not notes(report), report
+    assert f"ok      {roomy_llamacpp.url} (llama-server): 32,768 tokens hold the tools and instructions of every agent" in report, report
