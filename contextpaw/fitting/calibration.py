@@ -21,11 +21,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from contextpaw.core import logs
 from contextpaw.core.caches import LRU
 from contextpaw.core.conversation import Message
 from contextpaw.core.tokens import Counter
 from contextpaw.core.truncation import ESTIMATE_BOUNDS
 from contextpaw.wire import Backend
+
+logger = logs.get(__name__)
 
 MAX_KEYS = 256
 """(backend kind, model) pairs whose calibration is kept."""
@@ -39,6 +42,11 @@ PHYSICAL = (0.1, 4.0)
 tokenizer spends 32 bytes on one token of text (long runs of whitespace reach about 13). A count
 outside is not a count of what was sent: a backend that reports it lies, and is not learned from
 (servers have under-reported this way: ollama#16414, #2068)."""
+SHAPE_PHYSICAL = (0.025, 10.0)
+"""The ratios of reported tokens to the shape count that text can have: a shape count is at least a
+token per `LONGEST_TOKEN` (8) bytes and at most about 1.15 a byte, 0.4 to 3.7 times the byte
+estimate, so a count within `PHYSICAL` is within these of it. (A live shape sample is learned only
+when the byte estimate's checks accept it; a value read back outside these is not one.)"""
 EARLY_SAMPLES = 3
 EARLY_RANGE = (0.5, 2.0)
 """Until this many samples are learned, the factor stays within this range: no single sample moves it far."""
@@ -155,6 +163,8 @@ class Calibration:
         """Key -> recent ratios of reported tokens to the `ShapeCounter`'s count, learned beside the
         byte estimate's from the same samples."""
         self.refused = 0
+        self.dropped = 0
+        """Values the last `restore` left out because no count can have them."""
 
     def factor(self, key: str) -> float:
         ratios = self.ratios.get(key)
@@ -256,24 +266,54 @@ class Calibration:
         }
 
     def restore(self, state: Any) -> bool:
-        """Take back a saved state; a damaged one costs the learning, never the proxy."""
+        """Take back a saved state; a damaged one costs the learning, never the proxy.
+
+        Every value read back is held to the bounds a live sample is (`PHYSICAL`; `SHAPE_PHYSICAL`
+        for the shape count's ratios; sizes positive integers): an entry outside them is dropped on
+        its own, with one log line that says how many went, and its key counts as a fresh one. A
+        file that is not this shape at all is damaged (False), and nothing of it is taken."""
         try:
             ratios, kinds, shapes = LRU(MAX_KEYS), LRU(MAX_KEYS), LRU(MAX_KEYS)
-            for k, v in state["ratios"].items():
-                ratios.put(str(k), self._restored(v))
-            for k, v in state.get("shapes", {}).items():  # absent in older files
-                shapes.put(str(k), self._restored(v))
-            for key, kind, v in state.get("kinds", []):  # absent in older files
-                pairs = ((int(size), float(ratio)) for size, ratio in v)
-                kinds.put((str(key), str(kind)), deque((p for p in pairs if p[1] > 0), maxlen=self.window))
-            self.ratios, self.kinds, self.shapes = ratios, kinds, shapes
-            return True
+            dropped = 0
+            for table, saved, bounds in ((ratios, state["ratios"], PHYSICAL), (shapes, state.get("shapes", {}), SHAPE_PHYSICAL)):
+                for k, v in saved.items():  # shapes: absent in older files
+                    good = [r for r in v if _within(r, bounds)] if isinstance(v, list) else []
+                    dropped += (len(v) if isinstance(v, list) else 1) - len(good)
+                    if good:
+                        table.put(str(k), deque(good, maxlen=self.window))
+            for entry in state.get("kinds", []):  # absent in older files
+                key, kind, v = entry if isinstance(entry, list) and len(entry) == 3 else (None, None, None)
+                good = [(size, r) for size, r in _pairs(v) if _size(size) and _within(r, PHYSICAL)]
+                dropped += (len(v) if isinstance(v, list) else 1) - len(good)
+                if good and isinstance(key, str) and isinstance(kind, str):
+                    kinds.put((key, kind), deque(good, maxlen=self.window))
+                else:
+                    dropped += len(good)
         except (ValueError, KeyError, TypeError, AttributeError):
             self.ratios, self.kinds, self.shapes = LRU(MAX_KEYS), LRU(MAX_KEYS), LRU(MAX_KEYS)
             return False
+        self.ratios, self.kinds, self.shapes = ratios, kinds, shapes
+        self.dropped = dropped
+        if dropped:
+            logger.warning("calibration state: %d saved values outside what a count can be were dropped; their models start fresh", dropped)
+        return True
 
-    def _restored(self, ratios: Iterable[object]) -> deque[float]:
-        return deque((float(r) for r in ratios if float(r) > 0), maxlen=self.window)  # type: ignore[arg-type]
+
+def _within(value: object, bounds: tuple[float, float]) -> bool:
+    """Whether a value read back is a real, finite number within `bounds` (a string, a bool, NaN or
+    Infinity is not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and bounds[0] <= value <= bounds[1]
+
+
+def _size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _pairs(saved: object) -> list[tuple[object, object]]:
+    """The (size, ratio) pairs of a saved kind; what is not a pair is left out (and counted dropped)."""
+    if not isinstance(saved, list):
+        return []
+    return [(p[0], p[1]) for p in saved if isinstance(p, list) and len(p) == 2]
 
 
 def calibration_key(backend: Backend, model: str) -> str:
