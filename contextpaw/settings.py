@@ -8,8 +8,9 @@ mitmproxy's `OptionsError`.
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -63,6 +64,23 @@ def declare(loader: Any, table: Mapping[str, Option]) -> None:
     """Declare a table's options on mitmproxy's loader (any object with its `add_option`)."""
     for name, option in table.items():
         loader.add_option(name, option.type, option.default, option.help, choices=option.choices)
+
+
+def unknown_options(given: Iterable[str], known: Iterable[str]) -> str | None:
+    """What to say about ContextPaw options that were set (`--set`, config.yaml) but that no addon
+    declares, each with the nearest declared one; None when there are none. mitmproxy keeps an
+    option it does not know aside, in case an addon declares it later, and never says so: a misspelt
+    `contextpaw_polcy=strict` would run with the default policy."""
+    unknown = sorted(name for name in given if name.lower().startswith(PREFIX[:-1]))
+    if not unknown:
+        return None
+    ours = {name.removeprefix(PREFIX): name for name in known if name.startswith(PREFIX)}
+    said = []
+    for name in unknown:
+        nearest = difflib.get_close_matches(name.lower()[len(PREFIX) :], list(ours), n=1, cutoff=0)
+        said.append(f"{name} (did you mean {ours[nearest[0]]}?)" if nearest else name)
+    plural = "s" if len(unknown) > 1 else ""
+    return f"unknown option{plural} {', '.join(said)}; --options lists every option"
 
 
 def read(options: Any, table: Mapping[str, Option]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from contextpaw import wire
 from contextpaw.command import doctor
 from contextpaw.core import logs
-from contextpaw.settings import POLICIES
+from contextpaw.settings import POLICIES, unknown_options
 
 logger = logs.get(__name__)
 
@@ -300,7 +300,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             masters.append(self)
 
     def extra(args: argparse.Namespace) -> dict[str, str]:
-        if not has_work(args, masters[0].options):
+        opts = masters[0].options
+        if said := unknown_options(opts.deferred, opts.keys()):  # the compactor says it on a later configure, if any
+            raise exceptions.OptionsError(said)
+        if not has_work(args, opts):
             raise exceptions.OptionsError("give --ollama URL, --llamacpp URL, or both (or mitmproxy's own --mode)")
         return mitmdump_filters(args)
 

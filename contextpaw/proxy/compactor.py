@@ -43,7 +43,7 @@ from contextpaw.proxy.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MAR
 from contextpaw.proxy.views import ORIGINAL, REPORT
 from contextpaw.relay.exchange import ERROR_HEADER
 from contextpaw.relay.rescue import rescued
-from contextpaw.settings import FitSettings, declare
+from contextpaw.settings import FitSettings, declare, unknown_options
 from contextpaw.wire import bodies
 from contextpaw.wire.bodies import HOP_HEADERS
 from contextpaw.wire.streams import KEPT_STREAM, STREAM_TYPES, StreamReport, report_bytes, splice
@@ -87,6 +87,8 @@ class Compactor:
         declare(loader, FitSettings.options())
 
     def configure(self, updated: set[str]) -> None:
+        if said := unknown_options(ctx.options.deferred, ctx.options.keys()):
+            raise exceptions.OptionsError(said)  # at start: mitmdump exits with it, before it listens
         if not FIT_OPTIONS & updated:
             return
         try:

@@ -176,6 +176,29 @@ def test_an_unknown_flag_is_named(unknown: str, capsys: pytest.CaptureFixture[st
     assert "--ollama URL" not in err
 
 
+@pytest.mark.parametrize(
+    "given, nearest",
+    [("contextpaw_polcy=strict", "contextpaw_policy"), ("contextpaw_keep_recnt=3", "contextpaw_keep_recent"),
+     ("contextpaw-ollama=http://h:1", "contextpaw_ollama")],
+)  # fmt: skip
+def test_a_misspelt_contextpaw_option_stops_the_start_naming_the_nearest(
+    start: Callable[..., Any], given: str, nearest: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        start("--ollama", URL, "--set", given)
+    assert exited.value.code == 1
+    assert f"unknown option {given.partition('=')[0]} (did you mean {nearest}?)" in capsys.readouterr().err
+
+
+def test_a_misspelt_contextpaw_option_in_config_yaml_stops_the_start(
+    start: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.yaml").write_text("contextpaw_polcy: strict\n")
+    with pytest.raises(SystemExit):
+        start("--ollama", URL)
+    assert "unknown option contextpaw_polcy (did you mean contextpaw_policy?)" in capsys.readouterr().err
+
+
 def test_a_backend_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main([])

@@ -8,6 +8,7 @@ hook order, and what only the addons together do.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -110,6 +111,28 @@ async def proxy() -> AsyncIterator[Proxy]:
 
 
 # -- options ----------------------------------------------------------------------------------------
+
+
+async def test_a_misspelt_option_stops_mitmdump_with_the_script_naming_the_nearest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`mitmdump -s contextpaw_addon.py --set contextpaw_polcy=strict`: mitmproxy keeps the unknown
+    option aside without a word; loading the script logs the error that stops mitmdump at start.
+    Another script's options are left to mitmproxy."""
+    from mitmproxy.addons import script
+
+    loader = script.ScriptLoader()
+    with taddons.context(loader) as tctx:
+        tctx.options.set(f"confdir={tmp_path}", "contextpaw_polcy=strict", "someone_elses=1", defer=True)
+        tctx.configure(loader, scripts=[str(Path(__file__).resolve().parents[2] / "contextpaw_addon.py")])
+        for _ in range(3):  # mitmdump loads scripts in a task, before its first check for errors
+            await asyncio.sleep(0)
+        assert "contextpaw_policy" in tctx.options
+        for loaded in loader.addons:
+            loaded.done()  # its watcher
+    errors = [r.getMessage() + str(r.exc_info and r.exc_info[1]) for r in caplog.records if r.levelname == "ERROR"]
+    assert any("unknown option contextpaw_polcy (did you mean contextpaw_policy?)" in e for e in errors), errors
+    assert not any("someone_elses" in e for e in errors)
 
 
 def test_the_compactor_declares_one_option_per_fit_setting_defaulting_to_it(compactor: Alone[Compactor]) -> None:
