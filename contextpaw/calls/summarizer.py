@@ -52,7 +52,7 @@ from contextpaw.core.map_reduce import (
     shorten,
 )
 from contextpaw.fitting.services import Complete, DigestResult, InFlight, SummaryModel
-from contextpaw.ops.kept import remove_leftovers, write_atomically
+from contextpaw.ops.kept import read_state, remove_leftovers, write_atomically
 
 logger = logs.get(__name__)
 
@@ -211,16 +211,18 @@ class Summarizer:
     # -- state file -------------------------------------------------------------------------
 
     def _load(self, path: Path) -> None:
-        """Start from the saved cache; a missing or unreadable file just means an empty one."""
+        """Start from the saved cache; a missing or unusable file (`read_state`) or a damaged one
+        just means an empty one."""
+        data = read_state(path)
+        if data is None:
+            return
         try:
-            state = json.loads(path.read_text(encoding="utf-8"))
+            state = json.loads(data.decode("utf-8"))
             entries = state["entries"] if state.get("version") == PROMPT_VERSION else {}
             for key, answer in entries.items():
-                if isinstance(answer, str):
+                if isinstance(key, str) and isinstance(answer, str):
                     self._cache.put(key, answer)
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, AttributeError, KeyError, TypeError) as error:
+        except (ValueError, RecursionError, AttributeError, KeyError, TypeError) as error:
             logger.warning("summary cache %s unreadable, starting empty: %s", path, error)
 
     async def _save(self) -> None:

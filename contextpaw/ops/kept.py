@@ -1,5 +1,6 @@
-"""State kept on disk across restarts: written atomically, its leftovers removed at start, and the
-calibration's file read at start and written off the event loop."""
+"""State kept on disk across restarts: read back only from a regular file of bounded size, written
+atomically, its leftovers removed at start, and the calibration's file read at start and written
+off the event loop."""
 
 from __future__ import annotations
 
@@ -8,10 +9,19 @@ import contextlib
 import glob
 import json
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from contextpaw.core import logs
+
+logger = logs.get(__name__)
+
+STATE_LIMIT = 16 << 20
+"""Bytes a state file may hold to be read back: the calibration's is a few KB, the summary cache's
+a few MB at its bound. A bigger one is not ours (or not sane), and is not read into memory."""
 
 
 def remove_leftovers(path: Path) -> int:
@@ -23,6 +33,46 @@ def remove_leftovers(path: Path) -> int:
             leftover.unlink()
             removed += 1
     return removed
+
+
+def read_state(path: Path, limit: int = STATE_LIMIT) -> bytes | None:
+    """The bytes of the state file `path`, or None when there is no usable one: missing (quietly),
+    or, with one log line, anything but a regular file of at most `limit` bytes. A device (a link
+    to /dev/zero), a FIFO, a socket or a directory is neither opened for long nor read: it is
+    opened without blocking and looked at before a byte is read, so start-up never waits on it
+    nor fills memory from it. A link that leads out of the state directory is not followed."""
+    try:
+        if path.is_symlink() and not path.resolve().is_relative_to(path.parent.resolve()):
+            logger.warning("state file %s is a link out of its directory, to %s: not read; starting fresh", path, path.resolve())
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        return None
+    except (OSError, RuntimeError) as e:  # RuntimeError: a loop of links
+        logger.warning("state file %s cannot be opened (%s): starting fresh", path, e)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            logger.warning("state file %s is not a regular file (%s): not read; starting fresh", path, _kind(info.st_mode))
+            return None
+        try:
+            data = f.read(limit + 1) if info.st_size <= limit else b""
+        except OSError as e:
+            logger.warning("state file %s cannot be read (%s): starting fresh", path, e)
+            return None
+        if info.st_size > limit or len(data) > limit:
+            logger.warning("state file %s holds over %d bytes (%d): not read; starting fresh", path, limit, max(info.st_size, len(data)))
+            return None
+        return data
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -51,13 +101,14 @@ class KeptCalibration:
         remove_leftovers(path)
 
     def restore(self, calibration: Any) -> bool | None:
-        """Load into `calibration`; None when there is no file, False when it is damaged."""
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                return bool(calibration.restore(json.load(f)))
-        except FileNotFoundError:
+        """Load into `calibration`; None when there is no usable file (`read_state` said why),
+        False when it is damaged."""
+        data = read_state(self.path)
+        if data is None:
             return None
-        except (OSError, ValueError):
+        try:
+            return bool(calibration.restore(json.loads(data.decode("utf-8"))))
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
             return False
 
     def save(self, calibration: Any, force: bool = False) -> None:

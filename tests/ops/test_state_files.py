@@ -1,0 +1,103 @@
+"""State files read back at start (the calibration's, the summary cache's) through `read_state`:
+only a regular file of bounded size is read; a device, a FIFO, a link out of the state directory or
+an oversized file is refused with one log line, and the proxy starts fresh, promptly and small."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contextpaw.calls.summarizer import Summarizer
+from contextpaw.fitting.calibration import Calibration
+from contextpaw.ops.kept import STATE_LIMIT, KeptCalibration, read_state
+
+CHILD = """
+import json, logging, resource, sys, time
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a read of /dev/zero stops here, not at the machine's end
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+from contextpaw.calls.summarizer import Summarizer
+from contextpaw.fitting.calibration import Calibration
+from contextpaw.ops.kept import KeptCalibration
+path = Path(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+started = time.monotonic()
+restored = KeptCalibration(path).restore(Calibration())
+entries = Summarizer(state_path=path).stats()["entries"]
+seconds = time.monotonic() - started
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"restored": restored, "entries": entries, "seconds": seconds, "grown_kb": grown}))
+"""
+
+
+def start_up(path: Path) -> tuple[dict[str, object], list[str]]:
+    """What the calibration's and the summarizer's start-up make of `path`, in a process of its own
+    (bounded in time and address space), and the log lines that name it."""
+    done = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout), [line for line in done.stderr.splitlines() if str(path) in line]
+
+
+def dev_zero(path: Path) -> None:
+    path.symlink_to("/dev/zero")
+
+
+def fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def oversized(path: Path) -> None:
+    """Valid state, padded past the limit: read whole, it would be taken."""
+    path.write_text(json.dumps({"ratios": {"ollama/m": [1.2]}, "version": 0, "entries": {}, "pad": "x" * STATE_LIMIT}))
+
+
+@pytest.mark.parametrize("make", [dev_zero, fifo, oversized], ids=["link to /dev/zero", "FIFO", "over the limit"])
+def test_a_special_or_oversized_state_file_is_refused_promptly_small_and_with_one_line_each(tmp_path: Path, make) -> None:
+    path = tmp_path / "state"
+    make(path)
+    outcome, lines = start_up(path)
+    assert outcome["restored"] is None and outcome["entries"] == 0, "no usable file: both start fresh"
+    assert outcome["seconds"] < 5 and outcome["grown_kb"] < 8 << 10, outcome
+    assert len(lines) == 2 and all("starting fresh" in line for line in lines), lines
+
+
+def test_a_link_out_of_the_state_directory_is_not_followed_and_one_inside_it_is(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (state := tmp_path / "state").mkdir()
+    outside = tmp_path / "elsewhere" / "secret.json"
+    outside.write_text('{"ratios": {"ollama/m": [1.2]}}')
+    (state / "out").symlink_to(outside)
+    (state / "real.json").write_text('{"ratios": {"ollama/m": [1.2]}}')
+    (state / "in").symlink_to(state / "real.json")
+    with caplog.at_level(logging.WARNING):
+        assert read_state(state / "out") is None
+        assert read_state(state / "in") == (state / "real.json").read_bytes()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"state file {state / 'out'} is a link out of its directory, to {outside}: not read; starting fresh"
+    ]
+
+
+def test_a_missing_file_is_quietly_a_fresh_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert KeptCalibration(tmp_path / "none").restore(Calibration()) is None
+        assert Summarizer(state_path=tmp_path / "none").stats()["entries"] == 0
+    assert not caplog.records
+
+
+def test_state_nested_past_the_parsers_depth_is_damaged_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "state"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    assert KeptCalibration(path).restore(Calibration()) is False
+    assert Summarizer(state_path=path).stats()["entries"] == 0
+
+
+def test_a_file_at_the_limit_is_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "state"
+    path.write_bytes(b" " * STATE_LIMIT)
+    assert read_state(path) == b" " * STATE_LIMIT
