@@ -78,10 +78,14 @@ listeners beyond the loopback).
 pointed at a running ContextPaw, told the window it serves (`contextpaw launch --help`)."""
 
 
+OWN_GROUPS = ("contextpaw", "the earlier proxy's flags")
+"""The titles of ContextPaw's groups of arguments, which `--help` shows before mitmproxy's."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """ContextPaw's own arguments. Those that set an option keep its name as their `dest`, so
     mitmproxy applies them as it applies its own flags (after `--set`, as mitmdump does)."""
-    own = p.add_argument_group("contextpaw")
+    own = p.add_argument_group(OWN_GROUPS[0])
     own.add_argument("--ollama", metavar="URL", help="the Ollama server to front, e.g. http://127.0.0.1:11435")
     own.add_argument("--port", type=int, default=11434, help="where clients reach Ollama (default 11434)")
     own.add_argument("--llamacpp", metavar="URL", help="the llama-server to front, e.g. http://127.0.0.1:8091")
@@ -92,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "refuse it in the API's own overflow error; off: pass everything through (contextpaw_policy)")  # fmt: skip
     own.add_argument("--confdir", metavar="DIR", help=f"mitmproxy's state, its CA and config.yaml (default {CONFDIR})")
     own.add_argument("--web", action="store_true", help="run mitmweb, to inspect flows in a browser, instead of mitmdump")
-    old = p.add_argument_group("the earlier proxy's flags", "each sets the contextpaw_* option it names")
+    old = p.add_argument_group(OWN_GROUPS[1], "each sets the contextpaw_* option it names")
     for flag, (option, kind, text) in OLD_FLAGS.items():
         if kind is None:
             old.add_argument(flag, dest=option, action="store_true", default=None, help=f"{text} ({option})")
@@ -105,6 +109,7 @@ def own_parser() -> argparse.ArgumentParser:
     """ContextPaw's arguments alone, to read them before mitmproxy starts (its parser needs a master)."""
     p = argparse.ArgumentParser(prog="contextpaw", add_help=False)
     add_arguments(p)
+    p.add_argument("--version", action="store_true")
     return p
 
 
@@ -158,7 +163,19 @@ def command_parser(mitmproxy_parser: Callable[[Any], argparse.ArgumentParser], o
     p.description = __doc__.split("\n\n")[0]
     p.set_defaults(filter_args=None)  # mitmweb has none; run() asks
     add_arguments(p)
+    ours = [g for g in p._action_groups if g.title in OWN_GROUPS]
+    p._action_groups = [*ours, *(g for g in p._action_groups if g not in ours)]  # --help shows them first
     return p
+
+
+def version_text() -> str:
+    """What `contextpaw --version` prints: ContextPaw's version, then mitmproxy's (and Python's,
+    OpenSSL's and the platform's, as `mitmdump --version` prints them)."""
+    from mitmproxy.utils import debug
+
+    from contextpaw.ops.admin import package_version
+
+    return f"ContextPaw: {package_version()}\n{debug.dump_system_info()}"
 
 
 def mitmproxy_args(backends: Sequence[Fronted]) -> list[str]:
@@ -266,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(mcp.main(argv[1:]))
     ns, _ = own_parser().parse_known_args(argv)
+    if ns.version:  # mitmproxy's own --version would name only mitmproxy
+        print(version_text())
+        sys.exit(0)
     try:
         backends, notes = fronted(ns)
     except ValueError as e:

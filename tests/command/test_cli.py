@@ -221,6 +221,29 @@ def test_help_names_set_health_and_mitmweb(capsys: pytest.CaptureFixture[str]) -
         assert flag in shown and option in shown
 
 
+def test_version_names_contextpaw_and_mitmproxy(capsys: pytest.CaptureFixture[str]) -> None:
+    from mitmproxy.version import VERSION
+
+    from contextpaw.ops.admin import package_version
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--ollama", URL, "--version"])
+    assert exited.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"ContextPaw: {package_version()}"
+    assert f"Mitmproxy: {VERSION}" in lines[1]
+
+
+@pytest.mark.parametrize("web", [False, True], ids=["mitmdump", "mitmweb"])
+def test_help_shows_contextpaws_flags_before_mitmproxys(web: bool) -> None:
+    _, ours = mitmproxy_parser(web)
+    shown = ours.format_help()
+    first = shown.index("--ollama URL")
+    assert first < shown.index("--keep-recent") < shown.index("--set option")
+    assert first < shown.index("-h, --help") and first < shown.index("--listen-port")
+    assert shown[:first].count("\n") < 10  # right after the usage and the description
+
+
 OLD_FLAG_VALUES = {
     "--keep-recent": ("7", 7),
     "--headroom": ("15", "15"),
