@@ -40,9 +40,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from contextpaw.core.conversation import Conversation, Message, Unit, content_id
+from contextpaw.core.conversation import Conversation, Message, Unit
 from contextpaw.core.holes import MARKER_SLACK, Holes
 from contextpaw.core.markers import elision_text
+from contextpaw.core.refs import Refs
 from contextpaw.core.rendering import render
 from contextpaw.core.report import Report
 from contextpaw.core.shrink import PLACEHOLDER_ID, SHRINK_FLOOR, Cut, shrink_text
@@ -164,6 +165,29 @@ class Plan:
     kept whole up to the budget rather than cut for the next turns' room. A check of the fit by
     the server takes it as it is (cut tighter, the newest unit would be shrunk)."""
 
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON values, for a store several instances share."""
+        return {
+            "evicted": sorted(self.evicted),
+            "shrunk": {k: [c.target, c.head, c.tail, c.elided] for k, c in self.shrunk.items()},
+            "notes": dict(self.notes),
+            "hole_starts": sorted(self.hole_starts),
+            "headroom": self.headroom,
+            "held": self.held,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        """The plan `to_json` wrote; a ValueError (or KeyError, TypeError) for anything else."""
+        return cls(
+            frozenset(str(k) for k in data["evicted"]),
+            {str(k): Cut(*(int(n) for n in v)) for k, v in data["shrunk"].items()},
+            {str(k): str(v) for k, v in data["notes"].items()},
+            frozenset(str(k) for k in data["hole_starts"]),
+            float(data["headroom"]),
+            bool(data["held"]),
+        )
+
     @property
     def footprint(self) -> int:
         """About the bytes this plan holds in memory (its keys, sets and texts), to bound how many are kept."""
@@ -196,6 +220,7 @@ def compact_chat(
     digests: Mapping[str, str] | None = None,
     admit: int | None = None,
     headroom: float | None = None,
+    refs: Refs = Refs(),
 ) -> ChatResult:
     """Fit `conversation` into `budget` tokens (tools and `fixed_tokens` of template included).
 
@@ -205,6 +230,7 @@ def compact_chat(
     may use the whole budget.
     `digests` maps a hole's marker id (from an earlier run's report) to a summary of what it held;
     a hole that comes out the same carries its digest inside the marker, within the budget.
+    `refs` names what markers stand for (keyed references) and how to read it back.
     """
     fixed = fixed_tokens + counter.tools(conversation.tools)
     cost = [counter.message(m) for m in conversation.messages]
@@ -214,7 +240,9 @@ def compact_chat(
     share = headroom_share(conversation.messages, cost, budget) if headroom is None else headroom
 
     def fit(within: int) -> ChatResult:
-        return _ChatCompaction(conversation, within, counter, keep_recent, previous or Plan(), fixed, cost, digests or {}, share).run()
+        return _ChatCompaction(
+            conversation, within, counter, keep_recent, previous or Plan(), fixed, cost, digests or {}, share, refs
+        ).run()
 
     try:
         return fit(budget)
@@ -263,6 +291,7 @@ class _ChatCompaction:
         cost: list[int],
         digests: Mapping[str, str],
         headroom: float,
+        refs: Refs = Refs(),
     ) -> None:
         self.msgs = list(conv.messages)
         self.budget = budget
@@ -297,7 +326,8 @@ class _ChatCompaction:
         self.kept = sum(self.cost)
         self.shrunk: dict[int, tuple[Message, int, Cut]] = {}
         """index -> (the shrunk message, its tokens, where its text was cut)"""
-        self.holes = Holes(self.msgs, self.cost, counter, digests)
+        self.refs = refs
+        self.holes = Holes(self.msgs, self.cost, counter, digests, refs)
 
     def run(self) -> ChatResult:
         report = as_sent(self.fixed + self.kept, self.budget, self.counter)
@@ -515,16 +545,16 @@ class _ChatCompaction:
         own = self.counter.text(text)
         current = self.shrunk.get(i)
         now = current[2].target if current is not None else own
-        floor = SHRINK_FLOOR + self.counter.text(elision_text(own, text.count("\n"), PLACEHOLDER_ID))
+        floor = SHRINK_FLOOR + self.counter.text(elision_text(own, text.count("\n"), PLACEHOLDER_ID, self.refs.url))
         target = max(floor, now - over)
         if target >= now:
             return False
-        self.cut(i, shrink_text(text, target, self.counter))
+        self.cut(i, shrink_text(text, target, self.counter, self.refs.url))
         return True
 
     def cut(self, i: int, cut: Cut) -> None:
         text = self.msgs[i].content_text
-        smaller = self.msgs[i].with_content(cut.apply(text, content_id(text)))
+        smaller = self.msgs[i].with_content(cut.apply(text, self.refs.ref(text), self.refs.url))
         size = self.counter.message(smaller)
         self.kept += size - self.size(i)
         self.shrunk[i] = (smaller, size, cut)

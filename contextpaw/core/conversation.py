@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -346,9 +346,3 @@ def _digest(raws: Iterable[Mapping[str, Any]]) -> str:
         h.update(json.dumps(raw, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
     return h.hexdigest()
-
-
-def content_id(payload: Sequence[Any] | str) -> str:
-    """A short stable id for evicted content: the same hole gets the same id turn after turn."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, sort_keys=True, default=str)
-    return "cp-" + hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()

@@ -8,8 +8,9 @@ import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from contextpaw.core.conversation import Message, content_id
+from contextpaw.core.conversation import Message
 from contextpaw.core.markers import hole_text, kind_of
+from contextpaw.core.refs import Refs
 from contextpaw.core.shrink import PLACEHOLDER_ID
 from contextpaw.core.tokens import Counter
 
@@ -23,8 +24,12 @@ Hole = tuple[int, int]
 class Holes:
     """The holes by both ends, their markers' cost, and what each marker says."""
 
-    def __init__(self, msgs: Sequence[Message], cost: Sequence[int], counter: Counter, digests: Mapping[str, str]) -> None:
+    def __init__(
+        self, msgs: Sequence[Message], cost: Sequence[int], counter: Counter, digests: Mapping[str, str], refs: Refs = Refs()
+    ) -> None:
         self.msgs = msgs
+        self.refs = refs
+        """Keys each hole's reference, and says where to read it back."""
         self.counter = counter
         self.digests = digests
         """A hole's marker id -> a summary of what it held, carried inside its marker."""
@@ -127,13 +132,13 @@ class Holes:
         return self.counter.text(note) + MARKER_SLACK
 
     def marker_id(self, hole: Hole) -> str:
-        return content_id([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
+        return self.refs.ref([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
 
     def note(self, hole: Hole, marker_id: str, digest: str | None = None) -> str:
         start, stop = hole[0], hole[1] + 1
         kinds = {k: before[stop] - before[start] for k, before in self._kinds_before.items()}
         tokens = self._cost_before[stop] - self._cost_before[start]
-        return hole_text({k: n for k, n in kinds.items() if n}, tokens, marker_id, digest)
+        return hole_text({k: n for k, n in kinds.items() if n}, tokens, marker_id, digest, self.refs.url)
 
 
 def _runs(indices: Iterable[int]) -> list[Hole]:

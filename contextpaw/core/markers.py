@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.core.conversation import OUTPUT_ITEMS, REASONING, Message
+from contextpaw.core.refs import EVICTED_PATH
 
 MARKER_PREFIX = "[ContextPaw:"
 
@@ -28,11 +29,18 @@ def kind_of(role: str) -> str:
     return "tool result" if role == "tool" else f"{role} message"
 
 
-def hole_text(kinds: Mapping[str, int], tokens: int, marker_id: str, digest: str | None = None) -> str:
+def how_to_read(ref: str, url: str) -> str:
+    """How a model gets `ref` back: by its id (an MCP tool), and with a shell tool, the command."""
+    command = f"; with a shell tool, run: curl -s {url}{EVICTED_PATH}{ref}" if url else ""
+    return f"retrieval id {ref}{command}"
+
+
+def hole_text(kinds: Mapping[str, int], tokens: int, marker_id: str, digest: str | None = None, url: str = "") -> str:
     """The note standing in for evicted messages: what, how much, that it is gone, and how to get it back.
 
     `kinds` counts the removed messages by `kind_of` their role. With a digest, the note carries it,
-    labelled as a summary so the model does not take it for the original text.
+    labelled as a summary so the model does not take it for the original text. `url` is where the
+    client reached the proxy: the note then names the command that prints the content.
     """
     count = sum(kinds.values())
     what = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in sorted(kinds.items()))
@@ -40,16 +48,16 @@ def hole_text(kinds: Mapping[str, int], tokens: int, marker_id: str, digest: str
         f"{MARKER_PREFIX} {count} earlier message{'s' if count > 1 else ''} ({what}, "
         f"{tokens:,} tokens) {'were' if count > 1 else 'was'} removed here to fit the context window. That content is no "
         f"longer visible to you: do not guess or invent what it said. If you need it, run the tool "
-        f"again or ask for it (retrieval id {marker_id}).]"
+        f"again or read it back ({how_to_read(marker_id, url)}).]"
     ) + (f"\n[ContextPaw summary of the removed messages (a digest, not the original text):\n{digest}\n]" if digest else "")
 
 
-def elision_text(tokens: int, lines: int, marker_id: str) -> str:
+def elision_text(tokens: int, lines: int, marker_id: str, url: str = "") -> str:
     """The note left inside a message shrunk middle-out."""
     span = f"{tokens:,} tokens" + (f" ({lines:,} lines)" if lines else "")
     return (
         f"\n{MARKER_PREFIX} {span} were cut from the middle here to fit the context window; that part "
-        f"is no longer visible to you, do not guess it (retrieval id {marker_id}).]\n"
+        f"is no longer visible to you, do not guess it ({how_to_read(marker_id, url)}).]\n"
     )
 
 

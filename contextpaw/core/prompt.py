@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contextpaw.core.compact import BudgetTooSmall, as_sent
-from contextpaw.core.conversation import content_id
+from contextpaw.core.refs import Refs
 from contextpaw.core.report import Removal, Report
 from contextpaw.core.shrink import SHRINK_FLOOR, shrink_text
 from contextpaw.core.tokens import Counter
@@ -26,6 +26,7 @@ def compact_prompt(
     *,
     fixed_tokens: int = 0,
     admit: int | None = None,
+    refs: Refs = Refs(),
 ) -> PromptResult:
     """Fit a raw prompt: keep its head and tail, elide the middle with a marker. A prompt of up to
     `admit` tokens (default: the budget) is left as it is."""
@@ -37,9 +38,9 @@ def compact_prompt(
     room = budget - fixed_tokens
     if room < SHRINK_FLOOR:
         raise BudgetTooSmall(fixed_tokens + SHRINK_FLOOR, budget, "the system text and template", original, counter)
-    marker_id = content_id(prompt)
-    cut = shrink_text(prompt, room, counter)
-    kept = cut.apply(prompt, marker_id)
+    marker_id = refs.ref(prompt)
+    cut = shrink_text(prompt, room, counter, refs.url)
+    kept = cut.apply(prompt, marker_id, refs.url)
     report.compacted = True
     report.strategy = "head_tail"
     report.final_tokens = fixed_tokens + counter.text(kept)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from contextpaw.core.conversation import Message, content_id
+from contextpaw.core.conversation import Message
 from contextpaw.core.holes import Holes
 from contextpaw.core.markers import can_fold, fold, marker_role, speaker_after, standalone
 from contextpaw.core.report import Action, Removal, Report
@@ -87,7 +87,7 @@ def render(
             continue
         if i in shrunk:
             message, size, cut = shrunk[i]
-            marker_id = content_id(msgs[i].content_text)
+            marker_id = holes.refs.ref(msgs[i].content_text)
             evicted[marker_id] = msgs[i].content_text
             removals.append(Removal(i, message.role, cut.elided, "shrunk", marker_id))
         else:

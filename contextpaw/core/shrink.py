@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contextpaw.core.markers import elision_text
+from contextpaw.core.refs import PLACEHOLDER_REF
 from contextpaw.core.tokens import Counter
 
 SHRINK_FLOOR = 64
 """A shrunk message keeps at least this many tokens of its own text (head and tail), note aside."""
 
-PLACEHOLDER_ID = "cp-" + "0" * 12
-"""A marker id of the real ids' length, for sizing a note before its id is known (ids are hashes)."""
+PLACEHOLDER_ID = PLACEHOLDER_REF
+"""A marker reference of the real ones' length, for sizing a note before its id is known (ids are hashes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,14 +28,14 @@ class Cut:
     tail: int
     elided: int
 
-    def apply(self, text: str, marker_id: str) -> str:
+    def apply(self, text: str, marker_id: str, url: str = "") -> str:
         if self.head == 0 and self.tail >= len(text):  # nothing of the text left but the note
-            return elision_text(self.elided, text.count("\n"), marker_id).strip("\n")
-        note = elision_text(self.elided, text.count("\n", self.head, self.tail), marker_id)
+            return elision_text(self.elided, text.count("\n"), marker_id, url).strip("\n")
+        note = elision_text(self.elided, text.count("\n", self.head, self.tail), marker_id, url)
         return text[: self.head] + note + text[self.tail :]
 
 
-def shrink_text(text: str, target: int, counter: Counter) -> Cut:
+def shrink_text(text: str, target: int, counter: Counter, url: str = "") -> Cut:
     """Where to cut `text` so that its head and tail fit in `target` tokens, note included; cuts
     fall at line ends.
 
@@ -49,7 +50,7 @@ def shrink_text(text: str, target: int, counter: Counter) -> Cut:
         head, tail = _head_tail(text, keep_chars)
         elided = max(total - counter.text(head) - counter.text(tail), 0)
         cut = Cut(target, len(head), len(text) - len(tail), elided)
-        size = counter.text(cut.apply(text, PLACEHOLDER_ID))
+        size = counter.text(cut.apply(text, PLACEHOLDER_ID, url))
         if size <= target:
             return cut
         keep_chars = min(int(keep_chars * target / size), keep_chars - int((size - target) * chars_per_token) - 1)

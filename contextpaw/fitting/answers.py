@@ -303,7 +303,7 @@ def _read_as_sent(state: FlowState) -> tuple[str | None, int | None, tuple[tuple
     the byte estimate of it and its lines' digests, so that the next turn, the first that may
     overflow, is counted at the conversation's own rate."""
     try:
-        parsed = state.route.read(state.original)
+        parsed = wire.keyed(state.route.read(state.original), state.refs.key)
     except (wire.Unreadable, wire.NotFittable, wire.NotCompactable, ValueError):
         return None, None, ()
     if not isinstance(parsed, wire.Chat):

@@ -56,7 +56,7 @@ class Digesting:
         cap = self.settings.summary_tokens
         backend = state.backend
         roomy = await self.sizer.fit(
-            parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big, guard=guard, shaped=shaped
+            parsed, Budget(budget.window, budget.reserve, budget.margin + cap), backend, big, guard=guard, shaped=shaped, refs=state.refs
         )
         holes = {mid: content for mid, content in roomy.report.evicted.items() if not isinstance(content, str)}
         if not holes:
@@ -72,7 +72,9 @@ class Digesting:
         if not digests:
             fitted.report.summary_reason = reasons
             return fitted
-        final = await self.sizer.fit(parsed, budget, backend, big, digests=digests, previous=roomy.plan, guard=guard, shaped=shaped)
+        final = await self.sizer.fit(
+            parsed, budget, backend, big, digests=digests, previous=roomy.plan, guard=guard, shaped=shaped, refs=state.refs
+        )
         final.report.summary_reason = reasons
         return final
 

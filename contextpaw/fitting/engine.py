@@ -14,6 +14,7 @@ from contextpaw import wire
 from contextpaw.core.compact import Plan, compact_chat
 from contextpaw.core.markers import Marker
 from contextpaw.core.prompt import compact_prompt
+from contextpaw.core.refs import Refs
 from contextpaw.core.report import Report
 from contextpaw.core.tokens import Counter
 
@@ -42,6 +43,7 @@ def fit_chat(
     digests: Mapping[str, str] | None = None,
     admit: int | None = None,
     headroom: float | None = None,
+    refs: Refs = Refs(),
 ) -> Fitted:
     result = compact_chat(
         chat.conversation,
@@ -53,6 +55,7 @@ def fit_chat(
         digests=digests,
         admit=admit,
         headroom=headroom,
+        refs=refs,
     )
     body = None if result.messages is None else wire.write(chat.body, **{chat.field: _on_wire(chat, result.messages)})
     return Fitted(body, result.report, result.plan)
@@ -63,7 +66,9 @@ def _on_wire(chat: wire.Chat, messages: Sequence[Mapping[str, Any]]) -> list[Map
     return [chat.marker(m["role"], m["content"]) if isinstance(m, Marker) else m for m in messages]
 
 
-def fit_prompt(prompt: wire.Prompt, budget: int, counter: Counter, *, fixed_tokens: int = 0, admit: int | None = None) -> Fitted:
+def fit_prompt(
+    prompt: wire.Prompt, budget: int, counter: Counter, *, fixed_tokens: int = 0, admit: int | None = None, refs: Refs = Refs()
+) -> Fitted:
     fixed = fixed_tokens + counter.text(prompt.fixed_text) + prompt.images * counter.image_tokens
-    result = compact_prompt(prompt.prompt, budget, counter, fixed_tokens=fixed, admit=admit)
+    result = compact_prompt(prompt.prompt, budget, counter, fixed_tokens=fixed, admit=admit, refs=refs)
     return Fitted(None if result.prompt is None else wire.write(prompt.body, prompt=result.prompt), result.report)

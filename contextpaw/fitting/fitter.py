@@ -17,7 +17,9 @@ The steps have their own modules: `bounds` (the size proof, the verdict's bounds
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +27,8 @@ from typing import Any
 from contextpaw import wire
 from contextpaw.core import logs
 from contextpaw.core.caches import SizedLRU
-from contextpaw.core.compact import BudgetTooSmall
+from contextpaw.core.compact import BudgetTooSmall, Plan
+from contextpaw.core.refs import Refs, store_id
 from contextpaw.core.report import SIZE_BOUND, Report
 from contextpaw.core.tokens import EXACT_COUNTERS, EstimateCounter, ShapeCounter
 from contextpaw.fitting.answers import AnswerCheck
@@ -58,7 +61,8 @@ def _without_truncation(body: bytes | Mapping[str, Any]) -> bytes:
 
 
 def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
-    return {marker_id: encode(content) for marker_id, content in evicted.items()}
+    """Each marker's content as the archive keeps it, under its id (never its capability)."""
+    return {store_id(ref): encode(content) for ref, content in evicted.items()}
 
 
 async def _guard(state: FlowState, parsed: wire.Chat | wire.Prompt, estimate: EstimateCounter, big: bool) -> Guard | None:
@@ -106,13 +110,18 @@ class Fitter:
         )
         self.digesting = Digesting(self.sizer, self.windows, self.counters, services, settings)
         self.summarizer: Digester | None = None
+        self.secret = b""
+        """The proxy's secret (`ops.keys`, passed in by the shell): keys what markers and plans are named by."""
         self.settings = settings
         self.budgeter = Budgeter(default_ctx=settings.default_ctx, reserve=settings.output_reserve, margin=settings.margin)
         self.configure(settings)
 
-    def configure(self, settings: FitSettings, summarizer: Digester | None = None) -> None:
-        """Take new settings; the summarizer is the shell's (it keeps digests in a file)."""
+    def configure(self, settings: FitSettings, summarizer: Digester | None = None, secret: bytes | None = None) -> None:
+        """Take new settings; the summarizer is the shell's (it keeps digests in a file), and so is
+        the secret (read from the state dir) that keys marker references and conversation keys."""
         self.settings = settings
+        if secret is not None:
+            self.secret = secret
         self.summarizer = summarizer
         self.answers.calibrate = settings.calibrate
         self.counters.settings = settings
@@ -133,6 +142,7 @@ class Fitter:
 
     async def fit(self, state: FlowState) -> Decision:
         """The one decision for a request; an internal failure forwards it unchanged and says so."""
+        state.refs = Refs(self.secret, state.proxy_url)
         self._place(state)
         try:
             decision = await self._fit(state)
@@ -174,7 +184,7 @@ class Fitter:
             return UNCHANGED
         big = is_big(state.original)
         try:
-            parsed = await off_loop(big, functools.partial(state.route.read, state.original))
+            parsed = wire.keyed(await off_loop(big, functools.partial(state.route.read, state.original)), state.refs.key)
         except wire.Unreadable as e:  # it may overflow, and nothing can be judged: said, never silent
             logger.warning("%s forwarded unjudged: %s", state.path, e)
             self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=[f"not judged: {e}; it went as it came"]))
@@ -193,7 +203,8 @@ class Fitter:
         guard = await _guard(state, parsed, self.estimate, big)
         shaped = _refusable(state, parsed, self.settings)
         try:
-            fitted = await self.sizer.fit(parsed, budget, state.backend, big, guard=guard, shaped=shaped)
+            await self._recall(parsed)
+            fitted = await self.sizer.fit(parsed, budget, state.backend, big, guard=guard, shaped=shaped, refs=state.refs)
         except BudgetTooSmall as e:
             if policy != "off":
                 return self._refuse(state, budget.impossible(e), e.counter)
@@ -317,6 +328,21 @@ class Fitter:
     def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: Fitted) -> None:
         if parsed.key and fitted.plan is not None:
             self.plans.put(parsed.key, fitted.plan)
+            if self.store.shares_plans:
+                self.store.put_plan(parsed.key, json.dumps(fitted.plan.to_json()).encode())
+
+    async def _recall(self, parsed: wire.Chat | wire.Prompt) -> None:
+        """A conversation this instance has no plan of may have one in a shared store (another
+        instance served its last turn): read it off the event loop, and keep it as its own."""
+        if not self.store.shares_plans or not parsed.key or parsed.key in self.plans:
+            return
+        data = await asyncio.to_thread(self.store.get_plan, parsed.key)
+        if data is None:
+            return
+        try:
+            self.plans.put(parsed.key, Plan.from_json(json.loads(data)))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("a shared plan could not be read (%s): the conversation is cut anew", e)
 
     async def _note_compaction(self, state: FlowState, report: Report, model: str, big: bool, started: float) -> None:
         """Log, keep and count a compaction; the counts go last, so a failure before them (which
@@ -367,13 +393,15 @@ class Fitter:
         state.rescues += 1
         assert state.report is not None, "only a reported flow is rescued"
         big = is_big(state.original)
-        parsed = await off_loop(big, functools.partial(state.route.read, state.original))
+        parsed = wire.keyed(await off_loop(big, functools.partial(state.route.read, state.original)), state.refs.key)
         if parsed.params.num_ctx is None:  # the window requests without num_ctx get, from the server
             self.windows.learn(state.backend, parsed.params.model, overflow.n_ctx)
         sent = state.sent_tokens if state.sent_tokens is not None else state.report.final_tokens
         budget = self.budgeter.after_upstream_overflow(overflow, sent, parsed.params)
         try:
-            fitted = await self.sizer.fit(parsed, budget, state.backend, big, shaped=_refusable(state, parsed, self.settings))
+            fitted = await self.sizer.fit(
+                parsed, budget, state.backend, big, shaped=_refusable(state, parsed, self.settings), refs=state.refs
+            )
         except BudgetTooSmall as e:
             return self._refuse(state, budget.impossible(e), e.counter)
         if fitted.body is None:

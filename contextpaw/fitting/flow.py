@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from contextpaw import wire
+from contextpaw.core.refs import Refs
 from contextpaw.core.report import Report
 from contextpaw.core.truncation import EXACT_BOUNDS
 from contextpaw.fitting.calibration import Sample
@@ -79,6 +80,10 @@ class FlowState:
     path: str
     """The request's path, for log lines."""
     authorization: str | None = None
+    proxy_url: str = ""
+    """Where the client reached the proxy (`http://host:port`, as it named it; "" when unknown)."""
+    refs: Refs = Refs()
+    """How this request's markers name what they stand for (the proxy's secret, `proxy_url`)."""
     report: Report | None = None
     """The report the client is told (compact and strict)."""
     observed: Report | None = None

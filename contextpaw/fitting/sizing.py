@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from contextpaw import wire
 from contextpaw.core.caches import LRU, SizedLRU
 from contextpaw.core.compact import BudgetTooSmall, Plan
+from contextpaw.core.refs import Refs
 from contextpaw.core.report import Report
 from contextpaw.core.tokens import Counter, EstimateCounter
 from contextpaw.core.truncation import ESTIMATE_BOUNDS
@@ -92,6 +93,7 @@ class Sizer:
         previous: Plan | None = None,
         guard: Guard | None = None,
         shaped: bool = False,
+        refs: Refs = Refs(),
     ) -> Fitted:
         """Fit with the conversation's last plan, in a worker thread when the request is big.
 
@@ -147,8 +149,8 @@ class Sizer:
             if isinstance(parsed, wire.Chat):
                 return functools.partial(fit_chat, parsed, counter=counter, fixed_tokens=fixed,
                                          keep_recent=self.keep_recent, previous=previous, digests=digests,
-                                         headroom=self.headroom)  # fmt: skip
-            return functools.partial(fit_prompt, parsed, counter=counter, fixed_tokens=fixed)
+                                         headroom=self.headroom, refs=refs)  # fmt: skip
+            return functools.partial(fit_prompt, parsed, counter=counter, fixed_tokens=fixed, refs=refs)
 
         fit = with_fixed(fixed)
         reserve_note = ""

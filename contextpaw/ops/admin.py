@@ -6,14 +6,21 @@
 - `GET /contextpaw/runtime`: which runtime owns the GPU (`contextpaw_arbitrate`).
 - `GET /contextpaw/window?model=NAME`: the window the backend behind this port serves that model,
   as ContextPaw fits requests to it (what `contextpaw launch` tells an agent).
-- `GET /contextpaw/evicted/<id>`: content removed under a marker, verbatim, for an agent to re-read.
+- `GET /contextpaw/evicted/<ref>`: content removed under a marker, verbatim, for an agent to re-read.
+  `<ref>` is the marker's own `cp-<id>.<cap>`: the capability proves that the reader saw the marker.
+  A token holder (`X-ContextPaw-Token`: the admin token, or the local token in the state dir) may
+  read any id. Unknown ids and forbidden ones are answered the same 404, after the same lookup.
+- `GET /contextpaw/search?q=TEXT&limit=N`: kept content whose text holds every word, as references
+  and snippets; token holders only.
 
 They reveal prompt content, so only loopback clients that name a loopback host may call them, or
-holders of the access token.
+holders of a token; a request a browser sends for another site (`Origin` not the proxy's own,
+`Sec-Fetch-Site` neither `same-origin` nor `none`) is refused, whoever sends it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import ipaddress
@@ -27,6 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from contextpaw import wire
+from contextpaw.core import refs
 from contextpaw.ops.evicted import EvictedStore
 from contextpaw.ops.metrics import Stats
 
@@ -52,8 +60,32 @@ def json_reply(status: int, obj: Any) -> Reply:
     return Reply(status, json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace"))
 
 
+NOT_KEPT = {"error": "not kept: unknown, expired, over the archive's bounds, or asked for without its marker's capability"}
+"""The one answer to an id that cannot be read, whatever the reason: it says nothing of which."""
+SEARCH_LIMIT = 50
+SAME_SITE = ("same-origin", "none")
+"""`Sec-Fetch-Site` values of requests no other site made (the proxy's own page, the user's own typing)."""
+
+
 def is_admin(path: str) -> bool:
     return path.startswith(PREFIX)
+
+
+def cross_site(origin: str | None, fetch_site: str | None, own_origins: tuple[str, ...]) -> bool:
+    """Whether a browser sent this request for another site: an `Origin` that is not the proxy's
+    own (as the client named it), or a `Sec-Fetch-Site` other than same-origin and none. Tools
+    (curl, SDKs, the MCP server) send neither."""
+    if origin is not None and origin.rstrip("/").lower() not in own_origins:
+        return True
+    return fetch_site is not None and fetch_site.strip().lower() not in SAME_SITE
+
+
+def token_matches(presented: str | None, *tokens: str | None) -> bool:
+    """Whether `presented` is one of `tokens` (each compared in constant time)."""
+    if presented is None:
+        return False
+    given = presented.encode("utf-8", "surrogateescape")
+    return any(bool(token) and hmac.compare_digest(given, token.encode()) for token in tokens if token)
 
 
 def authorized(client_host: str, host: str | None, presented: str | None, token: str | None) -> bool:
@@ -126,8 +158,18 @@ class Admin:
         self.runtime = runtime
         self.window = window
 
-    async def answer(self, method: str, path: str, backend: Callable[[], Awaitable[wire.Backend | None]] | None = None) -> Reply:
-        """`backend` finds the one behind the port asked, for the endpoint that speaks of one."""
+    async def answer(
+        self,
+        method: str,
+        path: str,
+        backend: Callable[[], Awaitable[wire.Backend | None]] | None = None,
+        *,
+        trusted: bool = False,
+        secret: bytes = b"",
+    ) -> Reply:
+        """`backend` finds the one behind the port asked, for the endpoint that speaks of one;
+        `trusted`: the caller holds a token, and may read any id and search; `secret` makes and
+        checks the capabilities."""
         if method not in ("GET", "HEAD"):
             return json_reply(405, {"error": f"{method} is not allowed on {path}"})
         name = path.split("?", 1)[0].removeprefix(PREFIX)
@@ -141,12 +183,37 @@ class Admin:
             self.stats.answering = [(b["kind"], b["url"], b["answers"]) for b in (await self.health())["backends"]]
             return Reply(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
         if name.startswith("evicted/"):
-            marker_id = name.removeprefix("evicted/")
-            content = self.store.get(marker_id)
-            if content is None:
-                return json_reply(404, {"error": f"{marker_id} is not kept (unknown, expired, or over the store's bounds)"})
-            return Reply(200, b'{"id":' + json.dumps(marker_id).encode() + b',"content":' + content + b"}")
+            ref = name.removeprefix("evicted/")
+            if self.store.blocking_reads:  # a shared archive over the network: never on the event loop
+                return await asyncio.to_thread(self.evicted, ref, trusted, secret)
+            return self.evicted(ref, trusted, secret)
+        if name == "search":
+            return await self.search(path, trusted, secret)
         return json_reply(404, {"error": f"no such ContextPaw endpoint: {path}"})
+
+    def evicted(self, ref: str, trusted: bool, secret: bytes) -> Reply:
+        """What `ref` stands for, to whoever saw its marker or holds a token. The archive is asked
+        whether or not the capability holds, so that a forbidden id takes as long as an unknown one."""
+        parts = refs.split(ref)
+        content = self.store.get(parts[0] if parts else "cp-")
+        allowed = parts is not None and (trusted or refs.readable(secret, ref) is not None)
+        if content is None or not allowed:
+            return json_reply(404, NOT_KEPT)
+        return Reply(200, b'{"id":' + json.dumps(ref).encode() + b',"content":' + content + b"}")
+
+    async def search(self, path: str, trusted: bool, secret: bytes) -> Reply:
+        """`?q=TEXT&limit=N`: references (with their capabilities) and snippets; token holders only."""
+        if not trusted:
+            return json_reply(403, {"error": "searching the archive needs X-ContextPaw-Token (the admin token or the local one)"})
+        query = parse_qs(urlsplit(path).query)
+        text = (query.get("q") or [""])[0]
+        try:
+            limit = min(max(int((query.get("limit") or ["10"])[0]), 1), SEARCH_LIMIT)
+        except ValueError:
+            return json_reply(400, {"error": f"limit must be a number from 1 to {SEARCH_LIMIT}"})
+        found = await asyncio.to_thread(self.store.search, text, limit)
+        results = [{"ref": f"{marker_id}.{refs.capability(secret, marker_id)}", "snippet": snippet} for marker_id, snippet in found]
+        return json_reply(200, {"results": results})
 
     async def served_window(self, path: str, backend: wire.Backend | None) -> Reply:
         """The window for `?model=`: llama-server serves one model and needs no name; Ollama's

@@ -15,6 +15,10 @@ def open_store(spec: str, state_dir: Path, *, max_items: int, max_bytes: int, ma
     """The store `spec` names (see the module's note)."""
     if spec == "memory":
         return MemoryStore(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        from contextpaw.ops.archive_redis import RedisStore  # redis-py, imported only when asked for
+
+        return RedisStore(spec, max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
     if spec in ("", "sqlite"):
         return SqliteStore(state_dir / ARCHIVE_FILE, max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
     raise ValueError(f"not an archive: {spec!r} (sqlite, memory or redis://host:port/db)")
@@ -41,6 +45,10 @@ class Archive(EvictedStore):
         super().bound(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
         self.store.bound(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
 
+    @property
+    def blocking_reads(self) -> bool:  # type: ignore[override]
+        return self.store.blocking_reads
+
     def __len__(self) -> int:
         return len(self.store)
 
@@ -56,6 +64,19 @@ class Archive(EvictedStore):
 
     def search(self, query: str, limit: int) -> list[tuple[str, str]]:
         return self.store.search(query, limit)
+
+    def shared_secret(self, local: builtins.bytes) -> builtins.bytes:
+        return self.store.shared_secret(local)
+
+    @property
+    def shares_plans(self) -> bool:  # type: ignore[override]
+        return self.store.shares_plans
+
+    def put_plan(self, key: str, data: builtins.bytes) -> None:
+        self.store.put_plan(key, data)
+
+    def get_plan(self, key: str) -> builtins.bytes | None:
+        return self.store.get_plan(key)
 
     def flush(self, timeout: float = 10.0) -> bool:
         return self.store.flush(timeout)

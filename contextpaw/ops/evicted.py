@@ -58,6 +58,9 @@ class EvictedStore(abc.ABC):
     from then on. `get` of one id is fast enough for the event loop; `search` may not be (run it
     in a thread)."""
 
+    blocking_reads = False
+    """Whether `get` may wait on a network (the endpoint then reads in a thread)."""
+
     def __init__(self, *, max_items: int, max_bytes: int, max_age_s: float) -> None:
         self.max_items = max_items
         self.max_bytes = max_bytes
@@ -88,6 +91,21 @@ class EvictedStore(abc.ABC):
     @abc.abstractmethod
     def search(self, query: str, limit: int) -> list[tuple[str, str]]:
         """(id, snippet) of at most `limit` kept contents whose text holds every word of `query`."""
+
+    shares_plans = False
+    """Whether conversation plans are kept here too (a store several instances share)."""
+
+    def put_plan(self, key: str, data: builtins.bytes) -> None:
+        """Keep a conversation's plan (JSON) for the other instances; never waits (a shared store)."""
+
+    def get_plan(self, key: str) -> builtins.bytes | None:
+        """A conversation's plan another instance kept, or None; may wait on a network."""
+        return None
+
+    def shared_secret(self, local: builtins.bytes) -> builtins.bytes:
+        """The secret references are keyed with: this instance's own (`local`), unless the store is
+        shared, where every instance must key alike for a reference to read back through any of them."""
+        return local
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every `put` so far is written (tests, measurements, shutdown); whether it was."""

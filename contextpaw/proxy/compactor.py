@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import sqlite3
 import weakref
 from typing import Any
 
@@ -35,10 +34,12 @@ from contextpaw.core import logs
 from contextpaw.fitting.fitter import Fitter
 from contextpaw.fitting.flow import FlowState, Refuse
 from contextpaw.fitting.services import OFFLOAD_BYTES, off_loop
+from contextpaw.ops import keys
 from contextpaw.ops.archive import Archive
 from contextpaw.ops.kept import KeptCalibration
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.backends import UNDECODED, Backends
+from contextpaw.proxy.endpoints import proxy_url
 from contextpaw.proxy.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply
 from contextpaw.proxy.views import ORIGINAL, REPORT
 from contextpaw.relay.exchange import ERROR_HEADER
@@ -82,6 +83,8 @@ class Compactor:
         self.ledger = ledger
         self.session = session
         self.kept: KeptCalibration | None = None
+        self.secret = b""
+        """The proxy's secret (`ops.keys`), read when the state dir is set."""
 
     def load(self, loader: Any) -> None:
         declare(loader, FitSettings.options())
@@ -103,15 +106,22 @@ class Compactor:
                 else None
             )
         if {"contextpaw_state_dir", "confdir"} & updated:
+            try:
+                self.secret = keys.secret(settings.state_dir)
+            except OSError as e:
+                raise exceptions.OptionsError(f"contextpaw_state_dir: the secret cannot be kept in {settings.state_dir}: {e}") from None
             self.kept = KeptCalibration(settings.state_dir / CALIBRATION_FILE)
             if self.kept.restore(self.fitter.calibration) is False:
                 logger.warning("calibration state %s is damaged; starting from scratch", self.kept.path)
-        if self.archive is not None and {"contextpaw_archive", "contextpaw_state_dir", "confdir"} & updated:
+        secret = self.secret
+        if self.archive is not None:
             try:
-                self.archive.open(settings.archive, settings.state_dir)
-            except (OSError, ValueError, sqlite3.Error) as e:
+                if {"contextpaw_archive", "contextpaw_state_dir", "confdir"} & updated:
+                    self.archive.open(settings.archive, settings.state_dir)
+                secret = self.archive.shared_secret(self.secret)
+            except Exception as e:  # sqlite3's, the OS's, redis-py's errors: said as the option's
                 raise exceptions.OptionsError(f"contextpaw_archive: {settings.archive} cannot be opened: {e}") from None
-        self.fitter.configure(settings, summarizer)
+        self.fitter.configure(settings, summarizer, secret)
 
     def done(self) -> None:
         """Close the shared session and keep what calibration learned (sync: hot reload)."""
@@ -145,7 +155,7 @@ class Compactor:
         if (utf8 := wire.as_utf8(raw, content_type)) is not None:  # read by its declared charset, sent as JSON's own
             flow.request.content = raw = utf8
             flow.request.headers["content-type"] = wire.utf8_type(content_type)
-        state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"))
+        state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"), proxy_url(flow))
         self.states[flow] = state
         decision = await self.fitter.fit(state)
         if isinstance(decision, Refuse):

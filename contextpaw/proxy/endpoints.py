@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from mitmproxy import ctx, http
@@ -18,7 +20,7 @@ from contextpaw.calls.session import HttpServices
 from contextpaw.core import logs
 from contextpaw.fitting.fitter import Fitter
 from contextpaw.fitting.sizing import ANCHOR_MARGIN
-from contextpaw.ops import admin
+from contextpaw.ops import admin, keys
 from contextpaw.ops.evicted import EvictedStore
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.backends import Backends
@@ -27,6 +29,28 @@ from contextpaw.wire.streams import report_bytes
 
 CLIENT_HOST = "contextpaw.client_host"
 """The Host header the client sent (reverse mode replaces it with the backend's)."""
+HOST_SHAPE = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+"""A Host that may be written into a marker's command: a name or an address, and a port."""
+
+
+def client_host(flow: http.HTTPFlow) -> str | None:
+    """The Host the client named (reverse mode: kept aside before mitmproxy rewrote it)."""
+    return flow.metadata.get(CLIENT_HOST, flow.request.host_header)
+
+
+def proxy_url(flow: http.HTTPFlow) -> str:
+    """Where the client reached the proxy, as it named it (`http://host:port`), for the command a
+    marker gives: the Host it sent in reverse mode, else the address it connected to."""
+    scheme = "https" if flow.client_conn.tls_established else "http"
+    host = client_host(flow) if isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode) else None
+    if host and HOST_SHAPE.fullmatch(host):
+        return f"{scheme}://{host}"
+    sockname = flow.client_conn.sockname
+    if sockname and sockname[1]:
+        address = sockname[0]
+        return f"{scheme}://{f'[{address}]' if ':' in address else address}:{sockname[1]}"
+    return ""
+
 
 logger = logs.get(__name__)
 
@@ -51,6 +75,17 @@ class AdminEndpoints:
         self.rewrites_host = False
         self.hostname = socket.gethostname()
         """This machine's name, a Host a local client may name (read once, not per request)."""
+        self.local_token: str | None = None
+        """The local tools' token (`ops.keys`, in the state dir), read when the state dir is set."""
+
+    def configure(self, updated: set[str]) -> None:
+        if {"contextpaw_state_dir", "confdir"} & updated and "contextpaw_state_dir" in ctx.options:
+            state_dir = Path(ctx.options.contextpaw_state_dir or ctx.options.confdir).expanduser()
+            try:
+                self.local_token = keys.local_token(state_dir)
+            except OSError as e:
+                logger.warning("no local token in %s (%s): local tools need the admin token", state_dir, e)
+                self.local_token = None
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -84,13 +119,19 @@ class AdminEndpoints:
             return
         if not self.backends.serves(flow):
             return
-        client_host = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        peer = flow.client_conn.peername[0] if flow.client_conn.peername else ""
         token = flow.request.headers.get("X-ContextPaw-Token")
-        host = flow.metadata.get(CLIENT_HOST, flow.request.host_header)
-        if admin.authorized(client_host, host, token, ctx.options.contextpaw_admin_token):
+        host = client_host(flow)
+        trusted = admin.token_matches(token, ctx.options.contextpaw_admin_token, self.local_token)
+        own = tuple(f"{scheme}://{host}".lower() for scheme in ("http", "https")) if host else ()
+        if admin.cross_site(flow.request.headers.get("Origin"), flow.request.headers.get("Sec-Fetch-Site"), own):
+            answer = admin.json_reply(403, {"error": "ContextPaw endpoints do not answer requests made for another site"})
+        elif trusted or admin.authorized(peer, host, None, None):
             try:
                 backend = functools.partial(self.backends.backend_of, flow)
-                answer = await self.admin.answer(flow.request.method, flow.request.path, backend)
+                answer = await self.admin.answer(
+                    flow.request.method, flow.request.path, backend, trusted=trusted, secret=self.fitter.secret
+                )
             except Exception as e:  # answered here all the same: /contextpaw/* never reaches a backend
                 logger.exception("ContextPaw failed to answer %s", flow.request.path)
                 answer = admin.json_reply(500, {"error": f"ContextPaw failed to answer: {type(e).__name__}"})

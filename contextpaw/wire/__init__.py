@@ -33,6 +33,7 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     evaluated_tokens,
     identify,
     int_field,
+    keyed,
     load,
     model_of,
     positive,

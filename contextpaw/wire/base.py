@@ -6,6 +6,7 @@ dicts in, bytes and dicts out, no mitmproxy, no I/O and no compaction."""
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import json
 import math
@@ -216,6 +217,8 @@ class Chat:
     """The body's field that holds the conversation (the Responses API's is `input`)."""
     marker: Callable[[str, str], dict[str, Any]] = plain_marker
     """(role, text) -> a marker that stands as a message of its own, in this API's shape."""
+    secret: bytes = b""
+    """The key the conversation's `key` is made with (the proxy's secret, passed in by `keyed`)."""
 
     def counted(self, sent: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         """(path, body) that asks llama-server for the exact size of `sent`, a body in this API."""
@@ -230,12 +233,13 @@ class Chat:
         They are read as the model reads them (role, text, images), not as spelled: Claude Code
         sends its environment message as text blocks on the first turn and as a string after it,
         and moves `cache_control` between blocks, in one conversation.
+        Keyed with the proxy's secret (`keyed`): nobody who lacks it can name another's conversation.
         """
         messages = self.conversation.messages
         anchor = [self.fixed_text] + [(m.role, m.text, m.images) for m in messages if m.pinned]
         anchor += [(m.role, m.text, m.images) for m in messages if m.role == "user"][:1]
         data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
-        return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+        return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12, key=self.secret[:64]).hexdigest()
 
     def fingerprints(self) -> tuple[tuple[int, int], ...]:
         """(digest, characters) of each line of the messages long enough to say something, read as
@@ -272,6 +276,11 @@ class Chat:
         """What the request costs besides its messages: the template's tokens, the text never cut
         and the tool definitions."""
         return fixed_tokens + (counter.text(self.fixed_text) if self.fixed_text else 0) + counter.tools(self.conversation.tools)
+
+
+def keyed(parsed: Chat | Prompt, secret: bytes) -> Chat | Prompt:
+    """`parsed` with its conversation keyed by `secret` (a prompt has no conversation)."""
+    return dataclasses.replace(parsed, secret=secret) if isinstance(parsed, Chat) and secret else parsed
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,7 +128,8 @@ async def test_every_answered_request_leaves_its_evaluated_count_with_route_mode
         request = body(route, stream)
         flow, answered, _ = await through(tctx, fake, route, request)
         assert flow.response is not None and flow.response.status_code == 200, answered[-300:]
-        key = wire.route_for(wire.Kind.OLLAMA, "POST", route).read(json.dumps(request).encode()).key  # type: ignore[union-attr]
+        parsed = wire.route_for(wire.Kind.OLLAMA, "POST", route).read(json.dumps(request).encode())  # type: ignore[union-attr]
+        key = wire.keyed(parsed, addon.fitter.secret).key  # type: ignore[union-attr]
         evaluated = addon.fitter.answers.evaluated(key)
         assert isinstance(evaluated, Evaluated), "no sample of the answer's count"
         assert evaluated.prompt_tokens == server_count(route, answered.decode())

@@ -41,7 +41,7 @@ async def test_an_overflowing_chat_is_compacted_reported_and_its_evictions_kept(
     sent = json.loads(decision.body)
     assert sent["messages"][0]["content"] == "Be brief." and len(sent["messages"]) < 14
     assert s.report is not None and s.report.compacted and s.report.final_tokens <= s.report.budget
-    assert all(f.store.get(marker) is not None for marker in s.report.markers)
+    assert all(f.store.get(marker.split(".")[0]) is not None for marker in s.report.markers)  # by id, not capability
     assert f.stats.counts["compacted"] == 1 and s.sent == decision.body
 
 
@@ -950,7 +950,8 @@ async def test_on_ollamas_native_chat_a_cut_of_dense_history_fills_the_window_in
     assert 0.9 <= use <= 1.0, use
     assert json.loads(s.sent or b"{}")["truncate"] is False
     by_bytes, _ = await _first_overflow_use(tokenizer, forbid_truncation=False)
-    assert by_bytes < 0.8, f"without the shape count the same cut uses {by_bytes:.0%}"
+    # keyed marker references (32 hex characters each) fill a little more of it than the 12-digit ids did
+    assert by_bytes < 0.85, f"without the shape count the same cut uses {by_bytes:.0%}"
 
 
 async def test_a_shape_priced_cut_the_server_counts_over_the_window_is_refused_by_ollama_and_refitted_then_learned_as_retried() -> None:

@@ -23,7 +23,7 @@ from contextpaw.core.tokens import EstimateCounter
 from contextpaw.fitting.calibration import CalibratedCounter
 
 BASE = EstimateCounter()
-MARKER_ID = re.compile(r"retrieval id (cp-[0-9a-f]{12})")
+MARKER_ID = re.compile(r"retrieval id (cp-[0-9a-f]{12}\.[0-9a-f]{16})")
 SLACK = 150
 """What our count of a prefix may differ from the engine's (markers are priced with some slack)."""
 WORDS = "alpha beta gamma delta parser token window cache slot build test module".split()

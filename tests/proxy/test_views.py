@@ -74,7 +74,7 @@ async def test_the_request_view_starts_with_the_sizes_and_one_line_per_hole(prox
     assert f"{report['original_tokens']:,} -> {report['final_tokens']:,} tokens" in flat(summary)
     assert f"budget {report['budget']:,} of a {report['window']:,}-token window" in flat(summary)
     assert f"counter {report['counter']}" in flat(summary)
-    holes = [line for line in summary.splitlines() if re.match(r"  cp-\w+  ", line)]
+    holes = [line for line in summary.splitlines() if re.match(r"  cp-[\w.]+  ", line)]
     assert [line.split()[0] for line in holes] == report["markers"]
 
 

@@ -1,0 +1,97 @@
+"""The archive through the composed proxy: a marker carries its reference and the command that
+reads it back at the address the client used; only that reference, or a token, reads it; a page
+on another site gets nothing; the plan is the conversation's under this proxy's secret."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from mitmproxy import http
+from mitmproxy.test import taddons
+
+from contextpaw.ops import keys
+from contextpaw.proxy.compose import make_addons
+from support.flows import LLAMACPP, OLLAMA, get, long_chat, ok_json, post, reverse
+from support.inprocess import Proxy
+
+COMMAND = re.compile(r"curl -s (http://[^/\s]+)/contextpaw/evicted/(cp-[0-9a-f]{12}\.[0-9a-f]{16})")
+
+
+@pytest.fixture
+async def proxy(tmp_path: Path) -> AsyncIterator[Proxy]:
+    addons = make_addons()
+    with taddons.context(*addons) as tctx:
+        proxy = Proxy(tctx, addons)
+        tctx.options.update(contextpaw_state_dir=str(tmp_path))
+        tctx.configure(proxy.backends, contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
+        yield proxy
+        proxy.compactor.done()
+
+
+async def compacted(proxy: Proxy, body: dict | None = None) -> tuple[dict, http.HTTPFlow]:
+    flow = reverse(post("/api/chat", body or long_chat()))
+    flow.request.headers["Host"] = "127.0.0.1:11435"  # as every HTTP/1.1 client sends it
+    flow.client_conn.timestamp_tls_setup = None  # plain HTTP, as agents reach a local proxy
+    await proxy.send(flow)
+    sent = json.loads(flow.request.content or b"{}")
+    await proxy.answer(flow, ok_json({"done": True}))
+    return sent, flow
+
+
+async def read(proxy: Proxy, path: str, **headers: str) -> http.Response:
+    flow = reverse(get(path))
+    flow.request.headers.update(headers)
+    await proxy.send(flow)
+    assert flow.response is not None
+    return flow.response
+
+
+async def test_the_marker_names_the_command_that_reads_it_back_at_the_address_the_client_used(proxy: Proxy, tmp_path: Path) -> None:
+    sent, _ = await compacted(proxy)
+    commands = COMMAND.findall(json.dumps(sent))
+    assert commands and {url for url, _ in commands} == {"http://127.0.0.1:11435"}  # the Host of `get`/`post`
+    answer = await read(proxy, f"/contextpaw/evicted/{commands[0][1]}")
+    assert answer.status_code == 200 and json.loads(answer.content)["content"][0]["content"].startswith("part ")
+    assert (tmp_path / "contextpaw-archive.sqlite3").exists() and (tmp_path / keys.SECRET_FILE).exists()
+
+
+async def test_without_the_capability_the_answer_is_the_unknown_ids(proxy: Proxy, tmp_path: Path) -> None:
+    sent, _ = await compacted(proxy)
+    ref = COMMAND.findall(json.dumps(sent))[0][1]
+    bare, unknown = await read(proxy, f"/contextpaw/evicted/{ref.split('.')[0]}"), await read(proxy, "/contextpaw/evicted/cp-0")
+    assert (bare.status_code, bare.content) == (unknown.status_code, unknown.content) and bare.status_code == 404
+    token = keys.local_token(tmp_path)
+    assert (await read(proxy, f"/contextpaw/evicted/{ref.split('.')[0]}", **{"X-ContextPaw-Token": token})).status_code == 200
+    found = await read(proxy, "/contextpaw/search?q=log+line&limit=3", **{"X-ContextPaw-Token": token})
+    results = json.loads(found.content)["results"]
+    assert found.status_code == 200 and 1 <= len(results) <= 3 and all(r["ref"].startswith("cp-") for r in results)
+    assert (await read(proxy, "/contextpaw/search?q=log")).status_code == 403  # loopback, but no token
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}, {"Sec-Fetch-Site": "same-site"}],
+)
+async def test_a_page_on_another_site_gets_nothing_even_with_the_reference(proxy: Proxy, headers: dict[str, str]) -> None:
+    sent, _ = await compacted(proxy)
+    ref = COMMAND.findall(json.dumps(sent))[0][1]
+    answer = await read(proxy, f"/contextpaw/evicted/{ref}", **headers)
+    assert answer.status_code == 403 and b"part " not in answer.content
+    own = await read(proxy, f"/contextpaw/evicted/{ref}", Origin="http://127.0.0.1:11435", **{"Sec-Fetch-Site": "same-origin"})
+    assert own.status_code == 200
+
+
+async def test_the_same_conversation_under_another_secret_finds_no_plan(proxy: Proxy, tmp_path: Path) -> None:
+    """The plan is found by the conversation's key under this proxy's secret: the same opening
+    sent to a proxy with another secret is a stranger there."""
+    await compacted(proxy)
+    fitter = proxy.compactor.fitter
+    assert len(fitter.plans) == 1
+    key = next(iter(fitter.plans))
+    fitter.configure(fitter.settings, fitter.summarizer, b"another secret" * 3)
+    _, flow = await compacted(proxy)
+    assert len(fitter.plans) == 2 and key in fitter.plans
