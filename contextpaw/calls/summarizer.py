@@ -52,7 +52,7 @@ from contextpaw.core.map_reduce import (
     shorten,
 )
 from contextpaw.fitting.services import Complete, DigestResult, InFlight, SummaryModel
-from contextpaw.ops.kept import read_state, remove_leftovers, write_atomically
+from contextpaw.ops.kept import StateWriter, read_state, remove_leftovers
 
 logger = logs.get(__name__)
 
@@ -97,6 +97,7 @@ class Summarizer:
         self._failed: dict[str, tuple[float, str]] = {}
         """model -> when its last call failed, and why."""
         self._stats = {"digests": 0, "calls": 0, "cache_hits": 0, "failures": 0, "seconds": 0.0}
+        self._writer = StateWriter(state_path, "summary cache") if state_path is not None else None
         if state_path is not None:
             remove_leftovers(state_path)
             self._load(state_path)
@@ -227,18 +228,15 @@ class Summarizer:
 
     async def _save(self) -> None:
         """Write the cache if it changed, atomically (a crash leaves the old file or the new one)."""
-        if self.state_path is None or not self._dirty:
+        if self._writer is None or not self._dirty:
             return
         async with self._save_lock:
             if not self._dirty:
                 return
             self._dirty = False
             text = json.dumps({"version": PROMPT_VERSION, "entries": dict(self._cache)}, ensure_ascii=False)
-            try:
-                await asyncio.to_thread(write_atomically, self.state_path, text)
-            except OSError as error:
+            if not await asyncio.to_thread(self._writer.write, text):  # it said why, once
                 self._dirty = True
-                logger.warning("summary cache %s not saved: %s", self.state_path, error)
 
 
 async def _all(calls: Sequence[Awaitable[str]]) -> list[str]:

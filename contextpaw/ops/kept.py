@@ -1,6 +1,6 @@
 """State kept on disk across restarts: read back only from a regular file of bounded size, written
 atomically, its leftovers removed at start, and the calibration's file read at start and written
-off the event loop."""
+off the event loop. A write that fails says so once, not at every try."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import os
 import stat
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,35 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
+class StateWriter:
+    """Writes one state file (`write_atomically`), and tells of its failures once: the first of a
+    kind as one warning line with the reason, no traceback; nothing more while it keeps failing
+    the same way; one line when it is saved again. Safe to call from worker threads."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = path
+        self.what = what
+        self.failing: str | None = None
+        """Why the last write failed; None while writes succeed."""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> bool:
+        """Whether `text` was saved."""
+        with self._lock:
+            try:
+                write_atomically(self.path, text)
+            except (OSError, ValueError) as e:  # ValueError: text UTF-8 cannot hold (a lone surrogate)
+                reason = f"{type(e).__name__}: {(e.strerror if isinstance(e, OSError) else None) or e}"
+                if reason != self.failing:
+                    logger.warning("%s %s not saved (%s); told again only when this changes", self.what, self.path, reason)
+                self.failing = reason
+                return False
+            if self.failing is not None:
+                logger.warning("%s %s saved again", self.what, self.path)
+                self.failing = None
+            return True
+
+
 class KeptCalibration:
     """The calibration's JSON file: read when the state dir is set, written off the event loop at
     most every `every_s` seconds (and once more at exit)."""
@@ -98,6 +128,7 @@ class KeptCalibration:
         self.path = path
         self.every_s = every_s
         self._saved_at = 0.0
+        self.writer = StateWriter(path, "calibration state")
         remove_leftovers(path)
 
     def restore(self, calibration: Any) -> bool | None:
@@ -111,10 +142,13 @@ class KeptCalibration:
         except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
             return False
 
-    def save(self, calibration: Any, force: bool = False) -> None:
+    def save(self, calibration: Any, force: bool = False) -> asyncio.Future[bool] | None:
+        """Write in a worker thread, if `every_s` went by since the last write (or `force`); the
+        write's future (whether it saved), None when none was due. A failure is told by the
+        writer (`StateWriter`), never raised."""
         now = time.monotonic()
         if not force and now - self._saved_at < self.every_s:
-            return
+            return None
         self._saved_at = now
         text = json.dumps(calibration.state())
-        asyncio.get_running_loop().run_in_executor(None, write_atomically, self.path, text)
+        return asyncio.get_running_loop().run_in_executor(None, self.writer.write, text)

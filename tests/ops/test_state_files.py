@@ -15,7 +15,7 @@ import pytest
 
 from contextpaw.calls.summarizer import Summarizer
 from contextpaw.fitting.calibration import Calibration
-from contextpaw.ops.kept import STATE_LIMIT, KeptCalibration, read_state
+from contextpaw.ops.kept import STATE_LIMIT, KeptCalibration, StateWriter, read_state
 
 CHILD = """
 import json, logging, resource, sys, time
@@ -101,3 +101,65 @@ def test_a_file_at_the_limit_is_still_read(tmp_path: Path) -> None:
     path = tmp_path / "state"
     path.write_bytes(b" " * STATE_LIMIT)
     assert read_state(path) == b" " * STATE_LIMIT
+
+
+# -- writes ---------------------------------------------------------------------------------------
+
+
+def blocked(tmp_path: Path) -> Path:
+    """A state path whose directory cannot be made: a file stands where it would be (unwritable
+    even to root, unlike a mode)."""
+    (tmp_path / "state").write_text("not a directory")
+    return tmp_path / "state" / "contextpaw-calibration.json"
+
+
+def told(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_failing_background_write_says_so_once_without_a_traceback_and_once_when_it_works_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = blocked(tmp_path)
+    kept, calibration = KeptCalibration(path), Calibration()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):  # what five periods of 10 s bring
+            assert await kept.save(calibration, force=True) is False
+        [first] = told(caplog)
+        assert "not saved" in first.getMessage() and "FileExistsError" in first.getMessage() and str(path) in first.getMessage()
+        assert first.exc_info is None and first.exc_text is None, "one line, no traceback"
+        (tmp_path / "state").unlink()
+        assert await kept.save(calibration, force=True) is True
+        assert await kept.save(calibration, force=True) is True
+    assert [r.getMessage() for r in told(caplog)[1:]] == [f"calibration state {path} saved again"]
+    assert json.loads(path.read_text()) == calibration.state()
+
+
+def test_a_write_failing_another_way_is_told_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = blocked(tmp_path)
+    writer = StateWriter(path, "calibration state")
+    with caplog.at_level(logging.WARNING):
+        assert not writer.write("{}") and not writer.write("{}")
+        (tmp_path / "state").unlink()
+        assert not writer.write("\ud800")  # UTF-8 cannot hold it: a failure, not an exception
+        assert writer.write("{}")
+    assert [r.getMessage().split(" (")[1].split(":")[0] for r in told(caplog)[:2]] == ["FileExistsError", "UnicodeEncodeError"]
+    assert len(told(caplog)) == 3
+
+
+async def test_the_summary_cache_that_cannot_be_saved_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from contextpaw.core.tokens import EstimateCounter
+    from contextpaw.fitting.services import SummaryModel
+
+    async def complete(prompt: str, max_tokens: int) -> str:
+        return f"summary {len(prompt)}."
+
+    summarizer = Summarizer(state_path=blocked(tmp_path))
+    model = SummaryModel(complete=complete, counter=EstimateCounter(), window=2048, name="m")
+    caplog.clear()  # what start-up said of reading it
+    with caplog.at_level(logging.WARNING):
+        for n in range(4):
+            result = await summarizer.digest([{"role": "tool", "content": f"log {n} " * 200}], model=model, cap_tokens=200)
+            assert result.summarized
+    [line] = told(caplog)
+    assert "summary cache" in line.getMessage() and "not saved" in line.getMessage() and line.exc_info is None
