@@ -1,5 +1,5 @@
-"""Every evicted store through one suite: the in-memory one and the SQLite archive (and Redis,
-where its server is installed) keep, bound, expire and search the same way."""
+"""Every evicted store through one suite: the in-memory one, the SQLite archive and the Redis one
+(against a real redis-server of the test's own) keep, bound, expire and search the same way."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from contextpaw.ops.archive import Archive
 from contextpaw.ops.archive_sqlite import ARCHIVE_FILE, SqliteStore
 from contextpaw.ops.evicted import EvictedStore, MemoryStore, encode
+from support.redis_server import redis_server
 
 
 class Clock:
@@ -28,27 +29,52 @@ class Clock:
 Opener = Callable[..., EvictedStore]
 """(clock, **bounds) -> a store over the same place each call (a restart)."""
 
-KINDS = ["memory", "sqlite"]
+KINDS = ["memory", "sqlite", "redis"]
+REDIS_SCALE = 0.1
+"""Redis ages content by its own clock: its age tests run at a tenth of the time, really waited."""
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
 
 @pytest.fixture(params=KINDS)
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
     opened: list[EvictedStore] = []
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+    if url:
+        from contextpaw.ops.archive_redis import RedisStore
 
-    def open_store(clock: Clock, **bounds: int) -> EvictedStore:
+        RedisStore(url, max_items=1, max_bytes=1, max_age_s=1).clear()
+
+    def open_store(clock: Clock, **bounds: float) -> EvictedStore:
         limits = {"max_items": 100, "max_bytes": 1 << 20, "max_age_s": 60} | bounds
         store: EvictedStore
         if request.param == "memory":
-            store = MemoryStore(**limits, clock=clock)
+            store = MemoryStore(**limits, clock=clock)  # type: ignore[arg-type]
+        elif request.param == "sqlite":
+            store = SqliteStore(tmp_path / "state" / ARCHIVE_FILE, **limits, clock=clock)  # type: ignore[arg-type]
         else:
-            store = SqliteStore(tmp_path / "state" / ARCHIVE_FILE, **limits, clock=clock)
+            from contextpaw.ops.archive_redis import RedisStore
+
+            store = RedisStore(url, **limits)  # type: ignore[arg-type]
         opened.append(store)
         return store
 
     open_store.kind = request.param  # type: ignore[attr-defined]
+    open_store.scale = REDIS_SCALE if request.param == "redis" else 1.0  # type: ignore[attr-defined]
     yield open_store
     for store in opened:
         store.close()
+
+
+def advance(opener: Opener, clock: Clock, seconds: float) -> None:
+    """Time passes: on the test's clock, or really (Redis keeps its own)."""
+    if opener.kind == "redis":  # type: ignore[attr-defined]
+        time.sleep(seconds)
+    clock.now += seconds
 
 
 def test_content_comes_back_verbatim_and_unknown_ids_are_none(opener: Opener) -> None:
@@ -82,14 +108,15 @@ def test_byte_bound_drops_the_oldest_and_refuses_what_never_fits(opener: Opener)
 
 
 def test_age_bound_expires_and_a_repeat_refreshes(opener: Opener) -> None:
-    clock = Clock()
-    s = opener(clock, max_age_s=10)
+    clock, scale = Clock(), opener.scale  # type: ignore[attr-defined]
+    s = opener(clock, max_age_s=10 * scale)
     s.put("cp-old", encode("x"))
     s.put("cp-kept", encode("y"))
-    clock.now += 8
+    s.flush()
+    advance(opener, clock, 8 * scale)
     s.put("cp-kept", encode("y"))
     s.flush()
-    clock.now += 3
+    advance(opener, clock, 3 * scale)
     assert s.get("cp-old") is None and s.get("cp-kept") is not None
     assert [ref for ref, _ in s.search("y", 5)] == ["cp-kept"]
 
