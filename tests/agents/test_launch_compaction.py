@@ -236,3 +236,169 @@ def test_aider_asks_ollama_for_the_served_window(stack: cli.StartStack, home: Pa
     assert code == 0 and chats, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
     assert [c["body"]["options"]["num_ctx"] for c in chats] == [6144] * len(chats)
     assert "Unknown context window" not in out
+
+
+# --- aider: its own history summary -----------------------------------------------------------
+#
+# aider has no tools: the user drives it, a line of stdin a turn (`--no-fancy-input`). Each turn adds
+# a file of about 2,500 tokens to the chat (`/run cat FILE`: its output becomes a user message) and
+# asks for the FACT lines the model can see, which the scripted model writes to facts.txt as a
+# whole-file listing (aider's `whole` edit format): aider moves a turn into the history it summarizes
+# (`done_messages`) only after an answer that edited a file (aider/coders/base_coder.py,
+# `send_message` -> `move_back_cur_messages`). The last turn asks for every FACT line. The 16 files
+# together (about 40,000 tokens) outgrow the 32,768-token window.
+#
+# aider sizes its history from the window launch gives it (`max_input_tokens` in the model metadata
+# file; aider/models.py: `max_chat_history_tokens` = a sixteenth of it, 1,024 to 8,192) and, once the
+# history passes that after a turn, asks the model for a summary in a thread of its own
+# (aider/history.py: its `prompts.summarize` as the system message, the history as the user's text),
+# which the scripted model answers as one (kind "summary"). That request arrives long before the
+# window. aider 0.86.2 then throws the summary away: `move_back_cur_messages` starts the thread
+# (`summarize_start`) and only then appends "I updated the files." / "Ok." to `done_messages`; the
+# thread has already copied `done_messages` (`summarize_worker`), so `summarize_end` finds them unequal
+# and keeps the whole history (base_coder.py 1036-1046, 1014-1015, 1031-1032). Every answer that
+# edits passes a message, so no summary of a turn's history is ever kept: the prompt grows to the
+# window and ContextPaw cuts. The session still finishes.
+#
+# Where aider does keep its summary: the history it restores at its start (`--restore-chat-history`:
+# base_coder.py 519-523 starts the summary before anything changes `done_messages`). A session of
+# one `contextpaw launch aider --restore-chat-history --message-file TURN` a turn, three files a
+# turn, restores a history that outgrows the window, and every request carries aider's summary of it.
+
+AIDER_WINDOW, AIDER_FILES = 32768, 16
+AIDER_OWN = ["--no-git", "--yes-always", "--no-check-update", "--no-show-release-notes", "--no-stream", "--no-analytics",
+             "--no-pretty", "--no-fancy-input", "--no-detect-urls", "--map-tokens", "0"]  # fmt: skip
+"""aider's own arguments for a run without a terminal: nothing that names a window, model or provider."""
+
+
+def aider_turns(paths: list[Path]) -> str:
+    """aider's stdin: per file, its text added to the chat and a question; then the last question."""
+    lines = [line for path in paths for line in (f"/run cat {path}", "Which FACT lines can you see now? Write them to facts.txt.")]
+    return "\n".join([*lines, "List every FACT line you can see, and we are done.", ""])
+
+
+def aider_session(behaviour: str, binary: Path, work: Path) -> Session:
+    project = work / "project"
+    paths = make_files(project / "notes", AIDER_FILES)
+    log = work / "model.jsonl"
+    home = work / "home"
+    with ExitStack() as exits:
+        args = ["--n-ctx", str(AIDER_WINDOW), "--behaviour", behaviour, "--log", str(log)]
+        model = exits.enter_context(start_module("support.scripted_model", args, "/", work / "model.out", timeout=180))
+        stack, stops = cli.start_contextpaw_stack(work / "stack", model.url)
+        exits.enter_context(stops)
+        env = cli.scratch_env(home, {**cli.AIDER_ENV, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
+        argv = [sys.executable, "-m", "contextpaw.command.cli", "launch", "aider", "--url", stack.front,
+                "--state-dir", str(work / "state"), "--", *AIDER_OWN]  # fmt: skip
+        code, out, err, seconds = cli.run_process(argv, env, project, 300, stdin=aider_turns(paths))
+        run = cli.AgentRun(argv, code, out, err, None, seconds, home)
+        (work / "agent.out").write_text(run.describe())
+    return Session("aider", AIDER_WINDOW, run, read_log(log), read_log(stack.front_log))
+
+
+_aider_sessions: dict[str, Session] = {}
+
+
+@pytest.fixture
+def aider_run(tmp_path_factory: pytest.TempPathFactory, behaviour: str) -> Session:
+    if behaviour not in _aider_sessions:
+        binary = cli.require_agents("aider")["aider"]
+        _aider_sessions[behaviour] = aider_session(behaviour, binary, tmp_path_factory.mktemp(f"aider-{behaviour}"))
+    return _aider_sessions[behaviour]
+
+
+AIDER_BEHAVIOURS = pytest.mark.parametrize("behaviour", ["llamacpp", "ollama"])
+
+
+@AIDER_BEHAVIOURS
+def test_aider_asks_for_its_own_summary_before_the_window(aider_run: Session) -> None:
+    compactions = aider_run.compactions()
+    assert compactions, "aider never summarized its history: " + aider_run.about()
+    assert compactions[0]["body"]["messages"][0]["content"].startswith("*Briefly* summarize"), aider_run.about()
+    before = [e for e in aider_run.model_log if e["n"] < compactions[0]["n"]]
+    assert before and max(e["prompt_tokens"] for e in before) < aider_run.window, aider_run.about()
+    sent = [e for e in aider_run.sent if e["path"].split("?")[0] in ("/v1/chat/completions", "/api/chat")]
+    assert not [e for e in aider_run.cut() if e in sent[: len(before) + 1] or e in before], aider_run.about()
+
+
+@AIDER_BEHAVIOURS
+@pytest.mark.xfail(strict=True, reason="aider 0.86.2 discards its summary (a race in move_back_cur_messages, base_coder.py 1036-1046)")
+def test_aider_s_summaries_keep_its_session_under_the_window(aider_run: Session) -> None:
+    assert max(e["prompt_tokens"] for e in aider_run.model_log) < aider_run.window, aider_run.about()
+    assert not aider_run.cut(), f"cut or refused: {[e.get('n', e.get('path')) for e in aider_run.cut()]}\n" + aider_run.about()
+
+
+@AIDER_BEHAVIOURS
+def test_the_aider_session_finishes_after_its_summaries(aider_run: Session) -> None:
+    final = [e for e in aider_run.model_log if (e.get("reply") or {}).get("kind") == "final"]
+    assert aider_run.run.returncode == 0 and final, aider_run.about()
+    assert final[-1]["n"] > aider_run.compactions()[0]["n"], aider_run.about()
+
+
+RESTORED_FILES, FILES_A_TURN = 15, 3
+
+
+def restored_session(behaviour: str, binary: Path, work: Path) -> Session:
+    """One aider run a turn, each restoring the chat history the runs before it wrote."""
+    project = work / "project"
+    paths = make_files(project / "notes", RESTORED_FILES)
+    log = work / "model.jsonl"
+    home = work / "home"
+    runs = []
+    with ExitStack() as exits:
+        args = ["--n-ctx", str(AIDER_WINDOW), "--behaviour", behaviour, "--log", str(log)]
+        model = exits.enter_context(start_module("support.scripted_model", args, "/", work / "model.out", timeout=180))
+        stack, stops = cli.start_contextpaw_stack(work / "stack", model.url)
+        exits.enter_context(stops)
+        env = cli.scratch_env(home, {**cli.AIDER_ENV, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
+        groups = [paths[i : i + FILES_A_TURN] for i in range(0, len(paths), FILES_A_TURN)]
+        for number, group in enumerate([*groups, []]):
+            shown = "".join(f"Here is {path.name}:\n\n{path.read_text()}\n" for path in group)
+            asked = (
+                "Which FACT lines can you see now? Write them to facts.txt."
+                if group
+                else "List every FACT line you can see, and we are done."
+            )
+            message = work / f"turn-{number:02d}.txt"
+            message.write_text(shown + asked + "\n")
+            argv = [sys.executable, "-m", "contextpaw.command.cli", "launch", "aider", "--url", stack.front,
+                    "--state-dir", str(work / "state"), "--", *AIDER_OWN, "--restore-chat-history", "--message-file", str(message)]  # fmt: skip
+            code, out, err, seconds = cli.run_process(argv, env, project, 180)
+            runs.append(cli.AgentRun(argv, code, out, err, None, seconds, home))
+            if code != 0:
+                break
+        (work / "agent.out").write_text("\n".join(run.describe() for run in runs))
+    failed = next((run for run in runs if run.returncode != 0), runs[-1])
+    history = project / ".aider.chat.history.md"
+    failed.extra["history_bytes"] = history.stat().st_size if history.exists() else 0
+    return Session("aider", AIDER_WINDOW, failed, read_log(log), read_log(stack.front_log))
+
+
+_restored_sessions: dict[str, Session] = {}
+
+
+@pytest.fixture
+def restored(tmp_path_factory: pytest.TempPathFactory, behaviour: str) -> Session:
+    if behaviour not in _restored_sessions:
+        binary = cli.require_agents("aider")["aider"]
+        _restored_sessions[behaviour] = restored_session(behaviour, binary, tmp_path_factory.mktemp(f"aider-restored-{behaviour}"))
+    return _restored_sessions[behaviour]
+
+
+AIDER_SUMMARY_PREFIX = "I spoke to you previously about a number of things."
+"""How aider's history starts once it has kept a summary (aider/prompts.py `summary_prefix`)."""
+
+
+@AIDER_BEHAVIOURS
+def test_aider_keeps_its_summary_of_a_restored_history_larger_than_the_window(restored: Session) -> None:
+    """The history the runs wrote outgrows the window; each run's turn carries aider's summary of
+    it instead, every request fits, ContextPaw cuts nothing, the server refuses nothing, and the
+    last run gives the final answer."""
+    turns = [e for e in restored.model_log if (e.get("reply") or {}).get("kind") in ("answer", "final")]
+    summarized = [e for e in turns if any(AIDER_SUMMARY_PREFIX in str(m.get("content")) for m in e["body"]["messages"])]
+    assert restored.compactions() and turns[-1]["reply"]["kind"] == "final", restored.about()
+    assert summarized and summarized == turns[1:], restored.about()
+    assert restored.run.extra["history_bytes"] // 4 > restored.window, "the history never outgrew the window: " + restored.about()
+    assert max(e["prompt_tokens"] for e in restored.model_log) < restored.window, restored.about()
+    assert not restored.cut(), f"cut or refused: {[e.get('n', e.get('path')) for e in restored.cut()]}\n" + restored.about()
+    assert restored.run.returncode == 0, restored.about()

@@ -3,7 +3,8 @@
 It serves OpenAI's chat completions (``/v1/chat/completions``), Anthropic's Messages
 (``/v1/messages``) and OpenAI's Responses (``/v1/responses``), streamed and buffered, in the event
 shapes the real CLIs (Claude Code, Codex, opencode) accept, with the prompt's size in every answer
-(``usage.prompt_tokens`` / ``input_tokens``).
+(``usage.prompt_tokens`` / ``input_tokens``); as Ollama, its own ``/api/chat`` too (aider's
+``ollama_chat``), with ``prompt_eval_count``.
 
 **The script.** The task names the files to read (every ``/.../file-NN.txt`` path in the user's
 text). On each turn the model answers with one tool call that makes the agent read the next file
@@ -13,7 +14,11 @@ Codex's ``exec_command`` (``cmd: cat PATH``), a ``shell`` tool's ``command`` oth
 files are read it answers with final text: ``Done.`` and every ``FACT-NN: ...`` line it can see in
 the prompt it received, so the final answer tells what reached the model. A request without tools
 (opencode's title) gets a short text, and one that asks to summarize the conversation (an agent's own
-compaction) gets a summary naming the task's files and how many were read.
+compaction, or aider's, which asks in its system message) gets a summary naming the task's files and
+how many were read. aider has no tools: its user's question ``Which FACT lines can you see`` is
+answered with the FACT lines in sight as a whole-file listing of ``facts.txt`` (an edit, which is
+what moves aider's turn into the history it summarizes), and ``List every FACT line you can see``
+with the final answer.
 
 Which file is next: one past the highest file named by a read call *visible* in the prompt, or
 remembered for the session, whichever is higher. The memory is per session (the CLIs' own session
@@ -96,6 +101,17 @@ that a session without a session header goes on after a compaction."""
 SUMMARY_ASKS = ("summar", "conversation so far", "<state_snapshot>")
 """How the agents ask for a summary of their history in the last user message (Qwen Code asks for
 a `<state_snapshot>`)."""
+SYSTEM_SUMMARY_ASKS = ("summarize this partial conversation",)
+"""How an agent asks for a summary in its system message, the history as the user's text (aider:
+its `prompts.summarize`, the history as `# USER` / `# ASSISTANT` sections)."""
+FACTS_ASKS = "which fact lines can you see"
+"""A user's question without tools (aider's turns): answered with the FACT lines the prompt shows,
+written to ``FACTS_FILE`` as a whole-file listing (aider's `whole` edit format, the one it gives a
+model it does not know). aider moves a turn into the history it summarizes only when the answer
+edited a file (aider/coders/base_coder.py, `move_back_cur_messages`)."""
+FACTS_FILE = "facts.txt"
+FINAL_ASKS = "list every fact line you can see"
+"""A user's last question without tools: the final answer, with the FACT lines the prompt shows."""
 OLLAMA_VERSION = "0.33.0-rc2"
 MISSING_BLOB = "/nonexistent/ollama/models/blobs/sha256-5c3a1e2f"
 """Where the Modelfile says the model is when no tokenizer may be found: on no disk here, as when
@@ -346,7 +362,7 @@ class Reply:
     call: Call | None = None
     file: int | None = None
     kind: str = "text"
-    """tool | final | title | summary | lost"""
+    """tool | final | title | summary | lost | answer"""
 
 
 class Script:
@@ -370,11 +386,20 @@ class Script:
     def reply(self, session: Session | None, conversation: Conversation, seen: str) -> Reply:
         last = conversation.messages[-1] if conversation.messages else None
         asks = last.text.lower() if last is not None and last.role == "user" else ""
+        system = " ".join([conversation.system, *(m.text for m in conversation.messages if m.role == "system")]).lower()
         # the task itself asks none of these; a history compacted by the agent ends in this model's own summary
-        if any(words in asks for words in SUMMARY_ASKS) and SUMMARY.lower() not in asks:
+        summary_asked = any(words in system for words in SYSTEM_SUMMARY_ASKS)
+        if summary_asked or (any(words in asks for words in SUMMARY_ASKS) and SUMMARY.lower() not in asks):
             done = session.confirmed if session else 0
             listed = "".join(f"\n{i}. {path}" for i, path in enumerate(session.files if session else [], 1))
             return Reply(f"{SUMMARY} files 1..{done} are read. The files:{listed}", kind="summary")
+        question = next((m.text.lower() for m in reversed(conversation.messages) if m.role == "user"), "")
+        if not conversation.tools and (FACTS_ASKS in question or FINAL_ASKS in question):  # an agent without tools: aider
+            facts = _facts(seen)
+            listed = "\n".join(facts[n] for n in sorted(facts))
+            if FINAL_ASKS in question:
+                return Reply(f"Done. The facts I can see:\n{listed or 'none'}", kind="final")
+            return Reply(f"The facts I can see, in {FACTS_FILE}:\n\n{FACTS_FILE}\n```\n{listed or 'none'}\n```\n", kind="answer")
         tool = read_tool(conversation.tools)
         if not conversation.tools or tool is None:
             return Reply("Reading the files", kind="title")
@@ -478,7 +503,7 @@ class ScriptedModel:
             body = await request.json(loads=json.loads)
         except ValueError:
             return web.json_response({"error": {"code": 400, "message": "invalid JSON", "type": "invalid_request_error"}}, status=400)
-        conversation = {"chat": from_chat, "anthropic": from_anthropic, "responses": from_responses}[api](body)
+        conversation = PARSERS[api](body)
         text = render(conversation)
         tokens = await asyncio.to_thread(self.tokens, text)
         key = next((request.headers[h] for h in SESSION_HEADERS if request.headers.get(h)), None)
@@ -509,9 +534,9 @@ class ScriptedModel:
             "seconds": round(time.time() - started, 3), "body": body, **({"seen_text": seen} if cut else {}),
         }  # fmt: skip
         self.write(entry)
-        writer = {"chat": ChatAnswer, "anthropic": AnthropicAnswer, "responses": ResponsesAnswer}[api](self.settings.model, body)
-        if body.get("stream") is True:
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        writer = WRITERS[api](self.settings.model, body)
+        if body.get("stream") is True or (api == "ollama" and body.get("stream") is not False):  # Ollama streams unless told not to
+            response = web.StreamResponse(headers={"Content-Type": writer.content_type, "Cache-Control": "no-cache"})
             await response.prepare(request)
             for chunk in writer.events(reply, usage):
                 await response.write(chunk)
@@ -523,7 +548,7 @@ class ScriptedModel:
 
     async def count(self, request: web.Request, api: str) -> web.Response:
         body = await request.json()
-        conversation = {"chat": from_chat, "anthropic": from_anthropic, "responses": from_responses}[api](body)
+        conversation = PARSERS[api](body)
         count = len(await asyncio.to_thread(self.tokens, render(conversation)))
         if self.settings.behaviour == "ollama":  # Ollama's count is its estimate: the body's bytes / 4
             count = max(1, len(compact_json([body.get("system"), body.get("messages")])) // 4)
@@ -592,6 +617,8 @@ class ScriptedModel:
 
 
 class ChatAnswer:
+    content_type = "text/event-stream"
+
     def __init__(self, model: str, body: dict[str, Any]) -> None:
         self.model = model
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -633,6 +660,8 @@ class ChatAnswer:
 
 
 class AnthropicAnswer:
+    content_type = "text/event-stream"
+
     def __init__(self, model: str, body: dict[str, Any]) -> None:
         self.model = model
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -678,6 +707,8 @@ class AnthropicAnswer:
 
 
 class ResponsesAnswer:
+    content_type = "text/event-stream"
+
     def __init__(self, model: str, body: dict[str, Any]) -> None:
         self.model = model
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -737,6 +768,35 @@ class ResponsesAnswer:
         return self._response("completed", [self._item(reply, True)], usage)
 
 
+class OllamaAnswer:
+    """Ollama's own ``/api/chat``: NDJSON lines when streamed, the counts on the ``done`` one."""
+
+    content_type = "application/x-ndjson"
+
+    def __init__(self, model: str, body: dict[str, Any]) -> None:
+        self.model = model if ":" in model else f"{model}:latest"
+
+    def _object(self, reply: Reply, done: bool, usage: tuple[int, int] | None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+        if reply.call:
+            message["tool_calls"] = [{"function": {"name": reply.call.name, "arguments": json.loads(reply.call.arguments)}}]
+        record = {"model": self.model, "created_at": "2026-01-01T00:00:00Z", "message": message, "done": done}
+        if usage is not None:
+            record |= {"done_reason": "stop", "prompt_eval_count": usage[0], "eval_count": usage[1]}
+        return record
+
+    def events(self, reply: Reply, usage: tuple[int, int]) -> list[bytes]:
+        lines = [self._object(reply, False, None), self._object(Reply(), True, usage)]
+        return [(json.dumps(line) + "\n").encode() for line in lines]
+
+    def whole(self, reply: Reply, usage: tuple[int, int]) -> dict[str, Any]:
+        return self._object(reply, True, usage)
+
+
+PARSERS = {"chat": from_chat, "anthropic": from_anthropic, "responses": from_responses, "ollama": from_chat}
+WRITERS: dict[str, Any] = {"chat": ChatAnswer, "anthropic": AnthropicAnswer, "responses": ResponsesAnswer, "ollama": OllamaAnswer}
+
+
 # --- the app ------------------------------------------------------------------------------------
 
 
@@ -761,6 +821,7 @@ def scripted_app(settings: Settings, tokenizer: Any) -> web.Application:
         app.router.add_get("/api/ps", model.ps)
         app.router.add_post("/api/show", model.show)
         app.router.add_post("/api/generate", model.generate)
+        app.router.add_post("/api/chat", lambda r: model.handle(r, "ollama"))
     return app
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from support.scripted_model import ScriptedModel, Session, Settings, from_chat, render_messages
+from support.scripted_model import FACTS_FILE, Script, ScriptedModel, Session, Settings, from_chat, render_messages
 
 
 class Characters:
@@ -42,3 +42,18 @@ def test_the_least_a_turn_costs_is_the_messages_it_adds_whatever_was_cut_before_
     assert model.new(session, from_chat(opening)) == length(opening, 0)  # nothing before it: all of it is new
     assert model.new(session, from_chat(later)) == length(later, 4)
     assert model.new(session, from_chat(after_a_cut)) == length(after_a_cut, 5)  # the marker is the cut's, not the turn's
+
+
+def test_aider_s_summary_request_asks_in_its_system_message_and_is_answered_as_a_summary() -> None:
+    history = "# USER\nI ran this command:\n\ncat /p/notes/file-01.txt\n# ASSISTANT\nOk.\n"
+    asked = from_chat(chat(("system", "*Briefly* summarize this partial conversation about programming."), ("user", history)))
+    assert Script().reply(None, asked, "").kind == "summary"
+
+
+def test_a_question_without_tools_is_answered_with_the_facts_in_a_whole_file_listing_and_the_last_one_finally() -> None:
+    seen = "FACT-01: the key is amber\nFACT-02: the key is basil"
+    asked = from_chat(chat(("system", "Act as an expert software developer."), ("user", "Which FACT lines can you see now?")))
+    answer = Script().reply(None, asked, seen)
+    assert answer.kind == "answer" and f"{FACTS_FILE}\n```\nFACT-01: the key is amber\nFACT-02: the key is basil\n```" in answer.text
+    last = from_chat(chat(("user", "List every FACT line you can see, and we are done.")))
+    assert Script().reply(None, last, seen).kind == "final"
