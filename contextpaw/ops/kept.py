@@ -1,6 +1,7 @@
 """State kept on disk across restarts: read back only from a regular file of bounded size, written
-atomically, its leftovers removed at start, and the calibration's file read at start and written
-off the event loop. A write that fails says so once, not at every try."""
+atomically and privately (files 0600, in directories made 0700), its leftovers removed at start,
+and the calibration's file read at start and written off the event loop. A write that fails says
+so once, not at every try."""
 
 from __future__ import annotations
 
@@ -76,9 +77,20 @@ def _kind(mode: int) -> str:
     return "not a file"
 
 
+def private_dir(directory: Path) -> None:
+    """Make `directory` and whichever of its parents are missing, each this user's only (0700); one
+    that exists is left as it is (the operator's choice)."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another writer
+            d.mkdir(mode=0o700)
+
+
 def write_atomically(path: Path, text: str) -> None:
-    """Replace `path` with `text`: a crash leaves the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Replace `path` with `text`: a crash leaves the old file or the new one, never half of one.
+    The file is this user's only (0600, as `mkstemp` makes it whatever the umask, and `replace`
+    keeps), in a directory made 0700 where ContextPaw makes it (`private_dir`)."""
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from contextpaw.calls.summarizer import Summarizer
 from contextpaw.fitting.calibration import Calibration
-from contextpaw.ops.kept import STATE_LIMIT, KeptCalibration, StateWriter, read_state
+from contextpaw.ops.kept import STATE_LIMIT, KeptCalibration, StateWriter, read_state, write_atomically
 
 CHILD = """
 import json, logging, resource, sys, time
@@ -106,6 +107,10 @@ def test_a_file_at_the_limit_is_still_read(tmp_path: Path) -> None:
 # -- writes ---------------------------------------------------------------------------------------
 
 
+BLOCKED = "NotADirectoryError"
+"""What a write under a file says: its directory is there, and is not one."""
+
+
 def blocked(tmp_path: Path) -> Path:
     """A state path whose directory cannot be made: a file stands where it would be (unwritable
     even to root, unlike a mode)."""
@@ -126,7 +131,7 @@ async def test_a_failing_background_write_says_so_once_without_a_traceback_and_o
         for _ in range(5):  # what five periods of 10 s bring
             assert await kept.save(calibration, force=True) is False
         [first] = told(caplog)
-        assert "not saved" in first.getMessage() and "FileExistsError" in first.getMessage() and str(path) in first.getMessage()
+        assert "not saved" in first.getMessage() and BLOCKED in first.getMessage() and str(path) in first.getMessage()
         assert first.exc_info is None and first.exc_text is None, "one line, no traceback"
         (tmp_path / "state").unlink()
         assert await kept.save(calibration, force=True) is True
@@ -143,7 +148,7 @@ def test_a_write_failing_another_way_is_told_again(tmp_path: Path, caplog: pytes
         (tmp_path / "state").unlink()
         assert not writer.write("\ud800")  # UTF-8 cannot hold it: a failure, not an exception
         assert writer.write("{}")
-    assert [r.getMessage().split(" (")[1].split(":")[0] for r in told(caplog)[:2]] == ["FileExistsError", "UnicodeEncodeError"]
+    assert [r.getMessage().split(" (")[1].split(":")[0] for r in told(caplog)[:2]] == [BLOCKED, "UnicodeEncodeError"]
     assert len(told(caplog)) == 3
 
 
@@ -163,3 +168,42 @@ async def test_the_summary_cache_that_cannot_be_saved_says_so_once(tmp_path: Pat
             assert result.summarized
     [line] = told(caplog)
     assert "summary cache" in line.getMessage() and "not saved" in line.getMessage() and line.exc_info is None
+
+
+# -- privacy ----------------------------------------------------------------------------------------
+
+
+def test_state_is_written_private_whatever_the_umask(tmp_path: Path) -> None:
+    path = tmp_path / "made" / "by" / "contextpaw" / "contextpaw-calibration.json"
+    old = os.umask(0)
+    try:
+        write_atomically(path, "{}")
+        path.chmod(0o644)  # as an earlier version left it
+        write_atomically(path, '{"ratios": {}}')
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [stat.S_IMODE(d.stat().st_mode) for d in (path.parents[2], path.parents[1], path.parent)] == [0o700] * 3
+    assert KeptCalibration(path).restore(Calibration()) is True
+
+
+def test_a_state_directory_the_operator_made_is_left_as_it_is(tmp_path: Path) -> None:
+    (tmp_path / "shared").mkdir(mode=0o750)
+    (tmp_path / "shared").chmod(0o750)
+    write_atomically(tmp_path / "shared" / "state.json", "{}")
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o750
+    assert stat.S_IMODE((tmp_path / "shared" / "state.json").stat().st_mode) == 0o600
+
+
+async def test_the_summary_cache_is_written_private(tmp_path: Path) -> None:
+    from contextpaw.core.tokens import EstimateCounter
+    from contextpaw.fitting.services import SummaryModel
+
+    async def complete(prompt: str, max_tokens: int) -> str:
+        return "a summary."
+
+    path = tmp_path / "state" / "contextpaw-summaries.json"
+    summarizer = Summarizer(state_path=path)
+    model = SummaryModel(complete=complete, counter=EstimateCounter(), window=2048, name="m")
+    assert (await summarizer.digest([{"role": "tool", "content": "log " * 200}], model=model, cap_tokens=200)).summarized
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
