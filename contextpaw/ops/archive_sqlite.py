@@ -166,16 +166,26 @@ class SqliteStore(EvictedStore):
             db.close()
 
     def _write(self, db: sqlite3.Connection, puts: list[tuple[str, float, builtins.bytes]]) -> None:
+        """One transaction for a batch of puts; the count and the bytes are kept up to date as it
+        goes (a scan of the whole table only when a bound is passed)."""
+        count, size = self._count, self._bytes
         db.execute("BEGIN IMMEDIATE")
         try:
             for marker_id, at, data in puts:
-                db.execute("DELETE FROM items WHERE id = ?", (marker_id,))
+                old = db.execute("SELECT size FROM items WHERE id = ?", (marker_id,)).fetchone()
+                if old is not None:
+                    db.execute("DELETE FROM items WHERE id = ?", (marker_id,))
+                    count, size = count - 1, size - old[0]
                 if len(data) > self.max_bytes:
                     continue
                 seq = db.execute("INSERT INTO items (id, at, size, data) VALUES (?, ?, ?, ?)", (marker_id, at, len(data), data)).lastrowid
                 db.execute("INSERT INTO texts (rowid, text) VALUES (?, ?)", (seq, searchable(data)))
-            db.execute("DELETE FROM items WHERE at < ?", (self._clock() - self.max_age_s,))
-            count, size = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()
+                count, size = count + 1, size + len(data)
+            oldest = self._clock() - self.max_age_s
+            expired, expired_size = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM items WHERE at < ?", (oldest,)).fetchone()
+            if expired:
+                db.execute("DELETE FROM items WHERE at < ?", (oldest,))
+                count, size = count - expired, size - expired_size
             if count > self.max_items or size > self.max_bytes:
                 db.execute(TRIM, (self.max_bytes, self.max_items))
                 count, size = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()

@@ -69,7 +69,7 @@ from support.recorder import read_log  # noqa: E402
 AGENTS = ("claude", "codex", "opencode", "qwen")
 BEHAVIOURS = ("ollama", "llamacpp")
 MODEL_ROUTES = {"/v1/messages": "anthropic", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
-RETRIEVAL_ID = re.compile(r"retrieval id ([\w.:-]+)\)")
+RETRIEVAL_ID = re.compile(r"retrieval id (cp-[0-9a-f]+(?:\.[0-9a-f]+)?)")
 MARKER = "[ContextPaw:"
 WORDS = (
     "alpha bravo cedar delta ember falcon garnet harbor indigo juniper kettle lantern meadow nectar orchid pepper "

@@ -75,11 +75,14 @@ async def test_forbidden_and_unknown_ids_take_the_same_path_through_the_archive(
     await read(a, Refs(SECRET).ref("never evicted"))
     assert len(asked) == 2 and asked[0] == refs.store_id(ref)
 
-    def timed(r: str) -> float:
-        started = time.perf_counter()
-        for _ in range(2000):
-            a.evicted(r, False, SECRET)
-        return time.perf_counter() - started
+    def timed(r: str) -> float:  # the best of five runs: the machine's load is not the endpoint's
+        runs = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(500):
+                a.evicted(r, False, SECRET)
+            runs.append(time.perf_counter() - started)
+        return min(runs)
 
     forbidden, unknown = timed(refs.store_id(ref) + ".0123456789abcdef"), timed(Refs(SECRET).ref("never evicted"))
     assert 0.5 < forbidden / unknown < 2
