@@ -116,6 +116,7 @@ def _v1(target: Target) -> str:
 MCP_NAME = "contextpaw"
 """The name the MCP server is registered under (Claude Code shows its tools as
 `mcp__contextpaw__contextpaw_retrieve`)."""
+MCP_TOOLS = ("contextpaw_retrieve", "contextpaw_search")
 MCP_STARTUP_S = 30
 """How long an agent waits for the server to start (Codex's default, 10 s, is short for a cold
 Python start on a busy machine)."""
@@ -144,7 +145,8 @@ def claude(target: Target) -> Launch:
     }
     compacts = target.window - min(target.output, 20_000) - 13_000
     command, *args = target.mcp
-    servers = {"mcpServers": {MCP_NAME: {"type": "stdio", "command": command, "args": args}}}
+    # alwaysLoad: its two tools in the prompt, not deferred behind Claude Code's ToolSearch (a local model seldom searches)
+    servers = {"mcpServers": {MCP_NAME: {"type": "stdio", "command": command, "args": args, "alwaysLoad": True}}}
     notes = (
         f"Claude Code: window {target.window} (CLAUDE_CODE_MAX_CONTEXT_TOKENS), answers up to {target.output} tokens; "
         + (f"it compacts its history from {compacts} tokens" if compacts > 0 else
@@ -241,6 +243,8 @@ def qwen(target: Target) -> Launch:
     settings = {
         "model": {"generationConfig": {"contextWindowSize": target.window}},
         "mcpServers": {MCP_NAME: {"command": target.mcp[0], "args": list(target.mcp[1:])}},
+        # declared up front, not deferred behind its tool_search (a local model seldom searches); a union over scopes
+        "tools": {"visible": [f"mcp__{MCP_NAME}__{tool}" for tool in MCP_TOOLS]},
     }
     env = {"OPENAI_BASE_URL": _v1(target), "OPENAI_MODEL": target.model, "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(path),
            "QWEN_CODE_MAX_OUTPUT_TOKENS": str(target.output)}  # fmt: skip

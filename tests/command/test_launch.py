@@ -169,7 +169,7 @@ def test_claude_code_gets_the_mcp_server_for_this_session_only_in_one_argument()
     (given,) = [a for a in plan.argv if a.startswith("--mcp-config")]
     assert given.startswith("--mcp-config={")
     server = json.loads(given.partition("=")[2])["mcpServers"]["contextpaw"]
-    assert server == {"type": "stdio", "command": MCP[0], "args": list(MCP[1:])}
+    assert server == {"type": "stdio", "command": MCP[0], "args": list(MCP[1:]), "alwaysLoad": True}
     assert "--strict-mcp-config" not in plan.argv and not plan.files
     assert any("contextpaw_retrieve" in note and "--mcp-config" in note for note in plan.notes)
 
@@ -194,6 +194,7 @@ def test_qwen_code_gets_the_mcp_server_in_its_generated_defaults() -> None:
     plan = launch.plan("qwen", mcp_target())
     defaults = json.loads(plan.files[Path(plan.env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"])])
     assert defaults["mcpServers"] == {"contextpaw": {"command": MCP[0], "args": list(MCP[1:])}}
+    assert defaults["tools"]["visible"] == ["mcp__contextpaw__contextpaw_retrieve", "mcp__contextpaw__contextpaw_search"]
 
 
 def test_aider_has_no_mcp_and_its_notes_say_so() -> None:
