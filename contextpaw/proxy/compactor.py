@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import secrets
+import sqlite3
 import weakref
 from typing import Any
 
@@ -108,8 +110,10 @@ class Compactor:
         if {"contextpaw_state_dir", "confdir"} & updated:
             try:
                 self.secret = keys.secret(settings.state_dir)
-            except OSError as e:
-                raise exceptions.OptionsError(f"contextpaw_state_dir: the secret cannot be kept in {settings.state_dir}: {e}") from None
+            except OSError as e:  # a read-only state dir: references hold until the next start only
+                logger.warning("the secret cannot be kept in %s (%s): markers of this run are not readable after a restart",
+                               settings.state_dir, e)  # fmt: skip
+                self.secret = secrets.token_bytes(keys.SECRET_BYTES)
             self.kept = KeptCalibration(settings.state_dir / CALIBRATION_FILE)
             if self.kept.restore(self.fitter.calibration) is False:
                 logger.warning("calibration state %s is damaged; starting from scratch", self.kept.path)
@@ -117,11 +121,23 @@ class Compactor:
         if self.archive is not None:
             try:
                 if {"contextpaw_archive", "contextpaw_state_dir", "confdir"} & updated:
-                    self.archive.open(settings.archive, settings.state_dir)
+                    self._open_archive(settings)
                 secret = self.archive.shared_secret(self.secret)
             except Exception as e:  # sqlite3's, the OS's, redis-py's errors: said as the option's
                 raise exceptions.OptionsError(f"contextpaw_archive: {settings.archive} cannot be opened: {e}") from None
         self.fitter.configure(settings, summarizer, secret)
+
+    def _open_archive(self, settings: FitSettings) -> None:
+        """The archive the options name; the default one (SQLite in the state dir) falls back to
+        memory, with one warning, where the state dir cannot hold it: the proxy still starts."""
+        assert self.archive is not None
+        try:
+            self.archive.open(settings.archive, settings.state_dir)
+        except (OSError, sqlite3.Error) as e:
+            if settings.archive != "sqlite":
+                raise
+            logger.warning("the archive cannot be kept in %s (%s): evicted content is kept in memory only", settings.state_dir, e)
+            self.archive.open("memory", settings.state_dir)
 
     def done(self) -> None:
         """Close the shared session and keep what calibration learned (sync: hot reload)."""

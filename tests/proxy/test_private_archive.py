@@ -95,3 +95,22 @@ async def test_the_same_conversation_under_another_secret_finds_no_plan(proxy: P
     fitter.configure(fitter.settings, fitter.summarizer, b"another secret" * 3)
     _, flow = await compacted(proxy)
     assert len(fitter.plans) == 2 and key in fitter.plans
+
+
+async def test_a_state_dir_that_cannot_hold_the_archive_still_starts_with_one_in_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    addons = make_addons()
+    with taddons.context(*addons) as tctx:
+        proxy = Proxy(tctx, addons)
+        tctx.options.update(contextpaw_state_dir=str(blocked))
+        tctx.configure(proxy.backends, contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
+        from contextpaw.ops.evicted import MemoryStore
+
+        assert isinstance(proxy.compactor.archive.store, MemoryStore)  # type: ignore[union-attr]
+        assert "kept in memory only" in caplog.text and len(proxy.compactor.fitter.secret) == 32
+        sent, _ = await compacted(proxy)
+        ref = COMMAND.findall(json.dumps(sent))[0][1]
+        assert (await read(proxy, f"/contextpaw/evicted/{ref}")).status_code == 200
