@@ -12,7 +12,6 @@ import asyncio
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from contextpaw import wire
@@ -170,15 +169,7 @@ def agents_short_of(window: int) -> dict[str, int]:
     """The agents `contextpaw launch` knows whose fixed part (tools, instructions, environment) and
     an answer's room do not fit in `window`, each with the least window from there on that holds
     them (as `launch` decides: its numbers, its room for an answer)."""
-    return {agent: need for agent in launch.FIXED_TOKENS if (need := _holding(agent, window)) > window}
-
-
-def _holding(agent: str, window: int) -> int:
-    """The least window from `window` on where `launch` finds room for the agent: the answer's
-    room grows with the window, so it is found step by step."""
-    while (least := launch.least_window(agent, launch.Target("", "", window, wire.Kind.LLAMACPP, Path()).output)) > window:
-        window = least
-    return window
+    return {agent: need for agent in launch.FIXED_TOKENS if (need := launch.least_window(agent, window)) > window}
 
 
 def check_agents(subject: str, window: int | None, trained: int | None, raise_to: Callable[[int], str]) -> list[Finding]:
@@ -191,7 +182,7 @@ def check_agents(subject: str, window: int | None, trained: int | None, raise_to
     if not short:
         most = max(launch.FIXED_TOKENS, key=launch.FIXED_TOKENS.__getitem__)
         return [Finding("ok", subject, f"{window:,} tokens hold the tools and instructions of every agent `contextpaw launch` "
-                                       f"starts, and an answer ({most}, the largest, needs {_holding(most, 0):,})")]  # fmt: skip
+                                       f"starts, and an answer ({most}, the largest, needs {launch.least_window(most, 0):,})")]  # fmt: skip
     what = (f"{window:,} tokens are too few for {_names([f'{a} ({n:,})' for a, n in short.items()])}: the tools and "
             "instructions each sends, with room for an answer, need that window, so ContextPaw would refuse their every request")  # fmt: skip
     reachable = {agent: need for agent, need in short.items() if not trained or need <= trained}

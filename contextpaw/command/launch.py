@@ -59,10 +59,8 @@ class Target:
 
     @property
     def output(self) -> int:
-        """The room an answer gets: an eighth of the window, at least 1,024 and at most 16,384
-        tokens (an agent's own default, 32,000 for Claude Code and Qwen Code, would leave no
-        window to a local model)."""
-        return max(1024, min(16384, self.window // 8))
+        """The room an answer gets (`answer_room` of the window)."""
+        return answer_room(self.window)
 
     @property
     def compact_at(self) -> int:
@@ -264,16 +262,28 @@ tokens: its first request as recorded in tests/agents/fixtures/, counted with Sm
 (a model's own counts a little more or less). aider's repository map comes on top."""
 
 
-def least_window(agent: str, output: int) -> int:
-    """The smallest window, in whole KiB of tokens, that holds the agent's fixed part and an answer."""
-    return -(-(FIXED_TOKENS[agent] + output) // 1024) * 1024
+def answer_room(window: int) -> int:
+    """The room an answer gets: an eighth of the window, at least 1,024 and at most 16,384 tokens
+    (an agent's own default, 32,000 for Claude Code and Qwen Code, would leave no window to a local
+    model)."""
+    return max(1024, min(16384, window // 8))
+
+
+def least_window(agent: str, window: int) -> int:
+    """The smallest window from `window` on, in whole KiB of tokens, that holds the agent's fixed
+    part and the answer's room at that window: the room grows with the window, so a window that
+    only holds the room of a smaller one is stepped past (Qwen Code at 4,096: not 17,408, where
+    launch would warn again, but 19,456)."""
+    while (need := -(-(FIXED_TOKENS[agent] + answer_room(window)) // 1024) * 1024) > window:
+        window = need
+    return window
 
 
 def plan(agent: str, target: Target) -> Launch:
     """The launch of `agent` at `target` (KeyError: not an agent `launch` knows), with a note where
     the window cannot hold the agent's own fixed part and an answer."""
     chosen = PLANS[agent](target)
-    least = least_window(agent, target.output)
+    least = least_window(agent, target.window)
     if target.window >= least:
         return chosen
     warning = (f"the agent's tools and instructions alone take about {FIXED_TOKENS[agent]:,} tokens: at a window of "

@@ -58,6 +58,8 @@ def test_claude_code_is_told_when_its_summary_room_leaves_no_window() -> None:
 def test_a_window_under_the_agents_fixed_part_is_named_with_the_least_that_holds_it() -> None:
     small = launch.plan("qwen", target(16384)).notes
     assert "about 16,800 tokens" in small[-1] and "at least 19,456" in small[-1]
+    tiny = launch.plan("qwen", target(4096)).notes  # the answer's room at 4,096 is less than at the window it names
+    assert "at least 19,456" in tiny[-1] and launch.plan("qwen", target(19456)).notes == launch.qwen(target(19456)).notes
     assert launch.plan("qwen", target(32768)).notes == launch.qwen(target(32768)).notes
 
 
