@@ -270,6 +270,20 @@ def check_tls(backends: Sequence[Fronted]) -> list[str]:
     return [f"--{a.kind} {a.url}: {f.what}; {f.fix}" for a in answers for f in doctor.check_answer(a) if a.plain_http]
 
 
+def add_where_scripts_go(manager: Any, addons: Sequence[object]) -> None:
+    """Add `addons` to a master's chain where `-s` puts its scripts (the script loader's place, before
+    mitmproxy's save, dump and view addons), so that `-w`, the dump and mitmweb see each flow as the
+    client got it; a `-s` script of the user's comes after them, as after `-s contextpaw_addon.py`."""
+    from mitmproxy.addons import script
+
+    manager.add(*addons)
+    chain = manager.chain
+    added = chain[len(chain) - len(addons) :]
+    del chain[len(chain) - len(addons) :]
+    at = next((i for i, a in enumerate(chain) if isinstance(a, script.ScriptLoader)), len(chain))
+    chain[at:at] = added
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["doctor"]:
@@ -315,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         def __init__(self, opts, **kwargs) -> None:
             super().__init__(opts, **kwargs)
-            self.addons.add(*make_addons(), StartupLine(notes))
+            add_where_scripts_go(self.addons, [*make_addons(), StartupLine(notes)])
             opts.update(**presets(ns))
             masters.append(self)
 

@@ -1,0 +1,60 @@
+"""The `contextpaw` command as mitmproxy users expect it: `-w` saves each flow as the client got it,
+and the default log says in one line per request what happened."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from mitmproxy import io
+
+from support.backends import Backend, free_port, start_process
+
+LOOPBACK = "127.0.0.1"
+N_CTX = 1024
+
+
+def overflowing(turns: int = 10) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "Read these notes."}]
+    for i in range(turns):
+        messages.append({"role": "assistant" if i % 2 == 0 else "user", "content": f"note {i}: " + "lorem ipsum " * 150})
+    return [*messages, {"role": "user", "content": "What is the note about?"}]
+
+
+@dataclass
+class Command:
+    process: Backend
+    url: str
+    flows: Path
+
+
+@pytest.fixture(scope="module")
+def saving(workdir: Path, ollama: Backend) -> Iterator[Command]:
+    """`contextpaw --ollama URL -w FILE`, with the default log (no -q, no --flow-detail)."""
+    port, flows = free_port(), workdir / "saved-as-sent.mitm"
+    argv = [
+        sys.executable, "-m", "contextpaw.command.cli", "--ollama", ollama.url, "--port", str(port),
+        "--confdir", str(workdir / "conf"), "-w", str(flows),
+        "--set", f"contextpaw_default_ctx={N_CTX}", "--set", "contextpaw_output_reserve=128",
+        "--set", f"contextpaw_state_dir={workdir / 'saving-state'}", "--set", "contextpaw_calibrate=false",
+    ]  # fmt: skip
+    url = f"http://{LOOPBACK}:{port}"
+    with start_process(argv, url, "/contextpaw/health", workdir / "saving.log", 60) as process:
+        yield Command(process, url, flows)
+
+
+def test_w_saves_the_answers_the_client_got_streamed_included(saving: Command) -> None:
+    body = {"model": "fake", "messages": overflowing(), "options": {"num_ctx": N_CTX, "num_predict": 16}}
+    plain = httpx.post(f"{saving.url}/api/chat", json={**body, "stream": False}, timeout=30)
+    streamed = httpx.post(f"{saving.url}/api/chat", json=body, timeout=30)
+    assert plain.json()["contextpaw"]["compacted"] is True
+    assert json.loads(streamed.text.strip().splitlines()[-1])["contextpaw"]["compacted"] is True
+    saving.process.stop()  # mitmproxy closes the flow file on exit
+    with saving.flows.open("rb") as f:
+        saved = [flow for flow in io.FlowReader(f).stream() if flow.request.path == "/api/chat"]
+    assert [flow.response.content for flow in saved] == [plain.content, streamed.content]
