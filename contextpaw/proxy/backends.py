@@ -7,7 +7,9 @@ import asyncio
 import collections
 import functools
 import ipaddress
+import secrets
 import weakref
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,6 +31,9 @@ from contextpaw.wire.streams import report_bytes
 logger = logs.get(__name__)
 
 BACKEND_HEADER = "X-ContextPaw-Backend"
+HOP_HEADER = "X-ContextPaw-Hop"
+"""What ContextPaw adds to each request it sends a backend: its instance's mark. A request that
+arrives carrying this instance's own mark went round to ContextPaw itself, and is answered 508."""
 HEALTH_PROBE_WAIT_S = 0.5
 
 
@@ -88,6 +93,56 @@ def scheme_conflict(configured: dict[tuple[str, int], wire.Backend], reverse_tar
     return None
 
 
+EVERY_INTERFACE = ("", "0.0.0.0", "::")
+
+
+def _local(host: str) -> bool:
+    """A host that reaches this machine's own listeners: a loopback name, or the unspecified address
+    (a connection to 0.0.0.0 or :: lands on the local host)."""
+    return endpoint(host, 0)[0] == "loopback" or host.strip("[]") in EVERY_INTERFACE
+
+
+def own_address(host: str, port: int, listens: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
+    """The listen address (host, port) among `listens` that a backend at host:port is: the same port,
+    and the same host, a loopback alias of a loopback listener, or any local name when it listens on
+    every interface."""
+    for listen_host, listen_port in listens:
+        if port != listen_port:
+            continue
+        if listen_host.strip("[]") in EVERY_INTERFACE:
+            if _local(host):
+                return listen_host, listen_port
+        elif endpoint(host, port) == endpoint(listen_host, port) or (_local(host) and _local(listen_host)):
+            return listen_host, listen_port
+    return None
+
+
+def listen_addresses(specs: Sequence[str], default_host: str, default_port: int | None) -> list[tuple[str, int]]:
+    """Where each mode of mitmproxy's `mode` option listens (host "" is every interface)."""
+    found = []
+    for spec in specs:
+        mode = mode_specs.ProxyMode.parse(spec)
+        port = mode.listen_port(default_port)
+        if port is not None:
+            found.append((mode.listen_host(default_host), port))
+    return found
+
+
+def self_loop(targets: Sequence[tuple[str, str]], listens: Sequence[tuple[str, int]]) -> str | None:
+    """A backend (what names it, its URL) that is ContextPaw's own listen address: every request
+    would go round to itself. Said with the fix."""
+    for name, url in targets:
+        host, port = _host_port(url)
+        if (address := own_address(host, port, listens)) is None:
+            continue
+        listen = f"{address[0] or 'every interface'}:{address[1]}"
+        return (f"{name} {url} is ContextPaw's own listen address ({listen}): every request would be sent back to "
+                "ContextPaw itself. Move the backend to another port (Ollama: OLLAMA_HOST=127.0.0.1:11435 ollama serve, "
+                "then --ollama http://127.0.0.1:11435; llama-server: --port 8091) and point ContextPaw there, or have "
+                "ContextPaw listen elsewhere (--port, or @PORT in --mode)")  # fmt: skip
+    return None
+
+
 def relayable(target: bytes) -> bool:
     """Whether HTTP/1.1 allows this request target (visible ASCII only), so the relay can send it on."""
     return bool(target) and all(0x21 <= byte <= 0x7E for byte in target)
@@ -132,6 +187,10 @@ class Backends:
         """The relay that carries model requests (`Upstream`'s); it answers while it listens."""
         self._found: weakref.WeakKeyDictionary[http.HTTPFlow, wire.Backend | None] = weakref.WeakKeyDictionary()
         self._probes = InFlight()
+        self.mark = secrets.token_hex(8)
+        """This instance's mark in `HOP_HEADER`."""
+        self._marked: weakref.WeakKeyDictionary[http.HTTPFlow, list[str]] = weakref.WeakKeyDictionary()
+        """Flows sent on with the mark -> the marks they came with (put back when the answer comes)."""
         self._held: dict[str, collections.Counter[tuple[str, int, bool]]] = {}
         """Client connection -> the direct backend connections mitmproxy holds open for it, by
         address and TLS as mitmproxy matches one to reuse: its next request goes out on one."""
@@ -155,6 +214,12 @@ class Backends:
             self.configured = {endpoint(b.host, b.port): b for b in self.settings.configured}
         if conflict := scheme_conflict(self.configured, self.reverse_targets):
             raise exceptions.OptionsError(conflict)
+        if {"mode", "listen_host", "listen_port"} & updated or BACKEND_OPTIONS.keys() & updated:
+            listens = listen_addresses(ctx.options.mode, ctx.options.listen_host, ctx.options.listen_port)
+            targets = [(f"contextpaw_{b.kind}", b.url) for b in self.settings.configured]
+            targets += [("--mode reverse:", url) for url in self.reverse_targets.values()]
+            if loop := self_loop(targets, listens):
+                raise exceptions.OptionsError(loop)
 
     def running(self) -> None:
         """Ask the reverse-mode targets what they are at once, so health knows them before traffic."""
@@ -180,13 +245,54 @@ class Backends:
         self._held.pop(client.id, None)
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        """Find the flow's backend once (a probe, for a reverse-mode target not seen before)."""
-        if self.serves(flow):
+        """Find the flow's backend once (a probe, for a reverse-mode target not seen before; never for
+        a request that went round to ContextPaw itself)."""
+        if self.looped(flow):
+            self._found[flow] = self.configured.get(_destination(flow)) or self.probed.get(_destination(flow))
+        elif self.serves(flow):
             self._found[flow] = await self._identify(flow)
 
+    def looped(self, flow: http.HTTPFlow) -> bool:
+        """Whether the request carries this instance's own mark: ContextPaw sent it, to itself."""
+        marks = ",".join(flow.request.headers.get_all(HOP_HEADER)).split(",")
+        return self.mark in (m.strip() for m in marks)
+
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response or flow.error or not flow.live or not self.serves(flow):
+        if flow.response or flow.error or not flow.live:
             return
+        if self.looped(flow):
+            reason = (f"ContextPaw: this request came back to ContextPaw from itself: its backend {flow.request.host}:"
+                      f"{flow.request.port} is ContextPaw's own address; move the backend to another port "
+                      "(Ollama: OLLAMA_HOST=127.0.0.1:11435) and point ContextPaw there")  # fmt: skip
+            await self._refuse(flow, 508, reason, "unreachable")
+            return
+        if not self.serves(flow):
+            return
+        await self._checked(flow)
+        if not flow.response:
+            self._mark(flow)
+
+    def _mark(self, flow: http.HTTPFlow) -> None:
+        """Add this instance's mark to what goes on to the backend (kept out of saved flows: taken
+        off again when the answer comes)."""
+        marks = [m for m in flow.request.headers.get_all(HOP_HEADER) if m]
+        flow.request.headers[HOP_HEADER] = ", ".join([*marks, self.mark])
+        self._marked[flow] = marks
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._unmark(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._unmark(flow)
+
+    def _unmark(self, flow: http.HTTPFlow) -> None:
+        if (marks := self._marked.pop(flow, None)) is not None:
+            if marks:
+                flow.request.headers[HOP_HEADER] = ", ".join(marks)
+            else:
+                flow.request.headers.pop(HOP_HEADER, None)
+
+    async def _checked(self, flow: http.HTTPFlow) -> None:
         size, limit = len(flow.request.raw_content or b""), self.settings.max_body_bytes
         model, relayed = model_request(flow), self.relayed(flow)
         if size > limit and model:
