@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,10 +36,12 @@ PRESETS: dict[str, Any] = {
     "contextpaw_idle_timeout": 3600,
     "tcp_timeout": 7200,
     "onboarding": False,
+    "flow_detail": 0,
 }
 """What `contextpaw` sets before mitmproxy reads `--set` and config.yaml (either overrides it): listen
 only where clients need it, connect upstream only when a request needs it (so the proxy's own
-endpoints work while a backend is down), wait an hour for a slow prompt instead of nine minutes (the
+endpoints work while a backend is down), no flow lines of mitmdump's (ContextPaw logs one line per
+request that says what it did; `--flow-detail 1` or `-v` brings them back), wait an hour for a slow prompt instead of nine minutes (the
 relay's timeouts, under mitmproxy's idle timeout so the client gets the 504), and no onboarding app
 (it would serve mitmproxy's CA)."""
 WEB_COLUMNS = ["icon", "path", "method", "status", "size", "time", "comment"]
@@ -63,7 +66,7 @@ EPILOG = """\
 Everything else is mitmdump's (with --web, mitmweb's), spelled as there: -w FILE, -r FILE,
 -s SCRIPT, a filter expression, --flow-detail, --anticache, --set NAME=VALUE. --set sets any
 mitmproxy or contextpaw_* option and wins over what contextpaw presets (connection_strategy=lazy,
-tcp_timeout=7200, contextpaw_header_timeout=3600, contextpaw_idle_timeout=3600, onboarding=false,
+tcp_timeout=7200, flow_detail=0, contextpaw_header_timeout=3600, contextpaw_idle_timeout=3600, onboarding=false,
 confdir=~/.contextpaw). --options lists every option.
 
 Check a running set-up at http://127.0.0.1:PORT/contextpaw/health (backends, whether they answer,
@@ -191,7 +194,9 @@ def mitmproxy_args(backends: Sequence[Fronted]) -> list[str]:
 def presets(ns: argparse.Namespace) -> dict[str, Any]:
     """The options `contextpaw` sets before mitmproxy reads the command line."""
     chosen = {**PRESETS, "confdir": ns.confdir or CONFDIR}
-    return {**chosen, "web_columns": WEB_COLUMNS} if ns.web else chosen
+    if ns.web:  # mitmweb has no flow lines to turn off
+        return {**{k: v for k, v in chosen.items() if k != "flow_detail"}, "web_columns": WEB_COLUMNS}
+    return chosen
 
 
 def mitmdump_filters(args: argparse.Namespace) -> dict[str, str]:
@@ -208,6 +213,39 @@ def has_work(args: argparse.Namespace, options: Any) -> bool:
         options.contextpaw_ollama or options.contextpaw_llamacpp or args.mode or args.rfile
         or args.client_replay or args.server_replay or args.server is False
     )  # fmt: skip
+
+
+CHATTER = ("mitmproxy.proxy.server",)
+"""The loggers of mitmproxy's connection lines (client and server connect and disconnect, the relay's
+connections among them, "Streaming response from ..."), which the command keeps quiet by default."""
+
+
+class QuietChatter(logging.Filter):
+    """Keeps mitmproxy's connection lines out of the log unless asked for (`-v`, `--flow-detail 1`
+    or more, `--set termlog_verbosity=debug`): the request lines say what happened. Warnings and
+    errors always pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = True
+
+    def load(self, loader: Any) -> None:
+        for name in CHATTER:
+            logging.getLogger(name).addFilter(self)
+
+    def configure(self, updated: set[str]) -> None:
+        from mitmproxy import ctx
+
+        detail = ctx.options.flow_detail if "flow_detail" in ctx.options else 0
+        verbosity = ctx.options.termlog_verbosity if "termlog_verbosity" in ctx.options else "info"
+        self.quiet = detail == 0 and verbosity != "debug"
+
+    def done(self) -> None:
+        for name in CHATTER:
+            logging.getLogger(name).removeFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.quiet or record.levelno > logging.INFO
 
 
 class StartupLine:
@@ -329,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         def __init__(self, opts, **kwargs) -> None:
             super().__init__(opts, **kwargs)
-            add_where_scripts_go(self.addons, [*make_addons(), StartupLine(notes)])
+            add_where_scripts_go(self.addons, [*make_addons(), StartupLine(notes), QuietChatter()])
             opts.update(**presets(ns))
             masters.append(self)
 
@@ -339,7 +377,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise exceptions.OptionsError(said)
         if not has_work(args, opts):
             raise exceptions.OptionsError("give --ollama URL, --llamacpp URL, or both (or mitmproxy's own --mode)")
-        return mitmdump_filters(args)
+        # -q keeps warnings and errors (mitmproxy's own -q keeps errors alone)
+        quiet = {"termlog_verbosity": "warn"} if args.quiet and not (args.options or args.commands) else {}
+        return {**mitmdump_filters(args), **quiet}
 
     run(WithContextPaw, functools.partial(command_parser, mitmproxy_parser), [*mitmproxy_args(backends), *argv], extra)
 
@@ -361,6 +401,8 @@ def doctor_parser() -> argparse.ArgumentParser:
                        help="the -c llama-server was started with (default: the model's trained length, as -c 0 asks)")  # fmt: skip
     asked.add_argument("--timeout", type=float, default=60.0,
                        help="seconds a backend may take to answer, loading a model included (default 60)")  # fmt: skip
+    asked.add_argument("--json", action="store_true", help="print the findings as JSON (level, subject, what, fix)")
+    p.epilog = "exit status: 0 no problems, 1 problems found, 2 usage, 3 could not check"
     return p
 
 
@@ -373,8 +415,11 @@ def run_doctor(argv: Sequence[str]) -> int:
     what is wrong. Exit status 1 when something is."""
     from mitmproxy.proxy import mode_specs
 
+    import os
+    from pathlib import Path
+
     p = doctor_parser()
-    ns, _ = p.parse_known_args(argv)
+    ns = p.parse_args(argv)  # an unknown flag is an error (exit 2), not silently ignored
     try:
         backends, notes = fronted(ns)
         specs = [*(f"reverse:{b.url}@{b.listen[0]}:{b.listen[1]}" for b in backends), *ns.mode]
@@ -395,11 +440,23 @@ def run_doctor(argv: Sequence[str]) -> int:
         models=tuple(ns.model),
         asked_ctx=ns.ctx,
         timeout=ns.timeout,
+        proxies=tuple(_own_url(mode, ns) for _, mode in modes if mode.listen_port(ns.listen_port) is not None),
+        clients=tuple(doctor.client_settings(os.environ, Path.home())),
     )
     findings = [doctor.Finding("note", "command line", note) for note in notes]
-    findings += asyncio.run(doctor.diagnose(setup))
-    print(doctor.render(findings))
-    return 1 if any(f.level == "problem" for f in findings) else 0
+    try:
+        findings += asyncio.run(doctor.diagnose(setup))
+    except Exception as e:  # the doctor itself failed: nothing it says could be trusted
+        findings.append(doctor.Finding("unchecked", "doctor", f"could not check: {type(e).__name__}: {e}"))
+    print(doctor.as_json(findings) if ns.json else doctor.render(findings))
+    return doctor.exit_status(findings)
+
+
+def _own_url(mode: Any, ns: argparse.Namespace) -> str:
+    """Where a client reaches one of ContextPaw's listeners (the loopback for every interface)."""
+    host = mode.listen_host(ns.listen_host) or "127.0.0.1"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{mode.listen_port(ns.listen_port)}"
 
 
 def named_first_kind(named: Sequence[tuple[wire.Kind | None, str]]) -> list[tuple[wire.Kind | None, str]]:

@@ -191,7 +191,7 @@ class Fitter:
             state.headers["X-ContextPaw-Error"] = f"not judged: {e}; forwarded as it came"
             return UNCHANGED
         except wire.NotFittable as e:
-            logger.info("%s forwarded as is: %s", state.route.name, e)
+            logger.debug("%s forwarded as is: %s", state.route.name, e)
             self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=[f"not fitted: {e}"]))
             return UNCHANGED
         except wire.NotCompactable as e:
@@ -315,7 +315,7 @@ class Fitter:
         )
         self._keep(state, report)
         state.advance(Phase.REFUSED)
-        logger.info("%s refused: %s", state.route.name, overflow.message)
+        logger.debug("%s refused: %s", state.route.name, overflow.message)
         self.stats.add("refused", where=state.where)
         status = wire.REFUSAL_STATUS
         return Refuse(status, report_bytes(state.route.refusal(overflow, report.to_json())), f"refused {status}: {overflow.message}")
@@ -349,7 +349,7 @@ class Fitter:
         forwards the request unchanged) leaves no count of a compaction that was never sent. The log
         line holds no prompt text; the evicted content is encoded for the store off the event loop
         when the request is big (it can be most of a megabyte)."""
-        logger.info("%s %s: %s", state.route.name, model, report.summary())
+        logger.debug("%s %s: %s", state.route.name, model, report.summary())
         encoded = await off_loop(big, functools.partial(_encoded, report.evicted))
         for marker_id, data in encoded.items():
             self.store.put(marker_id, data)

@@ -21,6 +21,7 @@ from contextpaw.proxy.deadlines import RequestDeadlines
 from contextpaw.proxy.endpoints import AdminEndpoints
 from contextpaw.proxy.heap import ReturnedMemory, StartupHeap
 from contextpaw.proxy.model_routes import ModelRoutes
+from contextpaw.proxy.request_log import RequestLog
 from contextpaw.proxy.upstream import Upstream
 from contextpaw.proxy.views import ContextPawView
 from contextpaw.settings import FitSettings
@@ -46,4 +47,4 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     backends.relay = upstream.relay
     endpoints = AdminEndpoints(backends, fitter, services, ledger, store, gpu.status)
     models = ModelRoutes(backends, fitter)
-    return [StartupHeap(), ReturnedMemory(), RequestDeadlines(), gpu, endpoints, backends, compactor, models, upstream]
+    return [StartupHeap(), ReturnedMemory(), RequestDeadlines(), gpu, endpoints, backends, compactor, models, upstream, RequestLog(states)]

@@ -98,7 +98,9 @@ def test_every_mitmproxy_argument_parses_as_mitmproxy_parses_it(web: bool) -> No
         (["-w", "flows.mitm"], "save_stream_file", "flows.mitm"),
         (["--flow-detail", "3"], "flow_detail", 3),
         (["--anticache"], "anticache", True),
-        (["-q"], "termlog_verbosity", "error"),
+        (["-q"], "termlog_verbosity", "warn"),  # mitmproxy's -q would hide warnings too
+        ([], "flow_detail", 0),  # one line per request, ContextPaw's
+        (["-v"], "flow_detail", 2),
         (["~u /api/chat"], "dumper_filter", "~u /api/chat"),
         (["--set", "contextpaw_keep_recent=9"], "contextpaw_keep_recent", 9),
         (["--policy", "strict"], "contextpaw_policy", "strict"),

@@ -4,7 +4,9 @@ and the default log says in one line per request what happened."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,26 @@ def saving(workdir: Path, ollama: Backend) -> Iterator[Command]:
         yield Command(process, url, flows)
 
 
+def new_lines(log: Path, seen: int, want: int, timeout: float = 10) -> list[str]:
+    """The log's lines after the first `seen`, once there are `want` of them (or the time is up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = log.read_text().splitlines()[seen:]
+        if len(lines) >= want or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.1)
+
+
+def test_the_default_log_says_in_one_line_what_happened_to_a_request(saving: Command) -> None:
+    body = {"model": "fake", "messages": overflowing(), "options": {"num_ctx": N_CTX, "num_predict": 16}, "stream": False}
+    seen = len(new_lines(saving.process.log, 0, 0))
+    assert httpx.post(f"{saving.url}/api/chat", json=body, timeout=30).status_code == 200
+    time.sleep(1)  # what else the request would log comes in this time
+    [line] = new_lines(saving.process.log, seen, 1)
+    assert re.search(r"POST /api/chat ollama\.chat fake: compacted \d+ -> \d+ tokens \(budget \d+.*\) -> 200$", line), line
+    assert "connect" not in line
+
+
 def test_w_saves_the_answers_the_client_got_streamed_included(saving: Command) -> None:
     body = {"model": "fake", "messages": overflowing(), "options": {"num_ctx": N_CTX, "num_predict": 16}}
     plain = httpx.post(f"{saving.url}/api/chat", json={**body, "stream": False}, timeout=30)
@@ -57,4 +79,4 @@ def test_w_saves_the_answers_the_client_got_streamed_included(saving: Command) -
     saving.process.stop()  # mitmproxy closes the flow file on exit
     with saving.flows.open("rb") as f:
         saved = [flow for flow in io.FlowReader(f).stream() if flow.request.path == "/api/chat"]
-    assert [flow.response.content for flow in saved] == [plain.content, streamed.content]
+    assert [flow.response.content for flow in saved[-2:]] == [plain.content, streamed.content]

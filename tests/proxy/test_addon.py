@@ -584,6 +584,7 @@ def test_composed_addons_are_in_hook_order_and_exported_for_embedding() -> None:
     from contextpaw.proxy.deadlines import RequestDeadlines
     from contextpaw.proxy.heap import ReturnedMemory, StartupHeap
     from contextpaw.proxy.model_routes import ModelRoutes
+    from contextpaw.proxy.request_log import RequestLog
 
     assert [type(a) for a in make_addons()] == [
         StartupHeap,
@@ -595,6 +596,7 @@ def test_composed_addons_are_in_hook_order_and_exported_for_embedding() -> None:
         Compactor,
         ModelRoutes,
         Upstream,
+        RequestLog,
     ]
 
 
