@@ -412,11 +412,12 @@ def _set_values(setoptions: Sequence[str], name: str) -> list[str]:
 
 def run_doctor(argv: Sequence[str]) -> int:
     """Checks the backends of a `contextpaw` command line, and the set-up itself, and says how to fix
-    what is wrong. Exit status 1 when something is."""
-    from mitmproxy.proxy import mode_specs
-
+    what is wrong. Exit status 0 when nothing is, 1 when something is, 2 for a wrong command line, 3
+    when something could not be checked."""
     import os
     from pathlib import Path
+
+    from mitmproxy.proxy import mode_specs
 
     p = doctor_parser()
     ns = p.parse_args(argv)  # an unknown flag is an error (exit 2), not silently ignored

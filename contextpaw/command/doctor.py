@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from contextpaw import wire
 from contextpaw.command import launch
 from contextpaw.ops.admin import loopback_address
 
-Level = Literal["ok", "note", "problem"]
+Level = Literal["ok", "note", "problem", "unchecked"]
+"""`unchecked`: what the doctor could not learn (exit status 3 when nothing is a problem)."""
+SMALL_SLOT = 4096
+"""A per-request window below this is a problem whatever -c asked: no agent works in it."""
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_UNCHECKED = 0, 1, 2, 3
 
 FAR_BELOW = 4
 """A window this many times smaller than the trained length is worth fixing (4096 of 131072 is 32)."""
@@ -42,15 +49,32 @@ class Finding:
 
 def render(findings: Sequence[Finding]) -> str:
     """One line per finding, its fix indented under it; plain ASCII, for any terminal."""
-    marks = {"ok": "ok     ", "note": "note   ", "problem": "PROBLEM"}
+    marks = {"ok": "ok     ", "note": "note   ", "problem": "PROBLEM", "unchecked": "UNCHECKED"}
     lines = []
     for f in findings:
         lines.append(f"{marks[f.level]} {f.subject}: {f.what}")
         if f.fix:
             lines.append(f"        fix: {f.fix}")
     problems = sum(f.level == "problem" for f in findings)
-    lines.append(f"{problems} problem{'s' * (problems != 1)} found" if problems else "no problems found")
+    unchecked = sum(f.level == "unchecked" for f in findings)
+    if problems:
+        lines.append(f"{problems} problem{'s' * (problems != 1)} found")
+    elif unchecked:
+        lines.append(f"no problems found, but {unchecked} thing{'s' * (unchecked != 1)} could not be checked")
+    else:
+        lines.append("no problems found")
     return "\n".join(lines)
+
+
+def exit_status(findings: Sequence[Finding]) -> int:
+    """0 no problems, 1 problems found, 3 something could not be checked (and nothing is a problem)."""
+    if any(f.level == "problem" for f in findings):
+        return EXIT_PROBLEMS
+    return EXIT_UNCHECKED if any(f.level == "unchecked" for f in findings) else EXIT_OK
+
+
+def as_json(findings: Sequence[Finding]) -> str:
+    return json.dumps({"status": exit_status(findings), "findings": [asdict(f) for f in findings]}, indent=2)
 
 
 # --- the checks ------------------------------------------------------------------------------
@@ -65,9 +89,16 @@ class Answer:
     answers: bool
     plain_http: bool = False
     """An https URL whose server answers plain HTTP instead."""
+    found: wire.Kind | None = None
+    """What the server says it is, where that differs from the kind the command line gave it."""
 
 
 def check_answer(a: Answer) -> list[Finding]:
+    if a.answers and a.found and a.kind and a.found != a.kind:
+        name = {wire.Kind.OLLAMA: "an Ollama", wire.Kind.LLAMACPP: "a llama-server"}[a.found]
+        return [Finding("problem", a.url, f"--{a.kind} points at {name}: ContextPaw would read its window the wrong way "
+                                          "and fall back to a default one",
+                        f"give it as --{a.found} {a.url}")]  # fmt: skip
     if a.answers:
         return [Finding("ok", a.url, f"answers ({a.kind or 'kind unknown'})")]
     if a.plain_http:
@@ -90,10 +121,15 @@ class OllamaModel:
     trained: int | None
     modelfile_ctx: int | None
     vocab: int | None = None
+    available: tuple[str, ...] | None = None
+    """The models Ollama has, where it has none of this name (None: it has it)."""
 
 
 def check_ollama_window(m: OllamaModel) -> list[Finding]:
     subject = f"{m.url} model {m.name}"
+    if m.available is not None:
+        have = f"it has {', '.join(m.available)}" if m.available else "it has no models"
+        return [Finding("problem", subject, f"no such model ({have})", f"ollama pull {m.name}, or name one it has with --model")]
     if m.window is None:
         return [Finding("note", subject, "its window for /v1 requests could not be learned (the model did not load in time)",
                         "run the doctor again with a longer --timeout, or check `ollama ps`")]  # fmt: skip
@@ -147,11 +183,15 @@ def check_llamacpp_window(s: LlamaServer, asked: int | None) -> list[Finding]:
         )
         target = s.trained
     shape = f"{per:,} tokens per request" + (f" ({slots} slots)" if slots > 1 else "")
-    if not target or per + SLOT_PADDING > target:
+    small = per < SMALL_SLOT and not asked and (not s.trained or s.trained > per + SLOT_PADDING)
+    """A small window llama-server could widen (the model was trained on more, or does not say)."""
+    if not small and (not target or per + SLOT_PADDING > target):
         return [*findings, Finding("ok", subject, shape + (", as -c asks" if asked else ""))]
-    split = slots > 1 and per * slots + SLOT_PADDING * slots > target
-    level: Level = "problem" if asked else "note"
-    asked_text = f"the -c {asked:,} asked" if asked else f"the model's trained {target:,} (what -c 0, the default, asks)"
+    if not target or per + SLOT_PADDING > target:  # small, and the model says nothing larger
+        target = SUGGESTED_WINDOW
+    split = slots > 1 and (not asked or per * slots + SLOT_PADDING * slots > target)
+    level: Level = "problem" if asked or small else "note"
+    asked_text = f"the -c {asked:,} asked" if asked else "the context llama-server was given"
     if split:
         what = f"{shape}: -np {slots} divides {asked_text} among the slots"
         fix = (f"for {target:,} per request: -c {target * slots} -np {slots}, or -np 1 (one request at a time), "
@@ -261,6 +301,90 @@ def check_listeners(listeners: Sequence[tuple[str, str]]) -> list[Finding]:
     return findings
 
 
+def _place(url: str, default_port: int = 80) -> tuple[str, int] | None:
+    """host:port of a URL (a bare "host:port", as OLLAMA_HOST, too); every loopback name is one host."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url if "://" in url else "http://" + url)
+        host, port = (parts.hostname or "").lower(), parts.port
+    except ValueError:
+        return None
+    if not host:
+        return None
+    if host in ("localhost", "::1", "0.0.0.0", "::") or host.startswith("127."):
+        host = "loopback"
+    return host, port or (443 if parts.scheme == "https" else default_port)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSetting:
+    """Where a client is told to send its requests: an environment variable or Codex's config."""
+
+    name: str
+    url: str
+    answers: bool = True
+
+
+def client_settings(env: Mapping[str, str], home: Path) -> list[ClientSetting]:
+    """ANTHROPIC_BASE_URL, OPENAI_BASE_URL, OLLAMA_HOST where set, and Codex's `base_url` lines in
+    ~/.codex/config.toml (read as text: any table that sets one)."""
+    found = [ClientSetting(name, env[name]) for name in ("ANTHROPIC_BASE_URL", "OPENAI_BASE_URL", "OLLAMA_HOST") if env.get(name)]
+    try:
+        text = (home / ".codex" / "config.toml").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for match in re.finditer(r"""^\s*base_url\s*=\s*["']([^"']+)["']""", text, re.MULTILINE):
+        found.append(ClientSetting("~/.codex/config.toml base_url", match.group(1)))
+    return found
+
+
+def check_clients(settings: Sequence[ClientSetting], proxies: Sequence[str], backends: Sequence[str]) -> list[Finding]:
+    """Each client setting against ContextPaw's listeners (`proxies`) and the backends: one that
+    points straight at a backend goes past ContextPaw; one where nothing answers reaches nothing."""
+    mine = {p for url in proxies if (p := _place(url))}
+    theirs = {p for url in backends if (p := _place(url))}
+    to = proxies[0] if proxies else "http://127.0.0.1:PORT"
+    findings = []
+    for c in settings:
+        place = _place(c.url, 11434 if c.name == "OLLAMA_HOST" else 80)
+        want = to.removeprefix("http://") if c.name == "OLLAMA_HOST" else to + ("/v1" if c.name == "OPENAI_BASE_URL" else "")
+        subject = f"{c.name}={c.url}"
+        if place in mine:
+            findings.append(Finding("ok", subject, "points at ContextPaw"))
+        elif place in theirs:
+            what = "points past ContextPaw, straight at the backend: its requests are never fitted"
+            fix = f"{c.name}={want}" if not c.name.startswith("~") else f'base_url = "{to}/v1" in ~/.codex/config.toml'
+            if c.name == "OLLAMA_HOST":
+                fix += " for clients (the shell that runs `ollama serve` keeps the backend's address)"
+            findings.append(Finding("problem" if c.name != "OLLAMA_HOST" else "note", subject, what, fix))
+        elif not c.answers:
+            findings.append(Finding("problem", subject, "points at nothing: no server answers there", f"{c.name}={want}"))
+        else:
+            findings.append(Finding("note", subject, "points at a server that is neither ContextPaw nor a backend named here"))
+    return findings
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """What answers at one of ContextPaw's listen addresses: `status` of /contextpaw/health (None:
+    nothing answers), and whether its body is ContextPaw's."""
+
+    url: str
+    status: int | None
+    contextpaw: bool
+
+
+def check_running(r: Running) -> list[Finding]:
+    subject = f"ContextPaw at {r.url}"
+    if r.status is None:
+        return [Finding("note", subject, "does not answer (not started yet?)", "start it: contextpaw with these same arguments")]
+    if not r.contextpaw:
+        return [Finding("problem", subject, f"something else answers there (/contextpaw/health: {r.status}), perhaps the backend itself",
+                        "move the backend off this port (Ollama: OLLAMA_HOST=127.0.0.1:11435), or give ContextPaw another --port")]  # fmt: skip
+    return [Finding("ok", subject, f"answers (/contextpaw/health: {r.status})")]
+
+
 # --- the readings ----------------------------------------------------------------------------
 
 
@@ -275,6 +399,9 @@ class Setup:
     models: tuple[str, ...] = ()
     asked_ctx: int | None = None
     timeout: float = 60.0
+    proxies: tuple[str, ...] = ()
+    """ContextPaw's own listen URLs."""
+    clients: tuple[ClientSetting, ...] = ()
 
 
 async def answers_of(backends: Sequence[tuple[wire.Kind | None, str]]) -> list[Answer]:
@@ -294,7 +421,7 @@ async def _answer(session: Any, kind: wire.Kind | None, url: str) -> Answer:
         plain = url.startswith("https://") and await session.text("http://" + url.removeprefix("https://") + "/")
         return Answer(kind, url, False, plain_http=bool(plain))
     found = wire.identify(root[1] if root[0] == 200 else None, props and props[0])
-    return Answer(kind or found, url, True)
+    return Answer(kind or found, url, True, found=found if kind and found and found != kind else None)
 
 
 async def diagnose(setup: Setup) -> list[Finding]:
@@ -312,7 +439,8 @@ async def diagnose(setup: Setup) -> list[Finding]:
         for a in answers:
             if not a.answers:
                 continue
-            backend = wire.Backend.parse(a.kind, a.url) if a.kind else None
+            kind = a.found or a.kind
+            backend = wire.Backend.parse(kind, a.url) if kind else None
             if backend and backend.kind == wire.Kind.OLLAMA:
                 for model in await read_ollama(fetch, windows, backend, setup.models):
                     findings += check_ollama_window(model) + check_ollama_agents(model)
@@ -327,7 +455,40 @@ async def diagnose(setup: Setup) -> list[Finding]:
         await session.get().close()
     if setup.tokenizer:
         findings += check_tokenizer(await asyncio.to_thread(read_tokenizer, setup.tokenizer), vocabularies)
-    return findings + check_listeners(setup.listeners)
+    findings += check_listeners(setup.listeners)
+    findings += [f for r in await asyncio.gather(*(_running(url) for url in setup.proxies)) for f in check_running(r)]
+    clients = [ClientSetting(c.name, c.url, await _reaches(c)) for c in setup.clients]
+    return findings + check_clients(clients, setup.proxies, [url for _, url in setup.backends])
+
+
+async def _running(url: str) -> Running:
+    from contextpaw.calls.session import Session
+
+    session = Session()
+    try:
+        got = await session.text(url + "/contextpaw/health")
+    finally:
+        await session.get().close()
+    if got is None:
+        return Running(url, None, False)
+    try:
+        body = json.loads(got[1])
+    except (ValueError, TypeError):
+        body = None
+    return Running(url, got[0], isinstance(body, dict) and "backends" in body)
+
+
+async def _reaches(c: ClientSetting) -> bool:
+    place = _place(c.url, 11434 if c.name == "OLLAMA_HOST" else 80)
+    if place is None:
+        return False
+    host = "127.0.0.1" if place[0] == "loopback" else place[0]
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, place[1]), 2)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 async def read_ollama(fetch: Any, windows: Any, backend: wire.Backend, models: Sequence[str]) -> list[OllamaModel]:
@@ -341,8 +502,13 @@ async def read_ollama(fetch: Any, windows: Any, backend: wire.Backend, models: S
             if names:
                 names = names if route == "/api/ps" else names[:1]
                 break
+    tags = await fetch("GET", backend.url + "/api/tags", None)
+    have = tuple(str(m.get("name")) for m in (tags or {}).get("models", []) if isinstance(m, dict))
     found = []
     for name in names:
+        if tags is not None and name not in have and f"{name}:latest" not in have:
+            found.append(OllamaModel(backend.url, name, None, None, None, available=have))
+            continue
         show = await windows.show(backend, name)
         window = await windows.window(backend, name)
         info = (await fetch("POST", backend.url + "/api/show", {"model": name}) or {}).get("model_info") or {}

@@ -4,6 +4,7 @@ The readings here are what the servers would say; tests/e2e/test_command.py take
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,69 @@ def test_a_llama_server_window_is_the_smallest_slot() -> None:
 def test_agents_that_do_not_fit_are_a_note_not_a_problem() -> None:
     text = doctor.render(doctor.check_llamacpp_agents(LlamaServer("http://l:1", 1024, 1, 131072)))
     assert text.startswith("note") and text.endswith("no problems found")
+
+
+# -- issue 43: cases the doctor got wrong or missed --------------------------------------------------
+
+
+def test_np_without_ctx_and_a_small_slot_is_a_problem_blaming_np_not_fit() -> None:
+    [finding] = doctor.check_llamacpp_window(LlamaServer("http://l:1", 512, 4, 32768), asked=None)
+    assert finding.level == "problem" and "-np 4 divides" in finding.what and "--fit" not in finding.what
+    assert "-np 1" in finding.fix and "--kv-unified" in finding.fix
+
+
+def test_a_small_slot_of_a_model_trained_on_no_more_is_not_a_problem() -> None:
+    assert levels(doctor.check_llamacpp_window(LlamaServer("http://l:1", 1024, 1, 1024), asked=None)) == ["ok"]
+
+
+@pytest.mark.parametrize("given, found, said", [(Kind.OLLAMA, Kind.LLAMACPP, "--ollama points at a llama-server"),
+                                                (Kind.LLAMACPP, Kind.OLLAMA, "--llamacpp points at an Ollama")])  # fmt: skip
+def test_a_backend_that_answers_as_the_other_kind_is_named_as_such(given: Kind, found: Kind, said: str) -> None:
+    [finding] = doctor.check_answer(Answer(given, "http://b:1", True, found=found))
+    assert finding.level == "problem" and said in finding.what and f"--{found} http://b:1" in finding.fix
+
+
+def test_an_unknown_model_is_no_such_model_with_the_models_there() -> None:
+    [finding] = doctor.check_ollama_window(OllamaModel("http://o:1", "nosuch", None, None, None, available=("qwen3:8b", "llama3:8b")))
+    assert finding.level == "problem" and "no such model" in finding.what and "qwen3:8b, llama3:8b" in finding.what
+    assert "--timeout" not in finding.fix
+
+
+def test_exit_status_tells_problems_from_what_could_not_be_checked() -> None:
+    ok, note = doctor.Finding("ok", "a", "x"), doctor.Finding("note", "a", "x")
+    unchecked, problem = doctor.Finding("unchecked", "a", "x"), doctor.Finding("problem", "a", "x", "fix")
+    assert doctor.exit_status([ok, note]) == 0
+    assert doctor.exit_status([ok, unchecked, problem]) == 1
+    assert doctor.exit_status([ok, unchecked]) == 3
+    parsed = json.loads(doctor.as_json([ok, problem]))
+    assert parsed["status"] == 1 and parsed["findings"][1] == {"level": "problem", "subject": "a", "what": "x", "fix": "fix"}
+
+
+def test_client_settings_past_contextpaw_or_at_nothing_are_problems() -> None:
+    settings = [
+        doctor.ClientSetting("OPENAI_BASE_URL", "http://localhost:11435/v1"),
+        doctor.ClientSetting("ANTHROPIC_BASE_URL", "http://127.0.0.1:11434"),
+        doctor.ClientSetting("~/.codex/config.toml base_url", "http://127.0.0.1:9/v1", answers=False),
+        doctor.ClientSetting("OLLAMA_HOST", "127.0.0.1:11435"),
+    ]
+    past, mine, nothing, ollama = doctor.check_clients(settings, ["http://127.0.0.1:11434"], ["http://127.0.0.1:11435"])
+    assert past.level == "problem" and "straight at the backend" in past.what and past.fix == "OPENAI_BASE_URL=http://127.0.0.1:11434/v1"
+    assert mine.level == "ok"
+    assert nothing.level == "problem" and "points at nothing" in nothing.what
+    assert ollama.level == "note" and "OLLAMA_HOST=127.0.0.1:11434" in ollama.fix
+
+
+def test_client_settings_are_read_from_the_environment_and_codex_config(tmp_path: Path) -> None:
+    (tmp_path / ".codex").mkdir()
+    (tmp_path / ".codex" / "config.toml").write_text('[model_providers.local]\nbase_url = "http://127.0.0.1:11434/v1"\n')
+    found = doctor.client_settings({"OPENAI_BASE_URL": "http://x:1/v1", "HOME": "/"}, tmp_path)
+    assert [(c.name, c.url) for c in found] == [
+        ("OPENAI_BASE_URL", "http://x:1/v1"),
+        ("~/.codex/config.toml base_url", "http://127.0.0.1:11434/v1"),
+    ]
+
+
+def test_something_else_at_contextpaws_port_is_a_problem() -> None:
+    [other] = doctor.check_running(doctor.Running("http://127.0.0.1:11434", 404, False))
+    assert other.level == "problem" and "OLLAMA_HOST=127.0.0.1:11435" in other.fix
+    assert levels(doctor.check_running(doctor.Running("http://127.0.0.1:11434", 200, True))) == ["ok"]
