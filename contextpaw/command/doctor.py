@@ -365,6 +365,18 @@ def check_clients(settings: Sequence[ClientSetting], proxies: Sequence[str], bac
     return findings
 
 
+def check_own_address(backends: Sequence[str], proxies: Sequence[str]) -> list[Finding]:
+    """A backend at one of ContextPaw's own listen addresses: every request would go round to
+    ContextPaw itself (the proxy refuses to start so)."""
+    mine = {p: url for url in proxies if (p := _place(url))}
+    return [
+        Finding("problem", url, f"is ContextPaw's own listen address ({mine[place]}): every request would be sent back to ContextPaw itself",
+                "move the backend to another port (Ollama: OLLAMA_HOST=127.0.0.1:11435 ollama serve) and point ContextPaw there, "
+                "or give ContextPaw another --port")
+        for url in backends if (place := _place(url)) in mine
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class Running:
     """What answers at one of ContextPaw's listen addresses: `status` of /contextpaw/health (None:
@@ -455,7 +467,7 @@ async def diagnose(setup: Setup) -> list[Finding]:
         await session.get().close()
     if setup.tokenizer:
         findings += check_tokenizer(await asyncio.to_thread(read_tokenizer, setup.tokenizer), vocabularies)
-    findings += check_listeners(setup.listeners)
+    findings += check_listeners(setup.listeners) + check_own_address([url for _, url in setup.backends], setup.proxies)
     findings += [f for r in await asyncio.gather(*(_running(url) for url in setup.proxies)) for f in check_running(r)]
     clients = [ClientSetting(c.name, c.url, await _reaches(c)) for c in setup.clients]
     return findings + check_clients(clients, setup.proxies, [url for _, url in setup.backends])

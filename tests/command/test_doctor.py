@@ -261,3 +261,9 @@ def test_something_else_at_contextpaws_port_is_a_problem() -> None:
     [other] = doctor.check_running(doctor.Running("http://127.0.0.1:11434", 404, False))
     assert other.level == "problem" and "OLLAMA_HOST=127.0.0.1:11435" in other.fix
     assert levels(doctor.check_running(doctor.Running("http://127.0.0.1:11434", 200, True))) == ["ok"]
+
+
+def test_a_backend_at_contextpaws_own_address_is_a_problem_with_the_fix() -> None:
+    [finding] = doctor.check_own_address(["http://localhost:11434", "http://127.0.0.1:11435"], ["http://127.0.0.1:11434"])
+    assert finding.level == "problem" and finding.subject == "http://localhost:11434" and "own listen address" in finding.what
+    assert "OLLAMA_HOST=127.0.0.1:11435" in finding.fix

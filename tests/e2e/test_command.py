@@ -279,3 +279,10 @@ def test_doctor_finds_clients_that_point_past_contextpaw_or_at_nothing(llamacpp:
         "OPENAI_BASE_URL=" in p and "straight at the backend" in p and "OPENAI_BASE_URL=http://127.0.0.1:8092/v1" in p for p in found
     ), report
     assert any("~/.codex/config.toml base_url" in p and "points at nothing" in p for p in found), report
+
+
+def test_doctor_finds_a_backend_at_contextpaws_own_port(llamacpp: Backend) -> None:
+    """ "I forgot to move Ollama off 11434": the server there answers, so only the addresses tell."""
+    port = llamacpp.url.rpartition(":")[2]
+    status, report = doctor("--llamacpp", llamacpp.url, "--llamacpp-port", port)
+    assert status == 1 and any("own listen address" in p and "OLLAMA_HOST=127.0.0.1:11435" in p for p in problems(report)), report
