@@ -1,6 +1,7 @@
 """ContextPaw's own endpoints under `/contextpaw/`, answered by the proxy and never forwarded.
 
-- `GET /contextpaw/health`: version, policy, backends and whether they answer, and the counts.
+- `GET /contextpaw/health`: version, policy, backends and whether they answer (with when each last
+  failed and last answered), and the counts; 503 while a backend does not answer.
 - `GET /contextpaw/metrics`: the same counts per backend, route and model, histograms of compactions
   and whether each backend answers, in Prometheus text format.
 - `GET /contextpaw/runtime`: which runtime owns the GPU (`contextpaw_arbitrate`).
@@ -176,7 +177,9 @@ class Admin:
         if name == "window":
             return await self.served_window(path, await backend() if backend else None)
         if name == "health":
-            return json_reply(200, {"version": package_version(), **await self.health(), "stats": self.stats.counts})
+            health = await self.health()
+            down = any(not b["answers"] for b in health.get("backends", []))  # 503: a backend does not answer
+            return json_reply(503 if down else 200, {"version": package_version(), **health, "stats": self.stats.counts})
         if name == "runtime":
             return json_reply(200, await self.runtime())
         if name == "metrics":  # each backend is asked whether it answers, as /health asks

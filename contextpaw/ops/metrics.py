@@ -10,7 +10,9 @@ whichever part of ContextPaw saw it fail. No I/O here.
 from __future__ import annotations
 
 import bisect
+import datetime
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass
 
@@ -201,18 +203,48 @@ class FailureLedger:
         only slow): it may have restarted, with another window."""
         self.last_error: dict[str, str] = {}
         """"host:port" -> the last failure seen there; cleared when a connection opens again."""
+        self.last_error_at: dict[str, float] = {}
+        """"host:port" -> when its last failure was seen (epoch seconds); kept after it clears."""
+        self.last_ok_at: dict[str, float] = {}
+        """"host:port" -> when a connection to it last opened (epoch seconds)."""
+
+        self.unanswered: set[str] = set()
+        """The targets whose last error is that they did not take a connection."""
+
+    def _fails(self, target: str, reason: str, *, unanswered: bool = False) -> None:
+        self.last_error[target] = reason
+        self.last_error_at[target] = time.time()
+        (self.unanswered.add if unanswered else self.unanswered.discard)(target)
 
     def connect_failed(self, target: str, reason: str) -> None:
         """mitmproxy could not connect (its own answer, or ours, says so to the client)."""
-        self.last_error[target] = reason
+        self._fails(target, reason, unanswered=True)
         self.broken(target)
 
     def connected(self, target: str) -> None:
         self.last_error.pop(target, None)
+        self.unanswered.discard(target)
+        self.last_ok_at[target] = time.time()
+
+    def probed(self, target: str, answers: bool) -> None:
+        """A probe of ContextPaw's own (at start, or health's) found the backend taking a connection
+        or not. Taking one clears a failure to take one, never a bad answer (a 5xx, a stall), which
+        only a request can clear."""
+        if not answers:
+            if target not in self.unanswered:
+                self._fails(target, "does not answer (the connection was refused or timed out)", unanswered=True)
+        elif target in self.unanswered or target not in self.last_error:
+            self.connected(target)
+        else:
+            self.last_ok_at[target] = time.time()
+
+    def times(self, target: str) -> dict[str, str | None]:
+        """The target's last failure and last success, as ISO times (null: never seen)."""
+        return {"last_error_at": _iso(self.last_error_at.get(target)), "last_ok_at": _iso(self.last_ok_at.get(target))}
 
     def unreachable(self, target: str, what: str, reason: str, where: Where = UNPLACED) -> None:
         """A handled request answered 502 because its backend does not answer."""
-        self.last_error[target] = reason
+        self._fails(target, reason, unanswered=True)
         self.broken(target)
         self.stats.add("unreachable", where=where)
         logger.warning("%s: answered 502: %s", what, reason)
@@ -222,9 +254,13 @@ class FailureLedger:
     ) -> None:
         """A backend that answered badly: a 5xx, an answer that is not JSON, a reset or a stall."""
         if target is not None:
-            self.last_error[target] = reason
+            self._fails(target, reason)
             if not timed_out:
                 self.broken(target)
         self.stats.add("upstream_errors", where=where)
         self.stats.add("upstream_timeouts", timed_out, where)
         logger.warning("%s: upstream failure: %s%s", what, reason, f" ({answered})" if answered else "")
+
+
+def _iso(at: float | None) -> str | None:
+    return None if at is None else datetime.datetime.fromtimestamp(at, datetime.UTC).isoformat(timespec="seconds")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import re
@@ -10,6 +11,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from mitmproxy import ctx, http
 from mitmproxy.net.http import url
@@ -55,6 +57,23 @@ def proxy_url(flow: http.HTTPFlow) -> str:
 logger = logs.get(__name__)
 
 
+def _target(backend_url: str) -> str:
+    """A backend's "host:port", as the failure ledger keys it."""
+    parts = urlsplit(backend_url)
+    return f"{parts.hostname or ''}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def how_to_start(kind: str | None, backend_url: str) -> str:
+    """What to run so that a backend answers at its URL."""
+    parts = urlsplit(backend_url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    if kind == "ollama":
+        return f"start it with `OLLAMA_HOST={host}:{port} ollama serve` (requests to it are answered 502 until then)"
+    if kind == "llamacpp":
+        return f"start it with `llama-server -m MODEL.gguf --host {host} --port {port}` (requests to it are answered 502 until then)"
+    return f"start the server that should listen at {backend_url} (requests to it are answered 502 until then)"
+
+
 class AdminEndpoints:
     """`/contextpaw/*` (health, metrics, evicted content, the GPU runtime): answered here, never
     forwarded; loopback only unless a token is set."""
@@ -71,12 +90,15 @@ class AdminEndpoints:
         self.backends = backends
         self.fitter = fitter
         self.services = services
+        self.ledger = ledger
         self.admin = admin.Admin(ledger.stats, store, self._health, runtime, self._window)
         self.rewrites_host = False
         self.hostname = socket.gethostname()
         """This machine's name, a Host a local client may name (read once, not per request)."""
         self.local_token: str | None = None
         """The local tools' token (`ops.keys`, in the state dir), read when the state dir is set."""
+        self.started_probe: asyncio.Task[None] | None = None
+        """The probe of the backends at start (kept, so that it is not collected while it runs)."""
 
     def configure(self, updated: set[str]) -> None:
         if {"contextpaw_state_dir", "confdir"} & updated and "contextpaw_state_dir" in ctx.options:
@@ -105,6 +127,18 @@ class AdminEndpoints:
         if "keep_host_header" in ctx.options and not ctx.options.keep_host_header:  # a proxy's option (not in taddons)
             self.rewrites_host = True
             ctx.options.update(keep_host_header=True)
+        try:
+            self.started_probe = asyncio.get_running_loop().create_task(self._say_who_is_down())
+        except RuntimeError:  # no event loop (an addon test): nothing to probe with
+            pass
+
+    async def _say_who_is_down(self) -> None:
+        """Once at start, in a task of its own (clients are served meanwhile): each configured
+        backend is asked whether it answers (a connection, `PROBE_TIMEOUT_S` at most), and one that
+        does not is named with how to start it."""
+        for row in await self._backends():
+            if not row["answers"]:
+                logger.warning("%s backend %s does not answer: %s", row["kind"] or "the", row["url"], how_to_start(row["kind"], row["url"]))
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if self.rewrites_host and isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):
@@ -178,10 +212,20 @@ class AdminEndpoints:
                 f"the count's error, so an agent told {told} compacts itself before ContextPaw would cut")  # fmt: skip
         return {**served, "agent_window": told, "note": note}
 
+    async def _backends(self) -> list[dict[str, Any]]:
+        """The backends as `Backends.health` finds them, each with its last failure cleared if it
+        answers now (or recorded if it does not and none was), and when it last failed and answered."""
+        rows = await self.backends.health()
+        for row in rows:
+            target = _target(row["url"])
+            self.ledger.probed(target, row["answers"])
+            row.update(last_error=self.ledger.last_error.get(target), **self.ledger.times(target))
+        return rows
+
     async def _health(self) -> dict[str, Any]:
         return {
             "policy": self.fitter.settings.policy,
-            "backends": await self.backends.health(),
+            "backends": await self._backends(),
             "counter": {
                 "order": ["tokenizer option", "backend (llama-server)", "tokenizer (Ollama's GGUF)", "calibrated"],
                 "tokenizers": {path: bool(c) for path, c in self.services.tokenizers.items()},

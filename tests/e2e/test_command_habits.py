@@ -15,7 +15,7 @@ import httpx
 import pytest
 from mitmproxy import io
 
-from support.backends import Backend, free_port, start_process
+from support.backends import Backend, free_port, start_module, start_process
 
 LOOPBACK = "127.0.0.1"
 N_CTX = 1024
@@ -80,3 +80,26 @@ def test_w_saves_the_answers_the_client_got_streamed_included(saving: Command) -
     with saving.flows.open("rb") as f:
         saved = [flow for flow in io.FlowReader(f).stream() if flow.request.path == "/api/chat"]
     assert [flow.response.content for flow in saved[-2:]] == [plain.content, streamed.content]
+
+
+def test_a_backend_down_at_start_is_warned_of_and_health_answers_503_until_it_is_back(workdir: Path) -> None:
+    port, backend_port = free_port(), free_port()
+    backend = f"http://{LOOPBACK}:{backend_port}"
+    argv = [
+        sys.executable, "-m", "contextpaw.command.cli", "--ollama", backend, "--port", str(port),
+        "--confdir", str(workdir / "conf"), "--set", f"contextpaw_state_dir={workdir / 'down-state'}",
+    ]  # fmt: skip
+    url = f"http://{LOOPBACK}:{port}"
+    with start_process(argv, url, "/contextpaw/health", workdir / "down-at-start.log", 60) as proxy:
+        warned = [line for line in new_lines(proxy.log, 0, 3) if "does not answer" in line]
+        assert len(warned) == 1 and backend in warned[0] and "ollama serve" in warned[0], warned
+        down = httpx.get(f"{url}/contextpaw/health", timeout=10)
+        [row] = down.json()["backends"]
+        assert down.status_code == 503 and row["answers"] is False
+        assert row["last_error"] and row["last_error_at"] and row["last_ok_at"] is None
+        args = ["--n-ctx", str(N_CTX), "--native"]
+        with start_module("support.fake_ollama", args, "/", workdir / "back-again.log", port=backend_port):
+            up = httpx.get(f"{url}/contextpaw/health", timeout=10)
+        [row] = up.json()["backends"]
+        assert up.status_code == 200 and row["answers"] is True
+        assert row["last_error"] is None and row["last_error_at"] and row["last_ok_at"]

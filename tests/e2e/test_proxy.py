@@ -283,7 +283,7 @@ def test_a_backend_that_is_down_gets_a_json_502(command: Proxy, get: Callable) -
         openai_at(command.ollama).models.list()
     assert down_v1.value.response.json()["error"]["code"] == "backend_unreachable"
     status, _, body = get(f"{command.ollama}/contextpaw/health")
-    assert status == 200
+    assert status == 503
     assert {b["kind"]: b["answers"] for b in json.loads(body)["backends"]} == {"ollama": False, "llamacpp": True}
 
 
@@ -360,7 +360,8 @@ def test_health_lists_every_backend_before_any_traffic_and_flags_the_dead_one(ne
     with fresh.process:
         health = httpx.get(f"{fresh.ollama}/contextpaw/health", timeout=10).json()
     rows = {row["url"]: row for row in health["backends"]}
-    assert rows[ollama.url] | {"last_error": None} == {"kind": "ollama", "url": ollama.url, "answers": True, "last_error": None}
+    assert rows[ollama.url] | {"last_ok_at": "t"} == {"kind": "ollama", "url": ollama.url, "answers": True, "last_error": None,
+                                                      "last_error_at": None, "last_ok_at": "t"}  # fmt: skip
     assert rows[dead]["kind"] == "llamacpp" and rows[dead]["answers"] is False
 
 

@@ -226,7 +226,7 @@ async def test_admin_endpoints_are_open_to_loopback_clients(harness: Any, kit: A
 
 
 READ_STATUS = {
-    "/contextpaw/health": 200,
+    "/contextpaw/health": 503,  # the harness's backends are not listening
     "/contextpaw/metrics": 200,
     "/contextpaw/runtime": 200,  # arbitration off: {"enabled": false}
     "/contextpaw/evicted/x": 404,  # nothing is kept under that id

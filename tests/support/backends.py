@@ -100,9 +100,12 @@ class Backend:
 
 
 def _answers(url: str) -> bool:
+    """Whether the process answers: 200, or ContextPaw's health saying 503 (a backend is down)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200
+    except urllib.error.HTTPError as e:
+        return e.code == 503 and url.endswith("/contextpaw/health")
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return False
 
