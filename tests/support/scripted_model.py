@@ -56,6 +56,14 @@ count routes, so every count agrees with what generation evaluates.
   ``/health`` answer, and ``/tokenize``, ``/apply-template`` and the ``input_tokens`` /
   ``count_tokens`` routes count exactly (llama-server always has its tokenizer).
 
+**Retrieval** (``--retrieve``, off by default): when the prompt shows a ContextPaw marker's reference
+(``retrieval id cp-<id>.<cap>``) and the request offers a tool whose name ends in
+``contextpaw_retrieve`` (Claude Code's ``mcp__contextpaw__contextpaw_retrieve``, Qwen Code's and
+opencode's own spellings), the model answers with a call of that tool with the reference, once per
+reference and session, before its next read, and reads a file between two retrievals (a cut after a
+retrieval names a new hole, which must not stop the session). It checks nothing of the result: the log records it
+(``retrieved``: the reference, the result's text and its tokens, on each request that shows it).
+
 **The log** (``--log``): one JSON line per model request: route, session, the rendered prompt's
 tokens, what was evaluated (after a cut), whether and how much was cut, the status, the reply (a
 tool call for which file, or text), the tokens that did not share a prefix with the best-matching of
@@ -92,6 +100,8 @@ SLOTS = 4
 """Prompts kept per session for the re-evaluation count (llama-server's slots)."""
 FILE_PATH = re.compile(r"(/[^\s'\"`<>]*?/file-(\d{2,3})\.txt)")
 FACT_LINE = re.compile(r"FACT-(\d{2,3}): the key is ([A-Za-z]+)")
+RETRIEVE_TOOL = "contextpaw_retrieve"
+MARKER_REF = re.compile(r"retrieval id (cp-[0-9a-f]{12}\.[0-9a-f]{16})")
 SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id", "thread-id")
 START, END = "<|im_start|>", "<|im_end|>"
 SUMMARY = "Summary: the task is to read the files one per turn;"
@@ -312,6 +322,8 @@ class Session:
     """The last evaluated prompts, newest last (at most SLOTS)."""
     said: frozenset[str] = frozenset()
     """The messages (rendered) of the session's last request."""
+    asked: list[str] = field(default_factory=list)
+    """The references this model asked the retrieval tool for (``--retrieve``), in order."""
 
 
 def _facts(text: str) -> dict[int, str]:
@@ -339,6 +351,49 @@ def read_calls(conversation: Conversation, files: list[str]) -> list[tuple[Call,
     return found
 
 
+def tool_names(tools: list[Any]) -> list[str]:
+    """The names a request's tools offer, in the three APIs' shapes (and Codex's namespaces, whose
+    tools are called by ``namespace`` + ``name``)."""
+    names = []
+    for tool in tools:
+        if isinstance(tool, dict):
+            name = str(tool.get("name") or (tool.get("function") or {}).get("name") or "")
+            if tool.get("type") == "namespace":
+                names += [name + inner for inner in tool_names(list(tool.get("tools") or []))]
+            elif name:
+                names.append(name)
+    return names
+
+
+def retrieve_tool(tools: list[Any]) -> str | None:
+    """The agent's spelling of ContextPaw's retrieval tool, if the request offers it."""
+    return next((name for name in tool_names(tools) if name.endswith(RETRIEVE_TOOL)), None)
+
+
+def marker_refs(conversation: Conversation) -> list[str]:
+    """The references of the ContextPaw markers the prompt shows, in order."""
+    found: dict[str, None] = {}
+    for text in [conversation.system, *(m.text for m in conversation.messages)]:
+        for ref in MARKER_REF.findall(text):
+            found.setdefault(ref, None)
+    return list(found)
+
+
+def retrieved(conversation: Conversation) -> list[dict[str, str]]:
+    """The results of the retrieval calls the prompt shows: the reference asked and the result's text."""
+    asked = {c.id: c for m in conversation.messages for c in m.calls if c.name.endswith(RETRIEVE_TOOL)}
+    out = []
+    for m in conversation.messages:
+        call = asked.get(m.result_of or "")
+        if m.role == "tool" and call is not None:
+            try:
+                ref = str(json.loads(call.arguments).get("ref") or "")
+            except (ValueError, AttributeError):
+                ref = ""
+            out.append({"call": call.id, "ref": ref, "text": m.text})
+    return out
+
+
 def read_tool(tools: list[Any]) -> tuple[str, Any] | None:
     """The agent's own tool for reading a file and how to call it: (name, arguments for a path)."""
     names = {(t.get("name") or (t.get("function") or {}).get("name")): t for t in tools if isinstance(t, dict)}
@@ -362,13 +417,14 @@ class Reply:
     call: Call | None = None
     file: int | None = None
     kind: str = "text"
-    """tool | final | title | summary | lost | answer"""
+    """tool | final | title | summary | lost | answer | retrieve"""
 
 
 class Script:
-    def __init__(self) -> None:
+    def __init__(self, retrieve: bool = False) -> None:
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.lock = threading.Lock()
+        self.retrieve = retrieve
 
     def session(self, key: str | None, conversation: Conversation) -> Session | None:
         files = task_files(conversation)
@@ -405,6 +461,16 @@ class Script:
             return Reply("Reading the files", kind="title")
         if session is None or not session.files:
             return Reply("I cannot see which files to read.", kind="lost")
+        retrieval = retrieve_tool(conversation.tools) if self.retrieve else None
+        answered = {r["call"] for r in retrieved(conversation)}
+        newest = next((m for m in reversed(conversation.messages) if m.role == "tool"), None)
+        if retrieval is not None and not (newest is not None and newest.result_of in answered):
+            # one retrieval between reads: a cut after it names a new hole, which must not stop the reading
+            wanted = next((ref for ref in marker_refs(conversation) if ref not in session.asked), None)
+            if wanted is not None:
+                session.asked.append(wanted)
+                call = Call(f"call_{uuid.uuid4().hex[:20]}", retrieval, compact_json({"ref": wanted}))
+                return Reply(call=call, kind="retrieve")
         visible = [n for _, n in read_calls(conversation, session.files)]
         session.confirmed = max([session.confirmed, *visible])
         following = session.confirmed + 1
@@ -428,6 +494,8 @@ class Settings:
     gguf: Path
     log: Path | None
     model: str = MODEL
+    retrieve: bool = False
+    """Call ContextPaw's retrieval tool with each marker's reference (see **Retrieval**)."""
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -442,7 +510,7 @@ class ScriptedModel:
     def __init__(self, settings: Settings, tokenizer: Any) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
-        self.script = Script()
+        self.script = Script(settings.retrieve)
         self.log_lock = threading.Lock()
         self.ids = itertools.count(1)
 
@@ -533,6 +601,11 @@ class ScriptedModel:
             "reevaluated_tokens": reeval, "new_tokens": new, "reply": {"kind": reply.kind, "file": reply.file, "text": reply.text[:2000]},
             "seconds": round(time.time() - started, 3), "body": body, **({"seen_text": seen} if cut else {}),
         }  # fmt: skip
+        if self.settings.retrieve:
+            entry["refs_seen"] = marker_refs(conversation)
+            entry["retrieved"] = [{**r, "tokens": len(self.tokens(r["text"]))} for r in retrieved(conversation)]
+            if reply.call and reply.kind == "retrieve":
+                entry["reply"]["call"] = {"name": reply.call.name, "arguments": reply.call.arguments}
         self.write(entry)
         writer = WRITERS[api](self.settings.model, body)
         if body.get("stream") is True or (api == "ollama" and body.get("stream") is not False):  # Ollama streams unless told not to
@@ -836,10 +909,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gguf", type=Path, default=None, help="the model file whose tokenizer counts (default: SmolLM2's)")
     parser.add_argument("--tokenizer-cache", type=Path, default=Path.home() / ".cache" / "contextpaw" / "scripted-model")
     parser.add_argument("--log", type=Path, default=None, help="JSON lines, one per model request")
+    parser.add_argument("--retrieve", action="store_true",
+                        help="call the agent's contextpaw_retrieve tool with each ContextPaw marker's reference, once")  # fmt: skip
     args = parser.parse_args(argv)
     gguf = args.gguf or default_gguf()
     tokenizer = load_tokenizer(gguf, args.tokenizer_cache)
-    settings = Settings(args.n_ctx, args.behaviour, args.tokenizer_visible, gguf.resolve(), args.log, args.model)
+    settings = Settings(args.n_ctx, args.behaviour, args.tokenizer_visible, gguf.resolve(), args.log, args.model, args.retrieve)
     serve(scripted_app(settings, tokenizer), args.port)
 
 

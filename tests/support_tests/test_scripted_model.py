@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from support.scripted_model import FACTS_FILE, Script, ScriptedModel, Session, Settings, from_chat, render_messages
+from support.scripted_model import FACTS_FILE, Script, ScriptedModel, Session, Settings, from_chat, render_messages, retrieved
 
 
 class Characters:
@@ -57,3 +58,44 @@ def test_a_question_without_tools_is_answered_with_the_facts_in_a_whole_file_lis
     assert answer.kind == "answer" and f"{FACTS_FILE}\n```\nFACT-01: the key is amber\nFACT-02: the key is basil\n```" in answer.text
     last = from_chat(chat(("user", "List every FACT line you can see, and we are done.")))
     assert Script().reply(None, last, seen).kind == "final"
+
+
+REF = "cp-0123456789ab.0123456789abcdef"
+RETRIEVE = "mcp__contextpaw__contextpaw_retrieve"
+
+
+def with_retrieval(*messages: dict[str, Any]) -> dict[str, Any]:
+    """A chat request of a session reading /p/file-01.txt and /p/file-02.txt, offering the agent's
+    read tool and ContextPaw's retrieval tool (Claude Code's spelling)."""
+    tools = [{"type": "function", "function": {"name": name}} for name in ("Read", RETRIEVE)]
+    head = [{"role": "user", "content": "Read /p/file-01.txt then /p/file-02.txt"}]
+    return {"tools": tools, "messages": [*head, *messages]}
+
+
+MARKER = {"role": "user", "content": f"[ContextPaw: 2 messages evicted (retrieval id {REF}; with a shell tool, run: curl -s x)]"}
+
+
+def retrieve_call(call_id: str) -> dict[str, Any]:
+    call = {"id": call_id, "type": "function", "function": {"name": RETRIEVE, "arguments": json.dumps({"ref": REF})}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+def test_with_retrieve_a_marker_s_reference_is_asked_for_once_with_the_agent_s_spelling_of_the_tool() -> None:
+    script = Script(retrieve=True)
+    conversation = from_chat(with_retrieval(MARKER))
+    session = script.session("s", conversation)
+    asked = script.reply(session, conversation, "")
+    assert asked.kind == "retrieve" and asked.call is not None
+    assert asked.call.name == RETRIEVE and json.loads(asked.call.arguments) == {"ref": REF}
+    back = from_chat(with_retrieval(MARKER, retrieve_call("c1"), {"role": "tool", "tool_call_id": "c1", "content": "the text"}))
+    assert retrieved(back) == [{"call": "c1", "ref": REF, "text": "the text"}]
+    assert script.reply(session, back, "").kind == "tool"  # the reference was asked for once: the reading goes on
+    assert script.reply(session, conversation, "").kind == "tool"
+
+
+def test_without_retrieve_or_without_the_tool_a_marker_asks_for_nothing() -> None:
+    conversation = from_chat(with_retrieval(MARKER))
+    assert Script().reply(Script().session("s", conversation), conversation, "").kind == "tool"
+    bare = from_chat({**with_retrieval(MARKER), "tools": [{"type": "function", "function": {"name": "Read"}}]})
+    script = Script(retrieve=True)
+    assert script.reply(script.session("s", bare), bare, "").kind == "tool"
