@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from contextpaw.core import logs
-from contextpaw.ops.evicted import EvictedStore, searchable, snippet
+from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, searchable, snippet
 
 logger = logs.get(__name__)
 
@@ -139,6 +139,7 @@ class RedisStore(EvictedStore):
         words = query.lower().split()
         if not words or limit < 1:
             return []
+        self.flush(SEARCH_WAIT_S)  # the content just evicted is what an agent looks for first
         ids = [i.decode() for i in self._client.zrevrange(self._key("order"), 0, SEARCHED - 1)]
         found: list[tuple[str, str]] = []
         for start in range(0, len(ids), 100):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from contextpaw.core import logs
-from contextpaw.ops.evicted import EvictedStore, searchable
+from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, searchable
 
 logger = logs.get(__name__)
 
@@ -118,6 +118,7 @@ class SqliteStore(EvictedStore):
     def search(self, query: str, limit: int) -> list[tuple[str, str]]:
         if not query.split() or limit < 1:
             return []
+        self.flush(SEARCH_WAIT_S)  # the content just evicted is what an agent looks for first
         sql = (
             "SELECT items.id, snippet(texts, 0, '', '', '…', 24) FROM texts JOIN items ON items.seq = texts.rowid"
             " WHERE texts MATCH ? AND items.at >= ? ORDER BY rank LIMIT ?"

@@ -23,6 +23,10 @@ SNIPPET_CHARS = 160
 """Characters of context a search result shows around what matched."""
 
 
+SEARCH_WAIT_S = 5.0
+"""How long a search waits for the writes before it (they take milliseconds; a stuck disk is not waited out)."""
+
+
 def encode(content: Any) -> bytes:
     """What the store keeps and `/contextpaw/evicted/<id>` answers: the content as JSON, valid
     UTF-8 whatever it held (a lone surrogate, a JavaScript string cut inside an emoji, goes back
@@ -90,7 +94,8 @@ class EvictedStore(abc.ABC):
 
     @abc.abstractmethod
     def search(self, query: str, limit: int) -> list[tuple[str, str]]:
-        """(id, snippet) of at most `limit` kept contents whose text holds every word of `query`."""
+        """(id, snippet) of at most `limit` kept contents whose text holds every word of `query`,
+        what was `put` before the call included (a store that writes later waits for it here)."""
 
     shares_plans = False
     """Whether conversation plans are kept here too (a store several instances share)."""

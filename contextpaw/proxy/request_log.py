@@ -53,7 +53,7 @@ def model_of(state: FlowState) -> str:
     if len(state.original) <= SMALL_BODY:
         try:
             model = json.loads(state.original).get("model")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested too deep
             model = None
         if isinstance(model, str) and model:
             return model

@@ -182,6 +182,24 @@ def test_put_returns_while_the_disk_is_stuck_and_get_answers_meanwhile(tmp_path:
         s.close()
 
 
+def test_a_search_right_after_an_eviction_finds_what_was_evicted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent searches for what the marker it just read names: the write behind the put is
+    waited for, however slow the disk."""
+    write = SqliteStore._write
+
+    def slow_write(self: SqliteStore, *args: object) -> None:
+        time.sleep(0.3)
+        write(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqliteStore, "_write", slow_write)
+    s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=10, max_bytes=1 << 20, max_age_s=60)
+    try:
+        s.put("cp-fresh", encode([{"role": "tool", "content": "a log line from the build"}]))
+        assert [ref for ref, _ in s.search("log line", 3)] == ["cp-fresh"]
+    finally:
+        s.close()
+
+
 def test_the_archive_opens_what_the_options_name(tmp_path: Path) -> None:
     archive = Archive(max_items=10, max_bytes=1 << 20, max_age_s=60)
     assert isinstance(archive.store, MemoryStore)
