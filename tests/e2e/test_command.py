@@ -254,10 +254,14 @@ def test_doctor_prints_json_with_its_exit_status(llamacpp: Backend) -> None:
     assert status == 1 == parsed["status"] and any(f["level"] == "problem" and "write http://" in f["fix"] for f in parsed["findings"])
 
 
-def test_doctor_finds_contextpaw_running_and_something_else_on_its_port(command: Running, llamacpp: Backend) -> None:
-    port = command.url.rpartition(":")[2]
-    status, report = doctor("--llamacpp", command.backend, "--llamacpp-port", port)
-    assert f"ok      ContextPaw at {command.url}: answers" in report, report
+def test_doctor_finds_contextpaw_running_and_something_else_on_its_port(llamacpp: Backend, workdir: Path) -> None:
+    port = free_port()
+    url = f"http://{LOOPBACK}:{port}"
+    argv = [*COMMAND, "--llamacpp", llamacpp.url, "--llamacpp-port", str(port), "--confdir", str(workdir / "conf"), "-q",
+            "--set", f"contextpaw_state_dir={workdir / 'doctor-state'}", "--set", "contextpaw_calibrate=false"]  # fmt: skip
+    with start_process(argv, url, "/contextpaw/health", workdir / "doctor-contextpaw.log", 60):
+        status, report = doctor("--llamacpp", llamacpp.url, "--llamacpp-port", str(port))
+    assert f"ok      ContextPaw at {url}: answers" in report, report
     backend_port = llamacpp.url.rpartition(":")[2]
     status, report = doctor("--llamacpp", "http://127.0.0.1:1", "--llamacpp-port", backend_port)
     assert any(f"ContextPaw at http://127.0.0.1:{backend_port}: something else answers there" in p for p in problems(report)), report
