@@ -232,6 +232,23 @@ class LlamaCppCounting:
                 return None
         return self.totals[key]
 
+    async def prompt_total(self, base_url: str, prompt: str, big: bool = False) -> int | None:
+        """The server's exact size of a raw prompt, as `/completion` tokenizes it (its special
+        tokens read as such, the model's BOS added); None on failure. The text of a cut prompt
+        that our count only estimates (a marker's hex reference, the kept head and tail) runs
+        denser than the prompt it came from."""
+        keyed = await asyncio.to_thread(_keyed, [prompt]) if big else _keyed([prompt])
+        key = (base_url, "prompt", keyed.get(prompt, b""))
+        if key not in self.totals:
+            if self._resting(base_url, "counting"):
+                return None
+            try:
+                self.totals.put(key, await self._tokens(base_url, prompt, special=True))
+            except FAILURES as e:
+                self._failed(base_url, "counting", e)
+                return None
+        return self.totals[key]
+
     def stats(self) -> dict[str, Any]:
         return {
             "calls": self.calls,

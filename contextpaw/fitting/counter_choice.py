@@ -131,10 +131,14 @@ class CounterChoice:
         return show.model_file if show is not None else None
 
     async def exact_total(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, sent: Mapping[str, Any], big: bool) -> int | None:
-        """llama-server's own count of a whole chat as it renders it (template, system blocks and
-        tools included); None where there is none (other backends, raw prompts, a failed call)."""
-        if backend.kind != wire.Kind.LLAMACPP or not isinstance(parsed, wire.Chat):
+        """llama-server's own count of a whole request: a chat as it renders it (template, system
+        blocks and tools included), a raw prompt as `/completion` reads it; None where there is
+        none (other backends, a failed call)."""
+        if backend.kind != wire.Kind.LLAMACPP:
             return None
+        if isinstance(parsed, wire.Prompt):
+            prompt = sent.get("prompt")
+            return await self.services.counting.prompt_total(backend.url, prompt, big) if isinstance(prompt, str) else None
         path, counted = parsed.counted(sent)
         return await self.services.counting.total(backend.url, counted, path=path, big=big)
 

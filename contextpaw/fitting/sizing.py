@@ -114,18 +114,17 @@ class Sizer:
         # counting failed: the whole count is one call, and the decision rests on it)
         whole = None if small else await self.counters.exact_total(backend, parsed, parsed.body, big)
         scale = 1.0
-        if whole is not None:
-            assert isinstance(parsed, wire.Chat), "llama-server counts whole chats only"
-            if whole <= budget.admits:
-                as_sent = Report(False, "none", whole, whole, budget.admits, counter="backend", exact=True, window=budget.window)
-                return Fitted(None, as_sent)
+        if whole is not None and whole <= budget.admits:
+            as_sent = Report(False, "none", whole, whole, budget.admits, counter="backend", exact=True, window=budget.window)
+            return Fitted(None, as_sent)
+        if whole is not None and isinstance(parsed, wire.Chat):  # a raw prompt has no template to price
             ours = await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
             # The difference is the template's real cost, but never below nothing: a template may
             # drop the tools, while a count of the messages that runs high is theirs, and the check
             # after the cut makes the fit fuller. Should what must be kept not fit so, every text is
             # priced at the server's rate for the whole request instead, and the check says whether
             # that was right.
-            around = parsed.fixed_cost(counter, fixed) if isinstance(parsed, wire.Chat) else fixed
+            around = parsed.fixed_cost(counter, fixed)
             scale, base = whole / ours if 0 < whole < ours else 1.0, fixed
             fixed = max(fixed + whole - ours, fixed - around)
         start = budget

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -624,6 +625,31 @@ async def test_what_must_be_kept_is_priced_by_the_servers_whole_count_when_our_c
     assert isinstance(decision, Forward) and decision.compacted and decision.body is not None, s.report
     assert s.report is not None and s.report.final_tokens <= s.report.budget and s.report.exact
     assert await f.services.counting.total("", json.loads(decision.body)) == s.report.final_tokens
+
+
+class DenseMarkerCounting(ToolBlindCounting):
+    """A llama-server that counts a raw prompt's marker (hex references, a URL) at a token per
+    byte, three times denser than the prose around it: what our count of a cut prompt estimates."""
+
+    async def prompt_total(self, base_url: str, prompt: str, big: bool = False) -> int | None:
+        self.totals += 1
+        marker = re.search(r"\n\[ContextPaw:[^\]]*\]\n", prompt)
+        return tokens_of(prompt) + (3 * len(marker.group()) // 4 if marker else 0)
+
+
+async def test_a_raw_prompt_cut_on_llama_server_is_confirmed_by_the_servers_count_of_what_is_sent() -> None:
+    """/completion through ContextPaw was reported at 924 tokens within a budget of 936, and
+    llama-server read 940: the marker's hex references tokenize denser than the prompt they cut."""
+    counting = DenseMarkerCounting()
+    f = with_counting(fitter(default_ctx=2048, discover_window=False), counting)
+    route = wire.route_for(wire.Kind.LLAMACPP, "POST", "/completion")
+    prompt = "Remember the code.\n" + "".join(f"line {n} of the log, all of it plain prose\n" for n in range(800)) + "What was it?"
+    s = FlowState(LLAMACPP, route, json.dumps({"prompt": prompt, "n_predict": 8}).encode(), "/completion")
+    decision = await f.fit(s)
+    assert isinstance(decision, Forward) and decision.body is not None and s.report is not None and s.report.compacted
+    sent = json.loads(decision.body)["prompt"]
+    real = await counting.prompt_total("", sent)
+    assert real == s.report.final_tokens <= s.report.budget and s.report.exact, (real, s.report)
 
 
 def test_the_conversations_option_bounds_the_carried_budgets_as_it_bounds_the_plans() -> None:

@@ -43,7 +43,7 @@ TOOLS = [
 ]
 
 
-FILLER = "lorem ipsum dolor sit amet " * 75
+FILLER = "lorem ipsum dolor sit amet " * 60
 """Enough that a chat is over half the small server's budget, where ContextPaw asks the server to count
 (far below it, the estimate decides: the request could not overflow even if it were off by two)."""
 
@@ -63,7 +63,7 @@ def test_reported_prompt_size_equals_llama_servers_own_count(llama_proxy: str, c
     answer = httpx.post(f"{llama_proxy}/v1/chat/completions", json=body, timeout=120).json()
     report = answer["contextpaw"]
     assert report["counter"] == "backend" and report["exact"], report
-    assert report["final_tokens"] == answer["usage"]["prompt_tokens"]
+    assert report["final_tokens"] == answer.get("usage", {}).get("prompt_tokens"), json.dumps(answer)
 
 
 def test_tokenizer_rebuilt_from_the_gguf_counts_like_llama_server(llama_server: Backend) -> None:

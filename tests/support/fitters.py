@@ -42,6 +42,9 @@ class NoCounting:
     async def total(self, base_url: str, body: Mapping[str, Any], path: str = "", big: bool = False) -> int | None:
         return None
 
+    async def prompt_total(self, base_url: str, prompt: str, big: bool = False) -> int | None:
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {}
 
@@ -109,6 +112,10 @@ class ToolBlindCounting:
         messages = [Message.from_wire(m) for m in body.get("messages", [])]
         whole = 8 + tokens_of(system_text(body.get("system"))) + sum(4 + tokens_of(m.text) for m in messages)
         return whole + (self.extra if self.costly in json.dumps(body) else 0)
+
+    async def prompt_total(self, base_url: str, prompt: str, big: bool = False) -> int | None:
+        self.totals += 1
+        return tokens_of(prompt)
 
     def stats(self) -> dict[str, Any]:
         return {}
