@@ -10,4 +10,7 @@ bash scripts/install/get_agents.sh >/dev/null || echo "the agent CLIs are not in
 # coverage of the package by the tests run in-process (agents and servers run as child processes
 # are not counted), summed up at the end; sys.monitoring keeps its cost low on 3.12
 export COVERAGE_CORE=sysmon
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --cov=contextpaw --cov-report=term:skip-covered "$@"
+# two workers, a test file each at a time (a file's servers are started once): most of the suite's
+# time is spent waiting on servers, agents and models, so the second core is what it lacked
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${CONTEXTPAW_TEST_WORKERS:-2}" --dist loadfile \
+    --cov=contextpaw --cov-report=term:skip-covered --durations=25 "$@"

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
 
 from support.backends import Backend, start_module
+from support.cases import CASES, WORKER_KEY
 from support.common import FAKE_N_CTX
 
 # CI replays the same examples every run, so a red build means a change broke something; runs
@@ -17,6 +19,27 @@ from support.common import FAKE_N_CTX
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its counts of cases tried to the controller."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output[WORKER_KEY] = dict(CASES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    CASES.update(getattr(node, "workeroutput", {}).get(WORKER_KEY, {}))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not CASES:
+        return
+    terminalreporter.section("ContextPaw reliability: cases tried")
+    for name, count in sorted(CASES.items()):
+        terminalreporter.write_line(f"{name:40s} {count:8d}")
+    terminalreporter.write_line(f"{'total':40s} {sum(CASES.values()):8d}")
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ from mitmproxy.test import taddons, tflow, tutils
 
 from contextpaw.proxy.compose import make_addons
 from support.backends import ADDON, Backend, free_port, start_process
+from support.cases import CASES
 from support.common import FAKE_N_CTX, LOOPBACK, context_overflow_error, running, sse
 from support.inprocess import Proxy as InProcess
 
@@ -42,24 +43,13 @@ PROXY_TCP_TIMEOUT = 4
 OLLAMA = "http://127.0.0.1:11435"
 LLAMACPP = "http://127.0.0.1:8091"
 
-# -- cases tried, printed at the end of the session -----------------------------------------------
-
-CASES: collections.Counter[str] = collections.Counter()
+# -- cases tried, printed at the end of the session (tests/conftest.py) ---------------------------
 
 
 @pytest.fixture(scope="session")
 def cases() -> collections.Counter[str]:
     """Count each input a test tried (`cases["bad_input.taddons"] += 1`); printed at session end."""
     return CASES
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not CASES:
-        return
-    terminalreporter.section("ContextPaw reliability: cases tried")
-    for name, count in sorted(CASES.items()):
-        terminalreporter.write_line(f"{name:40s} {count:8d}")
-    terminalreporter.write_line(f"{'total':40s} {sum(CASES.values()):8d}")
 
 
 # -- the addons in a test master ------------------------------------------------------------------
