@@ -28,7 +28,6 @@ import ipaddress
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -37,17 +36,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from contextpaw import wire
 from contextpaw.core import refs
 from contextpaw.ops.evicted import EvictedStore
-from contextpaw.ops.metrics import Stats
+from contextpaw.ops.metrics import Stats, package_version
 
 PREFIX = "/contextpaw/"
 JSON = "application/json"
-
-
-def package_version() -> str:
-    try:
-        return version("contextpaw")
-    except PackageNotFoundError:  # imported from a source tree that was never installed
-        return "unknown"
 
 
 @dataclass(frozen=True, slots=True)

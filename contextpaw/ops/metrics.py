@@ -1,5 +1,7 @@
 """What ContextPaw counts, as Prometheus metrics: per backend, route and (bounded) model, with
-histograms of compaction time and of tokens evicted, and each backend's up gauge at scrape time.
+histograms of compaction time, of tokens evicted and of each proxied request's time, each backend's
+up gauge at scrape time, the build's versions and the process's own `process_*` series. Every route
+of a configured backend has its series from the first scrape, at 0.
 
 `Stats` is the collector every part of the proxy counts into; `/contextpaw/metrics` (admin.py)
 serves it and `/contextpaw/health` shows its unlabelled totals. `FailureLedger` is the one ledger
@@ -12,15 +14,19 @@ from __future__ import annotations
 import bisect
 import datetime
 import itertools
+import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import astuple, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from contextpaw import wire
 from contextpaw.core import logs
 from contextpaw.ops.evicted import EvictedStore
 
@@ -62,6 +68,11 @@ SOURCE_HELP = {
 
 LABELS = ("backend", "route", "model")
 ROUTE_LABELS = ("backend", "route")
+OUTCOME_LABELS = ("backend", "route", "outcome")
+OUTCOMES = ("compacted", "unchanged", "refused", "error")
+"""What became of a proxied request, for its time: sent on compacted; sent on as it came (or not
+judged); answered here with a refusal; no whole answer (a 5xx, a broken or silent backend, a client
+that went away)."""
 MODEL_LABELS = 20
 """Distinct `model` label values kept; later models are counted as "other" (clients choose the names)."""
 MODEL_NAME_CHARS = 128
@@ -69,7 +80,17 @@ UNKNOWN = "unknown"
 OTHER = "other"
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Compaction time: a small chat takes milliseconds; a 10 MB agent history, or one counted by llama-server, seconds."""
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""A proxied request's time: a refusal or a cached prefix in tens of milliseconds; a long prompt's
+prefill and a long answer on a local GPU, minutes."""
 TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
+
+
+def package_version(name: str = "contextpaw") -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown"
 
 
 def label(value: str) -> str:
@@ -114,8 +135,13 @@ class Histogram:
 
 class Stats(Collector):
     """Counts for /health (totals) and /metrics (per backend, route and model), with histograms of
-    compactions and whether each backend answers, in a registry of their own (one per addon
-    instance). Fed on the event loop only."""
+    compactions and of proxied requests' times, and whether each backend answers, in a registry of
+    their own (one per addon instance) beside the process's own series. Fed on the event loop only.
+
+    A series is rendered from the first scrape, at 0, for every route of each backend kind a scrape
+    was told of (`answering`), model `unknown`; and every label set any counter has is in every
+    counter, so that a ratio of two of them reads 0, not nothing. The bound stays that of the labels:
+    kinds x routes x (`MODEL_LABELS` + 2) models."""
 
     def __init__(self, store: EvictedStore) -> None:
         self.counts = dict.fromkeys(COUNTS, 0)
@@ -123,14 +149,20 @@ class Stats(Collector):
         self.seconds: dict[tuple[str, str], Histogram] = {}
         self.evicted: dict[tuple[str, str], Histogram] = {}
         """Per (backend, route): a model label would multiply every bucket by the models."""
+        self.latency: dict[tuple[str, str, str], Histogram] = {}
+        """Per (backend, route, outcome): each proxied request's time, from its start to its answer's end."""
+        self.kinds: set[str] = set()
+        """The backend kinds the scrapes were told of: their routes' series are rendered from 0."""
         self.models: set[str] = set()
         self.store = store
         self.sources: list[Callable[[], dict[str, float]]] = []
         """More counters owned by other addons (the GPU arbiter's), read at each scrape."""
         self.answering: list[tuple[str, str, bool]] = []
         """(kind, url, answers) per backend, as the last health probe found them (set before each scrape)."""
+        self.build = {"version": package_version(), "mitmproxy": package_version("mitmproxy"), "python": platform.python_version()}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ... (Linux)
 
     def where(self, kind: str | None, route: str | None, model: str | None = None) -> Where:
         """The labels for a request, each one encodable (`label`); the first `MODEL_LABELS` models
@@ -159,18 +191,53 @@ class Stats(Collector):
         self.seconds.setdefault(place, Histogram(SECONDS_BUCKETS)).observe(seconds)
         self.evicted.setdefault(place, Histogram(TOKEN_BUCKETS)).observe(evicted_tokens)
 
+    def proxied(self, where: Where, outcome: str, seconds: float) -> None:
+        """One proxied request is over: its time, from its start to its answer's end (`OUTCOMES`)."""
+        place = (where.backend, where.route, outcome)
+        self.latency.setdefault(place, Histogram(REQUEST_BUCKETS)).observe(max(seconds, 0.0))
+
+    def _routes(self) -> list[Where]:
+        """Every route of the backend kinds the scrapes were told of, model unknown."""
+        kinds = self.kinds | {label(str(kind)) for kind, _, _ in self.answering if kind}
+        self.kinds = kinds
+        known = {kind.value: kind for kind in wire.Kind}
+        return [Where(name, route, UNKNOWN) for name in sorted(kinds) if name in known for route in wire.route_names(known[name])]
+
     def collect(self) -> Iterator[Metric]:
+        routes = self._routes()
+        places = dict.fromkeys(itertools.chain(routes, *(self.series[name] for name in COUNTS)))
         for name, text in COUNTS.items():
             family = CounterMetricFamily(f"contextpaw_{name}", text, labels=LABELS)
-            for where, value in self.series[name].items():
-                family.add_metric(astuple(where), value)
+            series = self.series[name]
+            for where in places:
+                family.add_metric(astuple(where), series.get(where, 0))
             yield family
+        route_places = [(where.backend, where.route) for where in routes]
         yield self._histogram(
             "compaction_seconds",
             "Seconds from the start of fitting a request to its compacted body, the backend's counting calls included (a rescue's refit on its own)",
             self.seconds,
+            route_places,
+            SECONDS_BUCKETS,
         )
-        yield self._histogram("compaction_evicted_tokens", "Prompt tokens evicted from each compacted request", self.evicted)
+        yield self._histogram(
+            "compaction_evicted_tokens", "Prompt tokens evicted from each compacted request", self.evicted, route_places, TOKEN_BUCKETS
+        )
+        yield self._histogram(
+            "request_duration_seconds",
+            "Seconds from the start of each proxied request to the end of its answer (streams included), by what became of it",
+            self.latency,
+            [(*place, outcome) for place in route_places for outcome in OUTCOMES],
+            REQUEST_BUCKETS,
+            OUTCOME_LABELS,
+        )
+        info = GaugeMetricFamily(
+            "contextpaw_build_info",
+            "Always 1: the versions of ContextPaw, mitmproxy and Python this process runs",
+            labels=tuple(self.build),
+        )
+        info.add_metric(tuple(self.build.values()), 1)
+        yield info
         for source in self.sources:
             for name, value in source().items():
                 yield CounterMetricFamily(f"contextpaw_{name}", SOURCE_HELP.get(name, name.replace("_", " ")), value=value)
@@ -188,10 +255,19 @@ class Stats(Collector):
         )
 
     @staticmethod
-    def _histogram(name: str, text: str, observed: dict[tuple[str, str], Histogram]) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(f"contextpaw_{name}", text, labels=ROUTE_LABELS)
-        for labels, histogram in observed.items():
-            family.add_metric(labels, histogram.buckets(), histogram.sum)
+    def _histogram(
+        name: str,
+        text: str,
+        observed: dict[Any, Histogram],
+        known: Iterable[tuple[str, ...]],
+        bounds: tuple[float, ...],
+        labels: tuple[str, ...] = ROUTE_LABELS,
+    ) -> HistogramMetricFamily:
+        """The observed histograms, and an empty one for each `known` label set not observed yet."""
+        family = HistogramMetricFamily(f"contextpaw_{name}", text, labels=labels)
+        for values in dict.fromkeys(itertools.chain(known, observed)):
+            histogram = observed.get(values) or Histogram(bounds)
+            family.add_metric(values, histogram.buckets(), histogram.sum)
         return family
 
 

@@ -47,4 +47,5 @@ def make_addons(new_arbiter: Callable[[ArbiterSettings], Arbiter] | None = None)
     backends.relay = upstream.relay
     endpoints = AdminEndpoints(backends, fitter, services, ledger, store, gpu.status)
     models = ModelRoutes(backends, fitter)
-    return [StartupHeap(), ReturnedMemory(), RequestDeadlines(), gpu, endpoints, backends, compactor, models, upstream, RequestLog(states)]
+    log = RequestLog(states, stats, backends)
+    return [StartupHeap(), ReturnedMemory(), RequestDeadlines(), gpu, endpoints, backends, compactor, models, upstream, log]

@@ -1,22 +1,31 @@
-"""One INFO line per handled request, when it is over: what came in, what ContextPaw did with it
-and what the client got, e.g.
+"""When a proxied request is over: one INFO line per handled request, what came in, what ContextPaw
+did with it and what the client got, e.g.
 
     POST /api/chat ollama.chat fake: compacted 5737 -> 845 tokens (budget 944, window 1024) -> 200
 
+and its time, from its start to the end of its answer, by route and by what became of it
+(`contextpaw_request_duration_seconds`).
+
 The fitting's own lines (the numbers of a cut, the reason of a refusal) are DEBUG; this is the one a
-person reads. It holds no prompt text."""
+person reads. It holds no prompt text. The addon runs last, so the time includes every other
+response hook (a rescue's retry, the report put into the answer); a streamed answer's response hook
+comes when the stream has ended. It does arithmetic only, on the event loop."""
 
 from __future__ import annotations
 
 import json
+import time
 import weakref
 
 from mitmproxy import http
 
+from contextpaw import wire
 from contextpaw.core import logs
 from contextpaw.core.report import Report
 from contextpaw.fitting.flow import FlowState
-from contextpaw.ops.metrics import UNKNOWN
+from contextpaw.ops.metrics import UNKNOWN, Stats
+from contextpaw.proxy.backends import Backends
+from contextpaw.proxy.replies import REFUSED_MARK
 
 logger = logs.get(__name__)
 
@@ -25,14 +34,36 @@ SMALL_BODY = 64 * 1024
 
 
 class RequestLog:
-    def __init__(self, states: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState]) -> None:
+    def __init__(self, states: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState], stats: Stats, backends: Backends) -> None:
         self.states = states
+        self.stats = stats
+        self.backends = backends
+        self.timed: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+        """The flows already timed: each once, whichever of its hooks ends it."""
 
     def response(self, flow: http.HTTPFlow) -> None:
+        self._time(flow)
         self._say(flow, str(flow.response.status_code) if flow.response else "no answer")
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self._time(flow)
         self._say(flow, f"failed: {flow.error.msg}" if flow.error else "failed")
+
+    def _time(self, flow: http.HTTPFlow) -> None:
+        if flow in self.timed:
+            return
+        state = self.states.get(flow)
+        if state is not None:
+            where = state.where
+        else:  # a request on a handled route answered before the fitting read it (502, 503, 413, 415, ...)
+            kind = self.backends.kind_at(f"{flow.request.host}:{flow.request.port}")
+            route = wire.route_for(kind, flow.request.method, flow.request.path) if kind is not None else None
+            if route is None:
+                return
+            where = self.stats.where(kind, route.name)
+        self.timed.add(flow)
+        now = time.time()
+        self.stats.proxied(where, outcome(flow, state), now - (flow.request.timestamp_start or now))
 
     def _say(self, flow: http.HTTPFlow, outcome: str) -> None:
         state = self.states.get(flow)
@@ -44,6 +75,17 @@ class RequestLog:
         else:
             what = what_happened(state.report)
         logger.info("%s %s %s %s: %s -> %s", flow.request.method, state.path, state.route.name, model_of(state), what, outcome)
+
+
+def outcome(flow: http.HTTPFlow, state: FlowState | None) -> str:
+    """compacted, unchanged, refused (answered here) or error (no whole answer, or a 5xx)."""
+    if state is not None and state.local:
+        return "refused"
+    if flow.error is not None or flow.response is None or flow.response.status_code >= 500:
+        return "error"
+    if state is None:
+        return "refused" if flow.marked == REFUSED_MARK else "unchanged"
+    return "compacted" if state.report is not None and state.report.compacted else "unchanged"
 
 
 def model_of(state: FlowState) -> str:

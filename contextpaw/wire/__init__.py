@@ -56,6 +56,12 @@ _ROUTES: dict[Kind, dict[str, Route]] = {
 }
 
 
+def route_names(kind: Kind) -> list[str]:
+    """The names of the routes ContextPaw handles at a backend of this kind, each once (llama-server
+    serves one route at two paths), sorted: the values of the metrics' `route` label there."""
+    return sorted({route.name for route in _ROUTES[kind].values()})
+
+
 def route_for(kind: Kind, method: str, path: str) -> Route | None:
     """The handled route for a request, or None for anything that passes through untouched."""
     if method != "POST":
