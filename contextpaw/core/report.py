@@ -130,7 +130,7 @@ class Report:
         return out
 
     def summary(self) -> str:
-        """One line for logs and mitmweb comments; no prompt text."""
+        """One line for logs; no prompt text (mitmweb's shorter comment is `proxy.replies.cut_comment`)."""
         dropped = sum(1 for r in self.removals if r.action == "dropped")
         shrunk = sum(1 for r in self.removals if r.action == "shrunk")
         return (

@@ -58,9 +58,9 @@ class Budget:
             upper = math.ceil(required * bound)
             cause = (f"the request counts {required} tokens by an estimate that may run {bound:.2f} times low, so up to "
                      f"{upper}, and only {self.admits} fit; policy strict refuses to compact it")  # fmt: skip
-            return Overflow(upper, self.admits, self.window, cause, required)
+            return Overflow(upper, self.admits, self.window, cause, required, strict=True)
         cause = f"the request needs {required} tokens but only {self.admits} fit, and policy strict refuses to compact it"
-        return Overflow(required, self.admits, self.window, cause, required)
+        return Overflow(required, self.admits, self.window, cause, required, strict=True)
 
     def impossible(self, error: BudgetTooSmall) -> Overflow:
         """What must be kept does not fit, so no compaction can help; when the head alone is over,

@@ -314,6 +314,7 @@ class Fitter:
             required_tokens=overflow.required,
         )
         self._keep(state, report)
+        state.overflow = overflow
         state.advance(Phase.REFUSED)
         logger.debug("%s refused: %s", state.route.name, overflow.message)
         self.stats.add("refused", where=state.where)

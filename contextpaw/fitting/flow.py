@@ -86,6 +86,8 @@ class FlowState:
     """How this request's markers name what they stand for (the proxy's secret, `proxy_url`)."""
     report: Report | None = None
     """The report the client is told (compact and strict)."""
+    overflow: wire.Overflow | None = None
+    """A refusal's numbers (what the request needs, what fits, the least window), for its fix."""
     observed: Report | None = None
     """Under policy off: what would have been done; checked against the answer, never sent."""
     headers: dict[str, str] = field(default_factory=dict)

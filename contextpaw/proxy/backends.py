@@ -22,7 +22,7 @@ from contextpaw.calls.session import PROBE_TIMEOUT_S, Session
 from contextpaw.core import logs
 from contextpaw.fitting.services import InFlight
 from contextpaw.ops.metrics import FailureLedger
-from contextpaw.proxy.replies import REFUSED_MARK, flag, reply
+from contextpaw.proxy.replies import REFUSED_MARK, flag, refused_comment, reply
 from contextpaw.relay.loopback import Relay
 from contextpaw.settings import BACKEND_OPTIONS, MAX_BODY_MB, BackendSettings, declare
 from contextpaw.wire import bodies
@@ -264,7 +264,16 @@ class Backends:
             reason = (f"ContextPaw: this request came back to ContextPaw from itself: its backend {flow.request.host}:"
                       f"{flow.request.port} is ContextPaw's own address; move the backend to another port "
                       "(Ollama: OLLAMA_HOST=127.0.0.1:11435) and point ContextPaw there")  # fmt: skip
-            await self._refuse(flow, 508, reason, "unreachable")
+            await self._refuse(
+                flow,
+                508,
+                reason,
+                "unreachable",
+                (
+                    "move the backend to its own port (Ollama: OLLAMA_HOST=127.0.0.1:11435), point ContextPaw there",
+                    "it came back from ContextPaw itself",
+                ),
+            )
             return
         if not self.serves(flow):
             return
@@ -297,21 +306,24 @@ class Backends:
         model, relayed = model_request(flow), self.relayed(flow)
         if size > limit and model:
             reason = f"ContextPaw: the request body ({size:,} bytes) is over the limit of {limit:,} bytes (contextpaw_max_body_mb)"
-            await self._refuse(flow, 413, reason, "too_large")
+            await self._refuse(flow, 413, reason, "too_large", ("raise contextpaw_max_body_mb", f"body {size:,} B > {limit:,} B limit"))
         elif model and (encoding := _encoding(flow)) not in ("", "identity", *bodies.ENCODINGS):
             reason = f"ContextPaw: the request body's Content-Encoding {encoding!r} is not one it can read; send {', '.join(bodies.ENCODINGS)} or none"
-            await self._refuse(flow, 415, reason, "bad_request")
+            await self._refuse(
+                flow, 415, reason, "bad_request", (f"send {', '.join(bodies.ENCODINGS)} or none", f"Content-Encoding {encoding!r} unread")
+            )
         elif model and not await self._inflated(flow, limit):
             reason = f"ContextPaw: the request body inflates to more than the limit of {limit:,} bytes (contextpaw_max_body_mb)"
-            await self._refuse(flow, 413, reason, "too_large")
+            await self._refuse(flow, 413, reason, "too_large", ("raise contextpaw_max_body_mb", f"body inflates past {limit:,} B"))
         elif relayed and not relayable(flow.request.data.path):
             reason = f"ContextPaw: the request target {flow.request.data.path!r} holds bytes HTTP does not allow; percent-encode them"
-            await self._refuse(flow, 400, reason, "bad_request")
+            await self._refuse(flow, 400, reason, "bad_request", ("percent-encode the path", "it has bytes HTTP forbids"))
         elif relayed:
             return  # the relay answers for a backend that does not answer
         elif not self._held_open(flow) and not await self.answers(flow.request.host, flow.request.port):
             reason = f"ContextPaw: the backend at {flow.request.host}:{flow.request.port} does not answer"
-            await self._refuse(flow, 502, reason, "unreachable")
+            where = f"{flow.request.host}:{flow.request.port}"
+            await self._refuse(flow, 502, reason, "unreachable", (f"start the backend at {where}", "nothing answers there"))
 
     @staticmethod
     async def _inflated(flow: http.HTTPFlow, limit: int) -> bool:
@@ -333,12 +345,13 @@ class Backends:
         flow.request.content = body
         return True
 
-    async def _refuse(self, flow: http.HTTPFlow, status: int, reason: str, count: str) -> None:
+    async def _refuse(self, flow: http.HTTPFlow, status: int, reason: str, count: str, said: tuple[str, str]) -> None:
+        """Answer `status` with `reason`; the comment says `said`: (the fix, why), after the route."""
         backend = await self.backend_of(flow)
         kind = backend.kind if backend is not None else None
         reply(flow, status, report_bytes(wire.proxy_error(kind, flow.request.path, reason, status)))
-        flag(flow, REFUSED_MARK, f"answered {status}: {reason.removeprefix('ContextPaw: ')}")
         route = wire.route_for(kind, flow.request.method, flow.request.path) if kind is not None else None
+        flag(flow, REFUSED_MARK, refused_comment(route.name if route is not None else flow.request.path, *said))
         self.ledger.stats.add(count, where=self.ledger.stats.where(kind, route.name if route is not None else None))
         logger.warning("%s %s: answered %d: %s", flow.request.method, flow.request.url, status, reason.removeprefix("ContextPaw: "))
 

@@ -42,7 +42,17 @@ from contextpaw.ops.kept import KeptCalibration
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.backends import UNDECODED, Backends
 from contextpaw.proxy.endpoints import proxy_url
-from contextpaw.proxy.replies import COMPACTED_MARK, REFUSED_MARK, TRUNCATED_MARK, flag, put_headers, reply
+from contextpaw.proxy.replies import (
+    COMPACTED_MARK,
+    REFUSED_MARK,
+    TRUNCATED_MARK,
+    cut_comment,
+    flag,
+    off_comment,
+    overflow_comment,
+    put_headers,
+    reply,
+)
 from contextpaw.proxy.views import ORIGINAL, REPORT
 from contextpaw.relay.exchange import ERROR_HEADER
 from contextpaw.relay.rescue import rescued
@@ -176,13 +186,13 @@ class Compactor:
         decision = await self.fitter.fit(state)
         if isinstance(decision, Refuse):
             reply(flow, decision.status, decision.body)
-            flag(flow, REFUSED_MARK, decision.reason)
+            flag(flow, REFUSED_MARK, _refusal(state, decision.reason))
             flow.metadata[REPORT] = state.report.to_json() if state.report else None
             return
         if state.observed is not None and state.observed.compacted:
-            flow.comment = f"contextpaw off; would have {state.observed.summary()}"
+            flow.comment = off_comment(route.name, state.observed)
         if decision.compacted and state.report is not None:
-            flag(flow, COMPACTED_MARK, state.report.summary(), replace=True)
+            flag(flow, COMPACTED_MARK, cut_comment(route.name, state.report), replace=True)
             flow.metadata[REPORT] = state.report.to_json()  # mitmweb shows it before the answer is in
         if decision.body is not None:
             flow.metadata[ORIGINAL] = raw
@@ -269,10 +279,10 @@ class Compactor:
         """The retry's answer is in: say whether it recovered; mitmweb shows what was sent last."""
         assert flow.response is not None and state.report is not None
         if state.local:  # nothing that must be kept fits the window the backend named
-            flag(flow, REFUSED_MARK, f"refused {flow.response.status_code} after the backend's overflow: {state.report.summary()}")
+            flag(flow, REFUSED_MARK, _refusal(state, "after the backend's overflow"), replace=True)
             return
         self.fitter.settle_rescue(state, flow.response.status_code, ERROR_HEADER in flow.response.headers)
-        flag(flow, COMPACTED_MARK, state.report.summary(), replace=True)
+        flag(flow, COMPACTED_MARK, cut_comment(state.route.name, state.report), replace=True)
         flow.metadata[ORIGINAL] = state.original
         if state.sent is not None:
             flow.request.content = state.sent
@@ -370,7 +380,15 @@ class Compactor:
                 flow.metadata[TRUNCATION_FLAGGED] = True
                 told = (f"cut the prompt: {cut.evaluated_tokens} of {cut.sent_tokens} tokens evaluated" if cut is watched.upstream_truncated
                         else f"may have cut the prompt: {cut.evaluated_tokens} evaluated of about {cut.sent_tokens}")  # fmt: skip
-                flag(flow, TRUNCATED_MARK, f"the server {told}")
+                flag(flow, TRUNCATED_MARK, f"the server {told}" if flow.comment else f"{state.route.name}: the server {told}")
         if self.kept is not None:
             self.kept.save(self.fitter.calibration)
         return report_bytes(value) if value is not None else None
+
+
+def _refusal(state: FlowState, otherwise: str) -> str:
+    """A refusal's comment: the route, the numbers and the fix (`otherwise`: said when no numbers
+    were kept)."""
+    if state.overflow is None:
+        return f"{state.route.name} refused: {otherwise}"
+    return overflow_comment(state.route.name, state.overflow, state.backend.kind)

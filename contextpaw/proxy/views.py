@@ -146,7 +146,7 @@ def request_text(original: bytes, sent: bytes, report: Mapping[str, Any] | None)
     if (report or {}).get("strategy") == "refused":
         lines += ["", _rule(f"the client's request, not sent: {len(old)} messages")]
     else:
-        lines += ["", _rule(f"sent to the backend: {len(new)} messages (the client sent {len(old)})")]
+        lines += ["", *_sent_title(len(old), len(new), len(dropped), removals)]
     for fixed in ("system", "instructions"):
         if isinstance(after.get(fixed), str):
             lines += _excerpt(f"{fixed} (beside the messages)", after[fixed])
@@ -157,6 +157,21 @@ def request_text(original: bytes, sent: bytes, report: Mapping[str, Any] | None)
             if i < len(old):
                 lines += _excerpt(f"#{i} {old[i].speaker}", old[i].text, EXCERPT_LINES - 1)
     return "\n".join(lines)
+
+
+def _sent_title(client: int, sent: int, dropped: int, removals: Sequence[Mapping[str, Any]]) -> list[str]:
+    """`sent to the backend: 18 of the client's 27 messages (9 dropped, 4 shrunk)`, and the marker
+    messages added, if any; what does not fit on the rule goes on the line under it."""
+    shrunk = sum(1 for r in removals if r.get("action") == "shrunk")
+    kept = client - dropped
+    markers = sent - kept
+    counts = [f"{dropped} dropped"] + ([f"{shrunk} shrunk"] if shrunk else [])
+    if markers > 0:
+        counts.append(f"{markers} marker message{'s' if markers != 1 else ''} added")
+    title = f"sent to the backend: {kept} of the client's {client} messages"
+    if len(whole := f"{title} ({', '.join(counts)})") <= WIDTH - 4:
+        return [_rule(whole)]
+    return [_rule(title), f"  ({', '.join(counts)})"]
 
 
 def _sent(old: Sequence[Message], new: Sequence[Message], dropped: set[int]) -> Iterator[str]:

@@ -317,6 +317,8 @@ class Overflow:
     the budget: no compaction helps, only a bigger window."""
     least_window: int | None = None
     """The least window that holds the head with room for an answer and the headroom."""
+    strict: bool = False
+    """Refused by policy strict: compacting it (policy compact) would have sent it."""
 
     @property
     def fixed_part(self) -> str:

@@ -1,6 +1,6 @@
 """Screenshots of mitmweb's `contextpaw` views, taken with headless Chromium, to look at once.
 
-    PYTHONPATH=tests .venv/bin/python scripts/demo/screenshot_mitmweb.py [--out docs/img] [--chromium chromium] [--width 1400]
+    PYTHONPATH=tests .venv/bin/python scripts/demo/screenshot_mitmweb.py [--out docs/img] [--chromium chromium] [--width 1280] [--height 1100]
 
 It starts the fake Ollama (a 2048-token window) and `contextpaw --web` in front of it, and sends a
 chat that overflows the window (a long tool result, so one message is shrunk and others dropped),
@@ -8,17 +8,23 @@ the same chat streamed, a chat whose system prompt alone is over the window (ref
 `/contextpaw/health`. Then it drives headless Chromium over the DevTools protocol: it opens each
 flow by its mitmweb URL (`#/flows/<id>/request` or `/response`), waits for the content view, saves
 a screenshot, and measures the view's `<pre>`: how wide its text is against how wide it is shown,
-so "no horizontal scrolling" is a number, not only a look. It saves into `--out`:
+so "no horizontal scrolling" is a number, not only a look. Then it reads the flow list as a person
+sees it, with the detail pane closed and open: for each chat, the characters laid out inside its path
+and comment cells and inside the list (the DOM's text has what the ellipsis hides too), and checks
+that the route (`ollama.chat`), the cut's numbers (`9,759→860`, from the answer's X-ContextPaw
+headers) and a refusal's fix are among them. It saves into `--out`:
 
     mitmweb-request.png    the compacted request: summary, holes, markers, the shrunk message
     mitmweb-response.png   its answer beside the report
     mitmweb-streamed.png   the streamed flow's answer and report
     mitmweb-refused.png    the refusal's sentence
+    mitmweb-flows.png      the flow list alone: marks and comments
 
-(each beside the flow list, with its marks and comments).
+(the first four beside the flow list, with its marks and comments).
 
 Chromium comes from Debian's `chromium` package (`apt-get install chromium`). Exits non-zero if a
-view is not ContextPaw's, or its text is wider than the pane.
+view is not ContextPaw's, or its text is wider than the pane, or the flow list hides a chat's route,
+its cut or a refusal's fix (a line NOT SHOWN says which).
 """
 
 from __future__ import annotations
@@ -47,6 +53,36 @@ from support.backends import free_port, start_module, start_process  # noqa: E40
 
 N_CTX = 2048
 PRE = "document.querySelector('.contentview pre')"
+ROUTE = "ollama.chat"
+FLOW_LIST = """(() => {
+  // Each row of mitmweb's flow list: the whole text of its path and comment cells, and the part a
+  // person sees: the characters laid out inside the cell and inside the list's visible width, less
+  // the room of the ellipsis where the text is cut (innerText has the cut part too).
+  const table = document.querySelector('.flow-table');
+  const edge = table.getBoundingClientRect().left + table.clientWidth;
+  const seen = (td) => {
+    if (!td) return '';
+    const box = td.getBoundingClientRect();
+    const right = Math.min(box.right - (parseFloat(getComputedStyle(td).paddingRight) || 0), edge);
+    const cut = td.scrollWidth > td.clientWidth || box.right > edge ? 12 : 0;  // the ellipsis, at the end of the cell's own text
+    let out = '';
+    const walk = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
+    const range = document.createRange();
+    for (let node; (node = walk.nextNode());) {
+      const end = right - (node.parentNode === td ? cut : 0);  // a mark floats beside it, whole
+      for (let i = 0; i < node.length; i++) {
+        range.setStart(node, i); range.setEnd(node, i + 1);
+        const r = range.getBoundingClientRect();
+        if (r.width > 0 && r.left >= box.left && r.right <= end + 0.5) out += node.data[i];
+      }
+    }
+    return out;
+  };
+  return [...document.querySelectorAll('.flow-table tbody tr')].filter(tr => tr.querySelector('td.col-path')).map(tr => ({
+    path: tr.querySelector('td.col-path').textContent, comment: tr.querySelector('td.col-comment')?.textContent || '',
+    seen: seen(tr.querySelector('td.col-path')) + ' | ' + seen(tr.querySelector('td.col-comment')),
+  }));
+})()"""
 
 
 def chat(stream: bool) -> dict:
@@ -139,12 +175,54 @@ async def take(chromium_url: str, web: str, token: str, pages: dict[str, str], o
     return fine
 
 
+def must_see(flow: dict) -> list[str]:
+    """What a person must see of a flow in the list: the route and the cut's numbers (from the
+    answer's X-ContextPaw headers), or a refusal's fix (from its comment)."""
+    headers = {k.lower(): v for k, v in flow["response"]["headers"]}
+    if "fix: " in flow.get("comment", ""):
+        fix = flow["comment"].split("fix: ", 1)[1].split(" (")[0]
+        return [f"{ROUTE} refused", f"fix: {fix}"]
+    before, after = headers.get("x-contextpaw-original-tokens"), headers.get("x-contextpaw-final-tokens")
+    return [ROUTE, f"{int(before):,}→{int(after):,}"] if before and after else [ROUTE]
+
+
+async def flow_list(chromium_url: str, web: str, token: str, chats: list[dict], out: Path, width: int, height: int) -> bool:
+    """Read the flow list as it is shown, with the detail pane closed and open, and check that each
+    chat flow's route, cut and fix are on screen; prints what each row shows."""
+    with urllib.request.urlopen(f"{chromium_url}/json/list", timeout=10) as answer:
+        target = next(t for t in json.load(answer) if t["type"] == "page")
+    fine = True
+    async with aiohttp.ClientSession() as session, session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as socket:
+        browser = Browser(socket)
+        await browser.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+        for pane, fragment in (("closed", "#/flows"), ("open", f"#/flows/{chats[0]['id']}/request")):
+            ready = "document.querySelectorAll('.flow-table td.col-comment').length > 0"
+            if pane == "open":
+                ready += f" && !!{PRE}"
+            await browser.call("Page.navigate", url="about:blank")  # a fresh load: a new fragment alone is not followed
+            await browser.open(f"{web}/?token={token}{fragment}", ready)
+            rows = await browser.evaluate(FLOW_LIST)
+            if pane == "closed":
+                await browser.screenshot(out / "mitmweb-flows.png")
+            print(f"flow list, detail pane {pane} ({width}x{height}):")
+            for flow in chats:
+                row = next((r for r in rows if r["comment"] == flow.get("comment")), None)
+                if row is None:
+                    print(f"  MISSING: no row with the comment {flow.get('comment')!r}")
+                    fine = False
+                    continue
+                missing = [text for text in must_see(flow) if text not in row["seen"]]
+                fine &= not missing
+                print(f"  shown: {row['seen']!r}" + (f"  NOT SHOWN: {missing}" if missing else "  (route, cut, fix: shown)"))
+    return fine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "img")
     parser.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
-    parser.add_argument("--width", type=int, default=1400)
-    parser.add_argument("--height", type=int, default=1000)
+    parser.add_argument("--width", type=int, default=1280)
+    parser.add_argument("--height", type=int, default=1100)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
@@ -174,6 +252,11 @@ def main() -> None:
             "mitmweb-refused.png": f"#/flows/{chats[2]['id']}/response",
         }
         fine = asyncio.run(take(chromium, web, token, pages, args.out, args.width, args.height))
+        chats = [f for f in flows(web, token) if f["request"]["path"] == "/api/chat"]  # with their comments
+        listed = asyncio.run(flow_list(chromium, web, token, chats, args.out, args.width, args.height))
+        if not listed:
+            print("FAILED: the flow list hides a chat's route, its cut or a refusal's fix (NOT SHOWN above)")
+        fine &= listed
         for flow in flows(web, token):
             print(
                 f"  {flow['marked'] or ' '} {flow['request']['path']:<22} {flow['response']['status_code']}  {flow.get('comment', '')[:90]}"

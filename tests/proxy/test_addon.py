@@ -32,7 +32,7 @@ from contextpaw.proxy.backends import BACKEND_HEADER, Backends
 from contextpaw.proxy.compactor import Compactor
 from contextpaw.proxy.compose import make_addons
 from contextpaw.proxy.endpoints import AdminEndpoints
-from contextpaw.proxy.replies import REFUSED_MARK
+from contextpaw.proxy.replies import COMPACTED_MARK, REFUSED_MARK
 from contextpaw.proxy.upstream import Upstream
 from contextpaw.proxy.views import ORIGINAL
 from contextpaw.relay.exchange import FLOW_HEADER
@@ -173,7 +173,7 @@ async def test_overflowing_chat_is_compacted_and_reported_everywhere(compactor: 
     assert len(sent["messages"]) < len(body["messages"])
     assert sent["options"] == body["options"]
     assert json.loads(flow.metadata[ORIGINAL]) == body
-    assert flow.marked and flow.comment.startswith("compacted ")
+    assert flow.marked == COMPACTED_MARK
 
     response = await compactor.answer(flow, ok_json({"message": {"role": "assistant", "content": "ok"}, "done": True}))
     assert response.headers["X-ContextPaw-Compacted"] == "true"
@@ -224,7 +224,7 @@ async def test_policy_off_changes_nothing_on_the_wire(compactor: Alone[Compactor
     answer = {"done": True, "prompt_eval_count": 100_000}  # more than the window: evaluated whole
     response = await compactor.answer(flow, ok_json(answer))
     assert json.loads(response.content) == answer and "X-ContextPaw-Compacted" not in response.headers
-    assert "would have compacted" in flow.comment
+    assert flow.comment.startswith("ollama.chat: policy off, unchanged; would cut ")
 
 
 async def test_strict_refuses_with_ollamas_error_shape(compactor: Alone[Compactor]) -> None:
@@ -278,7 +278,40 @@ async def test_a_refused_flow_is_marked_and_commented(compactor: Alone[Compactor
     flow = to_ollama("/api/chat", long_chat())
     await compactor.send(flow)
     assert flow.response.status_code == 400
-    assert flow.marked == REFUSED_MARK and flow.comment.startswith("refused 400: ")
+    assert flow.marked == REFUSED_MARK and flow.comment.startswith("ollama.chat refused; fix: ")
+
+
+async def test_a_compacted_flows_comment_leads_with_the_route_and_the_cut(compactor: Alone[Compactor]) -> None:
+    flow = to_ollama("/api/chat", long_chat())
+    await compactor.send(flow)
+    report = compactor.addon.states[flow].report
+    dropped = sum(1 for r in report.removals if r.action == "dropped")
+    lead = f"ollama.chat: {report.original_tokens:,}→{report.final_tokens:,} tok, {dropped} dropped"
+    assert dropped and flow.comment.startswith(lead) and len(lead) <= 60  # what mitmweb's narrow column shows first
+
+
+async def test_a_strict_refusals_comment_says_the_fix(compactor: Alone[Compactor]) -> None:
+    compactor.configure(contextpaw_policy="strict")
+    flow = to_ollama("/api/chat", long_chat())
+    await compactor.send(flow)
+    report = compactor.addon.states[flow].report
+    room = report.window - report.budget
+    least = report.required_tokens + room  # the window that admits it whole
+    assert flow.comment == (
+        f"ollama.chat refused; fix: policy compact, or window ≥ {least:,} (contextpaw_policy=compact; "
+        f"OLLAMA_CONTEXT_LENGTH={least} or num_ctx); {report.required_tokens:,} tok > {report.budget:,} budget"
+    )
+
+
+async def test_a_head_over_the_window_is_refused_with_the_least_window_as_the_fix(compactor: Alone[Compactor]) -> None:
+    body = {"model": "m", "messages": [{"role": "system", "content": "rule " * 4000}, {"role": "user", "content": "hi"}]}
+    flow = to_ollama("/api/chat", body)
+    await compactor.send(flow)
+    overflow = compactor.addon.states[flow].overflow
+    assert overflow is not None and overflow.least_window is not None
+    fix = f"ollama.chat refused; fix: window ≥ {overflow.least_window:,} (OLLAMA_CONTEXT_LENGTH={overflow.least_window} or num_ctx)"
+    assert flow.marked == REFUSED_MARK and flow.comment.startswith(fix)
+    assert flow.comment.endswith(f"; {overflow.required:,} tok > {overflow.budget:,} budget")
 
 
 async def test_an_upstream_cut_goes_into_the_flows_comment(compactor: Alone[Compactor]) -> None:
@@ -291,7 +324,7 @@ async def test_an_upstream_cut_goes_into_the_flows_comment(compactor: Alone[Comp
     )  # Ollama's cut of a 2048 window
     await compactor.answer(flow, answer)
     assert flow.marked == ":warning:"
-    assert flow.comment.startswith("compacted ")  # the compaction's line stays, the cut's follows
+    assert flow.comment.startswith("ollama.chat: ")  # the compaction's line stays, the cut's follows
     assert f"the server cut the prompt: 1024 of {sent} tokens evaluated" in flow.comment
 
 
@@ -454,7 +487,9 @@ async def test_a_body_over_the_limit_is_marked_and_commented(backends: Alone[Bac
     flow = post("/api/chat", None, raw=b'{"messages": [], "x": "' + b"a" * (2 << 20) + b'"}')
     await backends.send(flow)
     assert flow.response.status_code == 413
-    assert flow.marked == REFUSED_MARK and "over the limit" in flow.comment
+    assert flow.marked == REFUSED_MARK
+    size = len(flow.request.raw_content)
+    assert flow.comment == f"ollama.chat refused; fix: raise contextpaw_max_body_mb; body {size:,} B > 1,048,576 B limit"
 
 
 # -- endpoints (the admin endpoints alone) ----------------------------------------------------------

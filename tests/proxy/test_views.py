@@ -133,6 +133,22 @@ async def test_the_dropped_messages_are_listed_from_the_clients_request(proxy: P
         assert line.split()[1] == chat["messages"][i]["role"]
 
 
+async def test_the_sent_messages_are_counted_against_the_clients(proxy: Proxy) -> None:
+    chat = with_tool_result()
+    flow = post("/api/chat", chat)
+    await proxy.send(flow)
+    removals = flow.metadata[REPORT]["removals"]
+    dropped = sum(1 for r in removals if r["action"] == "dropped")
+    shrunk = sum(1 for r in removals if r["action"] == "shrunk")
+    client = len(chat["messages"])
+    lines = view(flow.request, flow).text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("── sent to the backend"))
+    title = flat("\n".join(lines[at : at + 2]).replace("─", ""))
+    counts = f"({dropped} dropped" + (f", {shrunk} shrunk" if shrunk else "")
+    assert dropped and title.startswith(f"sent to the backend: {client - dropped} of the client's {client} messages {counts}")
+    assert len(lines[at]) <= WIDTH
+
+
 async def test_a_refused_request_is_shown_as_not_sent(proxy: Proxy) -> None:
     proxy.tctx.configure(proxy.compactor, contextpaw_policy="strict")
     flow = post("/api/chat", long_chat())
