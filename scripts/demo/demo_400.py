@@ -28,6 +28,7 @@ import openai
 
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import start_proxy
+from support.demo_runs import Progress, run_demo
 from support.proof import (
     TABLE_HEAD,
     Trial,
@@ -69,12 +70,14 @@ def main(argv: list[str] | None = None) -> int:
             THROUGH: openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=600),
         }
         trials: list[Trial] = []
+        progress = Progress(len(clients) * (args.trials + 1))
         print(TABLE_HEAD)
         for n in range(args.trials):
             secret = make_secret(rng)
             messages = needle_chat(secret, overflow_lines(args.num_ctx, n), rng)
             stream = n % 2 == 1
             for path, client in clients.items():
+                progress.step(f"trial {n + 1}/{args.trials}, {path}{', streamed' if stream else ''}")
                 trial = openai_trial(client, path + (" (stream)" if stream else ""), secret, messages, stream=stream)
                 trials.append(trial)
                 print(trial.row(), flush=True)
@@ -82,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         secret = make_secret(rng)
         prompt = rendered_prompt(upstream, needle_chat(secret, overflow_lines(args.num_ctx, 1), rng))
         for path, base_url in ((DIRECT, upstream), (THROUGH, proxy.url)):
+            progress.step(f"the raw prompt on /completion, {path}")
             trial = completion_trial(base_url, f"{path} /completion", secret, prompt)
             trials.append(trial)
             print(trial.row(), flush=True)
+        progress.end()
 
     direct = [t for t in trials if t.path.startswith(DIRECT)]
     through = [t for t in trials if t.path.startswith(THROUGH)]
@@ -102,4 +107,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    started = "mitmdump" if any(a.startswith("--llama") for a in sys.argv[1:]) else "llama-server and mitmdump"
+    sys.exit(run_demo(main, name="demo_400", servers=started))

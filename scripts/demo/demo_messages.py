@@ -25,6 +25,7 @@ import anthropic
 
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import running, start_proxy
+from support.demo_runs import Progress, run_demo
 from support.fake_ollama import OllamaSettings
 from support.ollama_sim import ollama_sim_app
 from support.proof import (
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         direct = {"llama-server": llama, "Ollama": ollama}
         trials: list[Trial] = []
+        progress = Progress(4 * args.trials)
         print(TABLE_HEAD)
         for n in range(args.trials):
             secret = make_secret(rng)
@@ -72,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             stream = n % 2 == 1
             for backend in ("llama-server", "Ollama"):
                 for way, url in (("direct", direct[backend]), ("ContextPaw", through[backend])):
+                    progress.step(f"trial {n + 1}/{args.trials}, {backend} {way}{', streamed' if stream else ''}")
                     client = anthropic.Anthropic(base_url=url, api_key="local", max_retries=0, timeout=600)
                     trial = anthropic_trial(client, f"{backend} {way}", secret, messages, model=MODEL, stream=stream)
                     trials.append(trial)
                     print(trial.row(), flush=True)
+        progress.end()
 
     paths = [f"{b} {w}" for b in ("llama-server", "Ollama") for w in ("direct", "ContextPaw")]
     for path in paths:
@@ -85,4 +89,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_demo(main, name="demo_messages", servers="both llama-servers, the Ollama simulator and mitmdump"))

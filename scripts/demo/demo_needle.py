@@ -22,6 +22,7 @@ import httpx
 
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import running, start_proxy
+from support.demo_runs import Progress, run_demo
 from support.fake_ollama import OllamaSettings
 from support.ollama_sim import ollama_sim_app
 from support.proof import (
@@ -69,16 +70,17 @@ def main(argv: list[str] | None = None) -> int:
             upstream = stack.enter_context(running(ollama_sim_app(server, settings)))
         proxy = stack.enter_context(start_proxy(upstream, work / "mitm", work / "mitmdump.log", options=[f"contextpaw_ollama={upstream}"]))
         trials: list[Trial] = []
+        progress = Progress(2 * args.trials)
         print(TABLE_HEAD)
         for n in range(args.trials):
             secret = make_secret(rng)
             messages = needle_chat(secret, filler_lines=120 + 50 * n, rng=rng)
-            for trial in (
-                ask(upstream, "direct", secret, messages, args.num_ctx),
-                ask(proxy.url, "ContextPaw", secret, messages, args.num_ctx),
-            ):
+            for path, url in (("direct", upstream), ("ContextPaw", proxy.url)):
+                progress.step(f"trial {n + 1}/{args.trials}, {path}")
+                trial = ask(url, path, secret, messages, args.num_ctx)
                 trials.append(trial)
                 print(trial.row(), flush=True)
+        progress.end()
 
     for path in ("direct", "ContextPaw"):
         print(recall_line(path, (t for t in trials if t.path == path)))
@@ -86,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_demo(main, name="demo_needle", servers="llama-server, the Ollama simulator and mitmdump"))

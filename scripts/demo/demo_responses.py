@@ -40,6 +40,7 @@ import openai
 
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import running, start_proxy
+from support.demo_runs import Progress, run_demo
 from support.fake_ollama import OllamaSettings
 from support.ollama_sim import ollama_sim_app
 from support.proof import (
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 proxy = stack.enter_context(start_proxy(url, work / "mitm", log, options=[f"contextpaw_{kind}={url}"]))
                 urls[(backend, "ContextPaw")] = proxy.url
         trials: list[Trial] = []
+        progress = Progress(args.trials * len(BACKENDS) * len(ways))
         print(TABLE_HEAD)
         for n in range(args.trials):
             secret = make_secret(rng)
@@ -178,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| trial {n + 1}: {'streamed' if stream else 'not streamed'}, secret {secret} | | | | | |", flush=True)
             for backend in BACKENDS:
                 for way in ways:
+                    progress.step(f"trial {n + 1}/{args.trials}, {backend} {way}{', streamed' if stream else ''}")
                     client = openai.OpenAI(base_url=f"{urls[(backend, way)]}/v1", api_key="local", max_retries=0, timeout=900)
                     trial = responses_trial(client, f"{backend} {way}", secret, body, stream=stream)
                     trials.append(trial)
                     print(trial.row(), flush=True)
+        progress.end()
 
     paths = [f"{b} {w}" for b in BACKENDS for w in ways]
     for path in paths:
@@ -191,4 +195,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_demo(main, name="demo_responses", servers="the llama-servers, the Ollama simulator and mitmdump"))

@@ -122,19 +122,23 @@ def start_process(
 ) -> Backend:
     """Start ``argv`` in a new process group, logging to ``log``, and wait until
     ``url + health_path`` answers 200 (asked every ``poll`` seconds); on exit or timeout, stop it and
-    raise with the log's tail. ``env`` replaces the environment (default: this process's)."""
+    raise with the log's tail (and stop it too when interrupted meanwhile). ``env`` replaces the environment (default: this process's)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     backend = Backend(url, process, log)
     deadline = time.monotonic() + timeout
-    while not _answers(url + health_path):
-        if process.poll() is not None or time.monotonic() > deadline:
-            backend.stop()
-            tail = log.read_text(errors="replace")[-3000:]
-            state = f"exited with {process.returncode}" if process.returncode is not None else f"not ready in {timeout:.0f}s"
-            raise RuntimeError(f"{argv[0]} {state}; log {log}:\n{tail}")
-        time.sleep(poll)
+    try:
+        while not _answers(url + health_path):
+            if process.poll() is not None or time.monotonic() > deadline:
+                backend.stop()
+                tail = log.read_text(errors="replace")[-3000:]
+                state = f"exited with {process.returncode}" if process.returncode is not None else f"not ready in {timeout:.0f}s"
+                raise RuntimeError(f"{argv[0]} {state}; log {log}:\n{tail}")
+            time.sleep(poll)
+    except BaseException:  # Ctrl-C or a demo's SIGTERM while it starts: it is no one's to stop yet but ours
+        backend.stop()
+        raise
     return backend
 
 

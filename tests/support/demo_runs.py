@@ -1,0 +1,102 @@
+"""What every demo script does around its trials: a progress line per request on stderr (``[i/N]``,
+the time so far, and after the first an estimate of what is left), and an end that leaves nothing
+running: Ctrl-C, SIGTERM (``kill``) and SIGHUP (the terminal closed) all unwind the demo's
+``ExitStack``, which stops the servers it started (their process groups), and end in one line
+instead of a traceback. The table rows stay on stdout, alone.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TextIO
+
+__all__ = ["Progress", "Stopped", "duration", "run_demo"]
+
+INTERRUPTED_STATUS = 130
+"""The exit status of a demo ended by Ctrl-C (128 + SIGINT); a signal ``s`` ends it with 128 + s."""
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``3 min 5 s``, ``1 h 2 min``: as long a wait is read."""
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s" if secs else f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+
+
+class Progress:
+    """``[i/N] what (2 min 10 s so far, about 9 min left)``, said before each of ``total`` steps
+    starts. What is left is the mean of the finished steps times the steps to go, so there is none
+    before the first has finished. ``clock`` is injectable for tests."""
+
+    def __init__(self, total: int, out: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.done = total, 0
+        self.out = out
+        self.clock = clock
+        self.started = clock()
+
+    def line(self, what: str) -> str:
+        """The line for the next step (it counts as started)."""
+        self.done += 1
+        spent = self.clock() - self.started
+        timing = f"{duration(spent)} so far"
+        if self.done > 1:
+            finished = self.done - 1
+            timing += f", about {duration(spent / finished * (self.total - finished))} left"
+        return f"[{self.done}/{self.total}] {what} ({timing})"
+
+    def step(self, what: str) -> None:
+        print(self.line(what), file=self.out or sys.stderr, flush=True)
+
+    def end(self) -> str:
+        """The last line: how many steps, in how long."""
+        line = f"[{self.done}/{self.total}] done in {duration(self.clock() - self.started)}"
+        print(line, file=self.out or sys.stderr, flush=True)
+        return line
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the demo is, as Ctrl-C raises KeyboardInterrupt, so that the
+    same unwinding stops its servers."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+SAID = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
+"""What ends a demo besides its end, and how its last line says it."""
+ENDING = tuple(SAID)
+
+
+def run_demo(main: Callable[[list[str] | None], int], argv: list[str] | None = None, *, name: str, servers: str) -> int:
+    """``main(argv)``, with Ctrl-C, SIGTERM and SIGHUP unwinding it (its ``ExitStack`` stops the
+    ``servers`` it started). The first such signal is the one obeyed: further ones are ignored until
+    the servers are stopped, so a second Ctrl-C cannot cut the unwinding short and leave one
+    running; one ignored when the demo starts stays ignored. Ends as ``name: interrupted; stopped SERVERS`` on stderr (``terminated`` for SIGTERM,
+    ``hung up`` for SIGHUP), status 128 + the signal."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for each in ENDING:
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+    # a signal ignored at start stays ignored (a shell's background job ignores Ctrl-C, nohup SIGHUP)
+    previous = {each: signal.signal(each, stop) for each in ENDING if signal.getsignal(each) is not signal.SIG_IGN}
+    try:
+        return main(argv)
+    except KeyboardInterrupt as e:  # Stopped included; the ExitStack has stopped the servers on its way here
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        print(f"{name}: {SAID[signum]}; stopped {servers}", file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:
+        for each, handler in previous.items():
+            signal.signal(each, handler)
