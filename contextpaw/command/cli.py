@@ -7,7 +7,9 @@ backend and safe presets; `contextpaw doctor` checks such a set-up and says how 
 Every argument mitmdump (or mitmweb) takes works the same here (`-w flows`, `-r flows`, `-s script`,
 a filter expression, `--set name=value`), since the command line is parsed by mitmproxy's own parser
 with ContextPaw's arguments added to it. ContextPaw's presets are applied before `--set`, so the
-command line always wins over them.
+command line always wins over them. Each of ContextPaw's flags can also come from the environment
+(`CONTEXTPAW_OLLAMA`, `CONTEXTPAW_LLAMACPP_PORT`: the flag's name), and any option from mitmproxy's
+`config.yaml` in the confdir; the command line wins over the environment, which wins over the file.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -69,6 +73,11 @@ mitmproxy or contextpaw_* option and wins over what contextpaw presets (connecti
 tcp_timeout=7200, flow_detail=0, contextpaw_header_timeout=3600, contextpaw_idle_timeout=3600, onboarding=false,
 confdir=~/.contextpaw). --options lists every option.
 
+Each flag of ContextPaw's above can be given in the environment instead, as CONTEXTPAW_ and its name
+(--llamacpp-port 8092: CONTEXTPAW_LLAMACPP_PORT=8092; a switch: 1 or 0), and any option in
+config.yaml in the confdir (contextpaw_llamacpp: [URL] fronts that server as --llamacpp does). The
+command line (flags and --set) wins over the environment, which wins over config.yaml.
+
 Check a running set-up at http://127.0.0.1:PORT/contextpaw/health (backends, whether they answer,
 the counters). With --web, mitmweb listens on http://127.0.0.1:8081 (--web-host, --web-port); open
 the address with ?token=... that it prints at start, it refuses requests without the token.
@@ -85,9 +94,11 @@ OWN_GROUPS = ("contextpaw", "the earlier proxy's flags")
 """The titles of ContextPaw's groups of arguments, which `--help` shows before mitmproxy's."""
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """ContextPaw's own arguments. Those that set an option keep its name as their `dest`, so
-    mitmproxy applies them as it applies its own flags (after `--set`, as mitmdump does)."""
+    mitmproxy applies them as it applies its own flags (after `--set`, as mitmdump does). Each one's
+    default comes from its variable in ``environ`` (default: this process's) where that is set; a
+    value that the flag would refuse stops the parser with the variable's name."""
     own = p.add_argument_group(OWN_GROUPS[0])
     own.add_argument("--ollama", metavar="URL", help="the Ollama server to front, e.g. http://127.0.0.1:11435")
     own.add_argument("--port", type=int, default=11434, help="where clients reach Ollama (default 11434)")
@@ -106,14 +117,71 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         else:
             old.add_argument(flag, dest=option, type=kind, metavar=flag.strip("-").split("-")[-1].upper(),
                              help=f"{text} ({option})")  # fmt: skip
+    environ = os.environ if environ is None else environ
+    for action in own_actions(p):
+        variable = env_name(action)
+        action.help = f"{action.help} [env {variable}]"
+        if variable in environ:
+            try:
+                action.default = env_value(action, variable, environ[variable])
+            except ValueError as e:
+                p.error(str(e))
 
 
-def own_parser() -> argparse.ArgumentParser:
+def own_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """ContextPaw's arguments alone, to read them before mitmproxy starts (its parser needs a master)."""
     p = argparse.ArgumentParser(prog="contextpaw", add_help=False)
-    add_arguments(p)
+    add_arguments(p, environ)
     p.add_argument("--version", action="store_true")
     return p
+
+
+ENV_PREFIX = "CONTEXTPAW_"
+SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def own_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """ContextPaw's own arguments in a parser (those `add_arguments` added)."""
+    return [a for g in p._action_groups if g.title in OWN_GROUPS for a in g._group_actions]
+
+
+def env_name(action: argparse.Action) -> str:
+    """The environment variable of one of ContextPaw's flags: CONTEXTPAW_ and the flag's long name
+    (`--llamacpp-port`: `CONTEXTPAW_LLAMACPP_PORT`)."""
+    flag = max(action.option_strings, key=len)
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def env_value(action: argparse.Action, variable: str, text: str) -> Any:
+    """The value `text`, from the environment variable `variable`, means for `action`, checked as the
+    flag's own value would be; a ValueError names the variable and says what is wrong."""
+    if action.nargs == 0:  # a switch
+        if text.strip().lower() not in SWITCH_VALUES:
+            raise ValueError(f"environment variable {variable}: {text!r} is not a switch; write 1 or 0")
+        return SWITCH_VALUES[text.strip().lower()]
+    try:
+        value = action.type(text) if callable(action.type) else text
+    except (TypeError, ValueError):
+        kind = getattr(action.type, "__name__", "")
+        raise ValueError(f"environment variable {variable}: invalid {kind} value: {text!r}") from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise ValueError(f"environment variable {variable}: invalid choice: {text!r} (choose from {choices})")
+    return value
+
+
+UNSET = object()
+
+
+def from_environment(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Which of ContextPaw's arguments in `argv` take their value from the environment: dest ->
+    variable, for each variable that is set and whose flag `argv` does not give."""
+    environ = os.environ if environ is None else environ
+    p = own_parser({})
+    named = {a.dest: env_name(a) for a in own_actions(p) if env_name(a) in environ}
+    p.set_defaults(**dict.fromkeys(named, UNSET))
+    given, _ = p.parse_known_args(argv)
+    return {dest: variable for dest, variable in named.items() if getattr(given, dest) is UNSET}
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,15 +213,17 @@ def backend_url(flag: str, text: str) -> tuple[str, str | None]:
     return wire.Backend.parse(wire.Kind.OLLAMA, text).url, note
 
 
-def fronted(ns: argparse.Namespace) -> tuple[list[Fronted], list[str]]:
-    """The backends on the command line, and the notes to print at start (ValueError: a bad URL)."""
+def fronted(ns: argparse.Namespace, sources: Mapping[str, str] | None = None) -> tuple[list[Fronted], list[str]]:
+    """The backends on the command line (or in the environment: `sources` maps a dest to the
+    variable it came from), and the notes to print at start (ValueError: a bad URL, named by the
+    flag or the variable that gave it)."""
     backends, notes = [], []
     for kind, flag, text, port in (
         (wire.Kind.OLLAMA, "--ollama", ns.ollama, ns.port),
         (wire.Kind.LLAMACPP, "--llamacpp", ns.llamacpp, ns.llamacpp_port),
     ):
         if text:
-            url, note = backend_url(flag, text)
+            url, note = backend_url((sources or {}).get(flag.lstrip("-"), flag), text)
             backends.append(Fronted(kind, url, (ns.host, port)))
             notes += [note] if note else []
     return backends, notes
@@ -186,9 +256,68 @@ def mitmproxy_args(backends: Sequence[Fronted]) -> list[str]:
     names its kind (both lists, so a `--mode` or `--set contextpaw_ollama=` of the user's adds to them)."""
     args: list[str] = []
     for b in backends:
-        host, port = b.listen
-        args += ["--mode", f"reverse:{b.url}@{host}:{port}", "--set", f"contextpaw_{b.kind}={b.url}"]
+        args += ["--mode", reverse_spec(b.url, *b.listen), "--set", f"contextpaw_{b.kind}={b.url}"]
     return args
+
+
+def reverse_spec(url: str, host: str, port: int) -> str:
+    """The reverse mode that fronts `url` on `host:port`."""
+    return f"reverse:{url}@{host}:{port}"
+
+
+def file_options(confdir: str) -> set[str]:
+    """The options that `config.yaml` (or `config.yml`) in `confdir` sets."""
+    from mitmproxy import optmanager
+
+    names: set[str] = set()
+    for name in ("config.yaml", "config.yml"):
+        path = Path(confdir, name).expanduser()
+        if path.is_file():
+            names |= set(optmanager.parse(path.read_text(encoding="utf8")))
+    return names
+
+
+def command_line_wins(opts: Any, args: argparse.Namespace, touched: Collection[str], from_env: Collection[str]) -> None:
+    """Put the command line back over config.yaml and the environment for the options in `touched`
+    (those the file sets, and those whose flag took its value from the environment, `from_env`).
+    mitmproxy reads config.yaml after `--set`, so the file won over it; and a value from the
+    environment comes in as its flag's default, so it won over `--set`. `--set` is applied again for
+    those options, then the flags given on the command line, as mitmproxy applied them."""
+    said = [s for s in args.setoptions or [] if s.partition("=")[0] in touched]
+    opts.set(*said, defer=True)
+    flags = {k: v for k, v in vars(args).items() if k in touched and k not in from_env and k in opts and v is not None}
+    opts.update(**flags)
+
+
+def fronted_from_options(opts: Any, ns: argparse.Namespace, backends: Sequence[Fronted]) -> dict[str, Any]:
+    """The options that front a backend named only by the options (config.yaml, `--set`) as
+    `--ollama`/`--llamacpp` would: a reverse mode at `--host` and the kind's port, for a kind that
+    neither the command line nor the environment gives a backend of, when no `--mode` (or `mode` in
+    config.yaml) chooses the listeners. OptionsError: more than one such backend of a kind, or a bad URL."""
+    from mitmproxy import exceptions
+
+    flag_modes = [reverse_spec(b.url, *b.listen) for b in backends]
+    if not opts.server or (opts.has_changed("mode") and opts.mode != flag_modes):
+        return {}
+    modes, chosen = list(flag_modes), {}
+    for kind, port in ((wire.Kind.OLLAMA, ns.port), (wire.Kind.LLAMACPP, ns.llamacpp_port)):
+        option, urls = f"contextpaw_{kind}", getattr(opts, f"contextpaw_{kind}")
+        if not urls or any(b.kind == kind for b in backends):
+            continue
+        if len(urls) > 1:
+            raise exceptions.OptionsError(
+                f"{option} names {len(urls)} backends and contextpaw fronts one of each kind: name one, "
+                f"or give each a --mode reverse:URL@PORT of its own"
+            )
+        try:
+            url, note = backend_url(option, urls[0])
+        except ValueError as e:
+            raise exceptions.OptionsError(str(e)) from None
+        if note:
+            logger.warning(note)
+        modes.append(reverse_spec(url, ns.host, port))
+        chosen[option] = [url]
+    return {**chosen, "mode": modes} if chosen else {}
 
 
 def presets(ns: argparse.Namespace) -> dict[str, Any]:
@@ -335,11 +464,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(mcp.main(argv[1:]))
     ns, _ = own_parser().parse_known_args(argv)
+    sources = from_environment(argv)
     if ns.version:  # mitmproxy's own --version would name only mitmproxy
         print(version_text())
         sys.exit(0)
     try:
-        backends, notes = fronted(ns)
+        backends, notes = fronted(ns, sources)
     except ValueError as e:
         own_parser().error(str(e))
     if problems := check_tls(backends):
@@ -371,10 +501,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             opts.update(**presets(ns))
             masters.append(self)
 
-    def extra(args: argparse.Namespace) -> dict[str, str]:
+    def extra(args: argparse.Namespace) -> dict[str, Any]:
         opts = masters[0].options
+        read_from = next(iter(_set_values(args.setoptions or [], "confdir")[-1:]), presets(ns)["confdir"])
+        command_line_wins(opts, args, file_options(read_from) | set(sources), set(sources))
         if said := unknown_options(opts.deferred, opts.keys()):  # the compactor says it on a later configure, if any
             raise exceptions.OptionsError(said)
+        served = fronted_from_options(opts, ns, backends)
+        opts.update(**served)
         if not has_work(args, opts):
             raise exceptions.OptionsError("give --ollama URL, --llamacpp URL, or both (or mitmproxy's own --mode)")
         # -q keeps warnings and errors (mitmproxy's own -q keeps errors alone)
@@ -422,7 +556,7 @@ def run_doctor(argv: Sequence[str]) -> int:
     p = doctor_parser()
     ns = p.parse_args(argv)  # an unknown flag is an error (exit 2), not silently ignored
     try:
-        backends, notes = fronted(ns)
+        backends, notes = fronted(ns, from_environment(argv))
         specs = [*(f"reverse:{b.url}@{b.listen[0]}:{b.listen[1]}" for b in backends), *ns.mode]
         modes = [(spec, mode_specs.ProxyMode.parse(spec)) for spec in specs or ["regular"]]
     except ValueError as e:

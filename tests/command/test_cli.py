@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +31,7 @@ def start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Callable[
     monkeypatch.setattr(master.Master, "run", serve)
 
     def run(*argv: str) -> Any:
-        own_confdir = any(a.startswith("confdir=") for a in argv)
+        own_confdir = any(a.startswith("confdir=") for a in argv) or "CONTEXTPAW_CONFDIR" in os.environ
         cli.main([*([] if own_confdir else ["--confdir", str(tmp_path)]), *argv])
         return started[-1].options
 
@@ -294,3 +295,142 @@ def test_a_reverse_mode_that_speaks_tls_to_a_plain_http_backend_is_refused(
     with pytest.raises(SystemExit):
         start("--mode", "reverse:127.0.0.1:11435@127.0.0.1:0", "--set", f"contextpaw_ollama={URL}")
     assert f"write --mode reverse:{URL}" in capsys.readouterr().err
+
+
+@pytest.fixture(autouse=True)
+def no_contextpaw_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests' own environment names none of the command's variables."""
+    for name in [n for n in os.environ if n.startswith("CONTEXTPAW_")]:
+        monkeypatch.delenv(name)
+
+
+def test_each_contextpaw_flag_has_a_variable_named_after_it_shown_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    variables = {cli.env_name(a) for a in cli.own_actions(cli.own_parser())}
+    assert {"CONTEXTPAW_OLLAMA", "CONTEXTPAW_LLAMACPP", "CONTEXTPAW_PORT", "CONTEXTPAW_LLAMACPP_PORT",
+            "CONTEXTPAW_HOST", "CONTEXTPAW_POLICY", "CONTEXTPAW_CONFDIR", "CONTEXTPAW_WEB",
+            "CONTEXTPAW_KEEP_RECENT", "CONTEXTPAW_MIN_HOLD"} <= variables  # fmt: skip
+    assert len(variables) == len(cli.own_actions(cli.own_parser()))
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for variable in variables:
+        assert f"[env {variable}]" in shown
+
+
+def test_the_environment_names_a_backend_and_where_it_listens(start: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONTEXTPAW_LLAMACPP", "127.0.0.1:8091")
+    monkeypatch.setenv("CONTEXTPAW_LLAMACPP_PORT", "9001")
+    monkeypatch.setenv("CONTEXTPAW_HOST", "127.0.0.2")
+    monkeypatch.setenv("CONTEXTPAW_SUMMARIZE", "yes")
+    opts = start()
+    assert opts.mode == ["reverse:http://127.0.0.1:8091@127.0.0.2:9001"]
+    assert opts.contextpaw_llamacpp == ["http://127.0.0.1:8091"] and opts.contextpaw_summarize is True
+
+
+@pytest.mark.parametrize(
+    "in_file, in_env, argv, expected",
+    [
+        (True, False, [], 5),
+        (True, True, [], 6),
+        (True, True, ["--set", "contextpaw_keep_recent=7"], 7),
+        (True, True, ["--set", "contextpaw_keep_recent=7", "--keep-recent", "8"], 8),
+        (False, True, ["--set", "contextpaw_keep_recent=7"], 7),
+        (True, False, ["--set", "contextpaw_keep_recent=7"], 7),
+        (False, False, [], 4),
+    ],
+    ids=["file", "env over file", "set over env", "flag over set", "set over env alone", "set over file", "default"],
+)
+def test_the_command_line_wins_over_the_environment_which_wins_over_config_yaml(
+    start: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    in_file: bool, in_env: bool, argv: list[str], expected: int,
+) -> None:  # fmt: skip
+    if in_file:
+        (tmp_path / "config.yaml").write_text("contextpaw_keep_recent: 5\n")
+    if in_env:
+        monkeypatch.setenv("CONTEXTPAW_KEEP_RECENT", "6")
+    assert start("--ollama", URL, *argv).contextpaw_keep_recent == expected
+
+
+def test_a_set_wins_over_config_yaml_for_any_option(start: Callable[..., Any], tmp_path: Path) -> None:
+    """mitmproxy itself reads config.yaml after --set, so the file would win."""
+    (tmp_path / "config.yaml").write_text("contextpaw_margin: 80\ncontextpaw_policy: strict\n")
+    opts = start("--ollama", URL, "--set", "contextpaw_margin=90")
+    assert (opts.contextpaw_margin, opts.contextpaw_policy) == (90, "strict")
+
+
+def test_the_confdir_from_the_environment_is_where_config_yaml_is_read(
+    start: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.yaml").write_text("contextpaw_policy: strict\n")
+    monkeypatch.setenv("CONTEXTPAW_CONFDIR", str(elsewhere))
+    opts = start("--ollama", URL)
+    assert (opts.confdir, opts.contextpaw_policy) == (str(elsewhere), "strict")
+
+
+@pytest.mark.parametrize(
+    "variable, value, said",
+    [
+        ("CONTEXTPAW_LLAMACPP_PORT", "80x", "environment variable CONTEXTPAW_LLAMACPP_PORT: invalid int value: '80x'"),
+        ("CONTEXTPAW_POLICY", "strcit", "environment variable CONTEXTPAW_POLICY: invalid choice: 'strcit'"),
+        ("CONTEXTPAW_WEB", "maybe", "environment variable CONTEXTPAW_WEB: 'maybe' is not a switch; write 1 or 0"),
+        ("CONTEXTPAW_OLLAMA", "ftp://h:1", "CONTEXTPAW_OLLAMA 'ftp://h:1' is not a backend URL"),
+        ("CONTEXTPAW_LLAMACPP", "http://h:1/api", "CONTEXTPAW_LLAMACPP 'http://h:1/api': a backend is a server"),
+    ],
+)
+def test_a_bad_value_in_the_environment_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], variable: str, value: str, said: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exited:
+        cli.main([] if variable.endswith(("OLLAMA", "LLAMACPP")) else ["--ollama", URL])
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_flag_wins_over_its_variable(start: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONTEXTPAW_OLLAMA", "http://127.0.0.1:1")
+    monkeypatch.setenv("CONTEXTPAW_POLICY", "off")
+    opts = start("--ollama", URL, "--policy", "strict")
+    assert (opts.contextpaw_ollama, opts.contextpaw_policy) == ([URL], "strict")
+    assert opts.mode == ["reverse:http://127.0.0.1:11435@127.0.0.1:11434"]
+
+
+def test_a_backend_in_config_yaml_is_fronted_as_its_flag_would(start: Callable[..., Any], tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("contextpaw_llamacpp: [127.0.0.1:8091]\ncontextpaw_policy: strict\n")
+    opts = start("--llamacpp-port", "9002")
+    assert opts.mode == ["reverse:http://127.0.0.1:8091@127.0.0.1:9002"]
+    assert (opts.contextpaw_llamacpp, opts.contextpaw_policy) == (["http://127.0.0.1:8091"], "strict")
+
+
+def test_a_backend_in_config_yaml_adds_to_the_other_kinds_flag(start: Callable[..., Any], tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("contextpaw_llamacpp: [http://127.0.0.1:8091]\n")
+    opts = start("--ollama", URL)
+    assert opts.mode == ["reverse:http://127.0.0.1:11435@127.0.0.1:11434", "reverse:http://127.0.0.1:8091@127.0.0.1:8092"]
+
+
+@pytest.mark.parametrize("given", [["--ollama", URL], []], ids=["flag", "environment"])
+def test_the_flag_or_the_environment_wins_over_a_backend_in_config_yaml(
+    start: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: list[str]
+) -> None:
+    (tmp_path / "config.yaml").write_text("contextpaw_ollama: [http://127.0.0.1:1]\n")
+    if not given:
+        monkeypatch.setenv("CONTEXTPAW_OLLAMA", URL)
+    opts = start(*given)
+    assert (opts.mode, opts.contextpaw_ollama) == (["reverse:http://127.0.0.1:11435@127.0.0.1:11434"], [URL])
+
+
+def test_a_mode_of_the_users_keeps_config_yamls_backend_a_kind_only(start: Callable[..., Any], tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("contextpaw_ollama: [http://127.0.0.1:1]\n")
+    opts = start("--mode", "regular@127.0.0.1:8080")
+    assert (opts.mode, opts.contextpaw_ollama) == (["regular@127.0.0.1:8080"], ["http://127.0.0.1:1"])
+
+
+def test_two_backends_of_a_kind_in_config_yaml_need_modes_of_their_own(
+    start: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.yaml").write_text("contextpaw_ollama: [http://127.0.0.1:1, http://127.0.0.1:2]\n")
+    with pytest.raises(SystemExit):
+        start()
+    assert "contextpaw_ollama names 2 backends" in capsys.readouterr().err
