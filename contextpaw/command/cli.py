@@ -405,7 +405,8 @@ def startup_line(options: Any) -> str:
             b = wire.Backend.parse(kind, url)
             kinds[endpoint(b.host, b.port)] = kind
     served = []
-    for spec in options.mode:
+    listening = "server" not in options or options.server  # -n (e.g. with -r FILE): nothing listens
+    for spec in options.mode if listening else ():
         mode = mode_specs.ProxyMode.parse(spec)
         host = mode.listen_host(options.listen_host) or "0.0.0.0"
         where = f"http://{host}:{mode.listen_port(options.listen_port)}"
@@ -414,11 +415,11 @@ def startup_line(options: Any) -> str:
             served.append(f"{named} {_target(mode)} at {where}")
         else:
             served.append(f"{mode.type_name} proxy at {where}")
-    line = f"contextpaw {package_version()}, policy {options.contextpaw_policy}: {'; '.join(served)}"
+    line = f"contextpaw {package_version()}, policy {options.contextpaw_policy}: {'; '.join(served) or 'no proxy server (-n)'}"
     if "web_port" in options:
         line += (f"; mitmweb at http://{options.web_host}:{options.web_port}/ (open it with the ?token= "
                  "address mitmweb prints)")  # fmt: skip
-    return line + "; /contextpaw/health on each"
+    return line + ("; /contextpaw/health on each" if served else "")
 
 
 def _target(mode: Any) -> str:
@@ -603,4 +604,8 @@ def named_first_kind(named: Sequence[tuple[wire.Kind | None, str]]) -> list[tupl
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # in one line, as the console script (entry.py) says it
+        print("contextpaw: interrupted", file=sys.stderr)
+        sys.exit(130)

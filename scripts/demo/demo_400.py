@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             THROUGH: openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=600),
         }
         trials: list[Trial] = []
-        progress = Progress(len(clients) * (args.trials + 1))
+        progress = Progress([DIRECT, THROUGH] * (args.trials + 1))
         print(TABLE_HEAD)
         for n in range(args.trials):
             secret = make_secret(rng)

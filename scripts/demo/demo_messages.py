@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         direct = {"llama-server": llama, "Ollama": ollama}
         trials: list[Trial] = []
-        progress = Progress(4 * args.trials)
+        progress = Progress([f"{b} {w}" for b in ("llama-server", "Ollama") for w in ("direct", "ContextPaw")] * args.trials)
         print(TABLE_HEAD)
         for n in range(args.trials):
             secret = make_secret(rng)

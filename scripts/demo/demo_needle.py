@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             upstream = stack.enter_context(running(ollama_sim_app(server, settings)))
         proxy = stack.enter_context(start_proxy(upstream, work / "mitm", work / "mitmdump.log", options=[f"contextpaw_ollama={upstream}"]))
         trials: list[Trial] = []
-        progress = Progress(2 * args.trials)
+        progress = Progress(["direct", "ContextPaw"] * args.trials)
         print(TABLE_HEAD)
         for n in range(args.trials):
             secret = make_secret(rng)

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 proxy = stack.enter_context(start_proxy(url, work / "mitm", log, options=[f"contextpaw_{kind}={url}"]))
                 urls[(backend, "ContextPaw")] = proxy.url
         trials: list[Trial] = []
-        progress = Progress(args.trials * len(BACKENDS) * len(ways))
+        progress = Progress([f"{b} {w}" for b in BACKENDS for w in ways] * args.trials)
         print(TABLE_HEAD)
         for n in range(args.trials):
             secret = make_secret(rng)

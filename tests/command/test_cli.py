@@ -288,6 +288,17 @@ def test_the_startup_line_names_version_policy_backends_and_mitmweb() -> None:
     assert "mitmweb at http://127.0.0.1:8081/" in line
 
 
+def test_the_startup_line_without_a_server_names_no_listener() -> None:
+    """`contextpaw -n -r flows.mitm`: mitmproxy's default mode is still in the options, but nothing listens."""
+    opts = argparse.Namespace(
+        contextpaw_ollama=[], contextpaw_llamacpp=[], contextpaw_policy="compact", listen_host="", listen_port=8080,
+        mode=["regular"], server=False,
+    )  # fmt: skip
+    line = cli.startup_line(opts)
+    assert line.endswith("policy compact: no proxy server (-n)")
+    assert "0.0.0.0" not in line and "health" not in line
+
+
 def test_a_reverse_mode_that_speaks_tls_to_a_plain_http_backend_is_refused(
     start: Callable[..., Any], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -58,6 +58,25 @@ def test_each_step_says_its_count_the_time_so_far_and_after_the_first_what_is_le
     ]
 
 
+def test_what_is_left_counts_each_step_at_the_mean_of_its_own_kind() -> None:
+    """A refusal that comes back at once does not make the compactions look quick."""
+    clock, out = Clock(), io.StringIO()
+    progress = Progress(["direct", "ContextPaw"] * 3, out, clock)
+    progress.step("trial 1/3, direct")
+    clock.now += 1
+    progress.step("trial 1/3, ContextPaw")
+    clock.now += 99
+    progress.step("trial 2/3, direct")
+    clock.now += 3
+    progress.step("trial 2/3, ContextPaw")
+    assert out.getvalue().splitlines() == [
+        "[1/6] trial 1/3, direct (0 s so far)",
+        "[2/6] trial 1/3, ContextPaw (1 s so far, about 5 s left)",  # 5 steps at the only mean there is
+        "[3/6] trial 2/3, direct (1 min 40 s so far, about 3 min 20 s left)",  # 2 direct at 1 s, 2 ContextPaw at 99 s
+        "[4/6] trial 2/3, ContextPaw (1 min 43 s so far, about 3 min 20 s left)",  # 99 + 2 (direct's mean now) + 99
+    ]
+
+
 @pytest.mark.parametrize(
     ("seconds", "said"), [(0.4, "0 s"), (59, "59 s"), (60, "1 min"), (125, "2 min 5 s"), (3600, "1 h"), (3725, "1 h 2 min")]
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TextIO
 
@@ -33,25 +33,43 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """``[i/N] what (2 min 10 s so far, about 9 min left)``, said before each of ``total`` steps
-    starts. What is left is the mean of the finished steps times the steps to go, so there is none
-    before the first has finished. ``clock`` is injectable for tests."""
+    """``[i/N] what (2 min 10 s so far, about 9 min left)``, said before each step starts. ``plan`` is
+    the number of steps, or the kind of each step in order (``["direct", "ContextPaw", ...]``): what
+    is left is then, for each step to go, the mean time of the finished steps of its kind (of all
+    finished steps while its kind has none), so a quick refusal does not make a slow compaction look
+    quick. There is no estimate before the first step has finished. ``clock`` is injectable for tests."""
 
-    def __init__(self, total: int, out: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.total, self.done = total, 0
+    def __init__(self, plan: int | Sequence[str], out: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.plan = [""] * plan if isinstance(plan, int) else list(plan)
+        self.total = len(self.plan)
         self.out = out
         self.clock = clock
         self.started = clock()
+        self.starts: list[float] = []
+
+    @property
+    def done(self) -> int:
+        """Steps started."""
+        return len(self.starts)
 
     def line(self, what: str) -> str:
         """The line for the next step (it counts as started)."""
-        self.done += 1
-        spent = self.clock() - self.started
-        timing = f"{duration(spent)} so far"
+        now = self.clock()
+        self.starts.append(now)
+        timing = f"{duration(now - self.started)} so far"
         if self.done > 1:
-            finished = self.done - 1
-            timing += f", about {duration(spent / finished * (self.total - finished))} left"
+            timing += f", about {duration(self.left())} left"
         return f"[{self.done}/{self.total}] {what} ({timing})"
+
+    def left(self) -> float:
+        """Seconds the steps from the one starting now to the last should take."""
+        finished = len(self.starts) - 1
+        took: dict[str, list[float]] = {}
+        for i in range(finished):
+            took.setdefault(self.plan[i], []).append(self.starts[i + 1] - self.starts[i])
+        overall = (self.starts[-1] - self.started) / finished
+        mean = {kind: sum(times) / len(times) for kind, times in took.items()}
+        return sum(mean.get(kind, overall) for kind in self.plan[finished:])
 
     def step(self, what: str) -> None:
         print(self.line(what), file=self.out or sys.stderr, flush=True)
