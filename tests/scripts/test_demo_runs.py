@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,3 +220,29 @@ def test_ctrl_c_while_a_demo_waits_for_its_server_to_start_stops_that_server(tmp
             process.wait()
         end_all([child] if child else [])
     assert "".join(lines).strip() == "never-ready: interrupted; stopped its server"
+
+
+# -- demo.sh --------------------------------------------------------------------------------------------
+
+
+def test_demo_sh_says_which_demo_of_five_starts_before_each(tmp_path: Path) -> None:
+    """On a copy of demo.sh, with a set-up that has nothing to do and a Python that says what it runs."""
+    (tmp_path / "scripts" / "demo").mkdir(parents=True)
+    (tmp_path / "scripts" / "install").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "demo" / "demo.sh", tmp_path / "scripts" / "demo" / "demo.sh")
+    (tmp_path / "scripts" / "install" / "setup.sh").write_text("")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/usr/bin/env bash\necho "runs ${1##*/}" >&2\n')
+    python.chmod(0o755)
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "demo" / "demo.sh")], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    said = done.stderr.splitlines()
+    assert [line.split(":")[0] for line in said[::2]] == [f"demo [{i}/5]" for i in range(1, 6)]
+    assert said[1::2] == [
+        "runs demo_needle.py",
+        "runs demo_400.py",
+        "runs demo_messages.py",
+        "runs demo_responses.py",
+        "runs demo_responses.py",
+    ]
