@@ -50,6 +50,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[2]
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import free_port, start_module, start_process  # noqa: E402
+from support.demo_runs import run_demo  # noqa: E402
 
 N_CTX = 2048
 PRE = "document.querySelector('.contentview pre')"
@@ -264,5 +265,10 @@ def main() -> None:
     sys.exit(0 if fine else 1)
 
 
-if __name__ == "__main__":
+def _run(_: list[str] | None) -> int:
     main()
+    return 0
+
+
+if __name__ == "__main__":  # Ctrl-C or kill stops what it started, in one line
+    sys.exit(run_demo(_run, name="screenshot_mitmweb", servers="the fake Ollama, mitmweb and Chromium"))
