@@ -118,8 +118,10 @@ class AdminEndpoints:
     def running(self) -> None:
         """Warn of listeners off the loopback; and see the Host each client sent, which reverse mode
         replaces before any hook: mitmproxy is told to keep it, and `requestheaders` rewrites it as
-        mitmproxy would have, for every flow but the admin check."""
-        for spec in ctx.options.mode:
+        mitmproxy would have, for every flow but the admin check. With `-n` (no server, as when
+        reading a flow file) nothing listens, and nothing is said."""
+        listening = "server" not in ctx.options or ctx.options.server
+        for spec in ctx.options.mode if listening else ():
             host = mode_specs.ProxyMode.parse(spec).listen_host(ctx.options.listen_host)
             if not admin.loopback_address(host) and host != "localhost":
                 logger.warning("listening on %s (%s), not on the loopback: other machines can reach the backends through it",
