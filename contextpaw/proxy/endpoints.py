@@ -26,7 +26,8 @@ from contextpaw.ops import admin, keys
 from contextpaw.ops.evicted import EvictedStore
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.backends import Backends
-from contextpaw.proxy.replies import ADMIN_MARK, REFUSED_MARK, flag, reply
+from contextpaw.proxy.replies import ADMIN_MARK, REFUSED_MARK, flag, refused_comment, reply
+from contextpaw.proxy.web import widen_comments
 from contextpaw.wire.streams import report_bytes
 
 CLIENT_HOST = "contextpaw.client_host"
@@ -129,6 +130,7 @@ class AdminEndpoints:
         if "keep_host_header" in ctx.options and not ctx.options.keep_host_header:  # a proxy's option (not in taddons)
             self.rewrites_host = True
             ctx.options.update(keep_host_header=True)
+        widen_comments(ctx.master)  # mitmweb's comment column, where each flow's route, cut or fix is said
         try:
             self.started_probe = asyncio.get_running_loop().create_task(self._say_who_is_down())
         except RuntimeError:  # no event loop (an addon test): nothing to probe with
@@ -189,7 +191,8 @@ class AdminEndpoints:
             return
         reason = f"ContextPaw: the Host {host!r} does not name this machine; a page on another site cannot reach the backends"
         reply(flow, 403, report_bytes(wire.proxy_error(None, flow.request.path, reason, 403)))
-        flag(flow, REFUSED_MARK, f"answered 403: Host {host!r} from a loopback client")
+        fix = "call it by localhost, 127.0.0.1 or this machine's name"
+        flag(flow, REFUSED_MARK, refused_comment(flow.request.path, fix, f"Host {host!r} is not this machine"))
         logger.warning("%s %s: answered 403: the Host %r does not name this machine", flow.request.method, flow.request.path, host)
 
     async def _window(self, backend: wire.Backend, model: str) -> dict[str, Any]:

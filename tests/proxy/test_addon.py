@@ -563,6 +563,7 @@ async def test_a_backend_route_keeps_the_backends_own_host_check(
     assert (flow.response is not None and flow.response.status_code == 403) is refused
     if refused:
         assert "does not name this machine" in json.loads(flow.response.content)["error"]
+        assert flow.comment.startswith("/api/tags refused; fix: call it by localhost, 127.0.0.1 or this machine's name; Host ")
 
 
 def test_report_headers_replace_any_the_backend_sent_and_keep_the_rest() -> None:
