@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -39,7 +37,6 @@ from contextpaw.core.map_reduce import (
     CUT_NOTE,
     MIN_CHUNK_TOKENS,
     MIN_DIGEST_TOKENS,
-    PROMPT_VERSION,
     Evicted,
     Sizes,
     call_key,
@@ -52,7 +49,7 @@ from contextpaw.core.map_reduce import (
     shorten,
 )
 from contextpaw.fitting.services import Complete, DigestResult, InFlight, SummaryModel
-from contextpaw.ops.kept import StateWriter, read_state, remove_leftovers
+from contextpaw.ops.evicted import EvictedStore
 
 logger = logs.get(__name__)
 
@@ -79,28 +76,28 @@ class Summarizer:
         *,
         timeout: float = 30.0,
         retry_after: float = 30.0,
-        state_path: Path | None = None,
+        kept: EvictedStore | None = None,
         max_entries: int = 2048,
         parallel: int = 1,
     ) -> None:
         """`parallel`: calls in flight at once (the summarizer's slots); `timeout` is per call, not
-        counting the wait for a slot, since a queued call is not a slow one."""
+        counting the wait for a slot, since a queued call is not a slow one. `kept`: the archive,
+        whose `digests` table (SQLite) holds the cache across restarts: read here, written by its
+        writer thread as answers come; a store that keeps none leaves the cache in memory."""
         self.timeout = timeout
         self.retry_after = retry_after
-        self.state_path = state_path
+        self.kept = kept
+        self.max_entries = max_entries
         self._slots = asyncio.Semaphore(parallel)
         self._cache = LRU(max_entries)
         """call key -> answer"""
         self._inflight = InFlight()
-        self._save_lock = asyncio.Lock()
-        self._dirty = False
         self._failed: dict[str, tuple[float, str]] = {}
         """model -> when its last call failed, and why."""
         self._stats = {"digests": 0, "calls": 0, "cache_hits": 0, "failures": 0, "seconds": 0.0}
-        self._writer = StateWriter(state_path, "summary cache") if state_path is not None else None
-        if state_path is not None:
-            remove_leftovers(state_path)
-            self._load(state_path)
+        if kept is not None:
+            for key, answer in kept.get_digests(max_entries):
+                self._cache.put(key, answer)
 
     async def digest(self, evicted: Evicted, *, model: SummaryModel, cap_tokens: int) -> DigestResult:
         """A digest of all of `evicted` within `cap_tokens` (by `model.counter`), or
@@ -116,7 +113,6 @@ class Summarizer:
         seconds = time.monotonic() - started
         self._stats["digests"] += 1
         self._stats["seconds"] += seconds
-        await self._save()
         return DigestResult(text, text is not None, reason, tally.calls, tally.hits, seconds)
 
     def stats(self) -> dict[str, Any]:
@@ -162,6 +158,7 @@ class Summarizer:
         if cached is not None:
             tally.hits += 1
             self._stats["cache_hits"] += 1
+            self._keep(key, cached)  # the newest on disk too: the bound drops what is used least lately
             return cached
         if key in self._inflight:
             tally.hits += 1
@@ -181,8 +178,12 @@ class Summarizer:
                 raise
         self._failed.pop(model.name, None)
         self._cache.put(key, answer)
-        self._dirty = True
+        self._keep(key, answer)
         return answer
+
+    def _keep(self, key: str, answer: str) -> None:
+        if self.kept is not None:
+            self.kept.put_digest(key, answer, self.max_entries)
 
     async def _ask(self, complete: Complete, prompt: str, max_tokens: int) -> str:
         """One call within the timeout; every way it can go wrong becomes a `SummaryFailed`."""
@@ -208,35 +209,6 @@ class Summarizer:
         ago = time.monotonic() - at
         if ago < self.retry_after:
             raise SummaryFailed(f"not tried: it failed {ago:.0f}s ago ({reason}); next try after {self.retry_after:g}s")
-
-    # -- state file -------------------------------------------------------------------------
-
-    def _load(self, path: Path) -> None:
-        """Start from the saved cache; a missing or unusable file (`read_state`) or a damaged one
-        just means an empty one."""
-        data = read_state(path)
-        if data is None:
-            return
-        try:
-            state = json.loads(data.decode("utf-8"))
-            entries = state["entries"] if state.get("version") == PROMPT_VERSION else {}
-            for key, answer in entries.items():
-                if isinstance(key, str) and isinstance(answer, str):
-                    self._cache.put(key, answer)
-        except (ValueError, RecursionError, AttributeError, KeyError, TypeError) as error:
-            logger.warning("summary cache %s unreadable, starting empty: %s", path, error)
-
-    async def _save(self) -> None:
-        """Write the cache if it changed, atomically (a crash leaves the old file or the new one)."""
-        if self._writer is None or not self._dirty:
-            return
-        async with self._save_lock:
-            if not self._dirty:
-                return
-            self._dirty = False
-            text = json.dumps({"version": PROMPT_VERSION, "entries": dict(self._cache)}, ensure_ascii=False)
-            if not await asyncio.to_thread(self._writer.write, text):  # it said why, once
-                self._dirty = True
 
 
 async def _all(calls: Sequence[Awaitable[str]]) -> list[str]:

@@ -329,13 +329,14 @@ class Fitter:
     def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: Fitted) -> None:
         if parsed.key and fitted.plan is not None:
             self.plans.put(parsed.key, fitted.plan)
-            if self.store.shares_plans:
+            if self.store.keeps_plans:
                 self.store.put_plan(parsed.key, json.dumps(fitted.plan.to_json()).encode())
 
     async def _recall(self, parsed: wire.Chat | wire.Prompt) -> None:
-        """A conversation this instance has no plan of may have one in a shared store (another
-        instance served its last turn): read it off the event loop, and keep it as its own."""
-        if not self.store.shares_plans or not parsed.key or parsed.key in self.plans:
+        """A conversation this instance has no plan of may have one in the store: kept before a
+        restart (SQLite), or by another instance that served its last turn (Redis). Read it off the
+        event loop, and keep it as its own."""
+        if not self.store.keeps_plans or not parsed.key or parsed.key in self.plans:
             return
         data = await asyncio.to_thread(self.store.get_plan, parsed.key)
         if data is None:
@@ -343,7 +344,7 @@ class Fitter:
         try:
             self.plans.put(parsed.key, Plan.from_json(json.loads(data)))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            logger.warning("a shared plan could not be read (%s): the conversation is cut anew", e)
+            logger.warning("a kept plan could not be read (%s): the conversation is cut anew", e)
 
     async def _note_compaction(self, state: FlowState, report: Report, model: str, big: bool, started: float) -> None:
         """Log, keep and count a compaction; the counts go last, so a failure before them (which

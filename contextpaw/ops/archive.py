@@ -69,14 +69,20 @@ class Archive(EvictedStore):
         return self.store.shared_secret(local)
 
     @property
-    def shares_plans(self) -> bool:  # type: ignore[override]
-        return self.store.shares_plans
+    def keeps_plans(self) -> bool:  # type: ignore[override]
+        return self.store.keeps_plans
 
     def put_plan(self, key: str, data: builtins.bytes) -> None:
         self.store.put_plan(key, data)
 
     def get_plan(self, key: str) -> builtins.bytes | None:
         return self.store.get_plan(key)
+
+    def put_digest(self, key: str, text: str, keep: int) -> None:
+        self.store.put_digest(key, text, keep)
+
+    def get_digests(self, limit: int) -> list[tuple[str, str]]:
+        return self.store.get_digests(limit)
 
     def flush(self, timeout: float = 10.0) -> bool:
         return self.store.flush(timeout)

@@ -68,7 +68,7 @@ class RedisStore(EvictedStore):
     """Evicted content in a Redis server (see the module's note)."""
 
     blocking_reads = True
-    shares_plans = True
+    keeps_plans = True
 
     def __init__(self, url: str, *, max_items: int, max_bytes: int, max_age_s: float, prefix: str = PREFIX) -> None:
         super().__init__(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)

@@ -1,6 +1,10 @@
 """The archive on disk: evicted content in SQLite (the standard library's `sqlite3`, WAL mode) under
 the state directory, private to the user (a 0700 directory, 0600 files), bounded by count, bytes
 and age in SQL, searchable through an FTS5 table over its text, and there again after a restart.
+Two more tables share the database and its writer: `plans`, each conversation's plan (what was cut
+last turn, by the keyed conversation key, as JSON), so that a conversation keeps its cuts, and the
+server its cached prefix, across a restart; and `digests`, the summarizer's call cache (by call
+key). Both are bounded by count and by the archive's age bound.
 
 Writes go through one writer thread and its queue: `put` hands the content over and returns, so a
 slow or full disk never holds up the event loop; until the writer has committed it, `get` answers
@@ -37,13 +41,22 @@ CREATE TABLE IF NOT EXISTS items (seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQ
 CREATE INDEX IF NOT EXISTS items_at ON items (at);
 CREATE VIRTUAL TABLE IF NOT EXISTS texts USING fts5 (text);
 CREATE TRIGGER IF NOT EXISTS items_gone AFTER DELETE ON items BEGIN DELETE FROM texts WHERE rowid = old.seq; END;
+CREATE TABLE IF NOT EXISTS plans (seq INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, at REAL NOT NULL, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS digests (seq INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, at REAL NOT NULL, text TEXT NOT NULL);
 """
+
+SIDE_TABLES = ("plans", "digests")
+"""The tables kept beside the evicted content, each bounded by count and age (`_write_side`)."""
 
 TRIM = """DELETE FROM items WHERE seq IN (
     SELECT seq FROM (SELECT seq, SUM(size) OVER newest AS total, ROW_NUMBER() OVER newest AS n
                      FROM items WINDOW newest AS (ORDER BY seq DESC))
     WHERE total > ? OR n > ?)"""
 """Drop the oldest until the newest fit both the count and the byte bound."""
+
+
+Put = tuple[str, str, float, "builtins.bytes | str", int]
+"""What the writer is handed: (table, key, when, data, the count its table keeps; 0: the items' bounds)."""
 
 
 def private_dir(path: Path) -> None:
@@ -81,8 +94,10 @@ class SqliteStore(EvictedStore):
         self._count, self._bytes = self._read.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()
         self._pending: dict[str, tuple[float, builtins.bytes]] = {}
         """Puts handed to the writer and not yet committed, by id: read from here meanwhile."""
+        self._plans: dict[str, tuple[float, builtins.bytes]] = {}
+        """Plans handed to the writer and not yet committed, by conversation key."""
         self._pending_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[str, float, builtins.bytes] | threading.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Put | threading.Event | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="contextpaw-archive", daemon=True)
         self._writer.start()
 
@@ -103,7 +118,33 @@ class SqliteStore(EvictedStore):
         at = self._clock()
         with self._pending_lock:
             self._pending[marker_id] = (at, data)
-        self._queue.put((marker_id, at, data))
+        self._queue.put(("items", marker_id, at, data, 0))
+
+    keeps_plans = True
+
+    def put_plan(self, key: str, data: builtins.bytes) -> None:
+        at = self._clock()
+        with self._pending_lock:
+            self._plans[key] = (at, data)
+        self._queue.put(("plans", key, at, data, self.max_items))
+
+    def get_plan(self, key: str) -> builtins.bytes | None:
+        oldest = self._clock() - self.max_age_s
+        with self._pending_lock:
+            pending = self._plans.get(key)
+        if pending is not None:
+            return pending[1] if pending[0] >= oldest else None
+        with self._read_lock:
+            row = self._read.execute("SELECT data FROM plans WHERE key = ? AND at >= ?", (key, oldest)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def put_digest(self, key: str, text: str, keep: int) -> None:
+        self._queue.put(("digests", key, self._clock(), text, keep))
+
+    def get_digests(self, limit: int) -> list[tuple[str, str]]:
+        sql = "SELECT key, text FROM (SELECT seq, key, text FROM digests WHERE at >= ? ORDER BY seq DESC LIMIT ?) ORDER BY seq"
+        with self._read_lock:
+            return self._read.execute(sql, (self._clock() - self.max_age_s, limit)).fetchall()
 
     def get(self, marker_id: str) -> builtins.bytes | None:
         oldest = self._clock() - self.max_age_s
@@ -156,7 +197,7 @@ class SqliteStore(EvictedStore):
                     try:
                         self._write(db, puts)
                     except sqlite3.Error as e:
-                        logger.warning("the archive %s could not be written (%s): %d evicted contents lost", self.path, e, len(puts))
+                        logger.warning("the archive %s could not be written (%s): %d entries lost", self.path, e, len(puts))
                         self._forget_pending(puts)
                 for item in batch:
                     if isinstance(item, threading.Event):
@@ -166,13 +207,17 @@ class SqliteStore(EvictedStore):
         finally:
             db.close()
 
-    def _write(self, db: sqlite3.Connection, puts: list[tuple[str, float, builtins.bytes]]) -> None:
+    def _write(self, db: sqlite3.Connection, puts: list[Put]) -> None:
         """One transaction for a batch of puts; the count and the bytes are kept up to date as it
         goes (a scan of the whole table only when a bound is passed)."""
         count, size = self._count, self._bytes
         db.execute("BEGIN IMMEDIATE")
         try:
-            for marker_id, at, data in puts:
+            self._write_side(db, puts)
+            for table, marker_id, at, data, _ in puts:
+                if table != "items":
+                    continue
+                assert isinstance(data, builtins.bytes)
                 old = db.execute("SELECT size FROM items WHERE id = ?", (marker_id,)).fetchone()
                 if old is not None:
                     db.execute("DELETE FROM items WHERE id = ?", (marker_id,))
@@ -198,8 +243,25 @@ class SqliteStore(EvictedStore):
         self._count, self._bytes = count, size
         self._forget_pending(puts)
 
-    def _forget_pending(self, puts: list[tuple[str, float, builtins.bytes]]) -> None:
+    def _write_side(self, db: sqlite3.Connection, puts: list[Put]) -> None:
+        """The plans and digests of a batch: each replaces the one of its key, then the oldest go
+        past the age bound and past the count the put named (a plan: the archive's item bound)."""
+        oldest = self._clock() - self.max_age_s
+        for table in SIDE_TABLES:
+            mine = [put for put in puts if put[0] == table]
+            if not mine:
+                continue
+            column = "data" if table == "plans" else "text"
+            for _, key, at, data, _ in mine:
+                db.execute(f"DELETE FROM {table} WHERE key = ?", (key,))
+                db.execute(f"INSERT INTO {table} (key, at, {column}) VALUES (?, ?, ?)", (key, at, data))
+            keep = mine[-1][4]
+            db.execute(f"DELETE FROM {table} WHERE at < ?", (oldest,))
+            db.execute(f"DELETE FROM {table} WHERE seq <= (SELECT seq FROM {table} ORDER BY seq DESC LIMIT 1 OFFSET ?)", (keep,))
+
+    def _forget_pending(self, puts: list[Put]) -> None:
         with self._pending_lock:
-            for marker_id, at, data in puts:
-                if self._pending.get(marker_id) == (at, data):
-                    del self._pending[marker_id]
+            for table, key, at, data, _ in puts:
+                pending = self._pending if table == "items" else self._plans if table == "plans" else None
+                if pending is not None and pending.get(key) == (at, data):
+                    del pending[key]

@@ -97,15 +97,25 @@ class EvictedStore(abc.ABC):
         """(id, snippet) of at most `limit` kept contents whose text holds every word of `query`,
         what was `put` before the call included (a store that writes later waits for it here)."""
 
-    shares_plans = False
-    """Whether conversation plans are kept here too (a store several instances share)."""
+    keeps_plans = False
+    """Whether conversation plans are kept here too: for the next start (SQLite), or for the other
+    instances (a store several instances share)."""
 
     def put_plan(self, key: str, data: builtins.bytes) -> None:
-        """Keep a conversation's plan (JSON) for the other instances; never waits (a shared store)."""
+        """Keep a conversation's plan (JSON) under its keyed conversation key; never waits."""
 
     def get_plan(self, key: str) -> builtins.bytes | None:
-        """A conversation's plan another instance kept, or None; may wait on a network."""
+        """A conversation's plan kept before (by this instance before a restart, or by another), or
+        None; may wait on a disk or a network (read it in a thread)."""
         return None
+
+    def put_digest(self, key: str, text: str, keep: int) -> None:
+        """Keep a summarizer call's answer under its call key, at most `keep` of them, the oldest
+        dropped first; never waits. A store that keeps none (memory, Redis) forgets it."""
+
+    def get_digests(self, limit: int) -> list[tuple[str, str]]:
+        """The newest `limit` digests kept, as (call key, answer), oldest first (read at start)."""
+        return []
 
     def shared_secret(self, local: builtins.bytes) -> builtins.bytes:
         """The secret references are keyed with: this instance's own (`local`), unless the store is

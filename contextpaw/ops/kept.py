@@ -22,8 +22,8 @@ from contextpaw.core import logs
 logger = logs.get(__name__)
 
 STATE_LIMIT = 16 << 20
-"""Bytes a state file may hold to be read back: the calibration's is a few KB, the summary cache's
-a few MB at its bound. A bigger one is not ours (or not sane), and is not read into memory."""
+"""Bytes a state file may hold to be read back: the calibration's is a few KB. A bigger one is not
+ours (or not sane), and is not read into memory."""
 
 
 def remove_leftovers(path: Path) -> int:

@@ -24,6 +24,7 @@ import json
 import secrets
 import sqlite3
 import weakref
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,7 +39,7 @@ from contextpaw.fitting.flow import FlowState, Refuse
 from contextpaw.fitting.services import OFFLOAD_BYTES, off_loop
 from contextpaw.ops import keys
 from contextpaw.ops.archive import Archive
-from contextpaw.ops.kept import KeptCalibration
+from contextpaw.ops.kept import KeptCalibration, remove_leftovers
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.backends import UNDECODED, Backends
 from contextpaw.proxy.endpoints import proxy_url
@@ -67,12 +68,28 @@ TRUNCATION_FLAGGED = "contextpaw.truncation_flagged"
 logger = logs.get(__name__)
 
 CALIBRATION_FILE = "contextpaw-calibration.json"
-SUMMARY_FILE = "contextpaw-summaries.json"
+OLD_SUMMARY_FILE = "contextpaw-summaries.json"
+"""Where the summarizer's cache was kept before it moved into the archive's `digests` table:
+removed at start (it holds digests of evicted content outside the archive and its bounds)."""
 FIT_OPTIONS = {*FitSettings.options(), "confdir"}
 """The options whose change re-reads the fit settings (confdir: where the state is kept by default)."""
 
 FlowStates = weakref.WeakKeyDictionary[http.HTTPFlow, FlowState]
 """Each handled flow's state, for as long as mitmproxy keeps the flow."""
+
+
+def remove_old_summaries(state_dir: Path) -> None:
+    """Remove the summary cache's JSON file an earlier version kept (and its half-written copies)."""
+    old = state_dir / OLD_SUMMARY_FILE
+    remove_leftovers(old)
+    try:
+        old.unlink()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        logger.warning("the old summary cache %s cannot be removed (%s): remove it by hand", old, e)
+        return
+    logger.info("the old summary cache %s was removed: digests are kept in the archive now", old)
 
 
 class Compactor:
@@ -110,14 +127,8 @@ class Compactor:
             settings = FitSettings.parse(ctx.options)
         except ValueError as e:
             raise exceptions.OptionsError(str(e)) from None
-        summarizer = self.fitter.summarizer
-        if {"contextpaw_summarize", "contextpaw_summarizer_timeout", "contextpaw_state_dir", "confdir"} & updated:
-            summarizer = (
-                Summarizer(timeout=settings.summarizer_timeout, state_path=settings.state_dir / SUMMARY_FILE)
-                if settings.summarize
-                else None
-            )
         if {"contextpaw_state_dir", "confdir"} & updated:
+            remove_old_summaries(settings.state_dir)
             try:
                 self.secret = keys.secret(settings.state_dir)
             except OSError as e:  # a read-only state dir: references hold until the next start only
@@ -135,6 +146,10 @@ class Compactor:
                 secret = self.archive.shared_secret(self.secret)
             except Exception as e:  # sqlite3's, the OS's, redis-py's errors: said as the option's
                 raise exceptions.OptionsError(f"contextpaw_archive: {settings.archive} cannot be opened: {e}") from None
+        summarizer = self.fitter.summarizer
+        if {"contextpaw_summarize", "contextpaw_summarizer_timeout", "contextpaw_archive", "contextpaw_state_dir", "confdir"} & updated:
+            kept = self.archive if self.archive is not None else self.fitter.store
+            summarizer = Summarizer(timeout=settings.summarizer_timeout, kept=kept) if settings.summarize else None
         self.fitter.configure(settings, summarizer, secret)
 
     def _open_archive(self, settings: FitSettings) -> None:

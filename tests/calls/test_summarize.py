@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +12,8 @@ from contextpaw.calls.summarizer import ChatCompletions, Summarizer, SummaryFail
 from contextpaw.core.map_reduce import CUT_NOTE, Sizes, map_prompt, plan_batches, plan_chunks, reduce_prompt, render_span, shorten
 from contextpaw.core.tokens import EstimateCounter
 from contextpaw.fitting.services import SummaryModel
+from contextpaw.ops.archive_sqlite import ARCHIVE_FILE, SqliteStore
+from contextpaw.ops.evicted import MemoryStore
 from support.common import running
 from support.fake_llamacpp import LlamaSettings, fake_llamacpp_app
 
@@ -199,32 +200,43 @@ async def test_concurrent_identical_digests_share_their_calls():
     assert summarizer.stats()["calls"] == 4
 
 
-async def test_a_new_instance_reuses_the_saved_cache(tmp_path):
-    state = tmp_path / "state" / "summaries.json"
-    first = await digest(Summarizer(state_path=state), span(3), FakeModel())
+def archive(tmp_path) -> SqliteStore:
+    return SqliteStore(tmp_path / "state" / ARCHIVE_FILE, max_items=100, max_bytes=1 << 20, max_age_s=3600)
+
+
+async def test_a_new_instance_reuses_the_cache_kept_in_the_archive(tmp_path):
+    kept = archive(tmp_path)
+    first = await digest(Summarizer(kept=kept), span(3), FakeModel())
+    kept.close()  # a restart: what the writer held is written
+    kept = archive(tmp_path)
     model = FakeModel()
-    again = await digest(Summarizer(state_path=state), span(3), model)
+    again = await digest(Summarizer(kept=kept), span(3), model)
+    kept.close()
     assert again.calls == 0 and model.prompts == [] and again.text == first.text
-    assert [p.name for p in state.parent.iterdir()] == ["summaries.json"]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir() if not p.name.endswith(("-wal", "-shm"))) == [ARCHIVE_FILE]
 
 
-async def test_an_unreadable_state_file_starts_an_empty_cache(tmp_path):
-    state = tmp_path / "summaries.json"
-    state.write_text("{not json")
-    result = await digest(Summarizer(state_path=state), span(1), FakeModel())
-    assert result.calls == 1
-    assert len(json.loads(state.read_text())["entries"]) == 1
+async def test_a_store_that_keeps_no_digests_leaves_the_cache_in_memory(tmp_path):
+    kept = MemoryStore(max_items=100, max_bytes=1 << 20, max_age_s=3600)
+    summarizer = Summarizer(kept=kept)
+    assert (await digest(summarizer, span(1), FakeModel())).calls == 1
+    assert (await digest(summarizer, span(1), FakeModel())).calls == 0
+    assert (await digest(Summarizer(kept=kept), span(1), FakeModel())).calls == 1
 
 
 async def test_the_cache_is_bounded_oldest_first(tmp_path):
-    state = tmp_path / "summaries.json"
-    summarizer = Summarizer(state_path=state, max_entries=2)
+    kept = archive(tmp_path)
+    summarizer = Summarizer(kept=kept, max_entries=2)
     for n in range(3):
         await digest(summarizer, span(1, first=n), FakeModel())
     assert summarizer.stats()["entries"] == 2
-    reloaded = Summarizer(state_path=state, max_entries=2)
+    kept.close()
+    kept = archive(tmp_path)
+    reloaded = Summarizer(kept=kept, max_entries=2)
+    assert reloaded.stats()["entries"] == 2
     assert (await digest(reloaded, span(1, first=0), FakeModel())).calls == 1
     assert (await digest(reloaded, span(1, first=2), FakeModel())).calls == 0
+    kept.close()
 
 
 # -- failures ------------------------------------------------------------------------------------

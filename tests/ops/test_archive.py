@@ -215,3 +215,61 @@ def test_the_archive_opens_what_the_options_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not an archive"):
         archive.open("postgres://x", tmp_path)
     archive.close()
+
+
+# -- plans and digests beside the evicted content ------------------------------------------------
+
+
+def test_a_plan_put_before_a_restart_is_got_after_it(opener: Opener) -> None:
+    clock = Clock()
+    first = opener(clock)
+    first.put_plan("conv-1", b'{"evicted": ["u1"]}')
+    first.flush()  # Redis reads what its writer wrote; SQLite answers its pending copy anyway
+    kept = opener.kind != "memory"  # type: ignore[attr-defined]
+    assert first.keeps_plans is kept and (first.get_plan("conv-1") == b'{"evicted": ["u1"]}') is kept
+    first.close()
+    again = opener(clock)
+    assert (again.get_plan("conv-1") == b'{"evicted": ["u1"]}') is kept and again.get_plan("conv-2") is None
+
+
+def test_plans_are_bounded_by_count_and_age(tmp_path: Path) -> None:
+    clock = Clock()
+    s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=2, max_bytes=1 << 20, max_age_s=60, clock=clock)
+    for n in range(3):
+        s.put_plan(f"conv-{n}", b"{}")
+        clock.now += 1
+    s.put_plan("conv-1", b'{"again": true}')  # a new turn of it: the newest now
+    s.close()
+    clock.now += 30
+    s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=2, max_bytes=1 << 20, max_age_s=60, clock=clock)
+    try:
+        assert [s.get_plan(f"conv-{n}") for n in range(3)] == [None, b'{"again": true}', b"{}"]
+        clock.now = 1_062.5  # conv-2 was put at 1002, and again conv-1 at 1003
+        assert [s.get_plan(f"conv-{n}") for n in range(3)] == [None, b'{"again": true}', None]
+    finally:
+        s.close()
+
+
+def test_digests_survive_a_restart_newest_kept_within_the_bounds(tmp_path: Path) -> None:
+    clock = Clock()
+    s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=100, max_bytes=1 << 20, max_age_s=60, clock=clock)
+    for n in range(3):
+        s.put_digest(f"call-{n}", f"digest {n}", 2)
+        clock.now += 1
+    s.put_digest("call-1", "digest 1", 2)  # used again: the newest
+    s.close()
+    s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=100, max_bytes=1 << 20, max_age_s=60, clock=clock)
+    try:
+        assert s.get_digests(10) == [("call-2", "digest 2"), ("call-1", "digest 1")]
+        assert s.get_digests(1) == [("call-1", "digest 1")]
+        clock.now += 61
+        assert s.get_digests(10) == []
+    finally:
+        s.close()
+
+
+def test_stores_that_keep_no_digests_give_none_back(opener: Opener) -> None:
+    store = opener(Clock())
+    store.put_digest("call-1", "digest", 10)
+    store.flush()
+    assert store.get_digests(10) == ([("call-1", "digest")] if opener.kind == "sqlite" else [])  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""State files read back at start (the calibration's, the summary cache's) through `read_state`:
+"""State files read back at start (the calibration's) through `read_state`:
 only a regular file of bounded size is read; a device, a FIFO, a link out of the state directory or
 an oversized file is refused with one log line, and the proxy starts fresh, promptly and small."""
 
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from contextpaw.calls.summarizer import Summarizer
 from contextpaw.fitting.calibration import Calibration
 from contextpaw.ops.kept import STATE_LIMIT, KeptCalibration, StateWriter, read_state, write_atomically
 
@@ -23,22 +22,20 @@ import json, logging, resource, sys, time
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a read of /dev/zero stops here, not at the machine's end
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
-from contextpaw.calls.summarizer import Summarizer
 from contextpaw.fitting.calibration import Calibration
 from contextpaw.ops.kept import KeptCalibration
 path = Path(sys.argv[1])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 started = time.monotonic()
 restored = KeptCalibration(path).restore(Calibration())
-entries = Summarizer(state_path=path).stats()["entries"]
 seconds = time.monotonic() - started
 grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-print(json.dumps({"restored": restored, "entries": entries, "seconds": seconds, "grown_kb": grown}))
+print(json.dumps({"restored": restored, "seconds": seconds, "grown_kb": grown}))
 """
 
 
 def start_up(path: Path) -> tuple[dict[str, object], list[str]]:
-    """What the calibration's and the summarizer's start-up make of `path`, in a process of its own
+    """What the calibration's start-up makes of `path`, in a process of its own
     (bounded in time and address space), and the log lines that name it."""
     done = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -63,9 +60,9 @@ def test_a_special_or_oversized_state_file_is_refused_promptly_small_and_with_on
     path = tmp_path / "state"
     make(path)
     outcome, lines = start_up(path)
-    assert outcome["restored"] is None and outcome["entries"] == 0, "no usable file: both start fresh"
+    assert outcome["restored"] is None, "no usable file: it starts fresh"
     assert outcome["seconds"] < 5 and outcome["grown_kb"] < 8 << 10, outcome
-    assert len(lines) == 2 and all("starting fresh" in line for line in lines), lines
+    assert len(lines) == 1 and all("starting fresh" in line for line in lines), lines
 
 
 def test_a_link_out_of_the_state_directory_is_not_followed_and_one_inside_it_is(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -87,7 +84,6 @@ def test_a_link_out_of_the_state_directory_is_not_followed_and_one_inside_it_is(
 def test_a_missing_file_is_quietly_a_fresh_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         assert KeptCalibration(tmp_path / "none").restore(Calibration()) is None
-        assert Summarizer(state_path=tmp_path / "none").stats()["entries"] == 0
     assert not caplog.records
 
 
@@ -95,7 +91,6 @@ def test_state_nested_past_the_parsers_depth_is_damaged_not_a_crash(tmp_path: Pa
     path = tmp_path / "state"
     path.write_text("[" * 200_000 + "]" * 200_000)
     assert KeptCalibration(path).restore(Calibration()) is False
-    assert Summarizer(state_path=path).stats()["entries"] == 0
 
 
 def test_a_file_at_the_limit_is_still_read(tmp_path: Path) -> None:
@@ -152,24 +147,6 @@ def test_a_write_failing_another_way_is_told_again(tmp_path: Path, caplog: pytes
     assert len(told(caplog)) == 3
 
 
-async def test_the_summary_cache_that_cannot_be_saved_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from contextpaw.core.tokens import EstimateCounter
-    from contextpaw.fitting.services import SummaryModel
-
-    async def complete(prompt: str, max_tokens: int) -> str:
-        return f"summary {len(prompt)}."
-
-    summarizer = Summarizer(state_path=blocked(tmp_path))
-    model = SummaryModel(complete=complete, counter=EstimateCounter(), window=2048, name="m")
-    caplog.clear()  # what start-up said of reading it
-    with caplog.at_level(logging.WARNING):
-        for n in range(4):
-            result = await summarizer.digest([{"role": "tool", "content": f"log {n} " * 200}], model=model, cap_tokens=200)
-            assert result.summarized
-    [line] = told(caplog)
-    assert "summary cache" in line.getMessage() and "not saved" in line.getMessage() and line.exc_info is None
-
-
 # -- privacy ----------------------------------------------------------------------------------------
 
 
@@ -193,17 +170,3 @@ def test_a_state_directory_the_operator_made_is_left_as_it_is(tmp_path: Path) ->
     write_atomically(tmp_path / "shared" / "state.json", "{}")
     assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o750
     assert stat.S_IMODE((tmp_path / "shared" / "state.json").stat().st_mode) == 0o600
-
-
-async def test_the_summary_cache_is_written_private(tmp_path: Path) -> None:
-    from contextpaw.core.tokens import EstimateCounter
-    from contextpaw.fitting.services import SummaryModel
-
-    async def complete(prompt: str, max_tokens: int) -> str:
-        return "a summary."
-
-    path = tmp_path / "state" / "contextpaw-summaries.json"
-    summarizer = Summarizer(state_path=path)
-    model = SummaryModel(complete=complete, counter=EstimateCounter(), window=2048, name="m")
-    assert (await summarizer.digest([{"role": "tool", "content": "log " * 200}], model=model, cap_tokens=200)).summarized
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700

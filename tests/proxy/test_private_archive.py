@@ -114,3 +114,17 @@ async def test_a_state_dir_that_cannot_hold_the_archive_still_starts_with_one_in
         sent, _ = await compacted(proxy)
         ref = COMMAND.findall(json.dumps(sent))[0][1]
         assert (await read(proxy, f"/contextpaw/evicted/{ref}")).status_code == 200
+
+
+async def test_the_old_summary_cache_file_goes_at_start_and_digests_are_kept_in_the_archive(tmp_path: Path) -> None:
+    old = tmp_path / "contextpaw-summaries.json"
+    old.write_text('{"version": 1, "entries": {"k": "a digest of evicted content"}}')
+    (tmp_path / "contextpaw-summaries.jsonab12.tmp").write_text("{")  # a write killed half-way
+    addons = make_addons()
+    with taddons.context(*addons) as tctx:
+        proxy = Proxy(tctx, addons)
+        tctx.options.update(contextpaw_state_dir=str(tmp_path), contextpaw_summarize=True)
+        summarizer = proxy.compactor.fitter.summarizer
+        assert summarizer is not None and summarizer.kept is proxy.compactor.archive
+        assert sorted(p.name for p in tmp_path.iterdir() if "summaries" in p.name) == []
+        proxy.compactor.done()

@@ -1,0 +1,51 @@
+"""A conversation keeps its cuts across a restart: with the SQLite archive, the plan one fitter made
+is read back by a new fitter over the same database, so the next turn repeats the same cuts and the
+server's cached prefix still holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from contextpaw.fitting.fitter import Fitter
+from contextpaw.fitting.flow import Forward
+from contextpaw.ops.archive_sqlite import ARCHIVE_FILE, SqliteStore
+from contextpaw.ops.metrics import Stats
+from contextpaw.settings import FitSettings
+from support.fitters import FakeServices, chat, state
+
+SECRET = b"kept" * 8
+"""The proxy's secret, read from the state directory at each start: the same after a restart."""
+
+
+def started(path: Path) -> Fitter:
+    store = SqliteStore(path, max_items=100, max_bytes=1 << 20, max_age_s=3600)
+    f = Fitter(FakeServices(), Stats(store), store, FitSettings())
+    f.configure(f.settings, None, SECRET)
+    return f
+
+
+async def test_the_next_turn_after_a_restart_repeats_the_first_turns_cuts(tmp_path: Path) -> None:
+    path = tmp_path / "state" / ARCHIVE_FILE
+    first = started(path)
+    turn = chat(turns=12)
+    one = state(turn)
+    decision = await first.fit(one)
+    assert isinstance(decision, Forward) and decision.body is not None and one.report is not None
+    key = next(iter(first.plans))
+    first.store.close()  # the proxy stops; its plans in memory go with it
+
+    second = started(path)
+    assert key not in second.plans
+    asked: list[str] = []
+    get_plan = second.store.get_plan
+    second.store.get_plan = lambda k: asked.append(k) or get_plan(k)  # type: ignore[method-assign]
+    following = {**turn, "messages": [*turn["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]}
+    two = state(following)
+    again = await second.fit(two)
+    second.store.close()
+    assert isinstance(again, Forward) and two.report is not None
+    assert asked == [key]
+    sent_before, sent_now = json.loads(decision.body)["messages"], json.loads(again.body or b"{}")["messages"]
+    assert sent_now[: len(sent_before) - 1] == sent_before[:-1]  # the cached prefix still holds
+    assert set(one.report.markers) <= set(two.report.markers)
