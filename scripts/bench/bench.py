@@ -310,7 +310,8 @@ def loop_health(work: Path, quick: bool, progress: Progress) -> dict[str, Any]:
             for name, url, process in paths:
                 before = cpu_seconds(process.process.pid)
                 rates[name].append(concurrent_rate(url, seconds / 3))
-                cpu[name].append((cpu_seconds(process.process.pid) - before) * 1000 / (rates[name][-1] * seconds / 3))
+                done = max(rates[name][-1] * seconds / 3, 1)  # a loaded machine may finish none in a quick round
+                cpu[name].append((cpu_seconds(process.process.pid) - before) * 1000 / done)
         result["ContextPaw, no relay"] = {
             "c8_req_per_s": statistics.median(rates["ContextPaw, no relay"]),
             "cpu_ms_per_request": statistics.median(cpu["ContextPaw, no relay"]),
