@@ -42,6 +42,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -154,14 +155,21 @@ class Browser:
         png.write_bytes(base64.b64decode(shot["data"]))
 
 
-async def take(chromium_url: str, web: str, token: str, pages: dict[str, str], out: Path, width: int, height: int) -> bool:
-    """Each page's screenshot and measurement; whether every view was ContextPaw's and fit."""
+@contextlib.asynccontextmanager
+async def page(chromium_url: str, width: int, height: int) -> AsyncIterator[Browser]:
+    """Chromium's page, at `width` x `height`."""
     with urllib.request.urlopen(f"{chromium_url}/json/list", timeout=10) as answer:
         target = next(t for t in json.load(answer) if t["type"] == "page")
-    fine = True
     async with aiohttp.ClientSession() as session, session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as socket:
         browser = Browser(socket)
         await browser.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+        yield browser
+
+
+async def take(chromium_url: str, web: str, token: str, pages: dict[str, str], out: Path, width: int, height: int) -> bool:
+    """Each page's screenshot and measurement; whether every view was ContextPaw's and fit."""
+    fine = True
+    async with page(chromium_url, width, height) as browser:
         for name, fragment in pages.items():
             await browser.open(f"{web}/?token={token}{fragment}", f"!!{PRE} && !/^Loading/.test({PRE}.innerText)")
             await browser.screenshot(out / name)
@@ -190,12 +198,8 @@ def must_see(flow: dict) -> list[str]:
 async def flow_list(chromium_url: str, web: str, token: str, chats: list[dict], out: Path, width: int, height: int) -> bool:
     """Read the flow list as it is shown, with the detail pane closed and open, and check that each
     chat flow's route, cut and fix are on screen; prints what each row shows."""
-    with urllib.request.urlopen(f"{chromium_url}/json/list", timeout=10) as answer:
-        target = next(t for t in json.load(answer) if t["type"] == "page")
     fine = True
-    async with aiohttp.ClientSession() as session, session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as socket:
-        browser = Browser(socket)
-        await browser.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+    async with page(chromium_url, width, height) as browser:
         for pane, fragment in (("closed", "#/flows"), ("open", f"#/flows/{chats[0]['id']}/request")):
             ready = "document.querySelectorAll('.flow-table td.col-comment').length > 0"
             if pane == "open":

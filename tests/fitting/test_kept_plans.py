@@ -4,7 +4,6 @@ server's cached prefix still holds."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from contextpaw.fitting.fitter import Fitter
@@ -12,7 +11,7 @@ from contextpaw.fitting.flow import Forward
 from contextpaw.ops.archive_sqlite import ARCHIVE_FILE, SqliteStore
 from contextpaw.ops.metrics import Stats
 from contextpaw.settings import FitSettings
-from support.fitters import FakeServices, chat, state
+from support.fitters import FakeServices, chat, next_turn, repeats_prefix, state
 
 SECRET = b"kept" * 8
 """The proxy's secret, read from the state directory at each start: the same after a restart."""
@@ -37,15 +36,9 @@ async def test_the_next_turn_after_a_restart_repeats_the_first_turns_cuts(tmp_pa
 
     second = started(path)
     assert key not in second.plans
-    asked: list[str] = []
-    get_plan = second.store.get_plan
-    second.store.get_plan = lambda k: asked.append(k) or get_plan(k)  # type: ignore[method-assign]
-    following = {**turn, "messages": [*turn["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]}
-    two = state(following)
-    again = await second.fit(two)
+    again, two, asked = await next_turn(second, turn)
     second.store.close()
     assert isinstance(again, Forward) and two.report is not None
     assert asked == [key]
-    sent_before, sent_now = json.loads(decision.body)["messages"], json.loads(again.body or b"{}")["messages"]
-    assert sent_now[: len(sent_before) - 1] == sent_before[:-1]  # the cached prefix still holds
+    assert repeats_prefix(decision.body, again.body)  # the cached prefix still holds
     assert set(one.report.markers) <= set(two.report.markers)

@@ -15,7 +15,7 @@ from contextpaw.fitting.fitter import Fitter
 from contextpaw.fitting.flow import Forward
 from contextpaw.ops.metrics import Stats
 from contextpaw.settings import FitSettings
-from support.fitters import FakeServices, chat, state
+from support.fitters import FakeServices, chat, next_turn, repeats_prefix, state
 from support.redis_server import redis_server
 
 SECRET = b"fleet" * 8
@@ -52,17 +52,10 @@ async def test_the_next_turn_on_another_instance_repeats_the_first_instances_cut
     first.store.flush()
     key = next(iter(first.plans))
     assert key not in second.plans and Plan.from_json(json.loads(second.store.get_plan(key) or b"{}")) == first.plans.get(key)
-    asked: list[str] = []
-    get_plan = second.store.get_plan
-    second.store.get_plan = lambda k: asked.append(k) or get_plan(k)  # type: ignore[method-assign]
-    following = {**turn, "messages": [*turn["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]}
-    two = state(following)
-    again = await second.fit(two)
+    again, two, asked = await next_turn(second, turn)
     assert isinstance(again, Forward) and two.report is not None
     assert asked == [key]  # found in the shared store: the same conversation key under the fleet's secret
-    sent_before, sent_now = json.loads(decision.body)["messages"], json.loads(again.body or b"{}")["messages"]
-    # the cut and its markers come out byte for byte: the prefix the server cached stays valid
-    assert sent_now[: len(sent_before) - 1] == sent_before[:-1]
+    assert repeats_prefix(decision.body, again.body)  # the cut and its markers byte for byte
     assert set(one.report.markers) <= set(two.report.markers)
     for f in (first, second):
         f.store.close()

@@ -158,16 +158,21 @@ def test_the_archive_is_private_to_its_user(tmp_path: Path) -> None:
         s.close()
 
 
-def test_put_returns_while_the_disk_is_stuck_and_get_answers_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A disk that takes seconds per write holds up the writer thread, never the caller."""
-    stuck = threading.Event()
+def slowed_writes(monkeypatch: pytest.MonkeyPatch, disk: Callable[[], object]) -> None:
+    """Every write of the SQLite archive's writer thread waits on `disk` first (a slow or stuck disk)."""
     write = SqliteStore._write
 
     def slow_write(self: SqliteStore, *args: object) -> None:
-        stuck.wait(30)
+        disk()
         write(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(SqliteStore, "_write", slow_write)
+
+
+def test_put_returns_while_the_disk_is_stuck_and_get_answers_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that takes seconds per write holds up the writer thread, never the caller."""
+    stuck = threading.Event()
+    slowed_writes(monkeypatch, lambda: stuck.wait(30))
     s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=10, max_bytes=1 << 20, max_age_s=60)
     try:
         started = time.perf_counter()
@@ -185,13 +190,7 @@ def test_put_returns_while_the_disk_is_stuck_and_get_answers_meanwhile(tmp_path:
 def test_a_search_right_after_an_eviction_finds_what_was_evicted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent searches for what the marker it just read names: the write behind the put is
     waited for, however slow the disk."""
-    write = SqliteStore._write
-
-    def slow_write(self: SqliteStore, *args: object) -> None:
-        time.sleep(0.3)
-        write(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(SqliteStore, "_write", slow_write)
+    slowed_writes(monkeypatch, lambda: time.sleep(0.3))
     s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=10, max_bytes=1 << 20, max_age_s=60)
     try:
         s.put("cp-fresh", encode([{"role": "tool", "content": "a log line from the build"}]))

@@ -128,3 +128,21 @@ def with_counting(f: Fitter, counting: Any) -> Fitter:
 
 def tokens_of(text: str) -> int:
     return (len(text.encode()) + 3) // 4
+
+
+async def next_turn(f: Fitter, turn: dict[str, Any]) -> tuple[Any, FlowState, list[str]]:
+    """The conversation of `turn` one exchange later, fitted by `f` (another instance, or the same
+    after a restart): the decision, its state, and the plan keys `f` asked its store for."""
+    asked: list[str] = []
+    get_plan = f.store.get_plan
+    f.store.get_plan = lambda k: asked.append(k) or get_plan(k)  # type: ignore[method-assign]
+    following = {**turn, "messages": [*turn["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]}
+    s = state(following)
+    return await f.fit(s), s, asked
+
+
+def repeats_prefix(first: bytes, then: bytes | None) -> bool:
+    """Whether the later request starts with what the first sent (its last message aside): the
+    cut and its markers byte for byte, so the prefix the server cached stays valid."""
+    before, now = json.loads(first)["messages"], json.loads(then or b"{}")["messages"]
+    return bool(now[: len(before) - 1] == before[:-1])
