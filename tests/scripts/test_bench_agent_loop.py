@@ -109,12 +109,12 @@ def test_the_plot_is_written(tmp_path: Path) -> None:
 
 
 def test_the_benchmark_table_counts_why_each_turn_fell_below_its_ceiling() -> None:
-    import bench
+    from sections import report
 
     rows = [turn(9, True, 50, 50, 10), turn(11, True, 60, 40, 10), turn(12, True, 70, 30, 10)]
     rows[0]["recut_detail"] = {"before_last_marker": False, "earlier_cut_noted": False}
     rows[1]["recut_detail"] = {"before_last_marker": True, "earlier_cut_noted": True}
     rows[2]["recut_detail"] = {"before_last_marker": True, "earlier_cut_noted": False}
-    said = bench.recut_reasons(rows)
+    said = report.recut_reasons(rows)
     assert said.startswith("1 re-cut after the last marker") and "1 forced before it by the budget" in said
     assert "1 before it unnoted, 0 other" in said and said.endswith("worst turn 9: 50% of 90%")
