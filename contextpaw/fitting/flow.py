@@ -1,8 +1,9 @@
 """One handled flow as the core sees it: its phase, what was decided, and what was sent.
 
 `FlowState` goes with a flow from its request to its last byte; `Phase` and `PHASES` say where it is
-and where it may go next (in the manner of h11's `_state.py`: every step is in the table, and any
-other raises). The decision a request gets is a `Forward` or a `Refuse`. Pure data, no I/O.
+and where it may go next (in the manner of h11's `_state.py`: every step is in the table, and
+`core.lifecycle.advance` raises on any other). The decision a request gets is a `Forward` or a
+`Refuse`. Pure data, no I/O.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from contextpaw import wire
+from contextpaw.core.lifecycle import IllegalTransition, advance
 from contextpaw.core.refs import Refs
 from contextpaw.core.report import Report
 from contextpaw.core.truncation import EXACT_BOUNDS
@@ -65,8 +67,12 @@ PHASES: dict[Phase, frozenset[Phase]] = {
 """The phases each phase may go to; any other step is a bug (`IllegalPhase`)."""
 
 
-class IllegalPhase(RuntimeError):
+class IllegalPhase(IllegalTransition):
     """A step the phase table does not allow."""
+
+    @staticmethod
+    def told(current: Enum, to: Enum) -> str:
+        return f"a flow {current.value} cannot be {to.value}"
 
 
 @dataclass(slots=True, weakref_slot=True)
@@ -109,9 +115,7 @@ class FlowState:
     """The labels of this request's metrics (its model once it is read)."""
 
     def advance(self, to: Phase) -> None:
-        if to not in PHASES[self.phase]:
-            raise IllegalPhase(f"a flow {self.phase.value} cannot be {to.value}")
-        self.phase = to
+        self.phase = advance(PHASES, self.phase, to, IllegalPhase)
 
     @property
     def local(self) -> bool:

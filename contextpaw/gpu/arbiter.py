@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from contextpaw.core import logs
+from contextpaw.core.lifecycle import advance
 from contextpaw.gpu.card import Card
 from contextpaw.gpu.nvml import GpuProbe, NoVram, NvmlProbe, VramReading
 from contextpaw.gpu.ollama_models import OllamaModels
@@ -45,7 +46,6 @@ from contextpaw.gpu.placement import (
     SwitchCancelled,
     SwitchFailed,
     Wait,
-    advance,
     blocking,
     decide,
     retry_after,

@@ -3,7 +3,8 @@ the margins it keeps, and the phases a switch goes through.
 
 Everything that decides where a request goes or what a switch may do next lives here, in the manner
 of h11's ``_state.py``: :func:`decide` turns the card's readings into an :data:`Admission`, and
-:data:`PHASES` lists every step a switch may take from each phase (:func:`advance` refuses the rest).
+:data:`PHASES` lists every step a switch may take from each phase (``core.lifecycle.advance``
+refuses the rest).
 :class:`~contextpaw.gpu.arbiter.Arbiter` is the I/O around them.
 """
 
@@ -13,8 +14,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
+from contextpaw.core.lifecycle import staying
 from contextpaw.gpu.vram import MIB
 from contextpaw.wire import Kind
 
@@ -173,10 +175,6 @@ class SwitchCancelled(Exception):
     """Every request that waited for the switch gave up (a 503, or the client went away)."""
 
 
-class IllegalTransition(RuntimeError):
-    """A step no table allows: a bug in the arbiter, never the caller's doing."""
-
-
 class Phase(StrEnum):
     """What the arbiter is doing; the value is what ``/contextpaw/runtime`` shows as ``state``."""
 
@@ -195,25 +193,18 @@ class Phase(StrEnum):
 _SETTLED = frozenset({Phase.IDLE, Phase.READY})
 """Where every switch ends: done, failed or cancelled."""
 
-PHASES: Mapping[Phase, frozenset[Phase]] = {
-    Phase.IDLE: frozenset({Phase.DRAINING, Phase.READY}),  # READY: a switch cancelled before its first step
-    Phase.READY: frozenset({Phase.DRAINING, Phase.IDLE}),  # IDLE: the only resident runtime exited on its own
-    Phase.DRAINING: frozenset({Phase.UNLOADING_OLLAMA, Phase.STOPPING_SERVER, Phase.STARTING_SERVER}) | _SETTLED,
-    Phase.UNLOADING_OLLAMA: frozenset({Phase.RELEASING_OLLAMA, Phase.STARTING_SERVER}) | _SETTLED,
-    Phase.RELEASING_OLLAMA: frozenset({Phase.STARTING_SERVER}) | _SETTLED,
-    Phase.STOPPING_SERVER: frozenset({Phase.RELEASING_SERVER}) | _SETTLED,
-    Phase.RELEASING_SERVER: _SETTLED,
-    Phase.STARTING_SERVER: _SETTLED,
-}
+PHASES: Mapping[Phase, frozenset[Phase]] = staying(
+    {
+        Phase.IDLE: frozenset({Phase.DRAINING, Phase.READY}),  # READY: a switch cancelled before its first step
+        Phase.READY: frozenset({Phase.DRAINING, Phase.IDLE}),  # IDLE: the only resident runtime exited on its own
+        Phase.DRAINING: frozenset({Phase.UNLOADING_OLLAMA, Phase.STOPPING_SERVER, Phase.STARTING_SERVER}) | _SETTLED,
+        Phase.UNLOADING_OLLAMA: frozenset({Phase.RELEASING_OLLAMA, Phase.STARTING_SERVER}) | _SETTLED,
+        Phase.RELEASING_OLLAMA: frozenset({Phase.STARTING_SERVER}) | _SETTLED,
+        Phase.STOPPING_SERVER: frozenset({Phase.RELEASING_SERVER}) | _SETTLED,
+        Phase.RELEASING_SERVER: _SETTLED,
+        Phase.STARTING_SERVER: _SETTLED,
+    }
+)
 """From each phase, the phases a switch may go to next: drain, evict (unload or stop, then wait for
-the memory), start, and settle. A switch to Ollama starts nothing: Ollama loads on the request."""
-
-State = TypeVar("State", bound=StrEnum)
-
-
-def advance(table: Mapping[State, frozenset[State]], current: State, to: State) -> State:
-    """``to``, when ``table`` allows it from ``current`` (staying is always allowed); else
-    :class:`IllegalTransition`."""
-    if to is not current and to not in table[current]:
-        raise IllegalTransition(f"{current!r} cannot go to {to!r}")
-    return to
+the memory), start, and settle; staying is no step. A switch to Ollama starts nothing: Ollama loads
+on the request. Checked by :func:`~contextpaw.core.lifecycle.advance`, as every state table is."""

@@ -25,8 +25,9 @@ from typing import Any
 import aiohttp
 
 from contextpaw.core import logs
+from contextpaw.core.lifecycle import advance, staying
 from contextpaw.gpu.nvml import GpuProbe, NoVram, VramReading, poll_until, sample
-from contextpaw.gpu.placement import Release, SwitchFailed, advance
+from contextpaw.gpu.placement import Release, SwitchFailed
 from contextpaw.gpu.vram import Need, estimate, read_shape, server_plan
 
 logger = logs.get(__name__)
@@ -120,14 +121,16 @@ class ServerState(StrEnum):
     """Signalled; a stop cut short (a switch that timed out) stays here until stopped again."""
 
 
-SERVER_STATES: Mapping[ServerState, frozenset[ServerState]] = {
-    ServerState.STOPPED: frozenset({ServerState.STARTING}),
-    ServerState.STARTING: frozenset({ServerState.READY, ServerState.STOPPING, ServerState.STOPPED}),
-    ServerState.READY: frozenset({ServerState.STOPPING, ServerState.STOPPED}),
-    ServerState.STOPPING: frozenset({ServerState.STOPPED}),
-}
-"""From each state, the states the server may go to next; STOPPED from STARTING or READY is a
-process that exited by itself (or could not be spawned)."""
+SERVER_STATES: Mapping[ServerState, frozenset[ServerState]] = staying(
+    {
+        ServerState.STOPPED: frozenset({ServerState.STARTING}),
+        ServerState.STARTING: frozenset({ServerState.READY, ServerState.STOPPING, ServerState.STOPPED}),
+        ServerState.READY: frozenset({ServerState.STOPPING, ServerState.STOPPED}),
+        ServerState.STOPPING: frozenset({ServerState.STOPPED}),
+    }
+)
+"""From each state, the states the server may go to next (staying is no step); STOPPED from
+STARTING or READY is a process that exited by itself (or could not be spawned)."""
 
 
 class Supervisor:

@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from contextpaw.core.lifecycle import IllegalTransition, advance
 from contextpaw.gpu import arbiter as runtime
 from contextpaw.gpu import supervisor
 from contextpaw.gpu.arbiter import Arbiter, ArbiterSettings, RuntimeUnavailable
@@ -33,13 +34,11 @@ from contextpaw.gpu.placement import (
     PHASES,
     Admit,
     Decline,
-    IllegalTransition,
     Load,
     Phase,
     Release,
     Room,
     Wait,
-    advance,
     blocking,
     decide,
     retry_after,
