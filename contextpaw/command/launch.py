@@ -120,6 +120,13 @@ MCP_STARTUP_S = 30
 Python start on a busy machine)."""
 
 
+MCP_GRANTS = tuple(f"mcp__{MCP_NAME}__{tool}" for tool in MCP_TOOLS)
+"""The two tools as Claude Code and Qwen Code name them, granted so that they run without asking:
+without a person to ask (`claude -p`, Qwen Code's prompt on stdin) each refuses a tool it would ask
+for ("Claude requested permissions to use mcp__contextpaw__contextpaw_retrieve, but you haven't
+granted it yet.")."""
+
+
 def _mcp_note(agent: str, how: str) -> str:
     return f"{agent}: contextpaw_retrieve and contextpaw_search (`contextpaw mcp`, MCP server {MCP_NAME!r}) through {how}"
 
@@ -150,9 +157,12 @@ def claude(target: Target) -> Launch:
         + (f"it compacts its history from {compacts} tokens" if compacts > 0 else
            "it keeps 13,000 tokens for a summary, more than the window leaves: raise the window"),
         _mcp_note("Claude Code", "--mcp-config (this session only, beside your own servers)"),
+        f"Claude Code: {' and '.join(MCP_GRANTS)} run without asking (--allowedTools; "
+        "your own --allowedTools add to it)",
     )  # fmt: skip
-    # One argument, `--mcp-config=JSON`: the flag takes several values, and would take the user's prompt after it too.
-    argv = ("claude", "--mcp-config=" + json.dumps(servers, separators=(",", ":")))
+    # One argument each, `--flag=VALUE`: both flags take several values, and would take the user's prompt after them
+    # too. Claude Code adds up the values of a flag given again, so the user's own `--allowedTools` keeps ours.
+    argv = ("claude", "--mcp-config=" + json.dumps(servers, separators=(",", ":")), "--allowedTools=" + ",".join(MCP_GRANTS))
     return Launch("claude", argv, _frozen(env), _frozen({"ANTHROPIC_AUTH_TOKEN": "contextpaw"}), notes=notes)
 
 
@@ -169,11 +179,16 @@ def codex(target: Target) -> Launch:
         f"mcp_servers.{MCP_NAME}.command": json.dumps(target.mcp[0]),
         f"mcp_servers.{MCP_NAME}.args": json.dumps(list(target.mcp[1:])),
         f"mcp_servers.{MCP_NAME}.startup_timeout_sec": str(MCP_STARTUP_S),
+        # `codex exec` never asks, and fails a call it would ask for ("MCP tool call requires approval, but approval
+        # policy is never"): each tool approved by name
+        **{f"mcp_servers.{MCP_NAME}.tools.{tool}.approval_mode": '"approve"' for tool in MCP_TOOLS},
     }
     argv = ("codex", *(a for key, value in overrides.items() for a in ("-c", f"{key}={value}")))
     notes = (f"Codex: window {target.window} (model_context_window); it compacts its history from "
              f"{target.compact_at} tokens (model_auto_compact_token_limit)",
-             _mcp_note("Codex", f"-c mcp_servers.{MCP_NAME}.*"))  # fmt: skip
+             _mcp_note("Codex", f"-c mcp_servers.{MCP_NAME}.*"),
+             f"Codex: {' and '.join(MCP_TOOLS)} run without asking "
+             f"(-c mcp_servers.{MCP_NAME}.tools.<tool>.approval_mode=\"approve\")")  # fmt: skip
     return Launch("codex", argv, notes=notes)
 
 
@@ -195,10 +210,14 @@ def opencode(target: Target) -> Launch:
         "model": f"contextpaw/{target.model}",
         "small_model": f"contextpaw/{target.model}",
         "mcp": {MCP_NAME: {"type": "local", "command": list(target.mcp), "enabled": True, "timeout": MCP_STARTUP_S * 1000}},
+        # run without asking: `opencode run` rejects what it would ask for; the user's other rules stay (merged)
+        "permission": {f"{MCP_NAME}_{tool}": "allow" for tool in MCP_TOOLS},
     }
     notes = (f"opencode: window {target.window}, answers up to {target.output} (limit.context, limit.output) "
              f"in {path}, through OPENCODE_CONFIG",
-             _mcp_note("opencode", f"mcp.{MCP_NAME} in the same file"))  # fmt: skip
+             _mcp_note("opencode", f"mcp.{MCP_NAME} in the same file"),
+             f"opencode: {' and '.join(f'{MCP_NAME}_{tool}' for tool in MCP_TOOLS)} run without asking (permission in "
+             "the same file, over your own rules)")  # fmt: skip
     return Launch("opencode", ("opencode",), _frozen({"OPENCODE_CONFIG": str(path)}),
                   files=MappingProxyType({path: json.dumps(config, indent=2) + "\n"}), notes=notes)  # fmt: skip
 
@@ -242,13 +261,18 @@ def qwen(target: Target) -> Launch:
         "model": {"generationConfig": {"contextWindowSize": target.window}},
         "mcpServers": {MCP_NAME: {"command": target.mcp[0], "args": list(target.mcp[1:])}},
         # declared up front, not deferred behind its tool_search (a local model seldom searches); a union over scopes
-        "tools": {"visible": [f"mcp__{MCP_NAME}__{tool}" for tool in MCP_TOOLS]},
+        "tools": {"visible": list(MCP_GRANTS)},
+        # run without asking: without a prompt (-p, stdin) Qwen Code declines a tool it would ask for; a union over
+        # scopes, under the user's own deny and ask rules
+        "permissions": {"allow": list(MCP_GRANTS)},
     }
     env = {"OPENAI_BASE_URL": _v1(target), "OPENAI_MODEL": target.model, "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(path),
            "QWEN_CODE_MAX_OUTPUT_TOKENS": str(target.output)}  # fmt: skip
     notes = (f"Qwen Code: window {target.window} (model.generationConfig.contextWindowSize in {path}, through "
              f"QWEN_CODE_SYSTEM_DEFAULTS_PATH), answers up to {target.output} (QWEN_CODE_MAX_OUTPUT_TOKENS)",
-             _mcp_note("Qwen Code", f"mcpServers.{MCP_NAME} in the same file"))  # fmt: skip
+             _mcp_note("Qwen Code", f"mcpServers.{MCP_NAME} in the same file"),
+             f"Qwen Code: {' and '.join(MCP_GRANTS)} run without asking (permissions.allow in the same file, beside "
+             "your own rules)")  # fmt: skip
     return Launch("qwen", ("qwen", "--auth-type", "openai", "-m", target.model), _frozen(env),
                   _frozen({"OPENAI_API_KEY": "contextpaw"}), MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}), notes)  # fmt: skip
 

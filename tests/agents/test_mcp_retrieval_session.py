@@ -10,6 +10,11 @@ marker's reference, once, between two reads; the agent runs the tool (the `conte
 launch registered, which reads the proxy's archive) and sends its result back, which the model's
 log records. Two sessions run one after the other through the same proxy (one secret).
 
+The agent runs the tool on launch's grant alone (Claude Code's `--allowedTools`, Codex's
+`approval_mode`, opencode's `permission`, Qwen Code's `permissions.allow`; none of them asks a
+person without a terminal, each refuses instead); the second session adds the user's own grants and
+rules beside it.
+
 The state directory launch is given is not the proxy's: the MCP server has no token, so only a
 reference with its capability, as the marker shows it, reads anything.
 """
@@ -37,13 +42,21 @@ from support.scripted_model import PARSERS, retrieved
 WINDOW, FILES, TOLD = 32768, 14, 262144
 """The served window, the files a session reads, and the window the agent is told (so that its own
 compaction never fires before ContextPaw's cut)."""
-ALLOW = {"claude": ["--allowedTools", "mcp__contextpaw__contextpaw_retrieve"]}
-"""What the agent needs to run the tool without asking: `claude -p` refuses an MCP tool it was not
-allowed ("Claude requested permissions to use mcp__contextpaw__contextpaw_retrieve, but you haven't
-granted it yet.")."""
+USERS_OWN_ARGS = {"claude": ["--allowedTools", "Read"]}
+"""A grant of the user's own, passed to the second session after launch's: `claude -p` refuses an
+MCP tool it was not allowed ("Claude requested permissions to use
+mcp__contextpaw__contextpaw_retrieve, but you haven't granted it yet."), and launch's own
+`--allowedTools` must survive the user's (Claude Code adds up the values of a flag given twice)."""
+USERS_OWN_OPENCODE = {"permission": {"contextpaw_*": "ask", "bash": "ask"}}
+"""The second session's user config for opencode (~/.config/opencode/opencode.json): its rules ask
+for every contextpaw tool, which `opencode run` rejects ("permission requested:
+contextpaw_contextpaw_retrieve (*); auto-rejecting", and the session ends); launch's grant, in the
+config it merges over the user's, must win for its two tools."""
 QWEN_STUB = "<persisted-output>\nOutput too large"
 """What Qwen Code sends the model instead of a tool's result over its limit (the result saved to a
 file under its home): a hole that held earlier retrievals' results comes back as that stub."""
+CODEX_HEADER = re.compile(r"\AWall time: [0-9.]+ seconds\nOutput:")
+"""What Codex puts before every tool result it sends the model (an MCP tool's too)."""
 NUMBERED = re.compile(r"^ *\d+(?:\t|\u2192|\| |: )", re.MULTILINE)
 """The line numbers an agent's read tool puts before each line of a file (Claude Code's `   12\\t` or
 `   12→`, opencode's `12: `)."""
@@ -104,7 +117,7 @@ class Run:
         """The task's files whose whole text the retrieved content holds, byte for byte once the read
         tool's line numbers are taken off, or of which it is a part (the middle ContextPaw cut from a
         file too long to keep whole)."""
-        strings = list(_strings(_loaded(text)))
+        strings = list(_strings(_loaded(CODEX_HEADER.sub("", text) if self.agent == "codex" else text)))
         found = []
         for path in self.paths:
             disk = path.read_text()
@@ -142,15 +155,21 @@ def _strings(value: Any) -> Any:
             yield from _strings(inner)
 
 
-def one_session(agent: str, binary: Path, front: str, work: Path, log: Path) -> Run:
+def one_session(agent: str, binary: Path, front: str, work: Path, log: Path, users_own: bool = False) -> Run:
+    """One session through `contextpaw launch`; `users_own`: with the user's own grants and rules
+    beside launch's (`USERS_OWN_ARGS`, `USERS_OWN_OPENCODE`)."""
     project = work / "project"
     paths = make_files(project / "notes", FILES)
     for path in paths:  # each session's own files: a reference names content, and the same content the same one
         path.write_text(f"session {work.name}\n{path.read_text()}")
     home = work / "home"
+    if agent == "opencode" and users_own:
+        (home / ".config" / "opencode").mkdir(parents=True, exist_ok=True)
+        (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps(USERS_OWN_OPENCODE))
     start = len(read_log(log)) if log.exists() else 0
     own, env, stdin = headless(agent, home, task(paths))
-    own = [*own, *ALLOW.get(agent, [])]
+    # no grant of the test's own (not Qwen Code's --yolo): the tool runs on the one launch gives it
+    own = [*(a for a in own if a != "--yolo"), *(USERS_OWN_ARGS.get(agent, []) if users_own else [])]
     env = cli.scratch_env(home, {**env, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
     argv = [sys.executable, "-m", "contextpaw.command.cli", "launch", agent, "--url", front, "--window", str(TOLD),
             "--state-dir", str(work / "state"), "--", *own]  # fmt: skip
@@ -211,7 +230,7 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, agent: str) -> Sessions:
             stack, stops = cli.start_contextpaw_stack(work / "stack", model.url)
             exits.enter_context(stops)
             first = one_session(agent, binary, stack.front, work / "first", log)
-            second = one_session(agent, binary, stack.front, work / "second", log)
+            second = one_session(agent, binary, stack.front, work / "second", log, users_own=True)
             first.sent_results = second.sent_results = sent_results(read_log(stack.front_log))
             asked = sorted(first.marker_refs())
             checks: list[tuple[bool, str]] = []
@@ -228,7 +247,7 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, agent: str) -> Sessions:
     return _done[agent]
 
 
-AGENTS = pytest.mark.parametrize("agent", ["claude", "opencode", "qwen"])
+AGENTS = pytest.mark.parametrize("agent", ["claude", "codex", "opencode", "qwen"])
 
 
 @AGENTS

@@ -199,6 +199,46 @@ def test_qwen_code_gets_the_mcp_server_in_its_generated_defaults() -> None:
     assert defaults["tools"]["visible"] == ["mcp__contextpaw__contextpaw_retrieve", "mcp__contextpaw__contextpaw_search"]
 
 
+GRANTED = ["mcp__contextpaw__contextpaw_retrieve", "mcp__contextpaw__contextpaw_search"]
+
+
+def test_claude_code_is_granted_exactly_the_two_tools_in_one_argument_that_adds_to_the_users_own() -> None:
+    """`claude -p` refuses a tool it would ask for. `--allowedTools` takes several values: as one
+    `--allowedTools=A,B` argument it cannot take the user's prompt after it, and Claude Code adds a
+    user's own `--allowedTools` (after it) to it instead of replacing it."""
+    plan = launch.plan("claude", mcp_target())
+    (given,) = [a for a in plan.argv if a.startswith("--allowedTools") or a.startswith("--allowed-tools")]
+    assert given.split("=", 1) == ["--allowedTools", ",".join(GRANTED)]
+    assert plan.argv[0] == "claude" and "=" in plan.argv[-1]  # the user's arguments follow a flag that takes no more
+    assert any("--allowedTools" in note and "contextpaw_retrieve" in note and "your own" in note for note in plan.notes)
+
+
+def test_codex_approves_exactly_the_two_tools_by_name() -> None:
+    """`codex exec` never asks, and fails a tool call it would ask for."""
+    given = overrides(launch.plan("codex", mcp_target()))
+    approvals = {key: value for key, value in given.items() if "approval" in key}
+    assert approvals == {f"mcp_servers.contextpaw.tools.{tool}.approval_mode": '"approve"'
+                         for tool in ("contextpaw_retrieve", "contextpaw_search")}  # fmt: skip
+    assert any("approval_mode" in note for note in launch.plan("codex", mcp_target()).notes)
+
+
+def test_opencode_allows_exactly_the_two_tools_in_its_generated_config() -> None:
+    """`opencode run` rejects what it would ask for; the permission rules merge over the user's own."""
+    plan = launch.plan("opencode", mcp_target())
+    ((_, text),) = plan.files.items()
+    assert json.loads(text)["permission"] == {"contextpaw_contextpaw_retrieve": "allow", "contextpaw_contextpaw_search": "allow"}
+    assert any("permission" in note for note in plan.notes)
+
+
+def test_qwen_code_allows_exactly_the_two_tools_in_its_generated_defaults() -> None:
+    """Qwen Code without a terminal declines what it would ask for; `permissions.allow` is a union
+    over its settings' scopes, under the user's own deny and ask rules."""
+    plan = launch.plan("qwen", mcp_target())
+    defaults = json.loads(plan.files[Path(plan.env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"])])
+    assert defaults["permissions"] == {"allow": GRANTED}
+    assert "--yolo" not in plan.argv and any("permissions.allow" in note for note in plan.notes)
+
+
 def test_aider_has_no_mcp_and_its_notes_say_so() -> None:
     plan = launch.plan("aider", mcp_target())
     assert any("no MCP" in note and "curl" in note for note in plan.notes)
@@ -216,6 +256,7 @@ def test_the_printed_script_registers_the_mcp_server(agent: str) -> None:
     script = launch.plan(agent, mcp_target()).script()
     assert "/venv/bin/contextpaw" in script and "http://127.0.0.1:8092" in script
     assert "contextpaw_retrieve" in script  # the note, as a comment
+    assert "run without asking" in script
 
 
 def test_a_default_yields_to_the_users_own_value(tmp_path: Path) -> None:

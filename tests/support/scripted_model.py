@@ -171,6 +171,9 @@ class Call:
     name: str
     arguments: str
     """JSON text, as rendered."""
+    namespace: str = ""
+    """The Responses namespace the tool is in (Codex's MCP tools: ``mcp__contextpaw``); ``name`` is
+    then the tool's name inside it."""
 
 
 @dataclass
@@ -272,7 +275,8 @@ def from_responses(body: dict[str, Any]) -> Conversation:
             messages.append(Message(str(item.get("role") or ""), _text(item.get("content"))))
         elif kind in ("function_call", "custom_tool_call", "local_shell_call"):
             args = item.get("arguments") if kind == "function_call" else item.get("input", item.get("action"))
-            call = Call(str(item.get("call_id") or ""), str(item.get("name") or kind), _arguments(args))
+            name = str(item.get("name") or kind)
+            call = Call(str(item.get("call_id") or ""), str(item.get("namespace") or "") + name, _arguments(args))
             if messages and messages[-1].role == "assistant" and not messages[-1].result_of:
                 messages[-1].calls.append(call)
             else:
@@ -365,9 +369,15 @@ def tool_names(tools: list[Any]) -> list[str]:
     return names
 
 
-def retrieve_tool(tools: list[Any]) -> str | None:
-    """The agent's spelling of ContextPaw's retrieval tool, if the request offers it."""
-    return next((name for name in tool_names(tools) if name.endswith(RETRIEVE_TOOL)), None)
+def retrieve_tool(tools: list[Any]) -> tuple[str, str] | None:
+    """The agent's spelling of ContextPaw's retrieval tool, if the request offers it: (namespace,
+    name), the namespace empty where the tool is not in one."""
+    for tool in tools:
+        if isinstance(tool, dict) and tool.get("type") == "namespace":
+            inner = retrieve_tool(list(tool.get("tools") or []))
+            if inner is not None:
+                return str(tool.get("name") or ""), inner[1]
+    return next((("", name) for name in tool_names(tools) if name.endswith(RETRIEVE_TOOL)), None)
 
 
 def marker_refs(conversation: Conversation) -> list[str]:
@@ -469,7 +479,7 @@ class Script:
             wanted = next((ref for ref in marker_refs(conversation) if ref not in session.asked), None)
             if wanted is not None:
                 session.asked.append(wanted)
-                call = Call(f"call_{uuid.uuid4().hex[:20]}", retrieval, compact_json({"ref": wanted}))
+                call = Call(f"call_{uuid.uuid4().hex[:20]}", retrieval[1], compact_json({"ref": wanted}), retrieval[0])
                 return Reply(call=call, kind="retrieve")
         visible = [n for _, n in read_calls(conversation, session.files)]
         session.confirmed = max([session.confirmed, *visible])
@@ -605,7 +615,7 @@ class ScriptedModel:
             entry["refs_seen"] = marker_refs(conversation)
             entry["retrieved"] = [{**r, "tokens": len(self.tokens(r["text"]))} for r in retrieved(conversation)]
             if reply.call and reply.kind == "retrieve":
-                entry["reply"]["call"] = {"name": reply.call.name, "arguments": reply.call.arguments}
+                entry["reply"]["call"] = {"name": reply.call.namespace + reply.call.name, "arguments": reply.call.arguments}
         self.write(entry)
         writer = WRITERS[api](self.settings.model, body)
         if body.get("stream") is True or (api == "ollama" and body.get("stream") is not False):  # Ollama streams unless told not to
@@ -791,8 +801,9 @@ class ResponsesAnswer:
     def _item(self, reply: Reply, done: bool) -> dict[str, Any]:
         status = "completed" if done else "in_progress"
         if reply.call:
+            where = {"namespace": reply.call.namespace} if reply.call.namespace else {}
             return {"id": f"fc_{self.item_id}", "type": "function_call", "status": status, "call_id": reply.call.id,
-                    "name": reply.call.name, "arguments": reply.call.arguments if done else ""}  # fmt: skip
+                    "name": reply.call.name, **where, "arguments": reply.call.arguments if done else ""}  # fmt: skip
         content = [{"type": "output_text", "text": reply.text, "annotations": []}] if done else []
         return {"id": f"msg_{self.item_id}", "type": "message", "status": status, "role": "assistant", "content": content}
 

@@ -6,7 +6,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from support.scripted_model import FACTS_FILE, Script, ScriptedModel, Session, Settings, from_chat, render_messages, retrieved
+from support.scripted_model import (
+    FACTS_FILE,
+    ResponsesAnswer,
+    Script,
+    ScriptedModel,
+    Session,
+    Settings,
+    from_chat,
+    from_responses,
+    render_messages,
+    retrieved,
+)
 
 
 class Characters:
@@ -91,6 +102,24 @@ def test_with_retrieve_a_marker_s_reference_is_asked_for_once_with_the_agent_s_s
     assert retrieved(back) == [{"call": "c1", "ref": REF, "text": "the text"}]
     assert script.reply(session, back, "").kind == "tool"  # the reference was asked for once: the reading goes on
     assert script.reply(session, conversation, "").kind == "tool"
+
+
+def test_with_retrieve_a_tool_in_a_responses_namespace_is_called_by_its_namespace_and_name() -> None:
+    """Codex offers an MCP server's tools in a namespace (`mcp__contextpaw`): the call names both."""
+    namespace = {"type": "namespace", "name": "mcp__contextpaw", "tools": [{"type": "function", "name": "contextpaw_retrieve"}]}
+    body = {"tools": [{"type": "function", "name": "exec_command"}, namespace],
+            "input": [{"role": "user", "content": "Read /p/file-01.txt then /p/file-02.txt"}, MARKER]}  # fmt: skip
+    script = Script(retrieve=True)
+    conversation = from_responses(body)
+    asked = script.reply(script.session("s", conversation), conversation, "")
+    assert asked.kind == "retrieve" and asked.call is not None
+    assert (asked.call.namespace, asked.call.name) == ("mcp__contextpaw", "contextpaw_retrieve")
+    item = ResponsesAnswer("m", body).whole(asked, (1, 1))["output"][0]
+    assert (item["namespace"], item["name"]) == ("mcp__contextpaw", "contextpaw_retrieve")
+    back = from_responses(
+        {**body, "input": [*body["input"], item, {"type": "function_call_output", "call_id": item["call_id"], "output": "t"}]}
+    )
+    assert retrieved(back) == [{"call": item["call_id"], "ref": REF, "text": "t"}]
 
 
 def test_without_retrieve_or_without_the_tool_a_marker_asks_for_nothing() -> None:
