@@ -37,7 +37,7 @@ import itertools
 import math
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from contextpaw.core.conversation import Conversation, Message, Unit
@@ -259,8 +259,7 @@ def compact_chat(
             except BudgetTooSmall:
                 continue
             if nearer.report.final_tokens <= budget:
-                nearer.report.budget = budget
-                return nearer
+                return replace(nearer, report=replace(nearer.report, budget=budget))
         raise
 
 
@@ -330,7 +329,8 @@ class _ChatCompaction:
         self.holes = Holes(self.msgs, self.cost, counter, digests, refs)
 
     def run(self) -> ChatResult:
-        report = as_sent(self.fixed + self.kept, self.budget, self.counter)
+        original = self.fixed + self.kept
+        notes: list[str] = []
         pinned = self.fixed + sum(self.unit_cost[u] for u in self.pinned)
         if pinned > self.budget:
             what = "the system prompt, the tool definitions and the conversation's opening"
@@ -347,18 +347,18 @@ class _ChatCompaction:
             self.must_fit()
             self.refill(self.target)
             self.fill(self.target)
-        elif cut:
-            self.recut(last, report)
+        elif cut and (changed := self.recut(last)) is not None:
+            notes.append(changed)
 
         sent = render(self.msgs, self.cost, self.shrunk, self.holes, written=self.previous.notes, fixed=self.fixed, counter=self.counter)
-        sent.tell(report)
-        headroom = report.headroom = self.headroom if cut else self.previous.headroom
+        headroom = room = self.headroom if cut else self.previous.headroom
         held = cut and self.total() > self.target and self.evicted.issuperset(self.evictable)
         if held:  # all that could go is gone: the room left is what the kept part leaves, and the target is said so
-            report.headroom = max(self.budget - report.final_tokens, 0) / self.budget
-            report.notes.append(f"what must be kept (the head, the latest turns and the file just read, whole) takes "
-                                f"{report.final_tokens} of the budget's {self.budget} tokens: the cut leaves "
-                                f"{report.headroom:.0%} of it free, less than its headroom of {self.headroom:.0%}")  # fmt: skip
+            room = max(self.budget - sent.tokens, 0) / self.budget
+            notes.append(f"what must be kept (the head, the latest turns and the file just read, whole) takes "
+                         f"{sent.tokens} of the budget's {self.budget} tokens: the cut leaves "
+                         f"{room:.0%} of it free, less than its headroom of {self.headroom:.0%}")  # fmt: skip
+        report = replace(sent.told(as_sent(original, self.budget, self.counter)), headroom=room, notes=tuple(notes))
         starts = {h[0] for h in self.holes}
         plan = Plan(
             evicted=frozenset(u.key for u in self.evicted),
@@ -427,7 +427,7 @@ class _ChatCompaction:
                     ends.append(i)
         return max(ends, default=None)
 
-    def recut(self, last: int, report: Report) -> None:
+    def recut(self, last: int) -> str | None:
         """A conversation that overflows again, last cut at message `last`: what was sent up to
         there is what the server cached, so the new cut goes after it, to the target (the headroom
         lets the next turns append instead of each cutting anew).
@@ -436,7 +436,8 @@ class _ChatCompaction:
         marker once sent is never rewritten. A message shrunk last is cut deeper next, then
         protected messages after the last cut are shrunk (not the newest). Only when the target
         cannot hold the prefix with what must follow, the newest unit whole, is anything before
-        it cut (and the newest shrunk only after that, into the budget), and the report says so."""
+        it cut (and the newest shrunk only after that, into the budget), and the note returned says
+        so (None: nothing before it was cut)."""
         target = self.target
         after = [u for u in self.evictable if min(u.indices) > last]
         self.evict_until(target, sorted(after, key=self.stalest_biggest))
@@ -463,10 +464,9 @@ class _ChatCompaction:
                 self.must_fit()
             earliest = min((min(u.indices) for u in self.evicted - self.sticky if min(u.indices) <= last), default=last)
             self.holes.unwall(earliest)
-        if changed:
-            report.notes.append(f"{EARLIER_CUT} (message {last}): {changed}")
         self.refill(target)
         self.fill(target)
+        return f"{EARLIER_CUT} (message {last}): {changed}" if changed else None
 
     def prefix_tokens(self, last: int) -> int:
         """Tokens of what is sent up to message `last` as the cuts stand: kept messages and markers."""

@@ -3,7 +3,7 @@ messages to evict, so its middle is cut and its head and tail are kept. Pure."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from contextpaw.core.compact import BudgetTooSmall, as_sent
 from contextpaw.core.refs import Refs
@@ -34,17 +34,19 @@ def compact_prompt(
     limit = budget if admit is None else max(admit, budget)
     if original <= limit:
         return PromptResult(None, as_sent(original, limit, counter))
-    report = as_sent(original, budget, counter)
     room = budget - fixed_tokens
     if room < SHRINK_FLOOR:
         raise BudgetTooSmall(fixed_tokens + SHRINK_FLOOR, budget, "the system text and template", original, counter)
     marker_id = refs.ref(prompt)
     cut = shrink_text(prompt, room, counter, refs.url)
     kept = cut.apply(prompt, marker_id, refs.url)
-    report.compacted = True
-    report.strategy = "head_tail"
-    report.final_tokens = fixed_tokens + counter.text(kept)
-    report.removals = [Removal(-1, "prompt", cut.elided, "shrunk", marker_id)]
-    report.markers = [marker_id]
-    report.evicted = {marker_id: prompt}
+    report = replace(
+        as_sent(original, budget, counter),
+        compacted=True,
+        strategy="head_tail",
+        final_tokens=fixed_tokens + counter.text(kept),
+        removals=(Removal(-1, "prompt", cut.elided, "shrunk", marker_id),),
+        markers=(marker_id,),
+        evicted={marker_id: prompt},
+    )
     return PromptResult(kept, report)

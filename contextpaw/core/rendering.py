@@ -4,7 +4,7 @@ in its place, and what the report tells of every removal. Pure."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from contextpaw.core.conversation import Message
@@ -25,16 +25,19 @@ class Rendered:
     notes: dict[str, str]
     """Marker id -> the marker's text as sent, for the next turn's plan to send again."""
 
-    def tell(self, report: Report) -> None:
-        """Put what was sent and what went into `report`."""
-        report.compacted = True
-        report.final_tokens = self.tokens
-        report.removals = self.removals
-        report.markers = list(dict.fromkeys(r.marker_id for r in self.removals))
-        report.evicted = self.evicted
+    def told(self, report: Report) -> Report:
+        """`report` with what was sent and what went."""
         actions = {r.action for r in self.removals}
-        report.strategy = "+".join(a for a, k in (("evict", "dropped"), ("summarize", "summarized"), ("shrink", "shrunk")) if k in actions)
-        report.summarized = "summarized" in actions
+        return replace(
+            report,
+            compacted=True,
+            final_tokens=self.tokens,
+            removals=tuple(self.removals),
+            markers=tuple(dict.fromkeys(r.marker_id for r in self.removals)),
+            evicted=self.evicted,
+            strategy="+".join(a for a, k in (("evict", "dropped"), ("summarize", "summarized"), ("shrink", "shrunk")) if k in actions),
+            summarized="summarized" in actions,
+        )
 
 
 def render(

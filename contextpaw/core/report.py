@@ -3,10 +3,15 @@
 It travels as response headers, as a `contextpaw` object in the body (or the stream's final record),
 as one log line, and as metrics. The evicted content rides along for retrieval and summarizing but is
 never put on the wire to the client by `to_json`.
+
+A report is a value: frozen, with tuples for its lists. Whoever adds to it (the engine's rendering,
+the sizer, llama-server's check, the digests, the answer's verdict, the rescue) makes the next one
+with `dataclasses.replace`; no one patches one that another holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -30,7 +35,7 @@ class Removal:
     marker_id: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Report:
     compacted: bool
     strategy: str
@@ -44,12 +49,12 @@ class Report:
     window: int | None = None
     headroom: float = 0.0
     """The share of the budget a cut left free so that the next turns append (0: no cut)."""
-    removals: list[Removal] = field(default_factory=list)
-    markers: list[str] = field(default_factory=list)
+    removals: tuple[Removal, ...] = ()
+    markers: tuple[str, ...] = ()
     recovered_from_upstream_400: bool = False
     summarized: bool = False
     summary_reason: str | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     upstream_truncated: Truncation | None = None
     """Set when the server evaluated less than it was sent: it cut the prompt anyway."""
     upstream_truncation_possible: Truncation | None = None
@@ -57,10 +62,11 @@ class Report:
     request ContextPaw did not change, near the window): said, never claimed."""
     required_tokens: int | None = None
     """For a refusal: what the least that may be sent would need (the whole request under strict)."""
-    evicted: dict[str, Any] = field(default_factory=dict, repr=False)
+    evicted: Mapping[str, Any] = field(default_factory=dict, repr=False)
     """marker id -> the content removed under it (messages or text), verbatim."""
-    _rows: tuple[list[Removal], int, list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
-    """The removals' JSON rows, kept: a report of thousands of removals is told more than once."""
+    _rows: tuple[tuple[Removal, ...], list[dict[str, Any]]] | None = field(default=None, repr=False, compare=False)
+    """The removals' JSON rows, kept: a report of thousands of removals is told more than once (a
+    report made from this one by `dataclasses.replace` keeps them while its removals are the same)."""
 
     @property
     def evicted_tokens(self) -> int:
@@ -100,13 +106,13 @@ class Report:
         return out
 
     def removal_rows(self) -> list[dict[str, Any]]:
-        """The removals as JSON rows, built once per list of removals (the engine sets the list
-        whole and never edits it)."""
+        """The removals as JSON rows, built once per tuple of removals: the one field a frozen
+        report sets after it is made, a cache of what its removals say."""
         rows = self._rows
-        if rows is None or rows[0] is not self.removals or rows[1] != len(self.removals):
-            rows = (self.removals, len(self.removals), [{key: getattr(r, key) for key in _REMOVAL} for r in self.removals])
-            self._rows = rows
-        return rows[2]
+        if rows is None or rows[0] is not self.removals:
+            rows = (self.removals, [{key: getattr(r, key) for key in _REMOVAL} for r in self.removals])
+            object.__setattr__(self, "_rows", rows)
+        return rows[1]
 
     def headers(self) -> dict[str, str]:
         """The numbers as headers, each named for what it is: a bound is `Tokens-At-Most`, never an

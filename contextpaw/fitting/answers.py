@@ -216,15 +216,16 @@ class AnswerCheck:
             and (possible := verdict.truncation) is not None
             and report.upstream_truncation_possible is None
         ):
-            report.upstream_truncation_possible = possible
-            _noted(report, possible.note)
+            report = replace(report, upstream_truncation_possible=possible, notes=_noted(report.notes, possible.note))
+            state.watched = report
             self.stats.add("upstream_truncation_possible", where=state.where)
             logger.warning("%s: the server may have cut a prompt counted at %d in a %d-token window (%s)",
                            state.path, possible.sent_tokens, report.window or 0, possible.reason)  # fmt: skip
         if verdict.evaluation is Evaluation.CUT and (truncation := verdict.truncation) is not None and report.upstream_truncated is None:
-            report.upstream_truncated = truncation
-            report.recovered_from_upstream_400 = False
-            _noted(report, truncation.note)
+            report = replace(
+                report, upstream_truncated=truncation, recovered_from_upstream_400=False, notes=_noted(report.notes, truncation.note)
+            )
+            state.watched = report
             self.stats.add("upstream_truncated", where=state.where)
             logger.warning(
                 "%s: the server evaluated %s of the %d prompt tokens it was sent (%s): silent truncation",
@@ -331,20 +332,23 @@ def _by_bytes(raw: bytes) -> Expected | None:
     return Expected(str(body.get("model", "")), None, body.get("stream") is True, openai.usage_asked(body))
 
 
-def _noted(report: Report, note: str | None) -> None:
-    if note is not None and note not in report.notes:
-        report.notes.append(note)
+def _noted(notes: tuple[str, ...], note: str | None) -> tuple[str, ...]:
+    """`notes` with `note` at the end, once."""
+    return notes if note is None or note in notes else (*notes, note)
 
 
 def _as_sent(observed: Report, sent: int) -> Report:
     """Under policy off, the report the client is told: of its own request, as it was sent, with
     the verdict on it (what would have been compacted is in the notes, never claimed)."""
-    told = as_sent(observed)
-    told.original_tokens = told.final_tokens = sent
-    told.upstream_truncated = observed.upstream_truncated
-    told.upstream_truncation_possible = observed.upstream_truncation_possible
-    told.notes = ["policy off: the request was sent as the client sent it"]
+    notes = ["policy off: the request was sent as the client sent it"]
     if observed.compacted:
-        told.notes.append(f"ContextPaw would have {observed.summary()}")
-    told.notes += [note for note in observed.notes if note.startswith("ContextPaw counted")]
-    return told
+        notes.append(f"ContextPaw would have {observed.summary()}")
+    notes += [note for note in observed.notes if note.startswith("ContextPaw counted")]
+    return replace(
+        as_sent(observed),
+        original_tokens=sent,
+        final_tokens=sent,
+        upstream_truncated=observed.upstream_truncated,
+        upstream_truncation_possible=observed.upstream_truncation_possible,
+        notes=tuple(notes),
+    )

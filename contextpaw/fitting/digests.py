@@ -70,13 +70,11 @@ class Digesting:
         if reasons:
             logger.warning("%s: %d of %d evicted spans not summarized: %s", state.path, len(holes) - len(digests), len(holes), reasons)
         if not digests:
-            fitted.report.summary_reason = reasons
-            return fitted
+            return fitted.told(summary_reason=reasons) if reasons else fitted
         final = await self.sizer.fit(
             parsed, budget, backend, big, digests=digests, previous=roomy.plan, guard=guard, shaped=shaped, refs=state.refs
         )
-        final.report.summary_reason = reasons
-        return final
+        return final.told(summary_reason=reasons)
 
     async def _summary_model(self, state: FlowState, parsed: wire.Chat, budget: Budget) -> SummaryModel:
         """Where digests are made: the configured summarizer, else the request's own backend and model."""

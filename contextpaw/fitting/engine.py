@@ -7,7 +7,7 @@ The seam between the engine (`compact`, which knows conversations and budgets) a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from contextpaw import wire
@@ -30,6 +30,11 @@ class Fitted:
     bound: float | None = None
     """Where a cut cannot be forbidden, how many times our count the true size can be, as the
     guard sized the fit with it: the verdict's upper bound."""
+
+    def told(self, **changes: Any) -> Fitted:
+        """This fit with its report changed so: a report is frozen, and what a step adds to it
+        (the sizer's notes, the server's count, a digest's reason) makes the next one."""
+        return replace(self, report=replace(self.report, **changes))
 
 
 def fit_chat(

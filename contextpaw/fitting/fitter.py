@@ -18,6 +18,7 @@ The steps have their own modules: `bounds` (the size proof, the verdict's bounds
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -187,12 +188,12 @@ class Fitter:
             parsed = wire.keyed(await off_loop(big, functools.partial(state.route.read, state.original)), state.refs.key)
         except wire.Unreadable as e:  # it may overflow, and nothing can be judged: said, never silent
             logger.warning("%s forwarded unjudged: %s", state.path, e)
-            self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=[f"not judged: {e}; it went as it came"]))
+            self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=(f"not judged: {e}; it went as it came",)))
             state.headers["X-ContextPaw-Error"] = f"not judged: {e}; forwarded as it came"
             return UNCHANGED
         except wire.NotFittable as e:
             logger.debug("%s forwarded as is: %s", state.route.name, e)
-            self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=[f"not fitted: {e}"]))
+            self._keep(state, Report(False, "none", 0, 0, 0, counter="none", notes=(f"not fitted: {e}",)))
             return UNCHANGED
         except wire.NotCompactable as e:
             logger.debug("%s forwarded as is: %s", state.path, e)
@@ -296,7 +297,7 @@ class Fitter:
         if bound > admits:
             return None
         note = f"fits by its size: at most {bound} tokens ({len(state.original)} bytes and the template's allowance)"
-        return Report(False, "none", bound, bound, admits, counter=SIZE_BOUND, window=window, notes=[note])
+        return Report(False, "none", bound, bound, admits, counter=SIZE_BOUND, window=window, notes=(note,))
 
     def _refuse(self, state: FlowState, overflow: wire.Overflow, counter: str) -> Refuse:
         """Answer in the caller's convention, with one set of numbers everywhere: the request's
@@ -426,7 +427,7 @@ class Fitter:
         """Once the retry's status is known: whether it recovered, in the report, headers and counts."""
         assert state.report is not None
         recovered = status < 400
-        state.report.recovered_from_upstream_400 = recovered
+        state.report = dataclasses.replace(state.report, recovered_from_upstream_400=recovered)
         self.stats.add("recovered_400", recovered, state.where)
         if recovered:
             state.headers["X-ContextPaw-Recovered"] = "upstream-400"

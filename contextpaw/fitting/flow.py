@@ -130,3 +130,12 @@ class FlowState:
     def watched(self) -> Report | None:
         """The report the answer is checked against, under any policy."""
         return self.report or self.observed
+
+    @watched.setter
+    def watched(self, report: Report) -> None:
+        """The verdict on the answer makes the next report (a report is frozen): it takes the
+        place of the one it was made from, the report told, else the observed one."""
+        if self.report is not None:
+            self.report = report
+        else:
+            self.observed = report

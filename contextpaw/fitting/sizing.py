@@ -178,16 +178,15 @@ class Sizer:
                 needed = budget.at_most(e.required)
                 guarded = needed if guarded.tokens < needed.tokens < budget.tokens else budget
                 why = "what must be kept needs this much"
-        fitted.report.window = budget.window
-        if opening:
-            fitted.report.notes.append(opening)
+        notes = [opening] if opening else []
         if reserve_note:
-            fitted.report.notes.append(reserve_note)
+            notes.append(reserve_note)
         if guarded not in (budget, start):
-            fitted.report.notes.append(
+            notes.append(
                 f"budget {guarded.tokens} of {budget.tokens}: the count is an estimate, and this route cannot ask "
                 f"Ollama to refuse instead of cutting ({why})"
             )
+        fitted = fitted.told(window=budget.window, notes=(*fitted.report.notes, *notes))
         if whole is None:
             return fitted if bound is None else dataclasses.replace(fitted, bound=bound)
         try:
@@ -199,9 +198,7 @@ class Sizer:
         if fitted.body is not None and isinstance(parsed, wire.Chat):
             self.overcounts.put(parsed.key, sent.overcount)
         # a refit under a tightened budget is told against the budget the client is told
-        report = fitted.report
-        report.counter, report.original_tokens, report.window, report.budget = "backend", whole, budget.window, budget.tokens
-        return fitted
+        return fitted.told(counter="backend", original_tokens=whole, window=budget.window, budget=budget.tokens)
 
     def _anchored(self, parsed: wire.Chat | wire.Prompt, guard: Guard) -> tuple[CalibratedCounter, str] | None:
         """The estimate at the rate the server counted this conversation's last answered turn (or,
@@ -319,11 +316,10 @@ class Sizer:
                 raise e.rescaled(budget.tokens) from None
         if (kept := search.best()) is not None:
             return kept
-        fitted.report.notes.append("the server's count could not be confirmed within the budget")
-        return _unconfirmed(fitted)
+        return _unconfirmed(fitted, "the server's count could not be confirmed within the budget")
 
 
-def _unconfirmed(fitted: Fitted) -> Send:
-    """A fit sent on our count alone: the server's could not be had, or not within the budget."""
-    fitted.report.exact = False
-    return Send(fitted, 0)
+def _unconfirmed(fitted: Fitted, note: str | None = None) -> Send:
+    """A fit sent on our count alone: the server's could not be had, or not within the budget (`note`)."""
+    notes = fitted.report.notes if note is None else (*fitted.report.notes, note)
+    return Send(fitted.told(exact=False, notes=notes), 0)

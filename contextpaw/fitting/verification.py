@@ -121,20 +121,20 @@ class Search:
 
     def counted(self, fitted: Fitted, total: int, last: bool) -> Step:
         """The step after the server counted `fitted` at `total` (`last`: no more counts to come).
-        A fit within the budget carries the server's count from here on."""
+        A fit within the budget carries the server's count from here on (in the fit the step sends
+        or keeps)."""
         if fitted.plan is not None and fitted.plan.headroom:
             self.target = recut_target(self.budget.tokens, fitted.plan.headroom)
         ours = fitted.report.final_tokens
         reading = self.read(fitted, total)
         if self.within(fitted, total):
-            fitted.report.final_tokens, fitted.report.exact = total, True
+            fitted = fitted.told(final_tokens=total, exact=True)
         return self._steps[reading](fitted, ours, total, last)
 
     # -- the steps, one a reading -------------------------------------------------------------
 
     def _as_sent(self, fitted: Fitted, ours: int, total: int, last: bool) -> Step:
-        fitted.report.original_tokens = total
-        return Send(fitted, 0)
+        return Send(fitted.told(original_tokens=total), 0)
 
     def _appends(self, fitted: Fitted, ours: int, total: int, last: bool) -> Step:
         """The whole cached prefix is served: re-admitting anything would move it."""

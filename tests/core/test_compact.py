@@ -313,7 +313,7 @@ def test_kept_messages_come_out_as_they_came_in():
 def test_fitting_conversation_is_a_no_op():
     msgs = agent_loop(2)
     result = compact_chat(Conversation.from_wire(msgs), 100_000, COUNTER)
-    assert result.messages is None and not result.report.compacted and result.report.removals == []
+    assert result.messages is None and not result.report.compacted and result.report.removals == ()
 
 
 def test_evictions_are_sticky_so_the_prefix_survives_the_next_turn():

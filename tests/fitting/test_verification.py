@@ -20,6 +20,12 @@ def fit(ours: int, plan: Plan = FIRST_CUT, body: bytes | None = b"{}") -> Fitted
     return Fitted(body, Report(True, "evict", 9000, ours, BUDGET.tokens, counter="backend"), plan)
 
 
+def carried(fitted: Fitted, total: int) -> Fitted:
+    """`fitted` as the search sends or keeps it once the server counted it within the budget (a
+    report is frozen: the search makes the one with the server's count)."""
+    return fitted.told(final_tokens=total, exact=True)
+
+
 def test_a_fit_the_server_counts_over_the_budget_is_cut_tighter_by_what_our_count_missed() -> None:
     search = Search(BUDGET, BUDGET, None)
     first = fit(1950)
@@ -34,8 +40,12 @@ def test_a_cut_confirmed_well_under_the_target_is_made_fuller_at_the_rate_the_se
     under = fit(1957)
     step = search.counted(under, 1339, last=False)
     assert isinstance(step, Refit) and step.budget.tokens == 1983 * 1983 // 1339 and step.budget.limit == 0
-    assert under.report.final_tokens == 1339 and under.report.exact, "a fit within carries the server's count"
-    assert search.best() == Send(under, 1957 * 1983 // 1339 - 1983), "the next turn starts as much looser as our count ran over"
+    assert under.report.final_tokens == 1957 and not under.report.exact, "the fit counted is left as it was"
+    kept = search.best()
+    assert kept is not None and kept.fitted.report.final_tokens == 1339 and kept.fitted.report.exact, (
+        "a fit within carries the server's count"
+    )
+    assert kept == Send(carried(under, 1339), 1957 * 1983 // 1339 - 1983), "the next turn starts as much looser as our count ran over"
 
 
 def test_once_a_fuller_fit_went_over_the_next_aim_lies_between_it_and_the_one_confirmed() -> None:
@@ -56,7 +66,7 @@ def test_with_no_whole_token_between_a_fit_under_and_one_over_the_fullest_confir
     search.counted(confirmed, 1900, last=False)  # aimed at 2000 * 1983 // 1900 = 2087
     search.tightened = Budget(BUDGET.window, BUDGET.reserve, BUDGET.window - BUDGET.reserve - 2001, limit=0)
     step = search.counted(fit(2001), 2040, last=False)
-    assert isinstance(step, Send) and step.fitted is confirmed and confirmed.report.final_tokens == 1900
+    assert isinstance(step, Send) and step.fitted == carried(confirmed, 1900)
 
 
 def test_a_turn_that_only_repeats_last_turns_cuts_goes_out_as_soon_as_it_is_within_the_budget() -> None:
@@ -64,7 +74,7 @@ def test_a_turn_that_only_repeats_last_turns_cuts_goes_out_as_soon_as_it_is_with
     repeat = fit(1700)
     assert search.read(repeat, 1200) is Reading.APPENDS
     step = search.counted(repeat, 1200, last=False)
-    assert isinstance(step, Send) and step.fitted is repeat, "no fuller fit: it would move the cached prefix"
+    assert isinstance(step, Send) and step.fitted == carried(repeat, 1200), "no fuller fit: it would move the cached prefix"
 
 
 def test_a_cut_the_server_counts_past_its_target_leaves_more_headroom_under_the_same_budget_and_is_kept_in_case() -> None:
@@ -78,7 +88,7 @@ def test_a_cut_the_server_counts_past_its_target_leaves_more_headroom_under_the_
     assert search.read(recut, 1900) is Reading.PAST_HEADROOM
     assert isinstance(step, Refit) and step.budget.tokens == BUDGET.tokens
     assert step.headroom == pytest.approx(1 - (1480 * search.target // 1900) / BUDGET.tokens)
-    assert search.best() is not None and search.best().fitted is recut
+    assert search.best() is not None and search.best().fitted == carried(recut, 1900)
     assert search.counted(fit(1940), 1890, last=True).fitted.report.final_tokens == 1890, "on the last count the nearest goes"
 
 
@@ -96,7 +106,8 @@ def test_the_request_as_it_came_goes_out_when_the_server_counts_it_within_what_t
     whole = fit(2100, plan=Plan(), body=None)
     step = search.counted(whole, BUDGET.admits, last=False)
     assert isinstance(step, Send) and step.overcount == 0
-    assert whole.report.original_tokens == whole.report.final_tokens == BUDGET.admits and whole.report.exact
+    sent = step.fitted.report
+    assert sent.original_tokens == sent.final_tokens == BUDGET.admits and sent.exact
 
 
 def test_every_reading_has_a_step() -> None:
@@ -121,7 +132,7 @@ def test_on_the_last_count_a_fit_past_the_confirmed_one_sends_the_confirmed_one(
     confirmed = fit(1957)
     search.counted(confirmed, 1339, last=False)
     step = search.counted(fit(2878), 2100, last=True)
-    assert isinstance(step, Send) and step.fitted is confirmed
+    assert isinstance(step, Send) and step.fitted == carried(confirmed, 1339)
 
 
 def test_a_fit_held_over_its_target_by_what_must_be_kept_is_sent_as_it_is() -> None:
@@ -131,7 +142,7 @@ def test_a_fit_held_over_its_target_by_what_must_be_kept_is_sent_as_it_is() -> N
     held = fit(1900, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM, held=True))
     assert search.read(held, 1880) is Reading.CONFIRMED
     step = search.counted(held, 1880, last=False)
-    assert isinstance(step, Send) and step.fitted is held
+    assert isinstance(step, Send) and step.fitted == carried(held, 1880)
     unheld = fit(1480, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM))
     assert isinstance(Search(BUDGET, BUDGET, None).counted(unheld, 1880, last=False), Refit), "a fit that could go lower is cut deeper"
 
@@ -142,4 +153,4 @@ def test_a_cut_past_its_target_that_its_own_count_already_put_past_it_is_sent() 
     search = Search(BUDGET, BUDGET, None)
     over = fit(1950, plan=Plan(evicted=frozenset({"a"}), headroom=HEADROOM))
     step = search.counted(over, 1900, last=False)
-    assert isinstance(step, Send) and step.fitted is over
+    assert isinstance(step, Send) and step.fitted == carried(over, 1900)
