@@ -18,12 +18,19 @@ Sections (each in the JSON, the markdown table and, where it helps, a PNG):
 6. loop_health: c=8 throughput and proxy CPU per request, the worst latency idle and during one
    160k-token compaction, RSS (and by import step), ContextPaw's time per hook, a process handoff's cost.
 7. scaling: the engine at 1,200 to 9,600 messages.
+8. burst and big_answer: a small client's worst and p99 latency while N overflowing Ollama /api/chat
+   requests of 1-8 MB arrive at once (--burst, default 64), with the burst's wall time and the proxy's
+   peak RSS, and its worst while one 300 MB buffered answer passes.
+9. fuzz_cpu: the proxy's CPU seconds for one pass of tests/support/fuzz.py's seeded bodies (--fuzz-bodies).
+10. sessions: 50 sessions of 20 turns at once, nothing overflowing (load_test.py's): requests per second.
+Sections 8-10 set bare mitmdump and ContextPaw side by side in the same run, taking turns.
+Each section is a module of scripts/bench/sections/; report.py there writes the tables and plots.
 The goals of this round, each beside its floor, head the markdown (and, with --docs, the README).
 Real-backend parts need llama-server and the SmolLM2 model; they are skipped, saying why, when
 either is missing or with --skip-real. --docs copies the markdown and plots into docs/, and the JSON
 to docs/bench.json; a whole run takes hours on 2 cores, so `--reuse docs/bench.json --only ...`
 measures only the sections named (overhead, compaction, agent_loop, prefix, window_use_through,
-recall, loop_health, scaling) and takes the rest from that run, whose date the report names.
+recall, loop_health, scaling, agent_sessions, burst, big_answer, fuzz_cpu, sessions) and takes the rest from that run, whose date the report names.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
+from sections import fuzz_cpu, pressure, sessions
 from sections.agents import agent_loops, agent_sessions
 from sections.common import console, machine, script_json
 from sections.compaction import REAL_USE_SIZES, compaction, counting_server, real_window_use, window_use
@@ -45,6 +53,7 @@ from sections.overhead import overhead
 from sections.recall import recall
 from sections.report import report
 from sections.scaling import scaling
+from sections.stage import Stage
 
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import locate_llama_server, locate_smollm2
@@ -70,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="reuse this scripts/bench/measure_window_use.py --out JSON (real-token window use through ContextPaw) instead of running it",
     )
+    ap.add_argument("--burst", type=int, help="overflowing requests in the burst (default 64; 4 with --quick)")
+    ap.add_argument("--fuzz-bodies", type=int, help="bodies in the fuzz pass (default 200, the N8 row's; 8 with --quick)")
     ap.add_argument("--recall-trials", type=int, default=3, help="--trials for each recall demo (1 with --quick)")
     ap.add_argument("--docs", action="store_true", help="copy the markdown to docs/benchmarks.md and the plots to docs/img/")
     ap.add_argument("--from-json", type=Path, help="write the report of an earlier run's bench.json, measuring nothing")
@@ -115,8 +126,14 @@ MEASURED = {
     "loop_health": ("loop_health",),
     "scaling": ("scaling",),
     "agent_sessions": ("agent_sessions",),
+    "burst": ("burst",),
+    "big_answer": ("big_answer",),
+    "fuzz_cpu": ("fuzz_cpu",),
+    "sessions": ("sessions",),
 }
 """The sections one run measures, by name (as --only takes them), with the keys each writes."""
+STAGED = {"burst", "big_answer", "fuzz_cpu", "sessions"}
+"""The sections that share one bare mitmdump and one ContextPaw (sections/stage.py)."""
 
 
 def measure(result: dict[str, Any], wanted: set[str], work: Path, args: argparse.Namespace, binary: Any, model: Any,
@@ -154,6 +171,16 @@ def measure(result: dict[str, Any], wanted: set[str], work: Path, args: argparse
         result["scaling"] = scaling(args.quick, progress)
     if "agent_sessions" in wanted:
         result["agent_sessions"] = agent_sessions(work, args, skip_real)
+    if wanted & STAGED:  # one pair of proxies for all four; sessions first, before anything has grown the heap
+        with Stage(work, args.quick) as stage:
+            if "sessions" in wanted:
+                result["sessions"] = sessions.sessions(stage, args.quick, progress)
+            if "burst" in wanted:
+                result["burst"] = pressure.burst(stage, args.quick, args.burst, progress)
+            if "big_answer" in wanted:
+                result["big_answer"] = pressure.big_answer(stage, args.quick, progress)
+            if "fuzz_cpu" in wanted:  # last: it leaves the evicted store full
+                result["fuzz_cpu"] = fuzz_cpu.fuzz_cpu(stage, args.quick, args.fuzz_bodies, progress)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from contextpaw.proxy.heap import SETTLE_S, TRIM_EVERY_S
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import ADDON, Backend, free_port, start_process
 from support.common import LOOPBACK
+from support.fuzz import fuzz_bodies, fuzz_pass
 from support.measure import PeakMemory, cpu_seconds, memory_mib, worst_latency_while
 
 N_CTX = 1024
@@ -341,42 +342,6 @@ def slowloris(connections: int, hold_s: float) -> Attack:
     return attack
 
 
-# -- N8: fuzz passes ---------------------------------------------------------------------------
-
-
-def fuzz_bodies(count: int, seed: int = 8) -> list[tuple[bytes, dict[str, str]]]:
-    """Seeded bodies of every size and shape: chats of many turns and of one big message, gzip, bad
-    JSON, streams."""
-    rng = random.Random(seed)
-    out = []
-    for n in range(count):
-        size = int(2 ** rng.uniform(10, 23))  # 1 KB .. 8 MB
-        turns = rng.choice([1, 2, 10, 100, 300])
-        words = max(size // 6 // turns, 1)
-        messages = [{"role": ("user", "assistant")[t % 2], "content": " ".join(f"w{rng.randint(0, 99999)}" for _ in range(min(words, 200))) * max(words // 200, 1)}
-                    for t in range(turns)] + [{"role": "user", "content": "go"}]  # fmt: skip
-        body = json.dumps({"model": "m", "messages": messages, "stream": rng.random() < 0.3}).encode()
-        headers: dict[str, str] = {}
-        kind = rng.random()
-        if kind < 0.15:
-            body, headers = gzip.compress(body, 1), {"Content-Encoding": "gzip"}
-        elif kind < 0.2:
-            body = body[: rng.randint(1, len(body))]  # cut short: bad JSON
-        out.append((body, headers))
-    return out
-
-
-def fuzz_pass(base: str, bodies: list[tuple[bytes, dict[str, str]]]) -> None:
-    def send(item: tuple[bytes, dict[str, str]]) -> None:
-        try:
-            post(base, item[0], **item[1])
-        except httpx.HTTPError:
-            pass
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(send, bodies))
-
-
 # -- the table ---------------------------------------------------------------------------------
 
 
@@ -477,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in range(args.passes):
                 for name, p in proxies.items():
                     started = cpu_seconds(p.pid)
-                    fuzz_pass(p.url, fuzz)
+                    fuzz_pass(p.url + ROUTE, fuzz)
                     rss[name].append(round(memory_after(p.pid)))
                     cpu[name].append(cpu_seconds(p.pid) - started)
                     if args.probe >= 0:

@@ -18,6 +18,7 @@ from support import backends
 REPO = Path(__file__).resolve().parents[2]
 # the scripts reuse the test support (`support`, from tests/): they are run with tests/ on PYTHONPATH
 SECTIONS = {"machine", "overhead", "compaction", "window_use", "agent_loop", "recall", "loop_health", "scaling"}
+SECTIONS |= {"burst", "big_answer", "fuzz_cpu", "sessions"}  # issue 44's, beside bare mitmdump in the same run
 
 pytest.importorskip("matplotlib")
 
@@ -25,7 +26,7 @@ pytest.importorskip("matplotlib")
 def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench" / "bench.py"), "--quick", "--skip-real", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=180, cwd=REPO, env=backends.tests_on_path(),
+        capture_output=True, text=True, timeout=420, cwd=REPO, env=backends.tests_on_path(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -68,7 +69,7 @@ def test_the_interleaved_ab_bench_measures_each_path_against_the_first() -> None
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench" / "bench_ab.py"), "bare=bare", f"paw={REPO}", f"plain={REPO},contextpaw_relay=false",
          "--rounds", "2", "--requests", "3"],
-        capture_output=True, text=True, timeout=180, cwd=REPO, env=backends.tests_on_path(),
+        capture_output=True, text=True, timeout=420, cwd=REPO, env=backends.tests_on_path(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split()[0]: line for line in done.stdout.splitlines()}

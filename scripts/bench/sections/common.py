@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +98,79 @@ def machine(llama: Path | None) -> dict[str, Any]:
 
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
+
+
+class Pinger:
+    """A small fitting chat to `url` every `every` seconds from its own thread while the `with` block
+    runs (from 0.2 s before its work to 0.1 s after): every latency, for the worst and the p99."""
+
+    def __init__(self, url: str, every: float = 0.01) -> None:
+        self.url, self.every, self.seconds, self.failed = url, every, [], 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=120, trust_env=False) as client:
+            n = 0
+            while not self._done.is_set():
+                started = time.perf_counter()
+                try:
+                    latency(client, self.url, chat_bytes(-(10**7) - n))
+                except (httpx.HTTPError, RuntimeError):
+                    self.failed += 1
+                self.seconds.append(time.perf_counter() - started)
+                n += 1
+                time.sleep(self.every)
+
+    def __enter__(self) -> Pinger:
+        self._thread.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.1)
+        self._done.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        """Worst and p99 latency in ms, how many were sent and how many failed."""
+        ordered = sorted(self.seconds) or [0.0]
+        p99 = statistics.quantiles(ordered, n=100, method="inclusive")[98] if len(ordered) > 1 else ordered[0]
+        return {
+            "worst_ms": ordered[-1] * 1000,
+            "p99_ms": p99 * 1000,
+            "n": len(self.seconds),
+            "failed": self.failed,
+        }
+
+
+def started(stack: contextlib.ExitStack, *starts: Callable[[], Any]) -> list[Any]:
+    """Start several processes at once (each start waits for its process to answer), each handed to
+    `stack` to stop; the first failure is raised once every start has ended."""
+    with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    out, failure = [], None
+    for future in futures:
+        try:
+            value = future.result()
+        except Exception as e:  # the others are still stopped by the stack
+            failure = failure or e
+            continue
+        backend = value[0] if isinstance(value, tuple) else value
+        stack.enter_context(backend)
+        out.append(value)
+    if failure is not None:
+        raise failure
+    return out
+
+
+def side_by_side(stack: contextlib.ExitStack, upstreams: list[str], work: Path, prefix: str,
+                 options: list[str], bare_options: list[str] | None = None) -> dict[str, tuple[Backend, list[str]]]:  # fmt: skip
+    """Bare mitmdump and mitmdump with ContextPaw (`options`) in front of the same `upstreams`, started
+    at once: name -> (process, its listeners' URLs, one per upstream)."""
+    bare, paw = started(
+        stack,
+        lambda: mitmdump(upstreams, work, f"{prefix}-bare", addon=False, options=bare_options or []),
+        lambda: mitmdump(upstreams, work, f"{prefix}-contextpaw", addon=True, options=options),
+    )
+    return {"mitmdump": bare, "ContextPaw": paw}

@@ -10,6 +10,7 @@ from typing import Any
 import bench_agent_loop
 import measure_window_use
 
+from sections import fuzz_cpu, pressure, sessions
 from sections.common import REPO, console, pct
 from sections.compaction import WINDOW_GOAL
 from sections.loop_health import COMPACTION_CTX
@@ -278,6 +279,11 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     + "".join(f"; {why}" for why in u.get("shortfalls", [])),
                 )
             )
+    rows += pressure.goals(result)
+    if f := result.get("fuzz_cpu"):
+        rows += fuzz_cpu.goals(f)
+    if s := result.get("sessions"):
+        rows += sessions.goals(s)
     return rows
 
 
@@ -614,6 +620,12 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
             for r in scale["rows"]
         ]
         lines.append("")
+    if "burst" in result or "big_answer" in result:
+        lines += pressure.markdown(result)
+    if f := result.get("fuzz_cpu"):
+        lines += fuzz_cpu.markdown(f)
+    if s := result.get("sessions"):
+        lines += sessions.markdown(s)
     return "\n".join(lines)
 
 
