@@ -71,6 +71,15 @@ def _on_wire(chat: wire.Chat, messages: Sequence[Mapping[str, Any]]) -> list[Map
     return [chat.marker(m["role"], m["content"]) if isinstance(m, Marker) else m for m in messages]
 
 
+def forbidding_truncation(body: bytes) -> bytes:
+    """A body `wire.write` wrote (one JSON object, written compact) with `truncate: false` added,
+    byte for byte where `wire.write(wire.load(body), truncate=False)` would put it (the last field),
+    without parsing the body or writing it again. For a body that has no `truncate` field."""
+    if not body.endswith(b"}"):
+        raise ValueError("not a JSON object as wire.write writes one")
+    return body[:-1] + (b',"truncate":false}' if body != b"{}" else b'"truncate":false}')
+
+
 def fit_prompt(
     prompt: wire.Prompt, budget: int, counter: Counter, *, fixed_tokens: int = 0, admit: int | None = None, refs: Refs = Refs()
 ) -> Fitted:

@@ -38,7 +38,7 @@ from contextpaw.fitting.budget import Budgeter
 from contextpaw.fitting.calibration import Calibration, Guard, Sample, calibration_key, content_kind, word_floor
 from contextpaw.fitting.counter_choice import CounterChoice, biggest_droppable, least_kept, rough_size
 from contextpaw.fitting.digests import Digesting
-from contextpaw.fitting.engine import Fitted
+from contextpaw.fitting.engine import Fitted, forbidding_truncation
 from contextpaw.fitting.flow import UNCHANGED, Decision, FlowState, Forward, Phase, Refuse
 from contextpaw.fitting.services import Digester, Services, is_big, off_loop
 from contextpaw.fitting.sizing import Sizer
@@ -57,8 +57,9 @@ PLAN_BYTES = 32 << 20
 
 
 def _without_truncation(body: bytes | Mapping[str, Any]) -> bytes:
-    """The body with `truncate: false` (Ollama answers 400 instead of cutting)."""
-    return wire.write(wire.load(body) if isinstance(body, bytes) else body, truncate=False)
+    """The body with `truncate: false` (Ollama answers 400 instead of cutting): the client's written
+    once with it, a fit's (written by the engine) with it added at its end, never parsed again."""
+    return forbidding_truncation(body) if isinstance(body, bytes) else wire.write(body, truncate=False)
 
 
 def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
