@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from contextpaw.core.canonical import canonical
+
 KEPT_ITEM = "item"
 """The role given to a Responses item of a type not known here: kept as sent."""
 PINNED_ROLES = frozenset({"system", "developer", KEPT_ITEM})
@@ -343,6 +345,6 @@ class Conversation:
 def _digest(raws: Iterable[Mapping[str, Any]]) -> str:
     h = hashlib.blake2b(digest_size=8)
     for raw in raws:
-        h.update(json.dumps(raw, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
+        h.update(canonical(raw))
         h.update(b"\x00")
     return h.hexdigest()

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from contextpaw.core.canonical import canonical
 
 ID_HEX = 12
 """Hex digits of an id (48 bits: unique among what the archive keeps; unguessable by the key)."""
@@ -62,8 +63,8 @@ class Refs:
 
     def ref(self, payload: Sequence[Any] | str) -> str:
         """The reference of evicted content (a hole's messages, a shrunk text): `cp-<id>.<cap>`."""
-        data = payload if isinstance(payload, str) else json.dumps(payload, sort_keys=True, default=str)
-        marker_id = "cp-" + _mac(self.key, data.encode("utf-8", "surrogatepass"))[:ID_HEX]
+        data = payload.encode("utf-8", "surrogatepass") if isinstance(payload, str) else canonical(payload)
+        marker_id = "cp-" + _mac(self.key, data)[:ID_HEX]
         return f"{marker_id}.{capability(self.key, marker_id)}"
 
     def fetch(self, ref: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,12 +21,20 @@ OFFLOAD_MESSAGES = 500
 thread, so other flows keep moving."""
 
 
+BIG_WORK = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextpaw-big-body")
+"""The one thread that parses, fits and writes big bodies. Pure-Python work holds the interpreter's
+lock in any thread; the event loop asks for it back after each switch interval (5 ms), and gets it
+next only when one other thread holds it. With asyncio's default pool, a burst of 64 multi-megabyte
+requests kept six threads asking, and a small request waited its turn behind all of them."""
+
+
 def is_big(raw: bytes) -> bool:
     return len(raw) > OFFLOAD_BYTES or raw.count(b'"role"') > OFFLOAD_MESSAGES
 
 
 async def off_loop[T](big: bool, fn: Callable[[], T]) -> T:
-    return await asyncio.to_thread(fn) if big else fn()
+    """`fn()`, in the big-body thread when `big` (one at a time: the lock allows no more anyway)."""
+    return await asyncio.get_running_loop().run_in_executor(BIG_WORK, fn) if big else fn()
 
 
 class InFlight:

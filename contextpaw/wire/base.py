@@ -219,6 +219,8 @@ class Chat:
     """(role, text) -> a marker that stands as a message of its own, in this API's shape."""
     secret: bytes = b""
     """The key the conversation's `key` is made with (the proxy's secret, passed in by `keyed`)."""
+    read_lines: list[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    """`fingerprints`, once read (a big body's are read in the worker thread that parsed it)."""
 
     def counted(self, sent: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         """(path, body) that asks llama-server for the exact size of `sent`, a body in this API."""
@@ -247,9 +249,13 @@ class Chat:
         repeats what the server has counted: the history under a summary request's own system
         prompt, the files it reads again after its summary, the turns it keeps. The digests are
         Python's own string hash: kept in memory only, within one process."""
-        return tuple(
-            (hash(line), len(line)) for m in self.conversation.messages for line in m.text.split("\n") if len(line) >= FINGERPRINTED
-        )
+        if not self.read_lines:
+            self.read_lines.append(
+                tuple(
+                    (hash(line), len(line)) for m in self.conversation.messages for line in m.text.split("\n") if len(line) >= FINGERPRINTED
+                )
+            )
+        return self.read_lines[0]
 
     @property
     def characters(self) -> int:
