@@ -10,7 +10,9 @@ directory) that the agent is pointed at.
 
 Each agent that speaks MCP (Claude Code, Codex, opencode, Qwen Code) also gets `contextpaw mcp`
 registered the same way, for this session only: its `contextpaw_retrieve` and `contextpaw_search`
-tools give back what ContextPaw evicted (contextpaw/command/mcp.py).
+tools give back what ContextPaw evicted (contextpaw/command/mcp.py). Those two tools, and no other,
+are granted too, beside the user's own grants: without a terminal, none of the four asks a person,
+each refuses a tool it would ask for.
 """
 
 from __future__ import annotations
