@@ -63,13 +63,18 @@ def burst_bodies(n: int, low_mb: float, high_mb: float, seed: int = 44) -> list[
 async def send_all(url: str, bodies: list[bytes]) -> dict[str, Any]:
     """Every body POSTed at once; the wall time until the last answer, and the statuses."""
 
+    said: dict[str, str] = {}
+
     async def one(session: aiohttp.ClientSession, body: bytes) -> tuple[str, float]:
         started = time.perf_counter()
         try:
             async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as reply:
-                await reply.read()
+                answer = await reply.read()
+                if reply.status >= 500:  # what a failure said, once per status
+                    said.setdefault(str(reply.status), answer[:300].decode(errors="replace"))
                 return str(reply.status), time.perf_counter() - started
         except (aiohttp.ClientError, TimeoutError) as e:
+            said.setdefault(type(e).__name__, str(e)[:300])
             return type(e).__name__, time.perf_counter() - started
 
     timeout = aiohttp.ClientTimeout(total=900)
@@ -77,7 +82,8 @@ async def send_all(url: str, bodies: list[bytes]) -> dict[str, Any]:
         started = time.perf_counter()
         answers = await asyncio.gather(*(one(session, body) for body in bodies))
         wall = time.perf_counter() - started
-    return {"wall_s": wall, "statuses": dict(collections.Counter(s for s, _ in answers)), "slowest_s": max(t for _, t in answers)}
+    statuses = dict(collections.Counter(s for s, _ in answers))
+    return {"wall_s": wall, "statuses": statuses, "slowest_s": max(t for _, t in answers), "failures_said": said}
 
 
 def burst_child(conn: Connection, url: str, n: int, low_mb: float, high_mb: float) -> None:
@@ -236,6 +242,11 @@ def markdown(result: dict[str, Any]) -> list[str]:
             "",
             f"ContextPaw's counts over the {b['rounds']} rounds (the small client's requests too): "
             f"{', '.join(f'{k} {v}' for k, v in (b.get('contextpaw_stats') or {}).items())}.",
+            *(
+                f"{name}'s failed answers said: " + "; ".join(f"{status}: {text!r}" for status, text in said.items()) + "."
+                for name in NAMES
+                if (said := {k: v for r in b[name]["runs"] for k, v in r.get("failures_said", {}).items()})
+            ),
             "",
         ]
     if a := result.get("big_answer"):
