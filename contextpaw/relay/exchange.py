@@ -382,17 +382,21 @@ class Exchange:
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
         headers.append((b"Content-Length", str(sum(map(len, pieces))).encode()))
         events: list[h11.Event] = [h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)]
-        batch, size = [], 0
+        size = 0
         for piece in pieces:
-            batch.append(piece)
+            events.append(h11.Data(data=piece))
             size += len(piece)
             if size >= WRITE_SIZE:
-                await self._answer(*events, h11.Data(data=b"".join(batch)))
-                events, batch, size = [], [], 0
-        await self._answer(*events, *([h11.Data(data=b"".join(batch))] if batch else []), h11.EndOfMessage())
+                await self._answer(*events)
+                events, size = [], 0
+        await self._answer(*events, h11.EndOfMessage())
 
     async def _answer(self, *events: h11.Event) -> None:
-        self.writer.write(b"".join(self.down.send(event) or b"" for event in events))  # one write, one send
+        """The events' bytes in one write (one send, scattered: the pieces are not joined first)."""
+        chunks: list[bytes] = []
+        for event in events:
+            chunks += self.down.send_with_data_passthrough(event) or ()
+        self.writer.writelines(chunks)
         await self.writer.drain()
 
     async def _answer_failure(self, failure: BackendFailed) -> None:
