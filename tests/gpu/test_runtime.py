@@ -658,9 +658,16 @@ async def test_ollamas_need_for_a_model_not_loaded_yet_comes_from_the_gguf_its_m
     if model.path is None:
         pytest.skip(model.reason)
     show = {"modelfile": f"# Modelfile\nFROM {model.path}\n", "parameters": "num_ctx                        2048"}
+
+    async def shown(request: web.Request) -> web.Response:
+        return web.json_response(show)
+
+    async def none_loaded(request: web.Request) -> web.Response:
+        return web.json_response({"models": []})
+
     app = web.Application()
-    app.router.add_post("/api/show", lambda request: web.json_response(show))
-    app.router.add_get("/api/ps", lambda request: web.json_response({"models": []}))
+    app.router.add_post("/api/show", shown)
+    app.router.add_get("/api/ps", none_loaded)
     server = TestServer(app, host=LOOPBACK)
     await server.start_server()
     try:
