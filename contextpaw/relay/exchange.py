@@ -392,11 +392,12 @@ class Exchange:
         await self._answer(*events, h11.EndOfMessage())
 
     async def _answer(self, *events: h11.Event) -> None:
-        """The events' bytes in one write (one send, scattered: the pieces are not joined first)."""
+        """The events' bytes in one write, joined once: h11 passes the pieces through, where its
+        `send` would join each event's framing and data first."""
         chunks: list[bytes] = []
         for event in events:
             chunks += self.down.send_with_data_passthrough(event) or ()
-        self.writer.writelines(chunks)
+        self.writer.write(b"".join(chunks))
         await self.writer.drain()
 
     async def _answer_failure(self, failure: BackendFailed) -> None:
