@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 py=.venv/bin
 [[ -x $py/ruff ]] || bash scripts/install/setup.sh
 step() { printf 'check: %s\n' "$1" >&2; }
-step "ruff (lint)";    "$py/ruff" check contextpaw tests scripts contextpaw_addon.py
-step "ruff (format)";  "$py/ruff" format --check contextpaw tests scripts contextpaw_addon.py
+step "ruff (lint)";    "$py/ruff" check --no-cache contextpaw tests scripts contextpaw_addon.py
+step "ruff (format)";  "$py/ruff" format --no-cache --check contextpaw tests scripts contextpaw_addon.py
 step "import contract (lint-imports)"; "$py/lint-imports" --no-cache
 step "types (mypy)";   "$py/mypy"
 step "all passed"

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
+
 from sections import fuzz_cpu, pressure, sessions
 from sections.agents import agent_loops, agent_sessions
 from sections.common import console, machine, script_json

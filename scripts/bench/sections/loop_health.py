@@ -17,10 +17,10 @@ from typing import Any
 import bench_compact
 import httpx
 from rich.progress import Progress
-from sections.common import REPO, SCRIPTS, chat_bytes, latency, mitmdump
 
 from contextpaw.core.tokens import EstimateCounter
 from contextpaw.fitting.engine import fit_chat
+from sections.common import REPO, SCRIPTS, chat_bytes, latency, mitmdump
 
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import start_module

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 from rich.progress import Progress
+
 from sections.common import chat_bytes, filler_text, latency, mitmdump, percentiles
 
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
