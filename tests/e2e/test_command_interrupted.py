@@ -78,10 +78,11 @@ def test_a_running_command_stopped_by_ctrl_c_prints_no_traceback(tmp_path: Path)
 
         def read() -> None:
             assert process.stdout is not None
-            for line in process.stdout:
-                lines.append(line)
-                if "/contextpaw/health on each" in line:
-                    started.set()
+            with process.stdout as stream:  # closed at its end, by the thread that read it
+                for line in stream:
+                    lines.append(line)
+                    if "/contextpaw/health on each" in line:
+                        started.set()
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()

@@ -144,7 +144,8 @@ def start_demo(argv: list[str], tmp_path: Path) -> tuple[subprocess.Popen[str], 
 
     def read() -> None:
         assert process.stderr is not None
-        lines.extend(process.stderr)
+        with process.stderr as stream:  # closed at its end, by the thread that read it
+            lines.extend(stream)
 
     threading.Thread(target=read, daemon=True).start()
     return process, lines
