@@ -110,8 +110,14 @@ class Run:
         return {ref for entry in self.model_log for ref in entry.get("refs_seen") or []}
 
     def served(self) -> list[Retrieval]:
-        """Retrievals whose result holds a file the agent read, byte for byte."""
-        return [r for r in self.retrievals() if r.result is not None and self.files_in(r.result)]
+        """Retrievals whose result holds a file the agent read, or the session's task, byte for byte
+        (in one CI run Codex's task message, a user message after its environment's, was cut and
+        asked for)."""
+        return [r for r in self.retrievals() if r.result is not None and (self.files_in(r.result) or self.holds_task(r.result))]
+
+    def holds_task(self, text: str) -> bool:
+        asked = task(self.paths).strip()
+        return any(asked in s for s in _strings(_loaded(CODEX_HEADER.sub("", text) if self.agent == "codex" else text)))
 
     def files_in(self, text: str) -> list[Path]:
         """The task's files whose whole text the retrieved content holds, byte for byte once the read
