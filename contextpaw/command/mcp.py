@@ -5,8 +5,12 @@
 Two tools, for agents that speak MCP (Claude Code, Codex, opencode, Qwen Code; `contextpaw launch`
 registers the server with each):
 
-- `contextpaw_retrieve(ref)`: the content a `[ContextPaw: …]` marker stands for, verbatim, from the
-  proxy's `GET /contextpaw/evicted/<ref>`;
+- `contextpaw_retrieve(ref, part=1)`: the content a `[ContextPaw: …]` marker stands for, verbatim, from
+  the proxy's `GET /contextpaw/evicted/<ref>`; content over `PART_BYTES` comes in parts, each headed by
+  a line that says which and how to ask for the next, because every agent cuts a tool result past its
+  own limit (Codex keeps the head and tail of about 10,000 tokens, Qwen Code saves one over 25,000
+  characters or 1,000 lines to a file and sends a stub, Claude Code caps an MCP result at 25,000
+  tokens);
 - `contextpaw_search(query)`: references and snippets of kept content that holds every word, from
   `GET /contextpaw/search` (needs the token).
 
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -41,12 +46,21 @@ TOKEN_FILE = "contextpaw-token"
 TOKEN_MAX_BYTES = 1024
 TIMEOUT_S = 30.0
 SEARCH_LIMIT = 10
+PART_BYTES = 20_000
+"""The most UTF-8 bytes of content in one result: under Codex's 40,000-byte estimate of 10,000 tokens
+and Qwen Code's 25,000 characters (a character is at least a byte), with room for the agents' own
+headers."""
+PART_LINES = 800
+"""The most lines in one result (Qwen Code's limit is 1,000)."""
+PART_HEADER = re.compile(r"\A\[ContextPaw: part (\d+) of (\d+) of (cp-[0-9a-f.]+)[^\n]*\]\n")
+"""The line that heads each part of content given in parts: the part, how many, and the reference."""
 
 RETRIEVE_HELP = (
     "ContextPaw removed old messages from your context to fit the model's window and left a marker in their place, "
     "'[ContextPaw: … retrieval id cp-…]'. Pass the reference from such a marker (cp-<id>.<capability>, copied whole) "
     "to get the removed messages or text back verbatim. Use it when you need something that was removed: a file's "
-    "content, a tool's output, an earlier instruction."
+    "content, a tool's output, an earlier instruction. Long content comes in parts: the first line says which part "
+    "you have and how many there are; call again with the same ref and part=N for the next."
 )
 SEARCH_HELP = (
     "ContextPaw removed old messages from your context to fit the model's window. Search what it removed: give words "
@@ -155,7 +169,34 @@ def rendered(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False, indent=2)
 
 
-def retrieve(proxy: Proxy, ref: str) -> str:
+def split(text: str, max_bytes: int = PART_BYTES, max_lines: int = PART_LINES) -> list[str]:
+    """``text`` in consecutive pieces that join back to it, each at most ``max_bytes`` of UTF-8 and
+    ``max_lines`` lines, cut after a newline where one falls in the piece (a line longer than the
+    piece is cut at a character)."""
+    pieces: list[str] = []
+    rest = text
+    while len(rest.encode()) > max_bytes or rest.count("\n", 0, len(rest) - 1) >= max_lines:
+        head = rest.encode()[:max_bytes].decode(errors="ignore")
+        lines = head.splitlines(keepends=True)[:max_lines]
+        whole = "".join(lines[:-1]) if len(lines) > 1 and not lines[-1].endswith("\n") else "".join(lines)
+        whole = whole or rest[0]
+        pieces.append(whole)
+        rest = rest[len(whole) :]
+    return [*pieces, rest] if rest or not pieces else pieces
+
+
+def paged(text: str, ref: str, part: int) -> str:
+    """Part ``part`` (from 1) of ``text`` under a header line, or the whole text where it fits in one."""
+    pieces = split(text)
+    if not 1 <= part <= len(pieces):
+        raise Unanswered(f"{ref} comes in {len(pieces)} part(s): ask for part 1 to {len(pieces)}")
+    if len(pieces) == 1:
+        return text
+    after = f"call contextpaw_retrieve again with part={part + 1} for the next" if part < len(pieces) else "the last"
+    return f"[ContextPaw: part {part} of {len(pieces)} of {ref}; {after}]\n{pieces[part - 1]}"
+
+
+def retrieve(proxy: Proxy, ref: str, part: int = 1) -> str:
     chosen = reference(ref)
     try:
         body = proxy.ask(refs.EVICTED_PATH + quote(chosen, safe=""))
@@ -168,7 +209,7 @@ def retrieve(proxy: Proxy, ref: str) -> str:
         ) from None
     if not isinstance(body, dict) or "content" not in body:
         raise Unanswered(f"ContextPaw's answer for {chosen} holds no content")
-    return rendered(body["content"])
+    return paged(rendered(body["content"]), chosen, part)
 
 
 def search(proxy: Proxy, query: str, limit: int = SEARCH_LIMIT) -> str:
@@ -203,9 +244,9 @@ def server(proxy: Proxy) -> Any:
 
     app: Any = MCPServer("contextpaw", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING")
 
-    async def contextpaw_retrieve(ref: str) -> str:
+    async def contextpaw_retrieve(ref: str, part: int = 1) -> str:
         try:
-            return await asyncio.to_thread(retrieve, proxy, ref)
+            return await asyncio.to_thread(retrieve, proxy, ref, part)
         except Unanswered as e:
             raise ToolError(str(e)) from None
 
@@ -224,7 +265,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="contextpaw mcp",
         description="An MCP server on stdin and stdout that gives an agent back what ContextPaw evicted from its "
-                    "context: contextpaw_retrieve(ref) and contextpaw_search(query). `contextpaw launch` registers it.",
+                    "context: contextpaw_retrieve(ref, part) and contextpaw_search(query). `contextpaw launch` registers it.",
     )  # fmt: skip
     p.add_argument("--url", default=os.environ.get("CONTEXTPAW_URL") or None,
                    help=f"where ContextPaw listens (default: CONTEXTPAW_URL, else the first of {', '.join(DEFAULT_PROXIES)} that answers)")  # fmt: skip

@@ -25,14 +25,17 @@ import asyncio
 import json
 import re
 import sys
+import urllib.request
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from test_launch_compaction import headless, make_files, task
 
+from contextpaw.command import mcp as cp_mcp
 from contextpaw.core import refs
 from support import agents as cli
 from support.backends import start_module
@@ -57,6 +60,8 @@ QWEN_STUB = "<persisted-output>\nOutput too large"
 file under its home): a hole that held earlier retrievals' results comes back as that stub."""
 CODEX_HEADER = re.compile(r"\AWall time: [0-9.]+ seconds\nOutput:")
 """What Codex puts before every tool result it sends the model (an MCP tool's too)."""
+CODEX_EXEC = re.compile(r"\AChunk ID: \w+\n(?:[^\n]*\n)*?Output:\n")
+"""What Codex's `exec_command` puts before a command's output (its chunk, time, exit code, size)."""
 NUMBERED = re.compile(r"^ *\d+(?:\t|\u2192|\| |: )", re.MULTILINE)
 """The line numbers an agent's read tool puts before each line of a file (Claude Code's `   12\\t` or
 `   12→`, opencode's `12: `)."""
@@ -68,11 +73,13 @@ class Retrieval:
     asked_at: int
     """The request whose answer called the tool."""
     prompt_before: int
-    call: str = ""
+    calls: list[str] = field(default_factory=list)
+    """The calls that asked for it: one, or one per part."""
     result: str | None = None
     """The text of the tool's result, as the agent sent it back (before ContextPaw, which may cut it
-    on the way to the model); None: never sent back."""
+    on the way to the model), its parts joined; None: never sent back whole."""
     result_tokens: int | None = None
+    """The tokens of its parts, as the model saw them."""
     prompt_after: int | None = None
 
     @property
@@ -90,16 +97,31 @@ class Run:
     paths: list[Path]
     sent_results: dict[str, str]
     """The text of each retrieval's result by its call, as the agent sent it to ContextPaw."""
+    archived: dict[str, str] = field(default_factory=dict)
+    """What the proxy keeps under each reference the model asked for, rendered as `contextpaw mcp`
+    gives it, read from its archive at the end of the session."""
 
     def retrievals(self) -> list[Retrieval]:
+        """Each reference the model asked for, with its result: the parts, as the agent sent them
+        back, joined once every part came back (a result over `PART_BYTES` comes in parts)."""
         out: dict[str, Retrieval] = {}
+        parts: dict[str, dict[int, str]] = {}
         for entry in self.model_log:
             for back in entry.get("retrieved") or []:
                 known = out.get(back["ref"])
-                if known is not None and known.result is None:
-                    known.result, known.result_tokens, known.prompt_after = back["text"], back["tokens"], entry["prompt_tokens"]
-                    known.call = back["call"]
-                    known.result = self.sent_results.get(known.call, known.result)
+                if known is None or back["call"] in known.calls:
+                    continue
+                known.calls.append(back["call"])
+                text = self.sent_results.get(back["call"], back["text"])
+                unwrapped = CODEX_HEADER.sub("", text) if self.agent == "codex" else text
+                head = cp_mcp.PART_HEADER.match(unwrapped)
+                number, count = (int(head[1]), int(head[2])) if head else (1, 1)
+                parts.setdefault(known.ref, {})[number] = unwrapped[head.end() :] if head else unwrapped
+                known.result_tokens = (known.result_tokens or 0) + back["tokens"]
+                if text.startswith(QWEN_STUB):
+                    known.result = text
+                elif known.result is None and sorted(parts[known.ref]) == list(range(1, count + 1)):
+                    known.result, known.prompt_after = "".join(parts[known.ref][n] for n in range(1, count + 1)), entry["prompt_tokens"]
             reply = entry.get("reply") or {}
             if reply.get("kind") == "retrieve":
                 ref = json.loads(reply["call"]["arguments"])["ref"]
@@ -110,25 +132,20 @@ class Run:
         return {ref for entry in self.model_log for ref in entry.get("refs_seen") or []}
 
     def served(self) -> list[Retrieval]:
-        """Retrievals whose result holds a file the agent read, or the session's task, byte for byte
-        (in one CI run Codex's task message, a user message after its environment's, was cut and
-        asked for)."""
-        return [r for r in self.retrievals() if r.result is not None and (self.files_in(r.result) or self.holds_task(r.result))]
-
-    def holds_task(self, text: str) -> bool:
-        asked = task(self.paths).strip()
-        return any(asked in s for s in _strings(_loaded(CODEX_HEADER.sub("", text) if self.agent == "codex" else text)))
+        """Retrievals whose result, its parts joined, is byte for byte what the proxy keeps under the
+        reference (whatever the hole held: a file, the session's task, an earlier retrieval's part)."""
+        return [r for r in self.retrievals() if r.result is not None and r.result == self.archived.get(r.ref)]
 
     def files_in(self, text: str) -> list[Path]:
         """The task's files whose whole text the retrieved content holds, byte for byte once the read
         tool's line numbers are taken off, or of which it is a part (the middle ContextPaw cut from a
         file too long to keep whole)."""
-        strings = list(_strings(_loaded(CODEX_HEADER.sub("", text) if self.agent == "codex" else text)))
+        strings = list(_strings(_loaded(text)))
         found = []
         for path in self.paths:
             disk = path.read_text()
             for s in strings:
-                plain = NUMBERED.sub("", s)
+                plain = NUMBERED.sub("", CODEX_EXEC.sub("", s))
                 if disk.rstrip("\n") in plain or (len(plain) > 200 and plain in disk):
                     found.append(path)
                     break
@@ -196,6 +213,12 @@ def sent_results(sent: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def archived(url: str, ref: str) -> str:
+    """What the proxy keeps under a reference with its capability (no token needed), as text."""
+    with urllib.request.urlopen(url + refs.EVICTED_PATH + quote(ref, safe=""), timeout=30) as answer:
+        return cp_mcp.rendered(json.loads(answer.read())["content"])
+
+
 async def _mcp_calls(url: str, state: Path, *asked: str) -> list[tuple[bool, str]]:
     from mcp.client.session import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -238,6 +261,8 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, agent: str) -> Sessions:
             first = one_session(agent, binary, stack.front, work / "first", log)
             second = one_session(agent, binary, stack.front, work / "second", log, users_own=True)
             first.sent_results = second.sent_results = sent_results(read_log(stack.front_log))
+            for run in (first, second):
+                run.archived = {r.ref: archived(stack.front, r.ref) for r in run.retrievals()}
             asked = sorted(first.marker_refs())
             checks: list[tuple[bool, str]] = []
             if asked:

@@ -61,8 +61,10 @@ count routes, so every count agrees with what generation evaluates.
 ``contextpaw_retrieve`` (Claude Code's ``mcp__contextpaw__contextpaw_retrieve``, Qwen Code's and
 opencode's own spellings), the model answers with a call of that tool with the reference, once per
 reference and session, before its next read, and reads a file between two retrievals (a cut after a
-retrieval names a new hole, which must not stop the session). It checks nothing of the result: the log records it
-(``retrieved``: the reference, the result's text and its tokens, on each request that shows it).
+retrieval names a new hole, which must not stop the session). A result that comes in parts (its first
+line ``[ContextPaw: part 1 of 3 of cp-…``) is followed by a call for the next part, until the last.
+It checks nothing of the result: the log records it (``retrieved``: the reference, the result's text
+and its tokens, on each request that shows it).
 
 **The log** (``--log``): one JSON line per model request: route, session, the rendered prompt's
 tokens, what was evaluated (after a cut), whether and how much was cut, the status, the reply (a
@@ -102,6 +104,8 @@ FILE_PATH = re.compile(r"(/[^\s'\"`<>]*?/file-(\d{2,3})\.txt)")
 FACT_LINE = re.compile(r"FACT-(\d{2,3}): the key is ([A-Za-z]+)")
 RETRIEVE_TOOL = "contextpaw_retrieve"
 MARKER_REF = re.compile(r"retrieval id (cp-[0-9a-f]{12}\.[0-9a-f]{16})")
+PART_NOTE = re.compile(r"\[ContextPaw: part (\d+) of (\d+) of (cp-[0-9a-f]{12}\.[0-9a-f]{16})")
+"""What heads a retrieval's result that comes in parts (``contextpaw mcp``): the part, of how many."""
 SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id", "thread-id")
 START, END = "<|im_start|>", "<|im_end|>"
 SUMMARY = "Summary: the task is to read the files one per turn;"
@@ -404,6 +408,12 @@ def retrieved(conversation: Conversation) -> list[dict[str, str]]:
     return out
 
 
+def next_part(result: str) -> int | None:
+    """The part to ask for after a retrieval's result that comes in parts; None: it was the last, or whole."""
+    note = PART_NOTE.search(result[:400])
+    return int(note[1]) + 1 if note is not None and int(note[1]) < int(note[2]) else None
+
+
 def read_tool(tools: list[Any]) -> tuple[str, Any] | None:
     """The agent's own tool for reading a file and how to call it: (name, arguments for a path)."""
     names = {(t.get("name") or (t.get("function") or {}).get("name")): t for t in tools if isinstance(t, dict)}
@@ -472,9 +482,13 @@ class Script:
         if session is None or not session.files:
             return Reply("I cannot see which files to read.", kind="lost")
         retrieval = retrieve_tool(conversation.tools) if self.retrieve else None
-        answered = {r["call"] for r in retrieved(conversation)}
         newest = next((m for m in reversed(conversation.messages) if m.role == "tool"), None)
-        if retrieval is not None and not (newest is not None and newest.result_of in answered):
+        last = next((r for r in retrieved(conversation) if newest is not None and r["call"] == newest.result_of), None)
+        if retrieval is not None and last is not None and (part := next_part(last["text"])) is not None:
+            # a result that comes in parts: the next part, at once
+            call = Call(f"call_{uuid.uuid4().hex[:20]}", retrieval[1], compact_json({"ref": last["ref"], "part": part}), retrieval[0])
+            return Reply(call=call, kind="retrieve")
+        if retrieval is not None and last is None:
             # one retrieval between reads: a cut after it names a new hole, which must not stop the reading
             wanted = next((ref for ref in marker_refs(conversation) if ref not in session.asked), None)
             if wanted is not None:
