@@ -7,8 +7,8 @@ budget, a counter and the previous turn's `Plan`, and gets back what to send, a 
 Rules, in order of precedence:
 1. System/developer messages and tool definitions are never touched. If they alone exceed the
    budget, `BudgetTooSmall` is raised (the shell refuses in the API's own error): nothing else could help.
-2. The task (first user message), the current request (last user message) and the last
-   `keep_recent` messages are never deleted. Tool units
+2. The task (the opening: the user messages before the model first answered, which the head pins),
+   the current request (last user message) and the last `keep_recent` messages are never deleted. Tool units
    (a call and all of its results) are kept or evicted whole.
 3. Everything else is evictable, biggest unit first. Last turn's cuts are made again (evicted units
    stay evicted, shrunk messages are cut at the same characters), so the prompt's prefix, and the
@@ -308,8 +308,9 @@ class _ChatCompaction:
         n = len(self.msgs)
         users = [i for i, m in enumerate(self.msgs) if m.role == "user"]
         protected = set(range(max(0, n - keep_recent), n)) | ({users[0], users[-1]} if users else set())
-        # the head: everything up to the first user message, unless that is the request itself
-        head = users[0] if users and users[0] < n - 1 else -1
+        # the head: the opening (the task, in however many user messages the agent sends it), never
+        # the request itself
+        head = min(conv.opening(), n - 2)
         pinned = {u for u in self.units if any(self.msgs[i].pinned or i <= head for i in u.indices)}
         self.fresh = frozenset(self.unit_of[n - 1].indices) if n else frozenset()
         """The newest unit (the tool result just read, the user's latest words): shrunk last."""

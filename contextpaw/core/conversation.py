@@ -304,6 +304,19 @@ class Conversation:
     def from_wire(cls, messages: Iterable[Mapping[str, Any]], tools: Any = None) -> Conversation:
         return cls(tuple(Message.from_wire(m) for m in messages), tools)
 
+    def opening(self) -> int:
+        """The index of the opening's last user message, -1 where there is no user message: the first
+        user message and those that follow it before the model first answers. The opening holds the
+        task, which Codex sends as a user message of its own after one that holds its environment
+        (`<environment_context>`), where Claude Code and Qwen Code send one user message."""
+        end = next((i for i, m in enumerate(self.messages) if m.role == "user"), -1)
+        for i in range(end + 1, len(self.messages)) if end >= 0 else ():
+            m = self.messages[i]
+            if m.role != "user" and not m.pinned:
+                break
+            end = i if m.role == "user" else end
+        return end
+
     def units(self) -> list[Unit]:
         """Group messages into units, pairing tool results with the call that produced them.
 

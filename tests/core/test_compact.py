@@ -290,6 +290,24 @@ def test_an_opening_too_big_for_the_budget_is_refused_never_cut_inside():
     assert refused.value.required > 3000
 
 
+def test_a_task_sent_after_the_agents_environment_is_the_head_and_never_cut():
+    """Codex sends its environment (`<environment_context>`) and the task as two user messages
+    before the model answers: both are the opening, which no budget cuts into."""
+    environment = {"role": "user", "content": "<environment_context>\n  <cwd>/work</cwd>\n</environment_context>"}
+    task = {"role": "user", "content": "".join(f"Read notes/file-{n:02d}.txt, then list every FACT line.\n" for n in range(40))}
+    msgs = agent_loop(8, dump_lines=120)
+    msgs[1:2] = [environment, task]
+    fits = 0
+    for budget in range(800, 6000, 200):
+        try:
+            result = compact_chat(Conversation.from_wire(msgs), budget, COUNTER)
+        except BudgetTooSmall:
+            continue
+        fits += 1
+        assert (result.messages or msgs)[:3] == msgs[:3] and all(r.index > 2 for r in result.report.removals), budget
+    assert fits > 10
+
+
 def test_a_huge_request_of_its_own_is_shrunk_middle_out():
     """A first user message that is also the last is the request itself, not history: shrunk."""
     task = "".join(f"requirement {n}: must hold\n" for n in range(5000))
