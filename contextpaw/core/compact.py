@@ -7,7 +7,7 @@ budget, a counter and the previous turn's `Plan`, and gets back what to send, a 
 Rules, in order of precedence:
 1. System/developer messages and tool definitions are never touched. If they alone exceed the
    budget, `BudgetTooSmall` is raised (the shell refuses in the API's own error): nothing else could help.
-2. The task (the opening: the user messages before the model first answered, which the head pins),
+2. The task (the first user message that is more than an agent's wrapped context; the head pins it),
    the current request (last user message) and the last `keep_recent` messages are never deleted. Tool units
    (a call and all of its results) are kept or evicted whole.
 3. Everything else is evictable, biggest unit first. Last turn's cuts are made again (evicted units
@@ -308,8 +308,8 @@ class _ChatCompaction:
         n = len(self.msgs)
         users = [i for i, m in enumerate(self.msgs) if m.role == "user"]
         protected = set(range(max(0, n - keep_recent), n)) | ({users[0], users[-1]} if users else set())
-        # the head: the opening (the task, in however many user messages the agent sends it), never
-        # the request itself
+        # the head: up to the task's message (after the agent's own context, where it sends that as a
+        # message of its own), never the request itself
         head = min(conv.opening(), n - 2)
         pinned = {u for u in self.units if any(self.msgs[i].pinned or i <= head for i in u.indices)}
         self.fresh = frozenset(self.unit_of[n - 1].indices) if n else frozenset()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,9 @@ from contextpaw.core.canonical import canonical
 KEPT_ITEM = "item"
 """The role given to a Responses item of a type not known here: kept as sent."""
 PINNED_ROLES = frozenset({"system", "developer", KEPT_ITEM})
+AGENT_CONTEXT = re.compile(r"\A\s*(?:<([\w-]+)>.*</\1>|# AGENTS\.md instructions for .*)\s*\Z", re.DOTALL)
+"""A user message that is only an agent's own context, not the user's words: one wrapped element
+(Codex's `<environment_context>`), or Codex's AGENTS.md message."""
 """Roles that are never touched: the operator's instructions, and items not understood."""
 REASONING = "reasoning"
 """A Responses `reasoning` item: it belongs to the turn it precedes, and goes with it."""
@@ -305,17 +309,19 @@ class Conversation:
         return cls(tuple(Message.from_wire(m) for m in messages), tools)
 
     def opening(self) -> int:
-        """The index of the opening's last user message, -1 where there is no user message: the first
-        user message and those that follow it before the model first answers. The opening holds the
-        task, which Codex sends as a user message of its own after one that holds its environment
-        (`<environment_context>`), where Claude Code and Qwen Code send one user message."""
-        end = next((i for i, m in enumerate(self.messages) if m.role == "user"), -1)
-        for i in range(end + 1, len(self.messages)) if end >= 0 else ():
+        """The index of the message that holds the task, -1 where there is no user message: the first
+        user message, or the first after it that is more than an agent's wrapped context, while the
+        model has not answered yet. Codex sends its environment as a user message of its own
+        (`<environment_context>…</environment_context>`, and AGENTS.md as `# AGENTS.md instructions`)
+        before the task's; Claude Code and Qwen Code send the context and the task as one message."""
+        first = next((i for i, m in enumerate(self.messages) if m.role == "user"), -1)
+        for i in range(first, len(self.messages)) if first >= 0 else ():
             m = self.messages[i]
             if m.role != "user" and not m.pinned:
                 break
-            end = i if m.role == "user" else end
-        return end
+            if m.role == "user" and not AGENT_CONTEXT.match(m.text):
+                return i
+        return first
 
     def units(self) -> list[Unit]:
         """Group messages into units, pairing tool results with the call that produced them.
