@@ -310,7 +310,9 @@ def test_a_task_sent_after_the_agents_environment_is_the_head_and_never_cut():
 
 def test_the_task_is_the_first_user_message_that_is_more_than_an_agents_context():
     def opening(*texts: str) -> int:
-        return Conversation.from_wire([{"role": "developer", "content": "rules"}, *({"role": "user", "content": t} for t in texts)]).opening()
+        return Conversation.from_wire(
+            [{"role": "developer", "content": "rules"}, *({"role": "user", "content": t} for t in texts)]
+        ).opening()
 
     agents_md = "# AGENTS.md instructions for /work\n\n<INSTRUCTIONS>\nuse tabs\n</INSTRUCTIONS>"
     environment = "<environment_context>\n  <cwd>/work</cwd>\n</environment_context>"
