@@ -6,11 +6,8 @@ Two tools, for agents that speak MCP (Claude Code, Codex, opencode, Qwen Code; `
 registers the server with each):
 
 - `contextpaw_retrieve(ref, part=1)`: the content a `[ContextPaw: …]` marker stands for, verbatim, from
-  the proxy's `GET /contextpaw/evicted/<ref>`; content over `PART_BYTES` comes in parts, each headed by
-  a line that says which and how to ask for the next, because every agent cuts a tool result past its
-  own limit (Codex keeps the head and tail of about 10,000 tokens, Qwen Code saves one over 25,000
-  characters or 1,000 lines to a file and sends a stub, Claude Code caps an MCP result at 25,000
-  tokens);
+  the proxy's `GET /contextpaw/evicted/<ref>`; long content comes in parts (`contextpaw.core.parts`:
+  every agent cuts a tool result past a limit of its own);
 - `contextpaw_search(query)`: references and snippets of kept content that holds every word, from
   `GET /contextpaw/search` (needs the token).
 
@@ -27,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -36,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from contextpaw.core import refs
+from contextpaw.core import parts, refs
 
 DEFAULT_PROXIES = ("http://127.0.0.1:11434", "http://127.0.0.1:8092")
 """Where `contextpaw` listens by default: in front of Ollama, then of llama-server."""
@@ -46,14 +42,6 @@ TOKEN_FILE = "contextpaw-token"
 TOKEN_MAX_BYTES = 1024
 TIMEOUT_S = 30.0
 SEARCH_LIMIT = 10
-PART_BYTES = 20_000
-"""The most UTF-8 bytes of content in one result: under Codex's 40,000-byte estimate of 10,000 tokens
-and Qwen Code's 25,000 characters (a character is at least a byte), with room for the agents' own
-headers."""
-PART_LINES = 800
-"""The most lines in one result (Qwen Code's limit is 1,000)."""
-PART_HEADER = re.compile(r"\A\[ContextPaw: part (\d+) of (\d+) of (cp-[0-9a-f.]+)[^\n]*\]\n")
-"""The line that heads each part of content given in parts: the part, how many, and the reference."""
 
 RETRIEVE_HELP = (
     "ContextPaw removed old messages from your context to fit the model's window and left a marker in their place, "
@@ -164,36 +152,8 @@ def reference(text: str) -> str:
     return found[0]
 
 
-def rendered(content: Any) -> str:
-    """What was evicted, as text: a text verbatim, messages as their JSON."""
-    return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False, indent=2)
-
-
-def split(text: str, max_bytes: int = PART_BYTES, max_lines: int = PART_LINES) -> list[str]:
-    """``text`` in consecutive pieces that join back to it, each at most ``max_bytes`` of UTF-8 and
-    ``max_lines`` lines, cut after a newline where one falls in the piece (a line longer than the
-    piece is cut at a character)."""
-    pieces: list[str] = []
-    rest = text
-    while len(rest.encode()) > max_bytes or rest.count("\n", 0, len(rest) - 1) >= max_lines:
-        head = rest.encode()[:max_bytes].decode(errors="ignore")
-        lines = head.splitlines(keepends=True)[:max_lines]
-        whole = "".join(lines[:-1]) if len(lines) > 1 and not lines[-1].endswith("\n") else "".join(lines)
-        whole = whole or rest[0]
-        pieces.append(whole)
-        rest = rest[len(whole) :]
-    return [*pieces, rest] if rest or not pieces else pieces
-
-
-def paged(text: str, ref: str, part: int) -> str:
-    """Part ``part`` (from 1) of ``text`` under a header line, or the whole text where it fits in one."""
-    pieces = split(text)
-    if not 1 <= part <= len(pieces):
-        raise Unanswered(f"{ref} comes in {len(pieces)} part(s): ask for part 1 to {len(pieces)}")
-    if len(pieces) == 1:
-        return text
-    after = f"call contextpaw_retrieve again with part={part + 1} for the next" if part < len(pieces) else "the last"
-    return f"[ContextPaw: part {part} of {len(pieces)} of {ref}; {after}]\n{pieces[part - 1]}"
+def asking(part: int) -> str:
+    return f"call contextpaw_retrieve again with part={part}"
 
 
 def retrieve(proxy: Proxy, ref: str, part: int = 1) -> str:
@@ -209,7 +169,10 @@ def retrieve(proxy: Proxy, ref: str, part: int = 1) -> str:
         ) from None
     if not isinstance(body, dict) or "content" not in body:
         raise Unanswered(f"ContextPaw's answer for {chosen} holds no content")
-    return paged(rendered(body["content"]), chosen, part)
+    try:
+        return parts.paged(parts.rendered(body["content"]), chosen, part, asking)
+    except parts.NoSuchPart as e:
+        raise Unanswered(str(e)) from None
 
 
 def search(proxy: Proxy, query: str, limit: int = SEARCH_LIMIT) -> str:

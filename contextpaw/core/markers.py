@@ -30,8 +30,10 @@ def kind_of(role: str) -> str:
 
 
 def how_to_read(ref: str, url: str) -> str:
-    """How a model gets `ref` back: by its id (an MCP tool), and with a shell tool, the command."""
-    command = f"; with a shell tool, run: curl -s {url}{EVICTED_PATH}{ref}" if url else ""
+    """How a model gets `ref` back: by its id (an MCP tool), and with a shell tool, the command
+    (quoted: `?` is a shell's wildcard), which prints the first part of the content and says how to
+    ask for the next (`contextpaw.core.parts`)."""
+    command = f"; with a shell tool, run: curl -s '{url}{EVICTED_PATH}{ref}?part=1'" if url else ""
     return f"retrieval id {ref}{command}"
 
 

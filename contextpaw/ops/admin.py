@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from contextpaw import wire
-from contextpaw.core import refs
+from contextpaw.core import parts, refs
 from contextpaw.ops.evicted import EvictedStore
 from contextpaw.ops.metrics import Stats, package_version
 
@@ -178,23 +178,33 @@ class Admin:
             self.stats.answering = [(b["kind"], b["url"], b["answers"]) for b in (await self.health())["backends"]]
             return Reply(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
         if name.startswith("evicted/"):
-            ref = name.removeprefix("evicted/")
+            read = functools.partial(self.evicted, name.removeprefix("evicted/"), trusted, secret, _part(path))
             if self.store.blocking_reads:  # a shared archive over the network: never on the event loop
-                return await asyncio.to_thread(self.evicted, ref, trusted, secret)
-            return self.evicted(ref, trusted, secret)
+                return await asyncio.to_thread(read)
+            return read()
         if name == "search":
             return await self.search(path, trusted, secret)
         return json_reply(404, {"error": f"no such ContextPaw endpoint: {path}"})
 
-    def evicted(self, ref: str, trusted: bool, secret: bytes) -> Reply:
-        """What `ref` stands for, to whoever saw its marker or holds a token. The archive is asked
-        whether or not the capability holds, so that a forbidden id takes as long as an unknown one."""
-        parts = refs.split(ref)
-        content = self.store.get(parts[0] if parts else "cp-")
-        allowed = parts is not None and (trusted or refs.readable(secret, ref) is not None)
+    def evicted(self, ref: str, trusted: bool, secret: bytes, part: int | str | None = None) -> Reply:
+        """What `ref` stands for, to whoever saw its marker or holds a token: as JSON, or with
+        `?part=N` as text in parts (`contextpaw.core.parts`; what a shell tool prints, each part
+        under an agent's own limit). The archive is asked whether or not the capability holds, so
+        that a forbidden id takes as long as an unknown one."""
+        pieces = refs.split(ref)
+        content = self.store.get(pieces[0] if pieces else "cp-")
+        allowed = pieces is not None and (trusted or refs.readable(secret, ref) is not None)
         if content is None or not allowed:
             return json_reply(404, NOT_KEPT)
-        return Reply(200, b'{"id":' + json.dumps(ref).encode() + b',"content":' + content + b"}")
+        if part is None:
+            return Reply(200, b'{"id":' + json.dumps(ref).encode() + b',"content":' + content + b"}")
+        try:
+            if isinstance(part, str):
+                raise parts.NoSuchPart(f"part must be a number from 1, not {part[:40]!r}")
+            text = parts.paged(parts.rendered(json.loads(content)), ref, part, _asking)
+        except parts.NoSuchPart as e:
+            return json_reply(400, {"error": str(e)})
+        return Reply(200, text.encode(), "text/plain; charset=utf-8")
 
     async def search(self, path: str, trusted: bool, secret: bytes) -> Reply:
         """`?q=TEXT&limit=N`: references (with their capabilities) and snippets; token holders only."""
@@ -220,3 +230,16 @@ class Admin:
             return json_reply(400, {"error": "name the model: /contextpaw/window?model=NAME (Ollama's window is per model)"})
         served = await self.window(backend, model)
         return json_reply(200, {"model": model, "backend": {"kind": backend.kind, "url": backend.url}, **served})
+
+
+def _part(path: str) -> int | str | None:
+    """`?part=N` of an evicted reference's path: the number, the text where it is not one, None
+    where none is asked."""
+    asked = parse_qs(urlsplit(path).query).get("part")
+    if not asked:
+        return None
+    return int(asked[0]) if asked[0].isascii() and asked[0].isdigit() else asked[0]
+
+
+def _asking(part: int) -> str:
+    return f"run the same command with part={part}"

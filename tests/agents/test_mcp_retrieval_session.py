@@ -35,8 +35,7 @@ from urllib.parse import quote
 import pytest
 from test_launch_compaction import headless, make_files, task
 
-from contextpaw.command import mcp as cp_mcp
-from contextpaw.core import refs
+from contextpaw.core import parts, refs
 from support import agents as cli
 from support.backends import start_module
 from support.recorder import read_log
@@ -102,7 +101,7 @@ class Run:
         """Each reference the model asked for, with its result: the parts, as the agent sent them
         back, joined once every part came back (a result over `PART_BYTES` comes in parts)."""
         out: dict[str, Retrieval] = {}
-        parts: dict[str, dict[int, str]] = {}
+        pieces: dict[str, dict[int, str]] = {}
         for entry in self.model_log:
             for back in entry.get("retrieved") or []:
                 known = out.get(back["ref"])
@@ -111,12 +110,12 @@ class Run:
                 known.calls.append(back["call"])
                 text = self.sent_results.get(back["call"], back["text"])
                 unwrapped = CODEX_HEADER.sub("", text) if self.agent == "codex" else text
-                head = cp_mcp.PART_HEADER.match(unwrapped)
+                head = parts.PART_HEADER.match(unwrapped)
                 number, count = (int(head[1]), int(head[2])) if head else (1, 1)
-                parts.setdefault(known.ref, {})[number] = unwrapped[head.end() :] if head else unwrapped
+                pieces.setdefault(known.ref, {})[number] = unwrapped[head.end() :] if head else unwrapped
                 known.result_tokens = (known.result_tokens or 0) + back["tokens"]
-                if known.result is None and sorted(parts[known.ref]) == list(range(1, count + 1)):
-                    known.result, known.prompt_after = "".join(parts[known.ref][n] for n in range(1, count + 1)), entry["prompt_tokens"]
+                if known.result is None and sorted(pieces[known.ref]) == list(range(1, count + 1)):
+                    known.result, known.prompt_after = "".join(pieces[known.ref][n] for n in range(1, count + 1)), entry["prompt_tokens"]
             reply = entry.get("reply") or {}
             if reply.get("kind") == "retrieve":
                 ref = json.loads(reply["call"]["arguments"])["ref"]
@@ -211,7 +210,7 @@ def sent_results(sent: list[dict[str, Any]]) -> dict[str, str]:
 def archived(url: str, ref: str) -> str:
     """What the proxy keeps under a reference with its capability (no token needed), as text."""
     with urllib.request.urlopen(url + refs.EVICTED_PATH + quote(ref, safe=""), timeout=30) as answer:
-        return cp_mcp.rendered(json.loads(answer.read())["content"])
+        return parts.rendered(json.loads(answer.read())["content"])
 
 
 async def _mcp_calls(url: str, state: Path, *asked: str) -> list[tuple[bool, str]]:

@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from hypothesis import given
-from hypothesis import strategies as st
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from contextpaw.command import mcp as cp_mcp
+from contextpaw.core import parts
 
 REPO = Path(__file__).parents[2]
 TOKEN = "t" * 43
@@ -116,7 +114,7 @@ async def test_a_marker_reference_comes_back_verbatim_with_the_token_sent(proxy:
         messages = await session.call_tool("contextpaw_retrieve", {"ref": CAPPED})
         bare = await session.call_tool("contextpaw_retrieve", {"ref": f"(retrieval id {SECRET_ONLY})"})
     assert not messages.is_error and not bare.is_error
-    assert cp_mcp.rendered(KEPT[CAPPED]) == text(messages) and "DB_PASSWORD=hunter2\\nline two ✓" in text(messages)
+    assert parts.rendered(KEPT[CAPPED]) == text(messages) and "DB_PASSWORD=hunter2\\nline two ✓" in text(messages)
     assert text(bare) == KEPT[SECRET_ONLY]
     assert fake.tokens == [TOKEN, TOKEN]
 
@@ -164,31 +162,19 @@ async def test_content_past_one_result_comes_in_parts_that_join_back_byte_for_by
     proxy: tuple[FakeContextPaw, str], tmp_path: Path
 ) -> None:
     _, url = proxy
-    whole = cp_mcp.rendered(KEPT[LONG])
+    whole = parts.rendered(KEPT[LONG])
     pieces: list[str] = []
     async with mcp_session("--url", url, "--state-dir", str(tmp_path)) as session:
         first = text(await session.call_tool("contextpaw_retrieve", {"ref": LONG}))
-        header = cp_mcp.PART_HEADER.match(first)
+        header = parts.PART_HEADER.match(first)
         assert header and header[1] == "1" and header[3] == LONG and "part=2" in header[0]
         for part in range(1, int(header[2]) + 1):
             got = text(await session.call_tool("contextpaw_retrieve", {"ref": LONG, "part": part}))
-            head = cp_mcp.PART_HEADER.match(got)
+            head = parts.PART_HEADER.match(got)
             assert head and (head[1], head[2]) == (str(part), header[2])
             pieces.append(got[head.end() :])
         past = await session.call_tool("contextpaw_retrieve", {"ref": LONG, "part": int(header[2]) + 1})
     assert "".join(pieces) == whole and len(pieces) > 2
-    assert all(len(p.encode()) <= cp_mcp.PART_BYTES and p.count("\n") <= cp_mcp.PART_LINES for p in pieces)
+    assert all(len(p.encode()) <= parts.PART_BYTES and p.count("\n") <= parts.PART_LINES for p in pieces)
     assert all(p.endswith("\n") for p in pieces[:-2]), "a part is cut after a line where one falls in it"
     assert past.is_error and f"comes in {header[2]} part(s)" in text(past)
-
-
-@given(st.text(st.characters(codec="utf-8"), max_size=400), st.integers(4, 60), st.integers(1, 6))
-def test_the_parts_join_back_and_each_keeps_to_its_bytes_and_lines(whole: str, max_bytes: int, max_lines: int) -> None:
-    pieces = cp_mcp.split(whole, max_bytes, max_lines)
-    assert "".join(pieces) == whole and (all(pieces) or pieces == [""])
-    assert all(len(p.encode()) <= max_bytes and p.count("\n", 0, len(p) - 1) < max_lines for p in pieces)
-
-
-def test_content_that_fits_one_result_comes_whole_without_a_header() -> None:
-    small = cp_mcp.rendered(KEPT[CAPPED])
-    assert cp_mcp.paged(small, CAPPED, 1) == small

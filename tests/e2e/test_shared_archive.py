@@ -16,7 +16,7 @@ from support.backends import Backend, start_proxy
 from support.common import FAKE_N_CTX
 from support.redis_server import redis_server
 
-COMMAND = re.compile(r"curl -s (http://[^/\s]+)/contextpaw/evicted/(cp-[0-9a-f]{12}\.[0-9a-f]{16})")
+COMMAND = re.compile(r"curl -s '(http://[^/\s]+)/contextpaw/evicted/(cp-[0-9a-f]{12}\.[0-9a-f]{16})\?part=1'")
 
 
 def overflowing_chat() -> dict:

@@ -13,12 +13,13 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import taddons
 
+from contextpaw.core import parts
 from contextpaw.ops import keys
 from contextpaw.proxy.compose import make_addons
 from support.flows import LLAMACPP, OLLAMA, get, long_chat, ok_json, post, reverse
 from support.inprocess import Proxy
 
-COMMAND = re.compile(r"curl -s (http://[^/\s]+)/contextpaw/evicted/(cp-[0-9a-f]{12}\.[0-9a-f]{16})")
+COMMAND = re.compile(r"curl -s '(http://[^/\s]+)/contextpaw/evicted/(cp-[0-9a-f]{12}\.[0-9a-f]{16})\?part=1'")
 
 
 @pytest.fixture
@@ -57,6 +58,27 @@ async def test_the_marker_names_the_command_that_reads_it_back_at_the_address_th
     answer = await read(proxy, f"/contextpaw/evicted/{commands[0][1]}")
     assert answer.status_code == 200 and json.loads(answer.content)["content"][0]["content"].startswith("part ")
     assert (tmp_path / "contextpaw-archive.sqlite3").exists() and (tmp_path / keys.SECRET_FILE).exists()
+
+
+async def test_the_markers_command_prints_the_content_as_text_in_parts_that_join_back(proxy: Proxy) -> None:
+    """What a shell tool prints stays under every agent's own limit: the command asks for part 1,
+    and each part says how to ask for the next."""
+    sent, _ = await compacted(proxy, long_chat(turns=40))
+    url, ref = COMMAND.findall(json.dumps(sent))[0]
+    whole = parts.rendered(json.loads((await read(proxy, f"/contextpaw/evicted/{ref}")).content)["content"])
+    first = await read(proxy, f"/contextpaw/evicted/{ref}?part=1")
+    header = parts.PART_HEADER.match(first.text)
+    assert first.status_code == 200 and first.headers["content-type"].startswith("text/plain") and header
+    assert header[3] == ref and "run the same command with part=2" in header[0]
+    pieces = [first.text[header.end() :]]
+    for n in range(2, int(header[2]) + 1):
+        got = (await read(proxy, f"/contextpaw/evicted/{ref}?part={n}")).text
+        pieces.append(got[parts.PART_HEADER.match(got).end() :])  # type: ignore[union-attr]
+    assert "".join(pieces) == whole and all(len(p.encode()) <= parts.PART_BYTES for p in pieces)
+    past, odd = await read(proxy, f"/contextpaw/evicted/{ref}?part=99"), await read(proxy, f"/contextpaw/evicted/{ref}?part=²")
+    assert past.status_code == odd.status_code == 400 and f"comes in {header[2]} part(s)" in past.text and "a number" in odd.text
+    forged = await read(proxy, f"/contextpaw/evicted/{ref[:-4]}0000?part=1")
+    assert forged.status_code == 404, "a part is read with the capability only"
 
 
 async def test_without_the_capability_the_answer_is_the_unknown_ids(proxy: Proxy, tmp_path: Path) -> None:
