@@ -38,17 +38,31 @@ def rendered(content: Any) -> str:
 def split(text: str, max_bytes: int = PART_BYTES, max_lines: int = PART_LINES) -> list[str]:
     """``text`` in consecutive pieces that join back to it, each at most ``max_bytes`` of UTF-8 and
     ``max_lines`` lines, cut after a newline where one falls in the piece (a line longer than the
-    piece is cut at a character)."""
+    piece is cut between characters). Linear in the text: a hole may hold megabytes."""
+    data = text.encode()
     pieces: list[str] = []
-    rest = text
-    while len(rest.encode()) > max_bytes or rest.count("\n", 0, len(rest) - 1) >= max_lines:
-        head = rest.encode()[:max_bytes].decode(errors="ignore")
-        lines = head.splitlines(keepends=True)[:max_lines]
-        whole = "".join(lines[:-1]) if len(lines) > 1 and not lines[-1].endswith("\n") else "".join(lines)
-        whole = whole or rest[0]
-        pieces.append(whole)
-        rest = rest[len(whole) :]
-    return [*pieces, rest] if rest or not pieces else pieces
+    start = 0
+    while start < len(data):
+        end = min(start + max_bytes, len(data))
+        window = data[start:end]
+        breaks = window.count(b"\n", 0, len(window) - 1)
+        if breaks >= max_lines:  # cut after the max_lines-th newline
+            cut = -1
+            for _ in range(max_lines):
+                cut = window.index(b"\n", cut + 1)
+            end = start + cut + 1
+        elif end < len(data):
+            newline = window.rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
+            else:  # one long line: between characters (never inside one's UTF-8 bytes)
+                while end > start and data[end] & 0xC0 == 0x80:
+                    end -= 1
+                while end < len(data) and (end == start or data[end] & 0xC0 == 0x80):  # a character wider than the piece: whole
+                    end += 1
+        pieces.append(data[start:end].decode())
+        start = end
+    return pieces or [text]
 
 
 def paged(text: str, ref: str, part: int, asking: Callable[[int], str]) -> str:
