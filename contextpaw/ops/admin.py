@@ -178,9 +178,10 @@ class Admin:
             self.stats.answering = [(b["kind"], b["url"], b["answers"]) for b in (await self.health())["backends"]]
             return Reply(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
         if name.startswith("evicted/"):
-            read = functools.partial(self.evicted, name.removeprefix("evicted/"), trusted, secret, _part(path))
-            if self.store.blocking_reads:  # a shared archive over the network: never on the event loop
-                return await asyncio.to_thread(read)
+            part = _part(path)
+            read = functools.partial(self.evicted, name.removeprefix("evicted/"), trusted, secret, part)
+            if self.store.blocking_reads or part is not None:  # a shared archive over the network, or a
+                return await asyncio.to_thread(read)  # hole of megabytes parsed for its parts: off the loop
             return read()
         if name == "search":
             return await self.search(path, trusted, secret)
