@@ -310,7 +310,7 @@ class _ChatCompaction:
         protected = set(range(max(0, n - keep_recent), n)) | ({users[0], users[-1]} if users else set())
         # the head: up to the task's message (after the agent's own context, where it sends that as a
         # message of its own), never the request itself
-        head = min(conv.opening(), n - 2)
+        head = min(conv.task_index(), n - 2)
         pinned = {u for u in self.units if any(self.msgs[i].pinned or i <= head for i in u.indices)}
         self.fresh = frozenset(self.unit_of[n - 1].indices) if n else frozenset()
         """The newest unit (the tool result just read, the user's latest words): shrunk last."""

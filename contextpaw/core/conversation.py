@@ -28,10 +28,10 @@ from contextpaw.core.canonical import canonical
 KEPT_ITEM = "item"
 """The role given to a Responses item of a type not known here: kept as sent."""
 PINNED_ROLES = frozenset({"system", "developer", KEPT_ITEM})
+"""Roles that are never touched: the operator's instructions, and items not understood."""
 AGENT_CONTEXT = re.compile(r"\A\s*(?:<([\w-]+)>.*</\1>|# AGENTS\.md instructions for .*)\s*\Z", re.DOTALL)
 """A user message that is only an agent's own context, not the user's words: one wrapped element
 (Codex's `<environment_context>`), or Codex's AGENTS.md message."""
-"""Roles that are never touched: the operator's instructions, and items not understood."""
 REASONING = "reasoning"
 """A Responses `reasoning` item: it belongs to the turn it precedes, and goes with it."""
 CALL_ITEMS = frozenset({"function_call", "custom_tool_call"})
@@ -308,15 +308,16 @@ class Conversation:
     def from_wire(cls, messages: Iterable[Mapping[str, Any]], tools: Any = None) -> Conversation:
         return cls(tuple(Message.from_wire(m) for m in messages), tools)
 
-    def opening(self) -> int:
+    def task_index(self) -> int:
         """The index of the message that holds the task, -1 where there is no user message: the first
         user message, or the first after it that is more than an agent's wrapped context, while the
         model has not answered yet. Codex sends its environment as a user message of its own
         (`<environment_context>…</environment_context>`, and AGENTS.md as `# AGENTS.md instructions`)
         before the task's; Claude Code and Qwen Code send the context and the task as one message."""
         first = next((i for i, m in enumerate(self.messages) if m.role == "user"), -1)
-        for i in range(first, len(self.messages)) if first >= 0 else ():
-            m = self.messages[i]
+        if first < 0:
+            return -1
+        for i, m in enumerate(self.messages[first:], first):
             if m.role != "user" and not m.pinned:
                 break
             if m.role == "user" and not AGENT_CONTEXT.match(m.text):

@@ -220,7 +220,7 @@ class Sizer:
     async def _opening(
         self, parsed: wire.Chat | wire.Prompt, counter: Counter, fixed: int, budget: Budget, big: bool, guard: Guard
     ) -> bool:
-        """Whether this is a conversation's opening (nothing after its opening's user messages) that fits
+        """Whether this is a conversation's opening (nothing after its task's message) that fits
         the window at the estimate's own rate, never below what its words prove. Its only cuttable
         part is the task itself, which the guard would shrink for the estimate's width alone (Qwen
         Code sends its instructions and the task as one message of 22,000 estimated tokens, 15,845
@@ -228,7 +228,7 @@ class Sizer:
         count, which tells a cut."""
         if not isinstance(parsed, wire.Chat):
             return False
-        if parsed.conversation.opening() != len(parsed.conversation.messages) - 1:
+        if parsed.conversation.task_index() != len(parsed.conversation.messages) - 1:
             return False
         counted = await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
         proved = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))

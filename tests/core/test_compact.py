@@ -309,17 +309,17 @@ def test_a_task_sent_after_the_agents_environment_is_the_head_and_never_cut():
 
 
 def test_the_task_is_the_first_user_message_that_is_more_than_an_agents_context():
-    def opening(*texts: str) -> int:
+    def task_index(*texts: str) -> int:
         return Conversation.from_wire(
             [{"role": "developer", "content": "rules"}, *({"role": "user", "content": t} for t in texts)]
-        ).opening()
+        ).task_index()
 
     agents_md = "# AGENTS.md instructions for /work\n\n<INSTRUCTIONS>\nuse tabs\n</INSTRUCTIONS>"
     environment = "<environment_context>\n  <cwd>/work</cwd>\n</environment_context>"
-    assert opening(agents_md, environment, "fix the bug", "and the other one") == 3
-    assert opening("fix the bug", "and the other one", "and a third") == 1, "a run of the user's own words: the first is the task"
-    assert opening("<b>fix</b> the bug and <i>this</i>", "next") == 1, "markup in the user's words is not an agent's context"
-    assert Conversation.from_wire([{"role": "assistant", "content": "hi"}, {"role": "user", "content": "go"}]).opening() == 1
+    assert task_index(agents_md, environment, "fix the bug", "and the other one") == 3
+    assert task_index("fix the bug", "and the other one", "and a third") == 1, "a run of the user's own words: the first is the task"
+    assert task_index("<b>fix</b> the bug and <i>this</i>", "next") == 1, "markup in the user's words is not an agent's context"
+    assert Conversation.from_wire([{"role": "assistant", "content": "hi"}, {"role": "user", "content": "go"}]).task_index() == 1
 
 
 def test_a_huge_request_of_its_own_is_shrunk_middle_out():
