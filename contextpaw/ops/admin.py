@@ -199,9 +199,9 @@ class Admin:
             return json_reply(404, NOT_KEPT)
         if part is None:
             return Reply(200, b'{"id":' + json.dumps(ref).encode() + b',"content":' + content + b"}")
+        if isinstance(part, str):
+            return json_reply(400, {"error": f"part must be a number from 1, not {part[:40]!r}"})
         try:
-            if isinstance(part, str):
-                raise parts.NoSuchPart(f"part must be a number from 1, not {part[:40]!r}")
             text = parts.paged(parts.rendered(json.loads(content)), ref, part, _asking)
         except parts.NoSuchPart as e:
             return json_reply(400, {"error": str(e)})
