@@ -200,8 +200,19 @@ def start_proxy(
 ) -> Backend:
     """mitmdump with the ContextPaw addon as a reverse proxy in front of ``upstream``, run by this
     interpreter; ready once ``/contextpaw/health`` answers. ``options`` are extra
-    ``--set name=value`` pairs, e.g. ``["contextpaw_backend=ollama"]``."""
-    port = port or free_port()
+    ``--set name=value`` pairs, e.g. ``["contextpaw_backend=ollama"]``. A free port another process
+    took before mitmdump bound it (two test workers start servers at once) is given up for another,
+    twice at most; a port the caller named is not."""
+    for attempt in range(3):
+        try:
+            return _start_proxy(upstream, confdir, log, options, addon, port or free_port(), timeout)
+        except RuntimeError as e:
+            if port is not None or attempt == 2 or "address already in use" not in str(e):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_proxy(upstream: str, confdir: Path, log: Path, options: Sequence[str], addon: Path, port: int, timeout: float) -> Backend:
     argv = [
         sys.executable,
         "-c",
