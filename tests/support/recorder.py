@@ -30,6 +30,11 @@ SECRET_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization",
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"})
 RESPONSE_KEPT = 256 * 1024
 """How much of each response body is kept in the log (all of it is streamed through)."""
+SETTLE_SECONDS = 10.0
+"""How long :func:`read_log` waits for exchanges still in flight to be written."""
+
+_RECORDERS: dict[Path, Recorder] = {}
+"""The recorders serving in this process, by the log they append to (see :func:`read_log`)."""
 
 
 def redacted(headers: Any) -> dict[str, str]:
@@ -59,7 +64,16 @@ class Recorder:
         self.target = target.rstrip("/")
         self.log = log
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
+        self._in_flight = 0
         self._session: aiohttp.ClientSession | None = None
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until no exchange is in flight. A client can have its whole answer, and exit, before
+        the upstream's end reaches the recorder and its line is written: a test that reads the log
+        the moment the agent exits would miss that exchange. False when ``timeout`` ran out."""
+        with self._settled:
+            return self._settled.wait_for(lambda: self._in_flight == 0, timeout)
 
     async def lifetime(self, app: web.Application) -> Any:
         # no decompression, no cookie jar, no timeout: the bytes and the pace are the target's own
@@ -69,13 +83,20 @@ class Recorder:
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )
+        _RECORDERS[self.log.resolve()] = self
         yield
+        if _RECORDERS.get(self.log.resolve()) is self:
+            del _RECORDERS[self.log.resolve()]
         await self._session.close()
 
     def write(self, entry: dict[str, Any]) -> None:
+        """Append the exchange's line; it is no longer in flight."""
         line = json.dumps(entry, ensure_ascii=False)
-        with self._lock, self.log.open("a", encoding="utf-8") as sink:
-            sink.write(line + "\n")
+        with self._settled:
+            with self.log.open("a", encoding="utf-8") as sink:
+                sink.write(line + "\n")
+            self._in_flight -= 1
+            self._settled.notify_all()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
@@ -91,6 +112,8 @@ class Recorder:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"content-length"}}
         kept = bytearray()
         response: web.StreamResponse | None = None
+        with self._settled:
+            self._in_flight += 1
         try:
             async with self._session.request(
                 request.method, self.target + request.path_qs, headers=headers, data=raw or None,
@@ -134,7 +157,11 @@ def recorder_app(target: str, log: Path) -> web.Application:
 
 
 def read_log(log: Path) -> list[dict[str, Any]]:
-    """Every recorded exchange, oldest first ([] when nothing was recorded)."""
+    """Every recorded exchange, oldest first ([] when nothing was recorded). When this process serves
+    the recorder, exchanges still in flight are waited for first (up to :data:`SETTLE_SECONDS`)."""
+    recorder = _RECORDERS.get(Path(log).resolve())
+    if recorder is not None:
+        recorder.settle(SETTLE_SECONDS)
     if not Path(log).exists():
         return []
     return [json.loads(line) for line in Path(log).read_text(encoding="utf-8").splitlines() if line.strip()]
