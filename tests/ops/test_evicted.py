@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from contextpaw import wire
 from contextpaw.core.caches import LRU
@@ -42,7 +44,26 @@ def test_the_clients_numbers_come_back_as_written_and_as_valid_json() -> None:
     s.put("cp-1", encode(wire.load(raw)["messages"]))
     kept = s.get("cp-1")
     assert kept is not None and json.loads(kept, parse_int=str, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
-    assert kept.split(b'"n": [')[1].split(b"]")[0].split(b", ") == [n.encode() for n in numbers]
+    assert kept.split(b'"n":[')[1].split(b"]")[0].split(b",") == [n.encode() for n in numbers]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@given(st.lists(JSON, max_size=6))
+def test_what_is_kept_is_the_json_python_writes_byte_for_byte(content: list) -> None:
+    """Whichever way a hole is written (orjson, or the slow way where it would spell a float
+    otherwise or refuses a lone surrogate), its bytes are Python's compact JSON of it."""
+    assert encode(content) == json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
+@pytest.mark.parametrize("number", [1e-05, 2.5e-07, -1.2676871521221707e-06, 4e-09, 1e-10, 1e16, 0.0001])
+def test_a_float_that_orjson_spells_otherwise_is_kept_as_python_writes_it(number: float) -> None:
+    assert encode([{"n": number}]) == b'[{"n":' + repr(number).encode() + b"}]"
 
 
 def test_count_bound_drops_the_oldest() -> None:

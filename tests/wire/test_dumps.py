@@ -18,6 +18,7 @@ JSON = st.recursive(
 @given(st.lists(JSON, max_size=6))
 def test_a_list_is_written_as_json_writes_it(value: list) -> None:
     assert dumps(value) == json.dumps(value, ensure_ascii=False)
+    assert dumps(value, separators=(",", ":")) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def test_a_hole_s_numbers_and_lone_surrogates_go_back_as_written() -> None:
