@@ -18,6 +18,8 @@ from enum import StrEnum
 from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
+import orjson
+
 from contextpaw.core.conversation import Conversation
 from contextpaw.core.tokens import Counter
 
@@ -81,7 +83,9 @@ _LITERAL = re.compile(r'"\\u0000' + _NONCE + r':([^"\\]*)\\u0000"')
 
 def load(raw: bytes) -> Any:
     """JSON bytes as `json.loads` reads them (UTF-8, -16 or -32), every number that Python would not
-    write back as written read as a `Number`; an object comes back as a `Body`."""
+    write back as written read as a `Number`; an object comes back as a `Body`. A float that orjson
+    would write otherwise (`1e-05` as `0.00001`) is a `Number` too, so that what orjson writes of
+    what was read here is what was sent."""
     numbers = False
 
     def kept(literal: str) -> Number:
@@ -91,7 +95,8 @@ def load(raw: bytes) -> Any:
 
     def real(literal: str) -> float | Number:
         value = float(literal)
-        return value if math.isfinite(value) and repr(value) == literal else kept(literal)
+        written = math.isfinite(value) and repr(value) == literal and orjson.dumps(value) == literal.encode()
+        return value if written else kept(literal)
 
     def integer(literal: str) -> int | Number:
         if literal != "-0":
