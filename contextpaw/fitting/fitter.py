@@ -200,8 +200,8 @@ class Fitter:
             logger.debug("%s forwarded as is: %s", state.path, e)
             return UNCHANGED
         self._place(state, parsed.params.model)
-        if isinstance(parsed, wire.Chat) and big:  # its lines' digests, read in the thread, not on the loop
-            await off_loop(big, parsed.fingerprints)
+        if isinstance(parsed, wire.Chat) and big:  # its lines' digests and its key, made in the thread, not on the loop
+            await off_loop(big, lambda: (parsed.fingerprints(), parsed.key))
         self.answers.expect(state, parsed)
         budget = await self.budgeter.budget(state.backend, parsed.params)
         guard = await _guard(state, parsed, self.estimate, big)

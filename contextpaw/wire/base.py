@@ -233,6 +233,9 @@ class Chat:
     """The key the conversation's `key` is made with (the proxy's secret, passed in by `keyed`)."""
     read_lines: list[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=list, compare=False, repr=False)
     """`fingerprints`, once read (a big body's are read in the worker thread that parsed it)."""
+    made_key: list[str] = dataclasses.field(default_factory=list, init=False, compare=False, repr=False)
+    """`key`, once made: it writes the first user message, megabytes at times, and is asked for
+    several times a request (not shared by `keyed`'s copy, whose secret differs)."""
 
     def counted(self, sent: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         """(path, body) that asks llama-server for the exact size of `sent`, a body in this API."""
@@ -249,11 +252,13 @@ class Chat:
         and moves `cache_control` between blocks, in one conversation.
         Keyed with the proxy's secret (`keyed`): nobody who lacks it can name another's conversation.
         """
-        messages = self.conversation.messages
-        anchor = [self.fixed_text] + [(m.role, m.text, m.images) for m in messages if m.pinned]
-        anchor += [(m.role, m.text, m.images) for m in messages if m.role == "user"][:1]
-        data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
-        return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12, key=self.secret[:64]).hexdigest()
+        if not self.made_key:
+            messages = self.conversation.messages
+            anchor = [self.fixed_text] + [(m.role, m.text, m.images) for m in messages if m.pinned]
+            anchor += [(m.role, m.text, m.images) for m in messages if m.role == "user"][:1]
+            data = json.dumps([self.params.model, anchor], sort_keys=True, ensure_ascii=False, default=str)
+            self.made_key.append(hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=12, key=self.secret[:64]).hexdigest())
+        return self.made_key[0]
 
     def fingerprints(self) -> tuple[tuple[int, int], ...]:
         """(digest, characters) of each line of the messages long enough to say something, read as

@@ -423,3 +423,28 @@ async def test_requests_that_ask_for_one_tokenizer_meanwhile_share_one_load(
     first, second = await asyncio.gather(services.tokenizer(str(model)), services.tokenizer(str(model)))
     assert loads == [str(model)] and first is second is not None
     assert await services.tokenizer(str(model)) is first and len(loads) == 1
+
+
+@given(st.lists(st.integers(min_value=-1, max_value=2**31), max_size=50), st.sampled_from([(",", ":"), (", ", ": "), (" , ", " : ")]))
+def test_a_tokenize_answer_is_counted_as_long_as_its_list_whatever_its_spacing(ids: list[int], separators: tuple[str, str]) -> None:
+    """llama-server's /tokenize lists ids; its count is read from the bytes, without the list."""
+    from contextpaw.calls.server_counts import token_count
+
+    answer = json.dumps({"tokens": ids}, separators=separators).encode()
+    assert token_count(answer) == len(ids)
+    assert token_count(b" \n" + answer + b"\n") == len(ids)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'{"tokens":[{"id":1,"piece":"a]"},{"id":2,"piece":","}]}',  # with pieces
+        b'{"tokens":[1,2],"other":[3,4,5]}',  # another field after it
+        b'{"other":"[1,2,3]","tokens":[7,8]}',  # another field before it
+        b'{"tokens":[[1,2],[3]]}',
+    ],
+)
+def test_a_tokenize_answer_of_another_shape_is_parsed_and_its_tokens_counted(answer: bytes) -> None:
+    from contextpaw.calls.server_counts import token_count
+
+    assert token_count(answer) == len(json.loads(answer)["tokens"])

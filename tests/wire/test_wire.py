@@ -346,3 +346,14 @@ def test_conversation_key_is_what_the_model_reads_not_how_the_client_spells_it()
     other = anthropic.MESSAGES.read(json.dumps({"model": "m", "max_tokens": 10, "messages": [
         task, {"role": "system", "content": environment + " (another project)"}]}).encode())  # fmt: skip
     assert first.key == later.key != other.key
+
+
+def test_a_conversation_key_is_made_once_and_each_secret_keys_its_own() -> None:
+    """The key writes the first user message (megabytes at times) and is asked for several times
+    a request: made once; a copy keyed with another secret makes its own."""
+    parsed = openai.CHAT.read(json.dumps({"model": "m", "messages": history(4)}).encode())
+    assert isinstance(parsed, wire.Chat)
+    mine, theirs = wire.keyed(parsed, b"mine"), wire.keyed(parsed, b"theirs")
+    assert parsed.key is parsed.key and mine.key is mine.key
+    assert len({parsed.key, mine.key, theirs.key}) == 3
+    assert wire.keyed(openai.CHAT.read(json.dumps({"model": "m", "messages": history(4)}).encode()), b"mine").key == mine.key
