@@ -27,7 +27,7 @@ from typing import Any
 
 from contextpaw import wire
 from contextpaw.core import logs
-from contextpaw.core.caches import SizedLRU
+from contextpaw.core.caches import LRU, SizedLRU
 from contextpaw.core.compact import BudgetTooSmall, Plan
 from contextpaw.core.refs import Refs, store_id
 from contextpaw.core.report import SIZE_BOUND, Report
@@ -100,6 +100,8 @@ class Fitter:
         self.store = store
         self.plans = SizedLRU(settings.conversations, PLAN_BYTES, lambda key, plan: len(key) + plan.footprint)
         """Each conversation's last `Plan` (by `wire.Chat.key`): the next turn evicts the same units."""
+        self.plans_kept = LRU(settings.conversations)
+        """Conversation -> the plan this instance last wrote to the store, and when (`_unkept`)."""
         self.windows = BackendWindows(services.fetch)
         self.estimate = EstimateCounter()
         self.shape = ShapeCounter()
@@ -138,7 +140,7 @@ class Fitter:
             source=self.windows if settings.discover_window else NoDiscovery(),
         )
         self.store.bound(max_items=settings.evicted_items, max_bytes=settings.evicted_bytes, max_age_s=settings.evicted_ttl)
-        self.plans.limit = self.sizer.overcounts.limit = settings.conversations
+        self.plans.limit = self.sizer.overcounts.limit = self.plans_kept.limit = settings.conversations
 
     # -- the request ----------------------------------------------------------------------------
 
@@ -333,8 +335,20 @@ class Fitter:
     def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: Fitted) -> None:
         if parsed.key and fitted.plan is not None:
             self.plans.put(parsed.key, fitted.plan)
-            if self.store.keeps_plans:
+            if self.store.keeps_plans and self._unkept(parsed.key, fitted.plan):
                 self.store.put_plan(parsed.key, json.dumps(fitted.plan.to_json()).encode())
+
+    def _unkept(self, key: str, plan: Plan) -> bool:
+        """Whether the store lacks `plan` for `key`: a turn that changes nothing repeats the last
+        plan, and writing it again each turn cost a transaction a request. It is written once more
+        when half its age bound has passed (the store expires it), and always to a store other
+        instances write too (one of them may have put a newer one)."""
+        now = time.monotonic()
+        kept = self.plans_kept.get(key)
+        if not self.store.shared and kept is not None and kept[0] == plan and now - kept[1] < self.store.max_age_s / 2:
+            return False
+        self.plans_kept.put(key, (plan, now))
+        return True
 
     async def _recall(self, parsed: wire.Chat | wire.Prompt) -> None:
         """A conversation this instance has no plan of may have one in the store: kept before a

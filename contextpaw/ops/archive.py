@@ -72,6 +72,10 @@ class Archive(EvictedStore):
     def keeps_plans(self) -> bool:  # type: ignore[override]
         return self.store.keeps_plans
 
+    @property
+    def shared(self) -> bool:  # type: ignore[override]
+        return self.store.shared
+
     def put_plan(self, key: str, data: builtins.bytes) -> None:
         self.store.put_plan(key, data)
 

@@ -69,6 +69,7 @@ class RedisStore(EvictedStore):
 
     blocking_reads = True
     keeps_plans = True
+    shared = True
 
     def __init__(self, url: str, *, max_items: int, max_bytes: int, max_age_s: float, prefix: str = PREFIX) -> None:
         super().__init__(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)

@@ -114,6 +114,9 @@ class EvictedStore(abc.ABC):
     keeps_plans = False
     """Whether conversation plans are kept here too: for the next start (SQLite), or for the other
     instances (a store several instances share)."""
+    shared = False
+    """Whether other instances write here too (Redis): a plan one of them wrote may be newer than
+    this instance's own last one."""
 
     def put_plan(self, key: str, data: builtins.bytes) -> None:
         """Keep a conversation's plan (JSON) under its keyed conversation key; never waits."""

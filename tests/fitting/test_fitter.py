@@ -1014,3 +1014,53 @@ async def test_a_request_whose_least_fits_the_window_only_without_the_answer_res
     assert isinstance(decision, Forward) and decision.body is not None, s.report
     assert s.report is not None and s.report.budget == 1024 - 64 and s.report.final_tokens <= 1024 - 64
     assert any("rather than refused" in note for note in s.report.notes), s.report.notes
+
+
+class PlanKeepingStore(MemoryStore):
+    """A store that keeps plans (as SQLite and Redis do), and records each plan written to it."""
+
+    keeps_plans = True
+
+    def __init__(self, shared: bool = False) -> None:
+        super().__init__(max_items=100, max_bytes=1 << 20, max_age_s=3600)
+        self.shared = shared
+        self.written: list[tuple[str, bytes]] = []
+
+    def put_plan(self, key: str, data: bytes) -> None:
+        self.written.append((key, data))
+
+
+async def conversation_plans(store: PlanKeepingStore, turns: list[dict[str, Any]]) -> list[Any]:
+    """Each turn fitted in order by one fitter over `store`; the plan it remembered after each."""
+    f = Fitter(FakeServices(), Stats(store), store, FitSettings())
+    plans = []
+    for body in turns:
+        await f.fit(state(body))
+        plans.append(f.plans.get(next(iter(f.plans))))
+    return plans
+
+
+def growing(first: dict[str, Any], more: list[str]) -> list[dict[str, Any]]:
+    """`first`, then the same conversation with each of `more` answered and asked after it."""
+    turns, messages = [first], list(first["messages"])
+    for text in more:
+        messages = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]
+        turns.append({**first, "messages": messages})
+    return turns
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_plan_that_does_not_change_is_written_to_the_store_once_unless_others_write_there(shared: bool) -> None:
+    """Turns that change nothing repeat their plan; writing it each turn cost a transaction a request."""
+    store = PlanKeepingStore(shared)
+    plans = await conversation_plans(store, growing(chat(turns=2, num_ctx=32768), ["go on", "and then", "more"]))
+    assert len(set(map(repr, plans))) == 1, "test set-up: the turns fit, and the plan stays the same"
+    assert len(store.written) == (4 if shared else 1)
+
+
+async def test_a_plan_that_changes_is_written_each_time_it_changes() -> None:
+    store = PlanKeepingStore()
+    plans = await conversation_plans(store, growing(chat(turns=12), ["go on " + "log line " * 600, "and then " + "log line " * 600]))
+    changes = 1 + sum(a != b for a, b in zip(plans, plans[1:]))
+    assert changes > 1, "test set-up: the cut moves as the conversation grows"
+    assert [json.loads(data) for _, data in store.written] == [p.to_json() for i, p in enumerate(plans) if i == 0 or p != plans[i - 1]]
