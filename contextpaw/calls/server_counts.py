@@ -296,4 +296,9 @@ def _keyed(texts: Iterable[str]) -> dict[str, bytes]:
 
 
 def _serialized(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, default=str).encode()
+    """A whole request to count, keys sorted (the same body, the same cache key): by orjson, in a
+    tenth of `json`'s time; by `json` what orjson refuses (a kept number, a lone surrogate)."""
+    try:
+        return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return json.dumps(body, sort_keys=True, default=str).encode()
