@@ -100,8 +100,8 @@ class Fitter:
         self.store = store
         self.plans = SizedLRU(settings.conversations, PLAN_BYTES, lambda key, plan: len(key) + plan.footprint)
         """Each conversation's last `Plan` (by `wire.Chat.key`): the next turn evicts the same units."""
-        self.plans_kept = LRU(settings.conversations)
-        """Conversation -> the plan this instance last wrote to the store, and when (`_unkept`)."""
+        self.plans_written = LRU(settings.conversations)
+        """Conversation -> when this instance last wrote its plan to the store (`_unkept`)."""
         self.windows = BackendWindows(services.fetch)
         self.estimate = EstimateCounter()
         self.shape = ShapeCounter()
@@ -140,7 +140,7 @@ class Fitter:
             source=self.windows if settings.discover_window else NoDiscovery(),
         )
         self.store.bound(max_items=settings.evicted_items, max_bytes=settings.evicted_bytes, max_age_s=settings.evicted_ttl)
-        self.plans.limit = self.sizer.overcounts.limit = self.plans_kept.limit = settings.conversations
+        self.plans.limit = self.sizer.overcounts.limit = self.plans_written.limit = settings.conversations
 
     # -- the request ----------------------------------------------------------------------------
 
@@ -334,20 +334,22 @@ class Fitter:
 
     def _remember(self, parsed: wire.Chat | wire.Prompt, fitted: Fitted) -> None:
         if parsed.key and fitted.plan is not None:
+            unkept = self.store.keeps_plans and self._unkept(parsed.key, fitted.plan)
             self.plans.put(parsed.key, fitted.plan)
-            if self.store.keeps_plans and self._unkept(parsed.key, fitted.plan):
+            if unkept:
                 self.store.put_plan(parsed.key, json.dumps(fitted.plan.to_json()).encode())
 
     def _unkept(self, key: str, plan: Plan) -> bool:
         """Whether the store lacks `plan` for `key`: a turn that changes nothing repeats the last
-        plan, and writing it again each turn cost a transaction a request. It is written once more
-        when half its age bound has passed (the store expires it), and always to a store other
-        instances write too (one of them may have put a newer one)."""
+        plan (the one remembered, which is what was written), and writing it again each turn cost a
+        transaction a request. It is written once more when half its age bound has passed (the
+        store expires it), and always to a store other instances write too (one of them may have
+        put a newer one)."""
         now = time.monotonic()
-        kept = self.plans_kept.get(key)
-        if not self.store.shared and kept is not None and kept[0] == plan and now - kept[1] < self.store.max_age_s / 2:
+        written = self.plans_written.get(key)
+        if not self.store.shared and written is not None and self.plans.get(key) == plan and now - written < self.store.max_age_s / 2:
             return False
-        self.plans_kept.put(key, (plan, now))
+        self.plans_written.put(key, now)
         return True
 
     async def _recall(self, parsed: wire.Chat | wire.Prompt) -> None:
