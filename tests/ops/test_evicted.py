@@ -12,6 +12,7 @@ from contextpaw import wire
 from contextpaw.core.caches import LRU
 from contextpaw.core.compact import Plan
 from contextpaw.ops.evicted import EvictedStore, MemoryStore, encode
+from support.strategies import JSON_VALUES
 
 
 class Clock:
@@ -47,14 +48,7 @@ def test_the_clients_numbers_come_back_as_written_and_as_valid_json() -> None:
     assert kept.split(b'"n":[')[1].split(b"]")[0].split(b",") == [n.encode() for n in numbers]
 
 
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
-    max_leaves=30,
-)
-
-
-@given(st.lists(JSON, max_size=6))
+@given(st.lists(JSON_VALUES, max_size=6))
 def test_what_is_kept_is_the_json_python_writes_byte_for_byte(content: list) -> None:
     """Whichever way a hole is written (orjson, or the slow way where a float was read as written
     or orjson refuses a lone surrogate), its bytes are Python's compact JSON of what was read."""

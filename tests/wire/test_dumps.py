@@ -7,15 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contextpaw.wire.base import Number, dumps, load
-
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
-    max_leaves=20,
-)
+from support.strategies import JSON_VALUES
 
 
-@given(st.lists(JSON, max_size=6))
+@given(st.lists(JSON_VALUES, max_size=6))
 def test_a_list_is_written_as_json_writes_it(value: list) -> None:
     assert dumps(value) == json.dumps(value, ensure_ascii=False)
     assert dumps(value, separators=(",", ":")) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
