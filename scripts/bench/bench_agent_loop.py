@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import random
 import statistics
@@ -59,6 +60,7 @@ from contextpaw.core.compact import EARLIER_CUT, compact_chat
 from contextpaw.core.conversation import Conversation
 from contextpaw.core.markers import MARKER_PREFIX
 from contextpaw.core.tokens import EstimateCounter
+from contextpaw.ops import keys
 from contextpaw.wire import Chat, Params
 
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
@@ -81,6 +83,12 @@ not what is tokenized or cached, and the uncut path is only asked what each turn
 SCALE_CTX = 2048
 """Tool results have `window // SCALE_CTX` times as many lines (at least the 2,048-token loop's)."""
 CHAT = "/v1/chat/completions"
+BENCH_SECRET = hashlib.blake2b(b"contextpaw agent-loop bench", digest_size=keys.SECRET_BYTES).digest()
+"""The proxy's secret in every run, written to its state dir before it starts. The secret names
+the markers' references, and their hex tokenizes to a few more or fewer tokens from one secret to
+another; near the budget that moves the fit's choice. With a random secret a run's cuts differ from
+the last run's (the first cut landed at 1,407-1,411, 1,540-1,548 or 1,626-1,630 tokens across 14
+runs of one commit), and two commits cannot be compared turn by turn."""
 PATHS = ("contextpaw", "baseline", "uncut")
 WORDS = (
     "alpha beta gamma delta epsilon parser token window budget cache slot prompt build test module import return value error warning config"
@@ -389,6 +397,17 @@ def table(n_ctx: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def fix_secret(state_dir: Path, secret: bytes) -> None:
+    """Give the proxy whose state dir this is `secret`: it reads the file there, and makes one only
+    where none is."""
+    if len(secret) != keys.SECRET_BYTES:
+        raise ValueError(f"the secret must be {keys.SECRET_BYTES} bytes, not {len(secret)}")
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = state_dir / keys.SECRET_FILE
+    path.write_bytes(secret)
+    path.chmod(0o600)
+
+
 def run(
     binary: Path,
     model: Path,
@@ -398,9 +417,11 @@ def run(
     tick: Callable[[], None],
     baseline: bool = True,
     sent_to: Path | None = None,
+    secret: bytes = BENCH_SECRET,
 ) -> dict[str, Any]:
-    """Start the servers and the proxy, run the loop, stop them; the section of the report. With
-    `sent_to`, each turn's request as ContextPaw sent it, and its tokens, are written there."""
+    """Start the servers and the proxy (with `secret` as its own), run the loop, stop them; the
+    section of the report. With `sent_to`, each turn's request as ContextPaw sent it, and its tokens,
+    are written there."""
     big, measured = uncut_ctx(n_ctx), tree()  # what mitmdump loads now
     flows = work / f"flows-{n_ctx}.mitm"
     conversation = agent_turns(turns, scale=scale_of(n_ctx))
@@ -412,9 +433,11 @@ def run(
             )
             for name, ctx in names
         }
+        confdir = work / f"mitm-loop-{n_ctx}"
+        fix_secret(confdir, secret)
         with start_proxy(
             servers["proxied"].url,
-            work / f"mitm-loop-{n_ctx}",
+            confdir,
             work / f"mitmdump-loop-{n_ctx}.log",
             options=[f"contextpaw_llamacpp={servers['proxied'].url}", "contextpaw_calibrate=false", f"save_stream_file={flows}"],
         ) as proxy:
@@ -521,7 +544,15 @@ def main(argv: list[str] | None = None) -> int:
         help="where the section is written as JSON (with several windows: this name with -N added, one per window)",
     )
     ap.add_argument("--img-dir", default="docs/img", help="where agent-loop-N.png goes, one per window ('' for none)")
+    ap.add_argument(
+        "--secret",
+        type=bytes.fromhex,
+        default=BENCH_SECRET,
+        help=f"the proxy's secret, {keys.SECRET_BYTES * 2} hex digits (default: the same in every run, so that two runs cut alike)",
+    )
     args = ap.parse_args(argv)
+    if len(args.secret) != keys.SECRET_BYTES:
+        ap.error(f"--secret takes {keys.SECRET_BYTES * 2} hex digits")
     binary, model = locate_llama_server(), locate_smollm2()
     if binary.path is None or model.path is None:
         print(binary.reason or model.reason, file=sys.stderr)
@@ -540,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: print(".", end="", flush=True),
                 baseline=not args.no_baseline,
                 sent_to=where.with_name(f"{where.stem}.sent.json"),
+                secret=args.secret,
             )
         where.parent.mkdir(parents=True, exist_ok=True)
         where.write_text(json.dumps(result, indent=2))

@@ -118,3 +118,22 @@ def test_the_benchmark_table_counts_why_each_turn_fell_below_its_ceiling() -> No
     said = report.recut_reasons(rows)
     assert said.startswith("1 re-cut after the last marker") and "1 forced before it by the budget" in said
     assert "1 before it unnoted, 0 other" in said and said.endswith("worst turn 9: 50% of 90%")
+
+
+def test_every_run_gives_the_proxy_the_same_secret_so_that_two_runs_cut_alike(tmp_path: Path) -> None:
+    from contextpaw.ops import keys
+
+    state = tmp_path / "confdir"
+    loop.fix_secret(state, loop.BENCH_SECRET)
+    assert keys.secret(state) == loop.BENCH_SECRET  # what the proxy reads at its start, not a new one
+    other = tmp_path / "other"
+    loop.fix_secret(other, bytes(range(32)))
+    assert keys.secret(other) == bytes(range(32))
+    assert (state / keys.SECRET_FILE).stat().st_mode & 0o077 == 0
+
+
+def test_a_secret_of_the_wrong_size_is_refused_before_any_server_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        loop.fix_secret(tmp_path, b"short")
+    with pytest.raises(SystemExit):
+        loop.main(["--secret", "abcd"])
