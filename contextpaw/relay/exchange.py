@@ -291,33 +291,50 @@ class Exchange:
         return guarded
 
     async def _relay_stream(self, response: h11.Response) -> None:
-        """Records pass on as they come; the framing is chunked, so an error record can still be added."""
+        """Records pass on as they come; the framing is chunked, so an error record can still be added.
+        What one read of the backend brought goes on in one chunk and one write: a server that writes
+        each record by itself sends a turn's records in a few reads when the proxy is busy, and a
+        write and a chunk each would double the work (the proxy reads every chunk again)."""
         headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
         await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
         self.headers_sent = True
-        while not isinstance(
-            event := await self._next_event(self.relay.timeouts.idle, "in the middle of its stream", "stalled in its stream"),
-            h11.EndOfMessage,
-        ):
-            if isinstance(event, h11.Data) and event.data:
-                await self._answer(h11.Data(data=event.data))
-        await self._answer(h11.EndOfMessage())
+        broke = "in the middle of its stream"
+        while True:
+            events, failed = [await self._next_event(self.relay.timeouts.idle, broke, "stalled in its stream")], None
+            try:
+                while not isinstance(events[-1], h11.EndOfMessage) and (ready := self._ready_event(broke)) is not None:
+                    events.append(ready)
+            except BackendFailed as e:  # what came before the break still goes on, then the error record
+                failed = e
+            data = b"".join(bytes(event.data) for event in events if isinstance(event, h11.Data))
+            ended = isinstance(events[-1], h11.EndOfMessage)
+            await self._answer(*([h11.Data(data=data)] if data else []), *([h11.EndOfMessage()] if ended else []))
+            if failed is not None:
+                raise failed
+            if ended:
+                return
 
     # -- reading the backend, while watching the client ---------------------------------------------
+
+    def _ready_event(self, broke: str) -> h11.Event | None:
+        """The backend's next event if what was read holds it, else None (more must be read)."""
+        try:
+            event = self.up.next_event()
+        except h11.RemoteProtocolError as e:
+            if self.up_closed:  # h11 calls an end in the middle of a message a protocol error
+                raise BackendFailed(f"the backend at {self._target()} closed the connection {broke}") from None
+            raise BackendFailed(f"the backend at {self._target()} answered with broken HTTP ({e})") from None
+        if event is h11.NEED_DATA:
+            return None
+        if isinstance(event, h11.ConnectionClosed):
+            raise BackendFailed(f"the backend at {self._target()} closed the connection {broke}")
+        return cast(h11.Event, event)  # PAUSED comes only after a whole answer: none is read past its end
 
     async def _next_event(self, timeout: float, broke: str, silent: str) -> h11.Event:
         assert self.up_reader is not None
         while True:
-            try:
-                event = self.up.next_event()
-            except h11.RemoteProtocolError as e:
-                if self.up_closed:  # h11 calls an end in the middle of a message a protocol error
-                    raise BackendFailed(f"the backend at {self._target()} closed the connection {broke}") from None
-                raise BackendFailed(f"the backend at {self._target()} answered with broken HTTP ({e})") from None
-            if event is not h11.NEED_DATA:
-                if isinstance(event, h11.ConnectionClosed):
-                    raise BackendFailed(f"the backend at {self._target()} closed the connection {broke}")
-                return cast(h11.Event, event)  # PAUSED comes only after a whole answer: none is read past its end
+            if (event := self._ready_event(broke)) is not None:
+                return event
             try:
                 data = await self._race(self.up_reader.read(READ_SIZE), timeout)
             except TimeoutError:

@@ -1,12 +1,12 @@
 """Interleaved A/B of the small-request path: bare mitmdump and ContextPaw variants, one run.
 
-    PYTHONPATH=tests .venv/bin/python scripts/bench/bench_ab.py NAME=CHECKOUT[,OPTION=VALUE...] ... [--rounds 8] [--requests 200]
+    PYTHONPATH=tests .venv/bin/python scripts/bench/bench_ab.py NAME=CHECKOUT[,OPTION=VALUE...] ... [--rounds 8] [--requests 200] [--stream]
 
 Each NAME runs one mitmdump in reverse mode in front of one fake llama-server; CHECKOUT is a
 checkout of ContextPaw whose `contextpaw_addon.py` it loads (a `git worktree` of another commit, say),
 or `bare` for mitmdump without a script; OPTIONs are `--set`s for that mitmdump (for example
 `contextpaw_relay=false`). In each round every path sends `--requests` small fitting POSTs from one
-keep-alive client, in turns that alternate direction, so machine noise hits each path alike. Prints,
+keep-alive client (with `--stream`, streamed: the answer comes as SSE records), in turns that alternate direction, so machine noise hits each path alike. Prints,
 per path: mean and p50 latency, CPU a request (the mitmdump process's own, from /proc), and both
 against the first path. What a change to the per-request path costs is measured here, not in tests.
 """
@@ -32,9 +32,9 @@ WINDOW = 65_536
 """The fake's and ContextPaw's window: every request fits, nothing is compacted."""
 
 
-def body(i: int) -> bytes:
+def body(i: int, stream: bool = False) -> bytes:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": f"Request {i}: say hi."}]
-    return json.dumps({"model": "fake-model", "messages": messages, "max_tokens": 8}).encode()
+    return json.dumps({"model": "fake-model", "messages": messages, "max_tokens": 8, "stream": stream}).encode()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("paths", nargs="+", metavar="NAME=CHECKOUT[,OPTION=VALUE...]")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200, help="small POSTs per path and round")
+    ap.add_argument("--stream", action="store_true", help="ask for streamed answers")
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="contextpaw-ab-")))
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, url in urls.items():  # warm up: connections, window discovery
             for i in range(30):
                 clients[name].post(
-                    url + "/v1/chat/completions", content=body(-i), headers={"content-type": "application/json"}
+                    url + "/v1/chat/completions", content=body(-i, args.stream), headers={"content-type": "application/json"}
                 ).raise_for_status()
         names = list(urls)
         latency: dict[str, list[float]] = {name: [] for name in names}
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                 before = cpu_seconds(processes[name].process.pid)
                 for i in range(args.requests):
                     started = time.perf_counter()
-                    clients[name].post(urls[name] + "/v1/chat/completions", content=body(i), headers={"content-type": "application/json"})
+                    clients[name].post(
+                        urls[name] + "/v1/chat/completions", content=body(i, args.stream), headers={"content-type": "application/json"}
+                    )
                     latency[name].append(time.perf_counter() - started)
                 cpu[name] += cpu_seconds(processes[name].process.pid) - before
     first = names[0]

@@ -892,6 +892,40 @@ async def test_stream_chunks_are_relayed_as_they_come(relay: Running, backends, 
     assert relay.failures == []
 
 
+async def test_stream_records_that_arrive_in_one_read_go_on_in_one_chunk(relay: Running, backends, tunnels) -> None:
+    done = b"data: [DONE]\n\n"
+
+    async def handler(conn: BackendConn) -> None:
+        await conn.read_request()
+        await conn.send(stream_head(SSE) + chunk(EVENT_1) + chunk(EVENT_2) + chunk(done) + b"0\r\n\r\n")
+        await conn.wait_for_eof()
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    await tunnel.send("POST", OPENAI_PATH, body=b"{}")
+    response, body, pieces = await tunnel.response()
+    assert response.status_code == 200 and body == EVENT_1 + EVENT_2 + done
+    assert pieces == [EVENT_1 + EVENT_2 + done]  # one chunk, one write: not three
+    assert relay.failures == []
+
+
+async def test_records_read_together_with_a_broken_chunk_go_on_before_the_error_event(relay: Running, backends, tunnels) -> None:
+    async def handler(conn: BackendConn) -> None:
+        await conn.read_request()
+        await conn.send(stream_head(SSE) + chunk(EVENT_1) + chunk(EVENT_2) + b"zz\r\n")  # not a chunk size
+        await conn.wait_for_eof()
+
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    await tunnel.send("POST", OPENAI_PATH, body=b"{}")
+    response, body, _ = await tunnel.response()
+    assert response.status_code == 200
+    assert body.startswith(EVENT_1 + EVENT_2)  # what came before the break is not lost with it
+    message = assert_shape(OPENAI_PATH, json.loads(body[len(EVENT_1 + EVENT_2) + len(b"data: ") :]), 502)
+    assert "broken HTTP" in message
+    assert [(f.timed_out, f.streamed) for f in relay.failures] == [(False, True)]
+
+
 # -- 9. the client goes away -----------------------------------------------------------------------
 
 
