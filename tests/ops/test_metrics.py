@@ -7,8 +7,9 @@ import asyncio
 import json
 import platform
 import re
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +26,29 @@ from contextpaw import wire
 from contextpaw.ops.evicted import MemoryStore
 from contextpaw.ops.metrics import COUNTS, MODEL_LABELS, OUTCOMES, SOURCE_HELP, Stats, Where, package_version
 from contextpaw.proxy.compose import make_addons
-from support.common import free_port
 from support.flows import CLOSED_PORT, get, long_chat, ok_json, post
 from support.inprocess import Proxy
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 
 
-PORT = free_port()
-"""Where the Ollama of these tests listens: it accepts connections (it answers) and closes them."""
+LISTENER = socket.create_server(("127.0.0.1", 0))
+"""Where the Ollama of these tests listens: it accepts connections (it answers) and closes them.
+Bound once, at import: a port only chosen at import was bound minutes later, under xdist, and
+another process had taken it meanwhile (CI, 2026-12-05)."""
+PORT = LISTENER.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def listener_closed() -> Iterator[None]:
+    yield
+    LISTENER.close()
 
 
 @pytest.fixture
 async def proxy() -> AsyncIterator[Proxy]:
     """Ollama configured where something listens, llama-server where nothing does."""
-    server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", PORT)
+    server = await asyncio.start_server(lambda reader, writer: writer.close(), sock=LISTENER.dup())
     addons = make_addons()
     with taddons.context(*addons) as tctx:
         proxy = Proxy(tctx, addons)
