@@ -59,6 +59,20 @@ def test_each_step_says_its_count_the_time_so_far_and_after_the_first_what_is_le
     ]
 
 
+def test_a_step_line_is_written_with_its_newline_so_a_signal_cannot_leave_it_open() -> None:
+    class Interrupted(io.StringIO):
+        """A stream on which the stop signal arrives right after the first write."""
+
+        def write(self, text: str) -> int:
+            super().write(text)
+            raise KeyboardInterrupt
+
+    out = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        Progress(2, out).step("trial 1/1, direct")
+    assert out.getvalue().endswith(")\n")  # the demo's last line starts a line of its own
+
+
 def test_what_is_left_counts_each_step_at_the_mean_of_its_own_kind() -> None:
     """A refusal that comes back at once does not make the compactions look quick."""
     clock, out = Clock(), io.StringIO()

@@ -72,13 +72,21 @@ class Progress:
         return sum(mean.get(kind, overall) for kind in self.plan[finished:])
 
     def step(self, what: str) -> None:
-        print(self.line(what), file=self.out or sys.stderr, flush=True)
+        self._say(self.line(what))
 
     def end(self) -> str:
         """The last line: how many steps, in how long."""
         line = f"[{self.done}/{self.total}] done in {duration(self.clock() - self.started)}"
-        print(line, file=self.out or sys.stderr, flush=True)
+        self._say(line)
         return line
+
+    def _say(self, line: str) -> None:
+        """One write with its newline: `print` writes the newline on its own, and a signal between
+        the two left the line open, so the demo's last line ("demo_400: terminated; ...") was
+        printed onto it."""
+        out = self.out or sys.stderr
+        out.write(line + "\n")
+        out.flush()
 
 
 class Stopped(KeyboardInterrupt):
