@@ -306,7 +306,7 @@ class Exchange:
                     events.append(ready)
             except BackendFailed as e:  # what came before the break still goes on, then the error record
                 failed = e
-            data = b"".join(bytes(event.data) for event in events if isinstance(event, h11.Data))
+            data = b"".join(event.data for event in events if isinstance(event, h11.Data))  # joined once, not copied first
             ended = isinstance(events[-1], h11.EndOfMessage)
             await self._answer(*([h11.Data(data=data)] if data else []), *([h11.EndOfMessage()] if ended else []))
             if failed is not None:
