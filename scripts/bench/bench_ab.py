@@ -6,9 +6,9 @@ Each NAME runs one mitmdump in reverse mode in front of one fake llama-server; C
 checkout of ContextPaw whose `contextpaw_addon.py` it loads (a `git worktree` of another commit, say),
 or `bare` for mitmdump without a script; OPTIONs are `--set`s for that mitmdump (for example
 `contextpaw_relay=false`). In each round every path sends `--requests` small fitting POSTs from one
-keep-alive client (with `--stream`, streamed: the answer comes as SSE records), in turns that alternate direction, so machine noise hits each path alike. Prints,
-per path: mean and p50 latency, CPU a request (the mitmdump process's own, from /proc), and both
-against the first path. What a change to the per-request path costs is measured here, not in tests.
+keep-alive client (with `--stream`, streamed: the answer comes as SSE records), in turns that
+alternate direction, so machine noise hits each path alike. Prints, per path: mean and p50 latency,
+CPU a request (the mitmdump process's own, from /proc), and both against the first path. What a change to the per-request path costs is measured here, not in tests.
 """
 
 from __future__ import annotations
