@@ -241,7 +241,8 @@ BACKEND_OPTIONS = {
         "and answers above it are passed on unread.",
         least=1, default=MAX_BODY_MB),
     "contextpaw_relay": Option(bool,
-        "Send handled requests through ContextPaw's relay, which answers a failing backend "
+        "Send handled requests through ContextPaw's own exchange (from the request hook for a buffered "
+        "answer, through its loopback relay for a stream), which answers a failing backend "
         "in the caller's API (JSON 502/504, or an error record in a stream).",
         default=True),
 }  # fmt: skip

@@ -123,6 +123,12 @@ class AnswerCheck:
         usage = openai.usage_asked(parsed.body)
         self._remember(state, Expected(parsed.params.model, key, parsed.params.stream, usage, fingerprints=marks))
 
+    def asked_stream(self, state: FlowState) -> bool | None:
+        """Whether the request of `state` asked for a streamed answer, as parsed; None when it was
+        not parsed (a request proved to fit by its size)."""
+        expected = self._expected_of(state)
+        return expected.stream if expected is not None else None
+
     def ask_usage(self, state: FlowState, body: bytes | None) -> bytes | None:
         """The body to send instead of `body` (what the fitter decided; None: the client's own)
         so that a streamed OpenAI chat answer says its prompt count: one that asks for its usage

@@ -29,6 +29,7 @@ from typing import Any
 
 import aiohttp
 from mitmproxy import ctx, exceptions, http
+from mitmproxy.flow import Error as FlowError
 
 from contextpaw import wire
 from contextpaw.calls.session import PROBE_TIMEOUT_S, Session
@@ -225,8 +226,12 @@ class Compactor:
             if state.retried:  # the relay's retry, or its refusal (a flow it does not carry is not retried yet)
                 self._settled(flow, state)
             put_headers(response.headers, state.headers)
-        if (state and state.local) or not response.headers.get("content-type", "").startswith(STREAM_TYPES):
-            return
+        if (
+            (state and state.local)
+            or response.raw_content is not None
+            or not response.headers.get("content-type", "").startswith(STREAM_TYPES)
+        ):
+            return  # a whole answer (made here, or read whole in the request hook) is read in `response`
         if state is None or state.watched is None or response.headers.get("content-encoding", "identity") != "identity":
             response.stream = True
             return
@@ -265,7 +270,7 @@ class Compactor:
 
     def error(self, flow: http.HTTPFlow) -> None:
         """A handled flow that ended without a (whole) answer: count it, and say which."""
-        if flow in self.states and flow.error and "client disconnected" not in flow.error.msg.lower():
+        if flow in self.states and flow.error and not _client_left(flow.error):
             target = f"{flow.request.host}:{flow.request.port}"
             self.ledger.failed(f"{flow.request.method} {flow.request.path}", flow.error.msg, target=target, where=self.states[flow].where)
 
@@ -399,6 +404,12 @@ class Compactor:
         if self.kept is not None:
             self.kept.save(self.fitter.calibration)
         return report_bytes(value) if value is not None else None
+
+
+def _client_left(error: FlowError) -> bool:
+    """The flow ended because its client went away (or it was killed: by the operator, or by the
+    exchange once its client had gone), not because its backend failed."""
+    return "client disconnected" in error.msg.lower() or error.msg == FlowError.KILLED_MESSAGE
 
 
 def _refusal(state: FlowState, otherwise: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
 
@@ -66,6 +66,16 @@ class Failure:
     """False when no connection to the backend could be opened."""
 
 
+@dataclass(frozen=True)
+class Head:
+    """A request's head as the backend gets it: what mitmproxy read, or what the relay's h11 read
+    in the tunnel (the header names as they came)."""
+
+    method: bytes
+    target: bytes
+    headers: Sequence[tuple[bytes, bytes]]
+
+
 @dataclass
 class Link:
     """A backend connection kept between two exchanges of one tunnel."""
@@ -73,6 +83,38 @@ class Link:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     idle_since: float
+
+
+MOST_IDLE = 8
+"""Idle connections kept for each backend in `Idle`: as many as a few clients at once need."""
+
+
+class Idle:
+    """Backend connections kept between exchanges that have no tunnel to keep one in (flows
+    answered in mitmproxy's request hook): a few for each backend, the freshest taken first."""
+
+    def __init__(self) -> None:
+        self._links: dict[tuple[str, int], list[Link]] = {}
+
+    def take(self, target: tuple[str, int]) -> Link | None:
+        links = self._links.get(target)
+        return links.pop() if links else None
+
+    def keep(self, target: tuple[str, int], link: Link | None) -> None:
+        """Keep `link` for the next exchange; the stalest go when there are too many, or too old."""
+        if link is None:
+            return
+        links = self._links.setdefault(target, [])
+        links.append(link)
+        now = time.monotonic()
+        while links and (len(links) > MOST_IDLE or now - links[0].idle_since > KEEP_ALIVE_S):
+            links.pop(0).writer.close()
+
+    def close(self) -> None:
+        for links in self._links.values():
+            for link in links:
+                link.writer.close()
+        self._links.clear()
 
 
 class BackendFailed(Exception):
@@ -117,34 +159,36 @@ class Terms(Protocol):
     def on_failure(self, failure: Failure) -> None: ...
 
 
-class Exchange:
-    """One request through the relay: forward it, and relay the answer or answer the failure."""
+class Sink(Protocol):
+    """Where an exchange's answer goes, and how it hears that its client went away: the relay's
+    tunnel (`contextpaw.relay.loopback`), or a flow answered in mitmproxy's request hook
+    (`contextpaw.proxy.upstream`)."""
 
-    def __init__(
-        self,
-        relay: Terms,
-        target: tuple[str, int],
-        down: h11.Connection,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        request: h11.Request,
-        body: bytes,
-        spare: Link | None,
-    ) -> None:
+    async def send(self, *events: h11.Event) -> None:
+        """Pass the answer's next events on."""
+
+    def watch(self, gone: Callable[[], None]) -> None:
+        """Call `gone` once the client has gone away."""
+
+    async def unwatch(self) -> None:
+        """Stop watching: the exchange is over."""
+
+
+class Exchange:
+    """One request to the backend: forward it, and relay the answer or answer the failure."""
+
+    def __init__(self, relay: Terms, target: tuple[str, int], request: Head, body: bytes, spare: Link | None, sink: Sink) -> None:
         self.relay = relay
         self.target = target
-        self.down = down
-        self.reader = reader
-        self.writer = writer
         self.request = request
         self.body = body
+        self.sink = sink
         self.path = request.target.decode("latin-1")
         self.up = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_EVENT)
         self.up_reader: asyncio.StreamReader | None = None
         self.up_writer: asyncio.StreamWriter | None = None
-        self.watch: asyncio.Task[bytes] | None = None
         self.spare = spare
-        """A backend connection kept from the tunnel's last exchange; this one's, when it ends whole."""
+        """A backend connection kept from the last exchange; this one's, when it ends whole."""
         self.up_closed = False
         self.headers_sent = False
         self.framing: Literal["ndjson", "sse"] | None = None
@@ -155,8 +199,7 @@ class Exchange:
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
-        self.watch = asyncio.ensure_future(self.reader.read(READ_SIZE))
-        self.watch.add_done_callback(self._client_moved)
+        self.sink.watch(self._client_left)
         try:
             await self._forward()
         except BackendFailed as e:
@@ -168,7 +211,7 @@ class Exchange:
             await self._answer_failure(BackendFailed(f"the relay could not forward the request ({type(e).__name__}: {e})"))
         finally:
             self._release()
-            await self._stop_watching()
+            await self.sink.unwatch()
 
     def _release(self) -> None:
         """Keep the backend connection for the tunnel's next exchange if it is whole, else close it."""
@@ -233,7 +276,7 @@ class Exchange:
         resized = body is not self.body
         headers = [
             (k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v)
-            for k, v in self.request.headers.raw_items()
+            for k, v in self.request.headers
             if k.lower() != FLOW_KEY
         ]
         if not any(k.lower() == b"host" for k, _ in headers):  # an HTTP/1.0 request may have none
@@ -276,7 +319,7 @@ class Exchange:
     def _decision(self) -> Decide | None:
         """The addon's rescue decision for this request's flow, or None; a failure of ours in it
         passes the backend's answer on."""
-        key = dict(self.request.headers).get(FLOW_KEY)
+        key = next((v for k, v in self.request.headers if k.lower() == FLOW_KEY), None)
         decide = self.relay.rescue(key.decode("latin-1")) if self.relay.rescue is not None and key else None
         if decide is None:
             return None
@@ -345,8 +388,8 @@ class Exchange:
             self.up.receive_data(data)
 
     async def _race[T](self, work: Awaitable[T], timeout: float) -> T:
-        """Await backend work within `timeout`, giving up at once if the client goes away (the watch
-        on the client cancels this wait; no task per wait)."""
+        """Await backend work within `timeout`, giving up at once if the client goes away (the
+        sink's watch on the client cancels this wait; no task per wait)."""
         if self.client_gone:
             _close(work)
             raise ClientGone()
@@ -362,34 +405,11 @@ class Exchange:
         finally:
             self.waiting = False
 
-    def _client_moved(self, watch: asyncio.Future[bytes]) -> None:
-        """The watch on the client ended: a pipelined request goes to h11 for the next cycle; the
-        client's end (or a reset) interrupts a wait on the backend, now or at the next one."""
-        if watch is not self.watch:
-            return  # stopped by `_stop_watching`, which keeps what it read
-        self.watch = None
-        leftover = b"" if watch.cancelled() or watch.exception() else watch.result()
-        if leftover:
-            self.down.receive_data(leftover)
-            return
+    def _client_left(self) -> None:
+        """The client went away: a wait on the backend is interrupted, now or at the next one."""
         self.client_gone = True
         if self.waiting and self.task is not None:
             self.task.cancel()
-
-    async def _stop_watching(self) -> None:
-        """End the watch on the client; what it read (a next request, or the end) goes to h11."""
-        watch, self.watch = self.watch, None
-        if watch is None:
-            return
-        watch.cancel()
-        try:
-            self.down.receive_data(await watch)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # the tunnel itself is being cancelled
-                raise
-        except OSError:
-            pass
 
     # -- answering --------------------------------------------------------------------------------
 
@@ -409,13 +429,7 @@ class Exchange:
         await self._answer(*events, h11.EndOfMessage())
 
     async def _answer(self, *events: h11.Event) -> None:
-        """The events' bytes in one write, joined once: h11 passes the pieces through, where its
-        `send` would join each event's framing and data first."""
-        chunks: list[bytes] = []
-        for event in events:
-            chunks += self.down.send_with_data_passthrough(event) or ()
-        self.writer.write(b"".join(chunks))
-        await self.writer.drain()
+        await self.sink.send(*events)
 
     async def _answer_failure(self, failure: BackendFailed) -> None:
         reason = f"ContextPaw: {failure.reason}"

@@ -35,7 +35,7 @@ import h11
 
 from contextpaw import wire
 from contextpaw.core import logs
-from contextpaw.relay.exchange import MAX_HEAD_EVENT, READ_SIZE, ClientGone, Exchange, Failure, Link, Rescuer, Timeouts, json_answer
+from contextpaw.relay.exchange import MAX_HEAD_EVENT, READ_SIZE, ClientGone, Exchange, Failure, Head, Link, Rescuer, Timeouts, json_answer
 
 logger = logs.get(__name__)
 
@@ -122,7 +122,8 @@ class Relay:
                 if received is None:
                     return
                 request, body = received
-                exchange = Exchange(self, target, down, reader, writer, request, body, spare)
+                head = Head(request.method, request.target, request.headers.raw_items())
+                exchange = Exchange(self, target, head, body, spare, Tunnel(down, reader, writer))
                 task = asyncio.current_task()
                 assert task is not None
                 self._busy.add(task)
@@ -137,6 +138,58 @@ class Relay:
         finally:
             if spare is not None:
                 spare.writer.close()
+
+
+class Tunnel:
+    """An exchange's answer goes back down the tunnel mitmproxy opened (the `Sink` of the relay)."""
+
+    def __init__(self, down: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.down = down
+        self.reader = reader
+        self.writer = writer
+        self._watch: asyncio.Future[bytes] | None = None
+        self._gone: Callable[[], None] | None = None
+
+    async def send(self, *events: h11.Event) -> None:
+        """The events' bytes in one write, joined once: h11 passes the pieces through, where its
+        `send` would join each event's framing and data first."""
+        chunks: list[bytes] = []
+        for event in events:
+            chunks += self.down.send_with_data_passthrough(event) or ()
+        self.writer.write(b"".join(chunks))
+        await self.writer.drain()
+
+    def watch(self, gone: Callable[[], None]) -> None:
+        self._gone = gone
+        self._watch = asyncio.ensure_future(self.reader.read(READ_SIZE))
+        self._watch.add_done_callback(self._client_moved)
+
+    def _client_moved(self, watch: asyncio.Future[bytes]) -> None:
+        """The watch on the client ended: a pipelined request goes to h11 for the next cycle; the
+        client's end (or a reset) means it is gone."""
+        if watch is not self._watch:
+            return  # stopped by `unwatch`, which keeps what it read
+        self._watch = None
+        leftover = b"" if watch.cancelled() or watch.exception() else watch.result()
+        if leftover:
+            self.down.receive_data(leftover)
+        elif self._gone is not None:
+            self._gone()
+
+    async def unwatch(self) -> None:
+        """End the watch on the client; what it read (a next request, or the end) goes to h11."""
+        watch, self._watch = self._watch, None
+        if watch is None:
+            return
+        watch.cancel()
+        try:
+            self.down.receive_data(await watch)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the tunnel itself is being cancelled
+                raise
+        except OSError:
+            pass
 
 
 async def _read_request(down: h11.Connection, reader: asyncio.StreamReader) -> tuple[h11.Request, bytes] | None:

@@ -367,6 +367,10 @@ class UpstreamOverflow:
     n_ctx: int
 
 
+STREAM_FIELD = re.compile(rb'"stream"\s*:\s*(true|false)?')
+ESCAPED_LETTER = re.compile(rb"\\u00[67]", re.IGNORECASE)
+"""A JSON escape of an ASCII letter (`\\u0073`): no encoder writes one, but a key may be spelled so."""
+
 REFUSAL_STATUS = 400
 """Every API's own answer to a prompt over the window is a 400 (Ollama's, llama-server's, OpenAI's,
 Anthropic's), and their clients tell an overflow by it and its words; a 413 reads to them as a limit
@@ -389,6 +393,23 @@ class Route:
     """Whether a stream record is the last one that carries data (the report goes into it)."""
     evaluated: Callable[[Mapping[str, Any]], int | None] = evaluated_tokens
     """The prompt size the server reports in an answer or a stream record, or None."""
+    streams_unless_told: bool = False
+    """Whether a request that does not say `"stream": true|false` is answered in a stream (Ollama's
+    native routes); every route reads any other value as this default."""
+
+    def streams(self, raw: bytes) -> bool | None:
+        """Whether a request body asks for a stream, read without parsing it; None when the bytes
+        alone cannot say. A `"stream"` key cannot be spelled inside a string (its quotes would be
+        escaped), but it may be another object's (a tool call's arguments); so each occurrence is
+        read as the request's own in turn, and so is none at all, and every reading must agree. A
+        key spelled with escaped letters is not seen, so a body with any is not read."""
+        if ESCAPED_LETTER.search(raw):
+            return None
+        readings = {self.streams_unless_told}
+        for found in STREAM_FIELD.finditer(raw):
+            value = found.group(1)
+            readings.add(value == b"true" if value else self.streams_unless_told)
+        return readings.pop() if len(readings) == 1 else None
 
     def read(self, raw: bytes) -> Chat | Prompt:
         try:

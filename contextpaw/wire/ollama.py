@@ -64,8 +64,8 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return record.get("done") is True
 
 
-CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final)
-GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final)
+CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True)
+GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True)
 
 
 # -- the served window in `/api/show` ------------------------------------------------------------

@@ -691,9 +691,10 @@ async def test_composed_proxy_inflates_a_compressed_request_once_and_carries_and
     and carried (upstream); when it comes back 400, the relay's retry is the compacted body, smaller."""
     from support.common import context_overflow_error
 
-    flow = post("/api/chat", long_chat(turns=6, num_ctx=8192))
+    chat = {**long_chat(turns=6, num_ctx=8192), "stream": True}  # it may stream: the relay carries it
+    flow = post("/api/chat", chat)
     flow.request.headers["content-encoding"] = "gzip"
-    flow.request.content = json.dumps(long_chat(turns=6, num_ctx=8192)).encode()  # mitmproxy encodes it
+    flow.request.content = json.dumps(chat).encode()  # mitmproxy encodes it
     assert flow.request.raw_content != flow.request.content
     flow.request.headers[FLOW_HEADER] = "forged by the client"
     flow.live = True

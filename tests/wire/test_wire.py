@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contextpaw import wire
 from contextpaw.core.compact import BudgetTooSmall
@@ -357,3 +359,51 @@ def test_a_conversation_key_is_made_once_and_each_secret_keys_its_own() -> None:
     assert parsed.key is parsed.key and mine.key is mine.key
     assert len({parsed.key, mine.key, theirs.key}) == 3
     assert wire.keyed(openai.CHAT.read(json.dumps({"model": "m", "messages": history(4)}).encode()), b"mine").key == mine.key
+
+
+# -- whether a request asks for a stream, from its bytes --------------------------------------------
+
+STREAM_VALUES = st.sampled_from([True, False, None, 0, "yes"])
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["stream", "a", "stream_options"]), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(
+    top=st.one_of(st.just(None), STREAM_VALUES),
+    nested=st.lists(st.tuples(st.sampled_from(["metadata", "extra"]), STREAM_VALUES), max_size=2),
+    noise=st.dictionaries(st.sampled_from(["a", "b"]), JSON_VALUES, max_size=2),
+    spaced=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_stream_read_from_the_bytes_is_never_other_than_the_parsed_reading(top, nested, noise, spaced) -> None:
+    """Each route reads `stream` its own way (Ollama's native routes stream unless told false); the
+    bytes are read only where every place a `"stream"` key could stand agrees, and then exactly."""
+    body: dict[str, Any] = {"model": "m", **noise}
+    for where, value in nested:
+        body[where] = [{"arguments": {"stream": value}}]
+    if top is not None:
+        body["stream"] = top
+    raw = json.dumps(body, separators=(", ", ": ") if spaced else (",", ":")).encode()
+    for route in (ollama.CHAT, ollama.GENERATE, openai.CHAT, anthropic.MESSAGES, responses.RESPONSES, llamacpp.COMPLETION):
+        read = route.streams(raw)
+        parsed = route.parse({"prompt": "p", "input": "i", "messages": [], **body}).params.stream
+        assert read in (None, parsed), (route.name, raw)
+
+
+@pytest.mark.parametrize(
+    ("route", "raw", "expected"),
+    [
+        (openai.CHAT, b'{"model": "m", "messages": []}', False),  # OpenAI's default, not said
+        (openai.CHAT, b'{"model": "m", "stream": false}', False),
+        (ollama.CHAT, b'{"model": "m", "messages": []}', True),  # Ollama's default
+        (ollama.CHAT, b'{"model": "m", "stream": true}', True),
+        (openai.CHAT, b'{"model": "m", "stream": true}', None),  # said, but it may be another object's
+        (ollama.CHAT, b'{"model": "m", "stream": false}', None),
+        (openai.CHAT, b'{"model": "m", "str\\u0065am": true}', None),  # a key spelled with an escaped letter
+    ],
+)
+def test_a_stream_is_read_from_the_bytes_only_where_they_settle_it(route: wire.Route, raw: bytes, expected: bool | None) -> None:
+    assert route.streams(raw) is expected
