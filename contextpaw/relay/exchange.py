@@ -78,7 +78,7 @@ class Head:
 
 @dataclass
 class Link:
-    """A backend connection kept between two exchanges of one tunnel."""
+    """A backend connection kept between two exchanges: of one tunnel, or in `Idle`."""
 
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
@@ -214,7 +214,7 @@ class Exchange:
             await self.sink.unwatch()
 
     def _release(self) -> None:
-        """Keep the backend connection for the tunnel's next exchange if it is whole, else close it."""
+        """Keep the backend connection for the next exchange (`spare`) if it is whole, else close it."""
         if self.up_writer is None or self.up_reader is None:
             return
         if self.up.our_state is h11.DONE and self.up.their_state is h11.DONE and not self.up_closed:
@@ -306,14 +306,15 @@ class Exchange:
 
     async def _read_body(self) -> list[bytes]:
         """A whole answer is read before its headers go on: if it breaks off, the client gets an
-        error status. Kept in the pieces it came in, never joined unless the rescue reads it."""
+        error status. Kept in the pieces it came in, never joined unless the rescue reads it, and
+        never copied: h11 hands each piece out as its own copy of what it read."""
         pieces = []
         while not isinstance(
             event := await self._next_event(self.relay.timeouts.idle, "in the middle of its answer", "stalled in its answer"),
             h11.EndOfMessage,
         ):
             if isinstance(event, h11.Data) and event.data:
-                pieces.append(bytes(event.data))
+                pieces.append(event.data)
         return pieces
 
     def _decision(self) -> Decide | None:
