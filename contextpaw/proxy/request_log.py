@@ -1,7 +1,16 @@
-"""When a proxied request is over: one INFO line per handled request, what came in, what ContextPaw
+"""When a proxied request is over: one line per handled request, what came in, what ContextPaw
 did with it and what the client got, e.g.
 
     POST /api/chat ollama.chat fake: compacted 5737 -> 845 tokens (budget 944, window 1024) -> 200
+
+The line is INFO for a request that was changed, refused, would have been cut with the policy off,
+or ended without a whole answer (or with a 5xx). A request that went on as it came and was answered
+gets its line at INFO where it is the only line that names the request (`flow_detail` 0: the
+`contextpaw` command's default, or no mitmdump at all), else at DEBUG, beside mitmproxy's own flow
+line; and it is made only if the terminal log shows that level (`termlog_verbosity`). Under
+mitmproxy a line costs the same at any level, shown or not (the root logger passes every record to
+mitmproxy's handlers, which format it and wake the event loop): about 60 µs, a sixth of what
+ContextPaw's hooks spend on a small request, paid for nothing under `mitmdump -q`.
 
 and its time, from its start to the end of its answer, by route and by what became of it
 (`contextpaw_request_duration_seconds`).
@@ -14,10 +23,12 @@ comes when the stream has ended. It does arithmetic only, on the event loop."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import weakref
 
-from mitmproxy import http
+from mitmproxy import ctx, http
+from mitmproxy.optmanager import OptManager
 
 from contextpaw import wire
 from contextpaw.core import logs
@@ -40,6 +51,12 @@ class RequestLog:
         self.backends = backends
         self.timed: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
         """The flows already timed: each once, whichever of its hooks ends it."""
+        self.unchanged_level: int | None = logging.INFO
+        """The level of the line of a request that went on unchanged; None: not made (not shown)."""
+
+    def configure(self, updated: set[str]) -> None:
+        if {"flow_detail", "termlog_verbosity"} & updated:
+            self.unchanged_level = unchanged_level(ctx.options)
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._time(flow)
@@ -65,16 +82,30 @@ class RequestLog:
         now = time.time()
         self.stats.proxied(where, outcome(flow, state), now - (flow.request.timestamp_start or now))
 
-    def _say(self, flow: http.HTTPFlow, outcome: str) -> None:
+    def _say(self, flow: http.HTTPFlow, answered: str) -> None:
         state = self.states.get(flow)
         if state is None:
+            return
+        level: int | None = logging.INFO
+        if outcome(flow, state) == "unchanged" and not (state.observed is not None and state.observed.compacted):
+            level = self.unchanged_level
+        if level is None:
             return
         if state.report is None and state.observed is not None:  # policy off: nothing was done
             report = state.observed
             what = f"unchanged {report.original_tokens} tokens (policy off)"
         else:
             what = what_happened(state.report)
-        logger.info("%s %s %s %s: %s -> %s", flow.request.method, state.path, state.route.name, model_of(state), what, outcome)
+        logger.log(level, "%s %s %s %s: %s -> %s", flow.request.method, state.path, state.route.name, model_of(state), what, answered)
+
+
+def unchanged_level(options: OptManager) -> int | None:
+    """INFO where no flow line of mitmproxy's names the request, else DEBUG; None where the terminal
+    does not show that level (without mitmproxy's terminal log, the handlers decide)."""
+    level = logging.INFO if "flow_detail" not in options or options.flow_detail == 0 else logging.DEBUG
+    if "termlog_verbosity" in options and level < logging.getLevelName(options.termlog_verbosity.upper()):
+        return None
+    return level
 
 
 def outcome(flow: http.HTTPFlow, state: FlowState | None) -> str:

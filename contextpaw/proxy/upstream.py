@@ -23,8 +23,8 @@ from contextpaw.fitting.flow import FlowState
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.backends import Backends
 from contextpaw.proxy.compactor import FlowStates
-from contextpaw.relay.exchange import CONNECTION_HEADERS, FLOW_HEADER, ClientGone, Exchange, Failure, Head, Idle, Timeouts
-from contextpaw.relay.loopback import Relay
+from contextpaw.relay.exchange import CONNECTION_HEADERS, ClientGone, Exchange, Failure, Head, Idle, Timeouts
+from contextpaw.relay.loopback import FLOW_HEADER, Relay
 from contextpaw.relay.rescue import Decide
 from contextpaw.settings import RELAY_OPTIONS, RelaySettings, declare
 
@@ -49,6 +49,9 @@ class Answer:
                 self.head = event
             elif isinstance(event, h11.Data):
                 self.pieces.append(event.data)
+
+    async def send_whole(self, response: h11.Response, pieces: list[bytes]) -> None:
+        self.head, self.pieces = response, pieces
 
     def watch(self, gone: Callable[[], None]) -> None:
         self._look = asyncio.get_running_loop().call_later(WATCH_S, self._looked, gone)
@@ -87,10 +90,9 @@ class Upstream:
     (`contextpaw.relay.loopback`), as through an upstream proxy: mitmproxy's hooks cannot pass on a
     stream made here.
 
-    A flow the fitter may rescue carries its key (`X-ContextPaw-Flow`, which the exchange takes
-    off); when its backend refuses it as too long, the exchange asks for the rescue's decision by
-    that key, and what the rescue did is in the flow's state, which `Compactor.responseheaders`
-    settles.
+    A flow the fitter may rescue is given the rescue's decision: sent from here, directly; carried
+    by the relay, by its key (`X-ContextPaw-Flow`, which the tunnel takes off). What the rescue did is
+    in the flow's state, which `Compactor.responseheaders` settles.
     """
 
     def __init__(self, backends: Backends, fitter: Fitter, states: FlowStates, ledger: FailureLedger) -> None:
@@ -130,12 +132,15 @@ class Upstream:
         if flow.response or flow.error or not flow.live or not self.backends.relayed(flow):
             return
         state = self.states.get(flow)
-        flow.request.headers.pop(FLOW_HEADER, None)  # the key is ours to give, never the client's
-        if state is not None and self.fitter.may_rescue(state):
-            flow.request.headers[FLOW_HEADER] = flow.id
-            self.carried.put(flow.id, weakref.ref(state))
-        if state is not None and self._buffered(flow, state):
-            return await self._exchange(flow)
+        if FLOW_HEADER in flow.request.headers:
+            del flow.request.headers[FLOW_HEADER]  # the key is ours to give, never the client's
+        if state is not None:
+            decide = functools.partial(self.fitter.rescue, state) if self.fitter.may_rescue(state) else None
+            if self._buffered(flow, state):
+                return await self._exchange(flow, decide)
+            if decide is not None:
+                flow.request.headers[FLOW_HEADER] = flow.id
+                self.carried.put(flow.id, weakref.ref(state))
         # A fresh server connection: an eagerly opened one cannot take a `via` any more.
         assert self.relay.address is not None, "the relay carries a flow only while it listens"
         flow.server_conn = connection.Server(address=(flow.request.host, flow.request.port), via=("http", self.relay.address))
@@ -147,14 +152,14 @@ class Upstream:
             asked = state.route.streams(flow.request.raw_content or b"")
         return asked is False
 
-    async def _exchange(self, flow: http.HTTPFlow) -> None:
+    async def _exchange(self, flow: http.HTTPFlow, decide: Decide | None) -> None:
         """Send the request from here and set its answer (a failure's too) on the flow; a flow whose
         client went away meanwhile is killed, and the backend's connection closed."""
         request = flow.request
         target = (request.host, request.port)
         answer = Answer(flow.client_conn)
         head = Head(request.data.method, request.data.path, request.headers.fields)
-        exchange = Exchange(self.relay, target, head, request.raw_content or b"", self.idle.take(target), answer)
+        exchange = Exchange(self.relay, target, head, request.raw_content or b"", self.idle.take(target), answer, decide)
         try:
             await exchange.run()
         except (ClientGone, OSError):

@@ -1,7 +1,7 @@
 """One request through the relay: sent to the backend, and its answer relayed, or its failure
 answered in the caller's API (see `contextpaw.relay.loopback` for what each failure gets). A backend's
-overflow goes through the rescue loop (`contextpaw.relay.rescue`) with the decision the relay was given
-for the request's flow.
+overflow goes through the rescue loop (`contextpaw.relay.rescue`) with the decision the exchange was
+given for the request's flow.
 """
 
 from __future__ import annotations
@@ -25,18 +25,11 @@ logger = logs.get(__name__)
 
 READ_SIZE = 64 * 1024
 ERROR_HEADER = "X-ContextPaw-Upstream-Error"
-FLOW_HEADER = "X-ContextPaw-Flow"
-"""The key of the flow a request belongs to, for its rescue; the backend never sees it."""
-FLOW_KEY = FLOW_HEADER.lower().encode()
 JSON_TYPE = bodies.JSON_TYPE.encode()
 CONNECTION_HEADERS = frozenset(name.encode() for name in bodies.CONNECTION_HEADERS)
 """Headers of the backend connection, not of the answer: the tunnel frames and keeps its own."""
 MAX_HEAD_EVENT = 1 << 20
 """The largest request or answer head h11 accepts (its own default, 16 KiB, is below mitmproxy's)."""
-WRITE_SIZE = 1 << 20
-"""A read answer goes on to the client in writes of about this size: one write of 300 MB copies it
-three times over (the join, h11, the transport) in one step of the event loop, and every other
-client waits for it."""
 KEEP_ALIVE_S = 2.0
 """A backend connection idle for longer is not reused: servers close idle ones after 5 s or more."""
 
@@ -145,16 +138,11 @@ def _whole_answer(status: int, data: bytes, *headers: tuple[bytes, bytes]) -> li
     return [h11.Response(status_code=status, headers=head), h11.Data(data=data), h11.EndOfMessage()]
 
 
-Rescuer = Callable[[str], Decide | None]
-"""A flow's key -> the rescue's decision for that flow, or None when it is not one to rescue."""
-
-
 class Terms(Protocol):
     """What an exchange reads of its relay (`contextpaw.relay.loopback.Relay`), read anew each time
     it is needed: the options may change while an answer streams."""
 
     timeouts: Timeouts
-    rescue: Rescuer | None
 
     def on_failure(self, failure: Failure) -> None: ...
 
@@ -167,6 +155,10 @@ class Sink(Protocol):
     async def send(self, *events: h11.Event) -> None:
         """Pass the answer's next events on."""
 
+    async def send_whole(self, response: h11.Response, pieces: list[bytes]) -> None:
+        """Pass on a whole answer read from the backend: its head as the backend sent it (the
+        connection's own headers and framing are the sink's to make) and its body in pieces."""
+
     def watch(self, gone: Callable[[], None]) -> None:
         """Call `gone` once the client has gone away."""
 
@@ -175,10 +167,14 @@ class Sink(Protocol):
 
 
 class Exchange:
-    """One request to the backend: forward it, and relay the answer or answer the failure."""
+    """One request to the backend: forward it, and relay the answer or answer the failure; `decide`
+    is the rescue's decision for the request's flow (None: an overflow is passed on)."""
 
-    def __init__(self, relay: Terms, target: tuple[str, int], request: Head, body: bytes, spare: Link | None, sink: Sink) -> None:
+    def __init__(
+        self, relay: Terms, target: tuple[str, int], request: Head, body: bytes, spare: Link | None, sink: Sink, decide: Decide | None
+    ) -> None:
         self.relay = relay
+        self.decide = decide
         self.target = target
         self.request = request
         self.body = body
@@ -244,7 +240,7 @@ class Exchange:
             if pieces is None:
                 return await self._relay_stream(response)
         assert pieces is not None
-        await self._answer_read(response, pieces)
+        await self.sink.send_whole(response, pieces)
 
     async def _ask(self, body: bytes) -> h11.Response:
         """Send the request with `body` to the backend; the head of its answer.
@@ -274,11 +270,7 @@ class Exchange:
                 raise BackendFailed(f"the backend at {self._target()} does not answer ({type(e).__name__})", connected=False) from None
         self.up_reader, self.up_writer = reader, writer
         resized = body is not self.body
-        headers = [
-            (k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v)
-            for k, v in self.request.headers
-            if k.lower() != FLOW_KEY
-        ]
+        headers = [(k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v) for k, v in self.request.headers]
         if not any(k.lower() == b"host" for k, _ in headers):  # an HTTP/1.0 request may have none
             headers.insert(0, (b"Host", self._target().encode()))
         head = h11.Request(method=self.request.method, target=self.request.target, headers=headers)
@@ -320,8 +312,7 @@ class Exchange:
     def _decision(self) -> Decide | None:
         """The addon's rescue decision for this request's flow, or None; a failure of ours in it
         passes the backend's answer on."""
-        key = next((v for k, v in self.request.headers if k.lower() == FLOW_KEY), None)
-        decide = self.relay.rescue(key.decode("latin-1")) if self.relay.rescue is not None and key else None
+        decide = self.decide
         if decide is None:
             return None
 
@@ -413,21 +404,6 @@ class Exchange:
             self.task.cancel()
 
     # -- answering --------------------------------------------------------------------------------
-
-    async def _answer_read(self, response: h11.Response, pieces: list[bytes]) -> None:
-        """A whole answer on to the client, a batch of pieces of WRITE_SIZE at a time, each
-        drained before the next."""
-        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
-        headers.append((b"Content-Length", str(sum(map(len, pieces))).encode()))
-        events: list[h11.Event] = [h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)]
-        size = 0
-        for piece in pieces:
-            events.append(h11.Data(data=piece))
-            size += len(piece)
-            if size >= WRITE_SIZE:
-                await self._answer(*events)
-                events, size = [], 0
-        await self._answer(*events, h11.EndOfMessage())
 
     async def _answer(self, *events: h11.Event) -> None:
         await self.sink.send(*events)

@@ -35,13 +35,36 @@ import h11
 
 from contextpaw import wire
 from contextpaw.core import logs
-from contextpaw.relay.exchange import MAX_HEAD_EVENT, READ_SIZE, ClientGone, Exchange, Failure, Head, Link, Rescuer, Timeouts, json_answer
+from contextpaw.relay.exchange import (
+    CONNECTION_HEADERS,
+    MAX_HEAD_EVENT,
+    READ_SIZE,
+    ClientGone,
+    Exchange,
+    Failure,
+    Head,
+    Link,
+    Timeouts,
+    json_answer,
+)
+from contextpaw.relay.rescue import Decide
 
 logger = logs.get(__name__)
 
 LOOPBACK = "127.0.0.1"
 HANDSHAKE_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
+FLOW_HEADER = "X-ContextPaw-Flow"
+"""The key of the flow a carried request belongs to, for its rescue; the tunnel takes it off, so the
+backend never sees it."""
+FLOW_KEY = FLOW_HEADER.lower().encode()
+WRITE_SIZE = 1 << 20
+"""A read answer goes on to the client in writes of about this size: one write of 300 MB copies it
+three times over (the join, h11, the transport) in one step of the event loop, and every other
+client waits for it."""
+
+Rescuer = Callable[[str], Decide | None]
+"""A flow's key -> the rescue's decision for that flow, or None when it is not one to rescue."""
 
 
 class Relay:
@@ -122,8 +145,8 @@ class Relay:
                 if received is None:
                     return
                 request, body = received
-                head = Head(request.method, request.target, request.headers.raw_items())
-                exchange = Exchange(self, target, head, body, spare, Tunnel(down, reader, writer))
+                head, decide = self._carried(request)
+                exchange = Exchange(self, target, head, body, spare, Tunnel(down, reader, writer), decide)
                 task = asyncio.current_task()
                 assert task is not None
                 self._busy.add(task)
@@ -138,6 +161,18 @@ class Relay:
         finally:
             if spare is not None:
                 spare.writer.close()
+
+    def _carried(self, request: h11.Request) -> tuple[Head, Decide | None]:
+        """The request's head as the backend gets it, without its flow's key, and the rescue's
+        decision for that flow."""
+        headers, key = [], None
+        for name, value in request.headers.raw_items():
+            if name.lower() == FLOW_KEY:
+                key = value.decode("latin-1")
+            else:
+                headers.append((name, value))
+        decide = self.rescue(key) if self.rescue is not None and key is not None else None
+        return Head(request.method, request.target, headers), decide
 
 
 class Tunnel:
@@ -158,6 +193,20 @@ class Tunnel:
             chunks += self.down.send_with_data_passthrough(event) or ()
         self.writer.write(b"".join(chunks))
         await self.writer.drain()
+
+    async def send_whole(self, response: h11.Response, pieces: list[bytes]) -> None:
+        """Framed by its length, a batch of pieces of WRITE_SIZE at a time, each drained before the next."""
+        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
+        headers.append((b"Content-Length", str(sum(map(len, pieces))).encode()))
+        events: list[h11.Event] = [h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)]
+        size = 0
+        for piece in pieces:
+            events.append(h11.Data(data=piece))
+            size += len(piece)
+            if size >= WRITE_SIZE:
+                await self.send(*events)
+                events, size = [], 0
+        await self.send(*events, h11.EndOfMessage())
 
     def watch(self, gone: Callable[[], None]) -> None:
         self._gone = gone

@@ -35,7 +35,7 @@ from contextpaw.proxy.endpoints import AdminEndpoints
 from contextpaw.proxy.replies import COMPACTED_MARK, REFUSED_MARK
 from contextpaw.proxy.upstream import Upstream
 from contextpaw.proxy.views import ORIGINAL
-from contextpaw.relay.exchange import FLOW_HEADER
+from contextpaw.relay.loopback import FLOW_HEADER
 from contextpaw.settings import FitSettings
 from contextpaw.wire.streams import StreamReport
 from support.flows import CLOSED_PORT, LLAMACPP, OLLAMA, get, long_chat, ok_json, post, reverse, streamed, to_ollama

@@ -19,7 +19,8 @@ from mitmproxy.test import taddons
 
 from contextpaw.proxy.compose import make_addons
 from contextpaw.proxy.upstream import WATCH_S
-from contextpaw.relay.exchange import ERROR_HEADER, FLOW_HEADER
+from contextpaw.relay.exchange import ERROR_HEADER
+from contextpaw.relay.loopback import FLOW_HEADER
 from support.common import context_overflow_error
 from support.flows import CLOSED_PORT, post
 from support.inprocess import Proxy
@@ -180,13 +181,16 @@ async def test_an_overflow_400_is_rescued_in_the_request_hook_and_the_answer_say
     proxy.tctx.configure(proxy.backends, contextpaw_llamacpp=[f"http://127.0.0.1:{backend.port}"])
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "word " * 120} for i in range(13)]
     flow = to(backend, {"model": "m", "messages": turns, "stream": False})
+    flow.request.headers[FLOW_HEADER] = "forged by the client"
     await proxy.send(flow)
     assert flow.response is not None and flow.response.status_code == 200, flow.response.content
     assert len(backend.bodies) == 2 and len(backend.bodies[1]) < len(backend.bodies[0]), "the retry is the compacted body"
-    assert FLOW_HEADER.lower().encode() not in b"".join(backend.bodies).lower(), "the flow's key never reaches the backend"
+    assert FLOW_HEADER.lower().encode() not in b"".join(backend.bodies).lower(), "no flow key reaches the backend"
+    assert FLOW_HEADER not in flow.request.headers and proxy.upstream.carried.get(flow.id) is None, (
+        "the decision is given to the exchange: the flow carries no key, and nothing is kept to look it up"
+    )
     response = await proxy.answer(flow)
     assert response.headers["X-ContextPaw-Recovered"] == "upstream-400"
-    assert FLOW_HEADER not in flow.request.headers, "forgotten once answered"
 
 
 async def test_a_client_that_goes_away_while_its_buffered_answer_is_awaited_frees_the_backend(proxy: Proxy, start_backend) -> None:

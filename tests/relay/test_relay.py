@@ -19,8 +19,8 @@ import h11
 import pytest
 
 from contextpaw.relay.exchange import ERROR_HEADER as ERROR_NAME
-from contextpaw.relay.exchange import FLOW_HEADER, WRITE_SIZE, Failure, Timeouts
-from contextpaw.relay.loopback import Relay
+from contextpaw.relay.exchange import Failure, Timeouts
+from contextpaw.relay.loopback import FLOW_HEADER, WRITE_SIZE, Relay
 
 ERROR_HEADER = ERROR_NAME.encode()
 
