@@ -375,7 +375,13 @@ class Compactor:
         route = state.route
         report = functools.partial(self._final_report, flow, state)
         return StreamReport(
-            route.framing, route.is_final, report, route.evaluated, keep=keep, unasked=self.fitter.answers.unasked_records(state)
+            route.framing,
+            route.is_final,
+            report,
+            route.evaluated,
+            keep=keep,
+            unasked=self.fitter.answers.unasked_records(state),
+            telling=route.telling,
         )
 
     def _final_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None = None) -> bytes | None:

@@ -14,6 +14,7 @@ at `/v1/messages/count_tokens`; Ollama's count there is only its own estimate (b
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,4 +96,5 @@ MESSAGES = Route(
     "sse",
     _is_final,
     evaluated=_evaluated,
+    telling=re.compile(rb'"usage"|"message_delta"'),
 )

@@ -176,6 +176,10 @@ def positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+EVALUATED_KEYS = rb'"(?:prompt_eval_count|tokens_evaluated|usage)"'
+"""The keys `evaluated_tokens` reads, as a route's `telling` pattern spells them."""
+
+
 def evaluated_tokens(record: Mapping[str, Any]) -> int | None:
     """The prompt size a server reports in a final record: Ollama's `prompt_eval_count`, the OpenAI
     `usage.prompt_tokens`, or llama.cpp's native `tokens_evaluated`."""
@@ -396,6 +400,12 @@ class Route:
     streams_unless_told: bool = False
     """Whether a request that does not say `"stream": true|false` is answered in a stream (Ollama's
     native routes); every route reads any other value as this default."""
+    telling: re.Pattern[bytes] | None = None
+    """What the bytes of every stream record that `is_final` or `evaluated` tells something of hold
+    (a key, or a key and its value): a record without it, and without an escaped ASCII character
+    that could spell one (`wire.streams.ESCAPED_ASCII`), is passed on unparsed. Token records are
+    nearly all of a stream, and parsing each one was most of what a stream cost the proxy. None:
+    every record is parsed."""
 
     def streams(self, raw: bytes) -> bool | None:
         """Whether a request body asks for a stream, read without parsing it; None when the bytes

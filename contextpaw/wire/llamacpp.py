@@ -8,11 +8,12 @@ answer to a prompt over its window, the 400 `exceed_context_size_error` and its 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.wire import served
-from contextpaw.wire.base import REFUSAL_STATUS, NotCompactable, Overflow, Prompt, Route, answer_params, positive
+from contextpaw.wire.base import EVALUATED_KEYS, REFUSAL_STATUS, NotCompactable, Overflow, Prompt, Route, answer_params, positive
 
 
 def _completion(body: dict[str, Any]) -> Prompt:
@@ -45,7 +46,15 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return record.get("stop") is True
 
 
-COMPLETION = Route("llamacpp.completion", _completion, _refusal, _proxy_error, "sse", _is_final)
+COMPLETION = Route(
+    "llamacpp.completion",
+    _completion,
+    _refusal,
+    _proxy_error,
+    "sse",
+    _is_final,
+    telling=re.compile(EVALUATED_KEYS + rb'|"stop"\s*:\s*true'),
+)
 
 
 def props_with_window(props: dict[str, Any], window: int) -> dict[str, Any]:

@@ -16,12 +16,13 @@ the context window exceeded.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.core.conversation import Conversation
 from contextpaw.wire import served
-from contextpaw.wire.base import Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
+from contextpaw.wire.base import EVALUATED_KEYS, Chat, NotCompactable, Overflow, Params, Prompt, Route, int_field, positive
 
 
 def _params(body: Mapping[str, Any]) -> Params:
@@ -64,8 +65,9 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return record.get("done") is True
 
 
-CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True)
-GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True)
+TELLING = re.compile(EVALUATED_KEYS + rb'|"done"\s*:\s*true')
+CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True, telling=TELLING)
+GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True, telling=TELLING)
 
 
 # -- the served window in `/api/show` ------------------------------------------------------------

@@ -11,12 +11,13 @@ own words follow that sentence.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from contextpaw.core.conversation import Conversation
 from contextpaw.wire import served
-from contextpaw.wire.base import Chat, NotCompactable, Overflow, Prompt, Route, answer_params, load, write
+from contextpaw.wire.base import EVALUATED_KEYS, Chat, NotCompactable, Overflow, Prompt, Route, answer_params, load, write
 
 MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
 """llama-server reads `n_predict` too; all three mean the same limit."""
@@ -88,8 +89,10 @@ def _is_final(record: Mapping[str, Any]) -> bool:
     return not choices or any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
 
 
-CHAT = Route("openai.chat", _chat, refusal("messages"), proxy_error, "sse", _is_final)
-COMPLETIONS = Route("openai.completions", _completion, refusal("prompt"), proxy_error, "sse", _is_final)
+TELLING = re.compile(EVALUATED_KEYS + rb'|"finish_reason"\s*:\s*[^n\s]|"choices"\s*:\s*\[\s*\]')
+"""A finish reason that is not null, no choices, or a count: a token chunk has none of them."""
+CHAT = Route("openai.chat", _chat, refusal("messages"), proxy_error, "sse", _is_final, telling=TELLING)
+COMPLETIONS = Route("openai.completions", _completion, refusal("prompt"), proxy_error, "sse", _is_final, telling=TELLING)
 
 
 # -- the usage a stream carries only when asked for -------------------------------------------------

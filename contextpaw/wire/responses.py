@@ -20,6 +20,7 @@ an overflow opens with the sentence OpenAI's Responses API itself sends (`OVERFL
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,7 +59,8 @@ def marker_item(role: str, text: str) -> dict[str, Any]:
 
 
 def _is_final(record: Mapping[str, Any]) -> bool:
-    return record.get("type") in FINAL_EVENTS
+    kind = record.get("type")
+    return isinstance(kind, str) and kind in FINAL_EVENTS  # a list there is not hashable
 
 
 def _evaluated(record: Mapping[str, Any]) -> int | None:
@@ -76,4 +78,5 @@ RESPONSES = Route(
     "sse",
     _is_final,
     evaluated=_evaluated,
+    telling=re.compile(rb'"usage"|"response\.(?:completed|incomplete|failed)"'),  # FINAL_EVENTS
 )

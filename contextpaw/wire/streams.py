@@ -13,7 +13,9 @@ not ask for (the usage chunk ContextPaw asked for in its stead: `Unasked`) is re
 taken out, and what it carried that the client would have had without it (llama-server's `timings`)
 goes onto the record before it; a field it did not ask for (the zero `usage` Ollama then puts on
 every text-completion chunk) is taken out of each record that has it, its other bytes as they came,
-so that the client gets the stream it asked for. The transformer is a
+so that the client gets the stream it asked for. A record whose bytes cannot tell anything (none of
+the route's `telling` words, no escaped ASCII character, not the unasked field) is passed on
+unparsed: a token record, nearly every record of a stream. The transformer is a
 mitmproxy stream callable: called per chunk and once with b"" at the end, it never returns b"" before
 that (an empty chunk would end a chunked body). A chunk is scanned for the record separator from
 where the last scan stopped, so a giant record costs its length once, not once per chunk; one past
@@ -24,6 +26,7 @@ log).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,6 +41,8 @@ MAX_RECORD = 64 << 20
 KEPT_STREAM = 16 << 20
 """A stream up to this long is kept whole as it went to the client, for mitmweb and saved flows
 (mitmproxy keeps no streamed body); a longer one is not kept."""
+ESCAPED_ASCII = re.compile(rb"\\u00[2-7]", re.IGNORECASE)
+"""A JSON escape of a printable ASCII character (`\\u0075`): a key or a word could be spelled so."""
 DONE = b"data: [DONE]"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 DECODER = json.JSONDecoder()
@@ -95,6 +100,7 @@ class StreamReport:
         count: Count | None = None,
         keep: int = 0,
         unasked: Unasked | None = None,
+        telling: re.Pattern[bytes] | None = None,
     ) -> None:
         self._separator = b"\n" if framing == "ndjson" else b"\n\n"
         self._sse = framing == "sse"
@@ -115,6 +121,9 @@ class StreamReport:
         """Records the client did not ask for: read for their count, then taken out."""
         self.taken = 0
         """How many records were taken out."""
+        self._telling = telling
+        """What a record that tells something holds (`wire.Route.telling`); None: every record is read."""
+        self._unasked_key = b'"' + unasked.key.encode() + b'"' if unasked is not None and unasked.key else None
 
     def __call__(self, data: bytes) -> list[bytes]:
         out = self._passed(data)
@@ -157,7 +166,7 @@ class StreamReport:
     def _record(self, record: bytes) -> list[bytes]:
         if self._placed:
             return [record]
-        obj = self._object(record)
+        obj = self._object(record) if self._tells(record) else None
         if obj is not None and self._unasked is not None:
             if self._unasked.record(obj):
                 self._take(obj)
@@ -177,6 +186,12 @@ class StreamReport:
                 return out
             return [*out, self._merge(record)]
         return [*out, record]
+
+    def _tells(self, record: bytes) -> bool:
+        """Whether the record may be final, carry a count, or hold what the client did not ask for."""
+        if self._telling is None or ESCAPED_ASCII.search(record):
+            return True
+        return self._telling.search(record) is not None or (self._unasked_key is not None and self._unasked_key in record)
 
     def _take(self, obj: Mapping[str, Any]) -> None:
         """Take out a record the client did not ask for: its count is read, and the fields the

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextpaw.wire import llamacpp, ollama, openai
+from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses
 from contextpaw.wire.streams import StreamReport, Unasked, splice
 
 REPORT = b'{"compacted":true}'
@@ -220,3 +221,81 @@ def test_asking_for_usage_beside_the_clients_own_options_keeps_its_numbers_as_wr
     raw = b'{"stream":true,"stream_options":{"x":1.50},"seed":1e400,"n":-0}'
     asked = openai.asking_usage(raw, {"stream_options": {"x": 1.5}})
     assert asked == b'{"stream":true,"stream_options":{"x":1.50,"include_usage":true},"seed":1e400,"n":-0}'
+
+
+# -- records passed on unparsed --------------------------------------------------------------------
+
+TELLING_ROUTES = [
+    ollama.CHAT,
+    ollama.GENERATE,
+    openai.CHAT,
+    openai.COMPLETIONS,
+    llamacpp.COMPLETION,
+    anthropic.MESSAGES,
+    responses.RESPONSES,
+]
+KEYS = st.sampled_from(
+    ["choices", "finish_reason", "usage", "prompt_tokens", "prompt_eval_count", "tokens_evaluated", "done", "stop", "type",
+     "message", "response", "input_tokens", "cache_read_input_tokens", "delta", "content", "timings"]
+) | st.text(max_size=6)  # fmt: skip
+WORDS = st.sampled_from(["message_delta", "message_start", "response.completed", "response.failed", "stop", "done"]) | st.text(max_size=8)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 10**6) | WORDS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4),
+    max_leaves=10,
+)
+
+
+@st.composite
+def stream_bodies(draw: st.DrawFn, framing: str) -> bytes:
+    """Records of any shape the route's words may appear in, spaced and escaped as servers differ."""
+    body = b""
+    for obj in draw(st.lists(st.dictionaries(KEYS, JSON, max_size=5), max_size=8)):
+        spaced, ascii_only = draw(st.booleans()), draw(st.booleans())
+        text = json.dumps(obj, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=ascii_only).encode()
+        if framing == "ndjson":
+            body += text + b"\n"
+        else:
+            body += (b"event: x\n" if draw(st.booleans()) else b"") + b"data: " + text + b"\n\n"
+    return body + (b"data: [DONE]\n\n" if framing == "sse" and draw(st.booleans()) else b"")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_a_record_passed_on_unparsed_never_changes_what_the_client_gets(data: st.DataObject) -> None:
+    """Against the same stream with every record parsed: the same bytes out, the same count read."""
+    route = data.draw(st.sampled_from(TELLING_ROUTES))
+    body = data.draw(stream_bodies(route.framing))
+    unasked = Unasked(openai.is_usage_chunk, "usage") if route in (openai.CHAT, openai.COMPLETIONS) and data.draw(st.booleans()) else None
+
+    def transformed(telling: re.Pattern[bytes] | None) -> tuple[bytes, int | None, int]:
+        stream = StreamReport(
+            route.framing, route.is_final, lambda _final, counted: json.dumps({"counted": counted}).encode(), route.evaluated,
+            unasked=unasked, telling=telling,
+        )  # fmt: skip
+        return stream.transform(body), stream.counted, stream.taken
+
+    assert transformed(route.telling) == transformed(None)
+
+
+class Counting(StreamReport):
+    parsed = 0
+
+    def _object(self, record: bytes):  # type: ignore[no-untyped-def]
+        self.parsed += 1
+        return super()._object(record)
+
+
+@pytest.mark.parametrize(
+    ("route", "token", "ends"),
+    [
+        (openai.CHAT, OPENAI_STREAM.split(b"\n\n")[1] + b"\n\n", OPENAI_STREAM.split(b"\n\n", 2)[2]),  # finish, usage, [DONE]
+        (ollama.CHAT, OLLAMA_STREAM.splitlines(keepends=True)[0], OLLAMA_STREAM.splitlines(keepends=True)[2]),
+        (llamacpp.COMPLETION, LLAMA_STREAM.split(b"\n\n")[0] + b"\n\n", LLAMA_STREAM.split(b"\n\n", 1)[1]),  # a comment, the stop
+    ],
+)
+def test_token_records_are_passed_on_unparsed_and_the_report_still_lands(route, token: bytes, ends: bytes) -> None:
+    stream = Counting(route.framing, route.is_final, REPORT, route.evaluated, telling=route.telling)
+    out = stream.transform(token * 200 + ends)
+    assert stream.parsed <= 2, "only the final records are read"
+    assert out.startswith(token * 200) and b'"contextpaw":{"compacted":true}' in out[len(token) * 200 :]
