@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support.backends import Backend, free_port, start_module, start_process
+from support.backends import Backend, dead_port, free_port, start_module, start_process
 from support.common import FAKE_N_CTX
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def summarizing(workdir: Path, llamacpp: Backend) -> Iterator[Proxy]:
 @pytest.fixture(scope="session")
 def summarizer_down(workdir: Path, llamacpp: Backend) -> Iterator[Proxy]:
     """The same, with its summarizer pointed at a port where nothing answers."""
-    dead = f"http://{LOOPBACK}:{free_port()}"
+    dead = f"http://{LOOPBACK}:{dead_port()}"
     running = mitmdump(
         workdir, "summarizer-down", [llamacpp.url], "--set", "contextpaw_summarize=true",
         "--set", f"contextpaw_summarizer_url={dead}", "--set", "contextpaw_summarizer_timeout=2",
@@ -162,7 +162,7 @@ def slow_proxy(workdir: Path, slow_ollama: Backend, slow_llamacpp: Backend) -> I
 @pytest.fixture(scope="session")
 def command(workdir: Path, llamacpp: Backend) -> Iterator[Proxy]:
     """The `contextpaw` command, fronting llama-server and an Ollama that is down."""
-    down = f"http://{LOOPBACK}:{free_port()}"
+    down = f"http://{LOOPBACK}:{dead_port()}"
     port, llama_port = free_port(), free_port()
     argv = [
         sys.executable, "-m", "contextpaw.command.cli", "--ollama", down, "--port", str(port),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support.backends import Backend, free_port, start_module, start_process
+from support.backends import Backend, dead_port, free_port, start_module, start_process
 
 LOOPBACK = "127.0.0.1"
 COMMAND = [sys.executable, "-m", "contextpaw.command.cli"]
@@ -171,7 +171,7 @@ def test_doctor_finds_windows_tokenizer_and_listener(small_window_ollama: Backen
 
 
 def test_doctor_finds_fit_and_a_backend_that_does_not_answer(fitted_llamacpp: Backend) -> None:
-    dead = f"http://{LOOPBACK}:{free_port()}"
+    dead = f"http://{LOOPBACK}:{dead_port()}"
     status, report = doctor("--llamacpp", fitted_llamacpp.url, "--ctx", "32768", "--ollama", dead)
     found = problems(report)
     assert status == 1, report
@@ -271,7 +271,7 @@ def test_doctor_finds_clients_that_point_past_contextpaw_or_at_nothing(llamacpp:
     import os
 
     (tmp_path / ".codex").mkdir()
-    dead = f"http://127.0.0.1:{free_port()}/v1"
+    dead = f"http://127.0.0.1:{dead_port()}/v1"
     (tmp_path / ".codex" / "config.toml").write_text(f'[model_providers.local]\nbase_url = "{dead}"\n')
     env = {**os.environ, "HOME": str(tmp_path), "OPENAI_BASE_URL": llamacpp.url + "/v1"}
     env.pop("ANTHROPIC_BASE_URL", None)

@@ -132,9 +132,9 @@ def test_count_tokens_passes_through_untouched(proxy: Proxy, llamacpp: Backend) 
 
 
 def test_a_backend_that_is_down_answers_in_anthropics_shape(new_mitmdump: Any) -> None:
-    from support.backends import free_port
+    from support.backends import dead_port
 
-    dead = new_mitmdump("messages-dead", [f"http://127.0.0.1:{free_port()}"])
+    dead = new_mitmdump("messages-dead", [f"http://127.0.0.1:{dead_port()}"])
     with dead.process:
         with pytest.raises(anthropic.APIStatusError) as raised:
             client(dead.ollama).messages.create(model="fake", max_tokens=16, messages=[{"role": "user", "content": "hi"}])

@@ -28,7 +28,7 @@ from mitmproxy.connection import ConnectionState
 from mitmproxy.test import taddons, tflow, tutils
 
 from contextpaw.proxy.compose import make_addons
-from support.backends import ADDON, Backend, free_port, start_process
+from support.backends import ADDON, Backend, dead_port, free_port, start_process
 from support.cases import CASES
 from support.common import FAKE_N_CTX, LOOPBACK, context_overflow_error, running, sse
 from support.inprocess import Proxy as InProcess
@@ -365,7 +365,7 @@ def proxy(workdir: Path, ollama: Backend, llamacpp: Backend, fault_server: Fault
 
     Its timeouts are short, so a hanging backend is given up on within a few seconds.
     """
-    dead = f"http://{LOOPBACK}:{free_port()}"
+    dead = f"http://{LOOPBACK}:{dead_port()}"
     upstreams = {"ollama": ollama.url, "llamacpp": llamacpp.url, "fault": fault_server.url, "dead": dead, "silent": silent}
     running_proxy = start_mitmdump(
         workdir, "proxy", upstreams,

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from .common import LOOPBACK, free_port, running
+from .common import LOOPBACK, dead_port, free_port, running
 
 __all__ = [
     "Backend",
     "Located",
+    "dead_port",
     "free_port",
     "locate_llama_server",
     "locate_smollm2",

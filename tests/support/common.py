@@ -217,6 +217,20 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+_HELD: list[socket.socket] = []
+"""The sockets behind `dead_port`, kept bound for the life of the test process."""
+
+
+def dead_port() -> int:
+    """A loopback port where nothing answers, for as long as the tests run: bound here and never
+    listened on, so a connection to it is refused, and no server started by a test running beside
+    this one (pytest-xdist) can take it, as one can take a port `free_port` gave."""
+    held = socket.socket()
+    held.bind((LOOPBACK, 0))
+    _HELD.append(held)
+    return held.getsockname()[1]
+
+
 @contextmanager
 def running(app: web.Application, timeout: float = 10.0, port: int = 0) -> Iterator[str]:
     """Serve ``app`` on a loopback port (a free one, unless ``port`` names it: a server restarted
