@@ -30,6 +30,7 @@ import orjson
 from contextpaw.core import logs
 from contextpaw.core.caches import LRU
 from contextpaw.core.tokens import Counter
+from contextpaw.wire import bodies
 from contextpaw.wire.bodies import JSON_TYPE
 
 logger = logs.get(__name__)
@@ -156,7 +157,7 @@ class LlamaCppCounting:
             self.seconds += time.perf_counter() - started
 
     async def _post_once(self, url: str, data: bytes) -> bytes:
-        async with self.session.post(url, timeout=self.timeout, data=data, headers=JSON_HEADERS) as resp:
+        async with self.session.post(url, timeout=self.timeout, data=bodies.as_upload(data), headers=JSON_HEADERS) as resp:
             resp.raise_for_status()
             return await resp.read()
 

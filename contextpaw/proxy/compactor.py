@@ -282,7 +282,7 @@ class Compactor:
         assert flow.response is not None
 
         async def send(retry: bytes) -> tuple[int, bytes]:
-            async with self.session.get().post(flow.request.url, data=retry, headers=headers, timeout=timeout) as answer:
+            async with self.session.get().post(flow.request.url, data=bodies.as_upload(retry), headers=headers, timeout=timeout) as answer:
                 content = await answer.read()
                 kept = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS]
                 flow.response = http.Response.make(answer.status, content, http.Headers(kept))

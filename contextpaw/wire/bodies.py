@@ -12,6 +12,7 @@ release the GIL while they work).
 from __future__ import annotations
 
 import bz2
+import io
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +32,17 @@ HOP_HEADERS = CONNECTION_HEADERS | {"host", "content-encoding", "accept-encoding
 
 STEP = 1 << 20
 """Output produced per step, so the limit is checked every megabyte."""
+UPLOAD_IN_CHUNKS = 1 << 20
+"""A body ContextPaw sends longer than this goes to its HTTP client as a file (`as_upload`)."""
+
+
+def as_upload(data: bytes) -> bytes | io.BytesIO:
+    """A body for aiohttp to send: a long one as a file, which it writes a chunk at a time. A bytes
+    body it writes in one step of the event loop, and over 1 MiB it says so in a ResourceWarning (a
+    text of megabytes counted by llama-server's /tokenize, a rescue's retry of a wide window)."""
+    return io.BytesIO(data) if len(data) > UPLOAD_IN_CHUNKS else data
+
+
 ENCODINGS = ("gzip", "x-gzip", "deflate", "deflateraw", "zlib", "br", "zstd", "bz2")
 """The `Content-Encoding`s inflated here (the keys of `_STEPS`): all that mitmproxy decodes."""
 

@@ -258,6 +258,31 @@ async def test_the_texts_of_a_big_request_are_counted_a_few_calls_at_a_time_and_
     assert 1 < most <= COUNTS_IN_FLIGHT
 
 
+async def test_a_text_of_megabytes_is_sent_to_tokenize_in_chunks_with_its_length() -> None:
+    """aiohttp writes a bytes body in one step of the event loop, and warns past 1 MiB (a warning
+    is an error here, so the count failed and the request went on unfitted): it is sent as a file,
+    and llama-server still gets its Content-Length."""
+    import aiohttp
+    from aiohttp import web
+
+    from contextpaw.calls.server_counts import LlamaCppCounting
+
+    lengths: list[str | None] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        lengths.append(request.headers.get("Content-Length"))
+        return web.json_response({"tokens": list(range(len((await request.json())["content"]) // 4))})
+
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_post("/tokenize", tokenize)
+    text = "word " * 400_000  # 2 MB
+    with running(app) as url:
+        async with aiohttp.ClientSession() as session:
+            counted = await LlamaCppCounting(session).counter(url, [text], EstimateCounter(), chat=False, has_system=False, big=True)
+    assert counted is not None and counted[0].text(text) == len(text) // 4
+    assert lengths and all(length is not None and int(length) > len(text) for length in lengths)
+
+
 def body(text: str) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
 
