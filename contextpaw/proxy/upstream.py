@@ -23,7 +23,7 @@ from contextpaw.fitting.flow import FlowState
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.backends import Backends
 from contextpaw.proxy.compactor import FlowStates
-from contextpaw.relay.exchange import CONNECTION_HEADERS, ClientGone, Exchange, Failure, Head, Idle, Timeouts
+from contextpaw.relay.exchange import ClientGone, Exchange, Failure, Head, Idle, Timeouts, answer_headers
 from contextpaw.relay.loopback import FLOW_HEADER, Relay
 from contextpaw.relay.rescue import Decide
 from contextpaw.settings import RELAY_OPTIONS, RelaySettings, declare
@@ -72,10 +72,9 @@ class Answer:
         """The whole answer, framed by its length (a stream the backend sent anyway, too)."""
         assert self.head is not None, "an exchange answers, or its client is gone"
         body = b"".join(self.pieces)
-        headers = [(k, v) for k, v in self.head.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
-        headers.append((b"content-length", str(len(body)).encode()))
         now = time.time()
-        return http.Response(b"HTTP/1.1", self.head.status_code, self.head.reason, http.Headers(headers), body, None, now, now)
+        headers = http.Headers(answer_headers(self.head, len(body)))
+        return http.Response(b"HTTP/1.1", self.head.status_code, self.head.reason, headers, body, None, now, now)
 
 
 class Upstream:

@@ -128,6 +128,15 @@ def _close(work: Awaitable[Any]) -> None:
         work.close()
 
 
+def answer_headers(response: h11.Response, length: int | None = None) -> list[tuple[bytes, bytes]]:
+    """The backend answer's own headers, as they came, without its connection's (the sink frames and
+    keeps its own); with the body's `length` when the answer is passed on whole."""
+    headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
+    if length is not None:
+        headers.append((b"Content-Length", str(length).encode()))
+    return headers
+
+
 def json_answer(status: int, body: dict[str, Any], *headers: tuple[bytes, bytes]) -> list[h11.Event]:
     """A whole JSON answer of the relay's own, as h11 events."""
     return _whole_answer(status, json.dumps(body).encode(), *headers)
@@ -330,8 +339,7 @@ class Exchange:
         What one read of the backend brought goes on in one chunk and one write: a server that writes
         each record by itself sends a turn's records in a few reads when the proxy is busy, and a
         write and a chunk each would double the work (the proxy reads every chunk again)."""
-        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
-        await self._answer(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
+        await self._answer(h11.Response(status_code=response.status_code, headers=answer_headers(response), reason=response.reason))
         self.headers_sent = True
         broke = "in the middle of its stream"
         while True:

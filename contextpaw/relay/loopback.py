@@ -36,7 +36,6 @@ import h11
 from contextpaw import wire
 from contextpaw.core import logs
 from contextpaw.relay.exchange import (
-    CONNECTION_HEADERS,
     MAX_HEAD_EVENT,
     READ_SIZE,
     ClientGone,
@@ -45,6 +44,7 @@ from contextpaw.relay.exchange import (
     Head,
     Link,
     Timeouts,
+    answer_headers,
     json_answer,
 )
 from contextpaw.relay.rescue import Decide
@@ -196,8 +196,7 @@ class Tunnel:
 
     async def send_whole(self, response: h11.Response, pieces: list[bytes]) -> None:
         """Framed by its length, a batch of pieces of WRITE_SIZE at a time, each drained before the next."""
-        headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
-        headers.append((b"Content-Length", str(sum(map(len, pieces))).encode()))
+        headers = answer_headers(response, sum(map(len, pieces)))
         events: list[h11.Event] = [h11.Response(status_code=response.status_code, headers=headers, reason=response.reason)]
         size = 0
         for piece in pieces:

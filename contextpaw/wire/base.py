@@ -373,7 +373,12 @@ class UpstreamOverflow:
 
 STREAM_FIELD = re.compile(rb'"stream"\s*:\s*(true|false)?')
 ESCAPED_LETTER = re.compile(rb"\\u00[67]", re.IGNORECASE)
-"""A JSON escape of an ASCII letter (`\\u0073`): no encoder writes one, but a key may be spelled so."""
+"""A JSON escape of a lower-case ASCII letter (`\\u0073`): no encoder writes one, but a key may be
+spelled so (`"stream"` is all such letters)."""
+ESCAPED_ASCII = re.compile(rb"\\u00[2-7]", re.IGNORECASE)
+"""A JSON escape of any printable ASCII character: what a stream record's telling words (`Route.telling`:
+underscores, dots, `true`) could be spelled with. Wider than `ESCAPED_LETTER`, so Go's `\\u003c` for
+`<` counts too, and such a record is parsed."""
 
 REFUSAL_STATUS = 400
 """Every API's own answer to a prompt over the window is a 400 (Ollama's, llama-server's, OpenAI's,
@@ -403,7 +408,7 @@ class Route:
     telling: re.Pattern[bytes] | None = None
     """What the bytes of every stream record that `is_final` or `evaluated` tells something of hold
     (a key, or a key and its value): a record without it, and without an escaped ASCII character
-    that could spell one (`wire.streams.ESCAPED_ASCII`), is passed on unparsed. Token records are
+    that could spell one (`ESCAPED_ASCII`), is passed on unparsed. Token records are
     nearly all of a stream, and parsing each one was most of what a stream cost the proxy. None:
     every record is parsed."""
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from contextpaw.core import logs
+from contextpaw.wire.base import ESCAPED_ASCII
 
 logger = logs.get(__name__)
 
@@ -41,8 +42,6 @@ MAX_RECORD = 64 << 20
 KEPT_STREAM = 16 << 20
 """A stream up to this long is kept whole as it went to the client, for mitmweb and saved flows
 (mitmproxy keeps no streamed body); a longer one is not kept."""
-ESCAPED_ASCII = re.compile(rb"\\u00[2-7]", re.IGNORECASE)
-"""A JSON escape of a printable ASCII character (`\\u0075`): a key or a word could be spelled so."""
 DONE = b"data: [DONE]"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 DECODER = json.JSONDecoder()

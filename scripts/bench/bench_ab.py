@@ -8,7 +8,8 @@ or `bare` for mitmdump without a script; OPTIONs are `--set`s for that mitmdump 
 `contextpaw_relay=false`). In each round every path sends `--requests` small fitting POSTs from one
 keep-alive client (with `--stream`, streamed: the answer comes as SSE records), in turns that
 alternate direction, so machine noise hits each path alike. Prints, per path: mean and p50 latency,
-CPU a request (the mitmdump process's own, from /proc), and both against the first path. What a change to the per-request path costs is measured here, not in tests.
+CPU a request (the mitmdump process's own, from /proc), and both against the first path. What a
+change to the per-request path costs is measured here, not in tests.
 """
 
 from __future__ import annotations
