@@ -277,13 +277,14 @@ class Backends:
             return
         if not self.serves(flow):
             return
-        await self._checked(flow)
-        if not flow.response:
+        relayed = self.relayed(flow)
+        await self._checked(flow, relayed)
+        if not flow.response and not relayed:
             self._mark(flow)
 
     def _mark(self, flow: http.HTTPFlow) -> None:
-        """Add this instance's mark to what goes on to the backend (kept out of saved flows: taken
-        off again when the answer comes)."""
+        """Add this instance's mark to what mitmproxy sends on to the backend (kept out of saved
+        flows: taken off again when the answer comes). What the relay carries, it marks itself."""
         marks = [m for m in flow.request.headers.get_all(HOP_HEADER) if m]
         flow.request.headers[HOP_HEADER] = ", ".join([*marks, self.mark])
         self._marked[flow] = marks
@@ -301,9 +302,9 @@ class Backends:
             else:
                 flow.request.headers.pop(HOP_HEADER, None)
 
-    async def _checked(self, flow: http.HTTPFlow) -> None:
+    async def _checked(self, flow: http.HTTPFlow, relayed: bool) -> None:
         size, limit = len(flow.request.raw_content or b""), self.settings.max_body_bytes
-        model, relayed = model_request(flow), self.relayed(flow)
+        model = relayed or model_request(flow)
         if size > limit and model:
             reason = f"ContextPaw: the request body ({size:,} bytes) is over the limit of {limit:,} bytes (contextpaw_max_body_mb)"
             await self._refuse(flow, 413, reason, "too_large", ("raise contextpaw_max_body_mb", f"body {size:,} B > {limit:,} B limit"))

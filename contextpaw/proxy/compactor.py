@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import secrets
 import sqlite3
 import weakref
@@ -61,7 +60,7 @@ from contextpaw.relay.rescue import rescued
 from contextpaw.settings import FitSettings, declare, unknown_options
 from contextpaw.wire import bodies
 from contextpaw.wire.bodies import HOP_HEADERS
-from contextpaw.wire.streams import KEPT_STREAM, STREAM_TYPES, StreamReport, report_bytes, splice
+from contextpaw.wire.streams import KEPT_STREAM, STREAM_TYPES, StreamReport, own_bytes, read_json, splice
 
 TRUNCATION_FLAGGED = "contextpaw.truncation_flagged"
 """Set once the flow is marked as cut by its server: the mark and comment are made once."""
@@ -350,7 +349,8 @@ class Compactor:
             response.content = self._stream_report(flow, state).transform(content)
             return
         try:
-            answer = await off_loop(len(content) > OFFLOAD_BYTES, functools.partial(json.loads, content))
+            big = len(content) > OFFLOAD_BYTES
+            answer = await off_loop(big, functools.partial(read_json, content)) if big else read_json(content)
         except ValueError:
             self.ledger.failed(
                 f"{flow.request.method} {flow.request.path}",
@@ -409,7 +409,7 @@ class Compactor:
                 flag(flow, TRUNCATED_MARK, f"the server {told}" if flow.comment else f"{state.route.name}: the server {told}")
         if self.kept is not None:
             self.kept.save(self.fitter.calibration)
-        return report_bytes(value) if value is not None else None
+        return own_bytes(value) if value is not None else None
 
 
 def _client_left(error: FlowError) -> bool:

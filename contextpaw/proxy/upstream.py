@@ -21,7 +21,7 @@ from contextpaw.core.caches import LRU
 from contextpaw.fitting.fitter import Fitter
 from contextpaw.fitting.flow import FlowState
 from contextpaw.ops.metrics import FailureLedger
-from contextpaw.proxy.backends import Backends
+from contextpaw.proxy.backends import HOP_HEADER, Backends
 from contextpaw.proxy.compactor import FlowStates
 from contextpaw.relay.exchange import ClientGone, Exchange, Failure, Head, Idle, Timeouts, answer_headers
 from contextpaw.relay.loopback import FLOW_HEADER, Relay
@@ -99,9 +99,10 @@ class Upstream:
         self.fitter = fitter
         self.states = states
         self.ledger = ledger
-        self.relay = Relay(
-            self._failed, Timeouts(PROBE_TIMEOUT_S, (relay := RelaySettings()).header_timeout, relay.idle_timeout), self._rescue
-        )
+        relay = RelaySettings()
+        timeouts = Timeouts(PROBE_TIMEOUT_S, relay.header_timeout, relay.idle_timeout)
+        self.relay = Relay(self._failed, timeouts, self._rescue, mark=(HOP_HEADER.encode(), backends.mark.encode()))
+        """It sends every handled request it carries with the loop mark (the flow is not marked)."""
         self.idle = Idle()
         """Backend connections kept for requests sent from the request hook."""
         self._starting: asyncio.Task[None] | None = None

@@ -152,6 +152,8 @@ class Terms(Protocol):
     it is needed: the options may change while an answer streams."""
 
     timeouts: Timeouts
+    mark: tuple[bytes, bytes] | None
+    """A header every request it sends carries (the instance's loop mark), not put on the flow."""
 
     def on_failure(self, failure: Failure) -> None: ...
 
@@ -282,6 +284,8 @@ class Exchange:
         headers = [(k, str(len(body)).encode() if resized and k.lower() == b"content-length" else v) for k, v in self.request.headers]
         if not any(k.lower() == b"host" for k, _ in headers):  # an HTTP/1.0 request may have none
             headers.insert(0, (b"Host", self._target().encode()))
+        if self.relay.mark is not None:
+            headers.append(self.relay.mark)
         head = h11.Request(method=self.request.method, target=self.request.target, headers=headers)
         writer.write(self.up.send(head) + self.up.send(h11.Data(data=body)) + self.up.send(h11.EndOfMessage()))
         try:

@@ -70,10 +70,18 @@ Rescuer = Callable[[str], Decide | None]
 class Relay:
     """The loopback relay server; `address` and `authorization` are what mitmproxy needs."""
 
-    def __init__(self, on_failure: Callable[[Failure], None], timeouts: Timeouts, rescue: Rescuer | None = None) -> None:
+    def __init__(
+        self,
+        on_failure: Callable[[Failure], None],
+        timeouts: Timeouts,
+        rescue: Rescuer | None = None,
+        mark: tuple[bytes, bytes] | None = None,
+    ) -> None:
         self.on_failure = on_failure
         self.timeouts = timeouts
         self.rescue = rescue
+        self.mark = mark
+        """A header added to every request sent to a backend: the instance's loop mark (`proxy.backends`)."""
         self.authorization = f"ContextPaw {secrets.token_urlsafe(24)}"
         self.address: tuple[str, int] | None = None
         self._server: asyncio.Server | None = None

@@ -17,6 +17,7 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.test import taddons
 
+from contextpaw.proxy.backends import HOP_HEADER
 from contextpaw.proxy.compose import make_addons
 from contextpaw.proxy.upstream import WATCH_S
 from contextpaw.relay.exchange import ERROR_HEADER
@@ -38,6 +39,8 @@ class Backend:
     def __init__(self, answers: list[tuple[int, bytes, str] | None]) -> None:
         self.answers = answers
         self.bodies: list[bytes] = []
+        self.heads: list[list[tuple[bytes, bytes]]] = []
+        """The headers of each model request, as they arrived."""
         self.connections = 0
         """Connections that carried a model request (the proxy's own questions aside)."""
         self.closed = asyncio.Event()
@@ -61,6 +64,8 @@ class Backend:
                     conn.receive_data(data)
                 elif isinstance(event, h11.Request):
                     target = event.target
+                    if target in (CHAT.encode(), b"/api/chat"):
+                        self.heads.append(list(event.headers.raw_items()))
                 elif isinstance(event, h11.Data):
                     body += event.data
                 elif isinstance(event, h11.EndOfMessage):
@@ -144,6 +149,24 @@ async def test_a_request_for_a_buffered_answer_is_answered_from_the_request_hook
         assert backend.bodies[-1] == sent
         response = await proxy.answer(flow)
         assert json.loads(response.content or b"")["contextpaw"]["compacted"] is False, "reported like any answer"
+
+
+async def test_a_request_sent_from_the_hook_carries_the_loop_mark_and_the_flow_keeps_the_clients_headers(
+    proxy: Proxy, start_backend
+) -> None:
+    """A request that comes back round to this instance is refused by its mark: the exchange adds it
+    on the way out, and the flow (mitmweb, saved flows) shows the headers the client sent."""
+    backend = await start_backend([json_answer(ANSWER)])
+    proxy.tctx.configure(proxy.backends, contextpaw_llamacpp=[f"http://127.0.0.1:{backend.port}"])
+    flow = to(backend, chat(stream=False))
+    client_headers = list(flow.request.headers.fields)
+    await proxy.send(flow)
+    assert flow.response is not None and flow.response.status_code == 200
+    marks = [v for k, v in backend.heads[0] if k.lower() == HOP_HEADER.lower().encode()]
+    assert marks == [proxy.backends.mark.encode()]
+    assert list(flow.request.headers.fields) == client_headers
+    await proxy.answer(flow)
+    assert HOP_HEADER not in flow.request.headers
 
 
 async def test_a_request_that_may_stream_goes_through_the_relays_tunnel(proxy: Proxy, start_backend) -> None:

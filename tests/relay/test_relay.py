@@ -436,6 +436,31 @@ async def test_the_flow_key_never_reaches_the_backend_and_a_rescue_is_asked_by_i
     assert received[1].endswith(b'{"smaller":1}') and all(FLOW_HEADER.lower().encode() not in r.lower() for r in received)
 
 
+async def test_every_request_the_relay_sends_carries_its_mark_the_retry_too(relay: Running, backends, tunnels) -> None:
+    """The instance's loop mark is the relay's to add, on the way out: a flow it carries is never
+    marked (and unmarked again) for it."""
+    received: list[bytes] = []
+    overflow = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error"}}).encode()
+
+    async def handler(conn: BackendConn) -> None:
+        received.append(await conn.read_request())
+        await conn.send(buffered(overflow, "400 Bad Request"))
+        received.append(await conn.read_request())
+        await conn.send(buffered(b'{"ok":true}'))
+
+    async def decide(status: int, answer: bytes) -> bytes | None:
+        return b'{"smaller":1}'
+
+    relay.relay.mark = (b"X-ContextPaw-Hop", b"0123abcd")
+    relay.relay.rescue = lambda key: decide
+    backend = await backends(handler)
+    tunnel = await tunnels(relay, backend.port)
+    await tunnel.send("POST", OPENAI_PATH, [("Content-Type", "application/json"), (FLOW_HEADER, "flow-1")], b'{"big":1}')
+    response, got, _ = await tunnel.response()
+    assert response.status_code == 200 and got == b'{"ok":true}'
+    assert len(received) == 2 and all(b"\r\nX-ContextPaw-Hop: 0123abcd\r\n" in r for r in received)
+
+
 async def test_a_request_without_a_flow_key_gets_the_backends_overflow_as_it_came(relay: Running, backends, tunnels) -> None:
     overflow = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error"}}).encode()
 

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from contextpaw.core.report import Report
 from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses
-from contextpaw.wire.streams import StreamReport, Unasked, splice
+from contextpaw.wire.streams import StreamReport, Unasked, own_bytes, read_json, report_bytes, splice
 
 REPORT = b'{"compacted":true}'
 
@@ -299,3 +300,43 @@ def test_token_records_are_passed_on_unparsed_and_the_report_still_lands(route, 
     out = stream.transform(token * 200 + ends)
     assert stream.parsed <= 2, "only the final records are read"
     assert out.startswith(token * 200) and b'"contextpaw":{"compacted":true}' in out[len(token) * 200 :]
+
+
+# -- the report written, the answer read: orjson where it gives json's result -------------------
+
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=12)
+_NUMBERS = st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+_JSON = st.recursive(
+    st.none() | st.booleans() | _NUMBERS | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_JSON, ascii_only=st.booleans(), indent=st.sampled_from([None, 1]))
+def test_an_answer_is_read_as_json_reads_it(value: object, ascii_only: bool, indent: int | None) -> None:
+    data = json.dumps(value, ensure_ascii=ascii_only, indent=indent).encode()
+    assert read_json(data) == json.loads(data)
+
+
+@pytest.mark.parametrize(
+    "data", [b"NaN", b'{"n": -Infinity}', b"1e400", b'\xef\xbb\xbf{"a": 1}', '{"a": 1}'.encode("utf-16"), b'"\\ud800"']
+)
+def test_what_orjson_refuses_is_read_by_json(data: bytes) -> None:
+    assert repr(read_json(data)) == repr(json.loads(data))
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b'{"a": 1,}', b"[1] x", b"\xff"])
+def test_what_is_not_json_is_a_value_error_as_jsons(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        read_json(data)
+
+
+def test_the_report_is_written_as_report_bytes_writes_it_and_what_orjson_refuses_goes_that_way() -> None:
+    report = Report(True, "evict", 9000, 1900, 2000, counter="tokenizer", exact=True, window=2048, headroom=0.25,
+                    markers=("cp-1",), notes=("kept the task: h\u00e9llo \u2028 \"quoted\" \\\\ \x01",))  # fmt: skip
+    value = report.to_json()
+    assert own_bytes(value) == report_bytes(value)
+    odd = {**value, "notes": ["a lone \ud800 surrogate"]}
+    assert own_bytes(odd) == report_bytes(odd)
