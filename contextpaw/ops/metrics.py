@@ -76,6 +76,8 @@ that went away)."""
 MODEL_LABELS = 20
 """Distinct `model` label values kept; later models are counted as "other" (clients choose the names)."""
 MODEL_NAME_CHARS = 128
+PLACES_KEPT = 4096
+"""Label sets `Stats.where` keeps found (clients choose the model names: past this, each is made anew)."""
 UNKNOWN = "unknown"
 OTHER = "other"
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -154,6 +156,9 @@ class Stats(Collector):
         self.kinds: set[str] = set()
         """The backend kinds the scrapes were told of: their routes' series are rendered from 0."""
         self.models: set[str] = set()
+        self._places: dict[tuple[str | None, str | None, str | None], Where] = {}
+        """`where`'s answers: a request's labels are looked up twice or more (as it came, once its
+        model is read), and a model's label never changes once it is given."""
         self.store = store
         self.sources: list[Callable[[], dict[str, float]]] = []
         """More counters owned by other addons (the GPU arbiter's), read at each scrape."""
@@ -167,6 +172,15 @@ class Stats(Collector):
     def where(self, kind: str | None, route: str | None, model: str | None = None) -> Where:
         """The labels for a request, each one encodable (`label`); the first `MODEL_LABELS` models
         keep their names."""
+        place = (kind, route, model)
+        if (found := self._places.get(place)) is not None:
+            return found
+        found = self._where(kind, route, model)
+        if len(self._places) < PLACES_KEPT:
+            self._places[place] = found
+        return found
+
+    def _where(self, kind: str | None, route: str | None, model: str | None) -> Where:
         if not model:
             model = UNKNOWN
         else:

@@ -37,6 +37,11 @@ class _Client:
     in_flight: set[str] = field(default_factory=set)
     """Flows begun and not yet answered."""
     timer: asyncio.TimerHandle | None = None
+    """Set while the connection owes a request, and left to run out when it stops owing one: it
+    finds then what is owed, and since when (a timer cancelled and made again for every request
+    cost each request two of the event loop's heap operations)."""
+    owed_since: float | None = None
+    """When (the loop's clock) the connection came to owe the request it owes; None: it owes none."""
     untimed: bool = False
     """The connection carries something other than HTTP requests now (WebSocket, TCP)."""
 
@@ -104,23 +109,32 @@ class RequestDeadlines:
         self._follow(client, watched)
 
     def _follow(self, client: connection.Client, watched: _Client) -> None:
-        """Start the clock when the connection comes to owe a request, stop it when it no longer does;
-        a clock already running keeps its deadline."""
-        if watched.owes_request and watched.timer is None:
+        """Start the clock when the connection comes to owe a request; a clock already running
+        keeps its deadline, and the time owed is counted from when it came to owe this one."""
+        if not watched.owes_request:
+            watched.owed_since = None
+            return
+        if watched.owed_since is None:
+            watched.owed_since = asyncio.get_running_loop().time()
+        if watched.timer is None:
             watched.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, client)
-        elif not watched.owes_request and watched.timer is not None:
-            watched.timer.cancel()
-            watched.timer = None
 
     def _expire(self, client: connection.Client) -> None:
         watched = self.clients.get(client.id)
         if watched is None or watched.timer is None:
             return
-        late = asyncio.get_running_loop().time() - watched.timer.when()
+        loop = asyncio.get_running_loop()
+        late = loop.time() - watched.timer.when()
         if late > STALL_S:  # the proxy was busy, not the client: what it sent meanwhile is still unread
-            watched.timer = asyncio.get_running_loop().call_later(late, self._expire, client)
+            watched.timer = loop.call_later(late, self._expire, client)
             return
         watched.timer = None
+        if watched.owed_since is None:
+            return  # it owes nothing now: the clock starts again when it does
+        left = watched.owed_since + self.timeout_s - loop.time()
+        if left > 0:  # the request owed now came to be owed after the clock started
+            watched.timer = loop.call_later(left, self._expire, client)
+            return
         handler = ctx.master.addons.get("proxyserver").connections.get(client.id)
         if handler is None or client not in handler.transports:
             return  # closing already

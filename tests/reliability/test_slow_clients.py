@@ -173,3 +173,41 @@ async def test_a_stall_of_the_proxy_itself_is_not_counted_against_the_client() -
         deadlines.response(flow)  # a fresh deadline for the next request, and this one is met
         await asyncio.sleep(1.2)
         assert server.closed == [flow.client_conn]
+
+
+async def test_requests_on_a_kept_alive_connection_start_no_new_clock_and_its_deadline_still_holds(monkeypatch) -> None:
+    """The clock started when the connection came is left to run while requests come and go on it
+    (none makes or cancels a timer); when it runs out it finds the request owed now, and that one's
+    own deadline still closes the connection."""
+    deadlines, server = RequestDeadlines(), Proxyserver()
+    loop = asyncio.get_running_loop()
+    started: list[float] = []
+    call_later = loop.call_later
+
+    def counted(delay: float, callback, *args):  # type: ignore[no-untyped-def]
+        if callback == deadlines._expire:
+            started.append(delay)
+        return call_later(delay, callback, *args)
+
+    monkeypatch.setattr(loop, "call_later", counted)
+    with taddons.context(deadlines, server) as tctx:
+        tctx.configure(deadlines, contextpaw_request_read_timeout=1)
+        client = tflow.tflow().client_conn
+        server.connections[client.id], server.transports[client] = server, object()
+        deadlines.client_connected(client)
+        for _ in range(50):
+            flow = tflow.tflow()
+            flow.client_conn = client
+            deadlines.requestheaders(flow)
+            deadlines.request(flow)
+            deadlines.response(flow)
+        assert len(started) == 1, "one clock, from the connection's start"
+        await asyncio.sleep(0.6)
+        flow = tflow.tflow()
+        flow.client_conn = client
+        for hook in (deadlines.requestheaders, deadlines.request, deadlines.response):
+            hook(flow)  # a request comes and is answered now: the next one is owed from here
+        await asyncio.sleep(0.6)
+        assert server.closed == [] and len(started) == 2, "the first clock ran out and found a later debt"
+        await asyncio.sleep(0.6)
+        assert server.closed == [client]
