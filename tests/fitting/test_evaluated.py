@@ -11,6 +11,7 @@ says so.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import random
@@ -51,6 +52,8 @@ async def compactor(policy: str, state: Path) -> AsyncIterator[taddons.context]:
     with taddons.context(addon) as tctx:
         tctx.configure(addon, contextpaw_policy=policy, contextpaw_state_dir=str(state))
         yield tctx
+        addon.session.close()  # not left for the collector to find in another test
+        await asyncio.sleep(0)
 
 
 async def hooks(tctx: taddons.context, flow: http.HTTPFlow, *events: Any) -> None:

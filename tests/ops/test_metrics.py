@@ -56,6 +56,7 @@ async def proxy() -> AsyncIterator[Proxy]:
             proxy.backends, contextpaw_ollama=[f"http://127.0.0.1:{PORT}"], contextpaw_llamacpp=[f"http://127.0.0.1:{CLOSED_PORT}"]
         )
         yield proxy
+        await proxy.close()
     server.close()
     await server.wait_closed()
 

@@ -83,6 +83,8 @@ async def compactor() -> AsyncIterator[Alone[Compactor]]:
     """The compactor alone; its flows name their backend (`to_ollama`), as a client may."""
     with alone(Compactor) as loaded:
         yield loaded
+        loaded.addon.session.close()  # not left for the collector to find in another test
+        await asyncio.sleep(0)
 
 
 @pytest.fixture
@@ -108,6 +110,7 @@ async def proxy() -> AsyncIterator[Proxy]:
         proxy = Proxy(tctx, addons)
         tctx.configure(proxy.backends, contextpaw_ollama=[OLLAMA], contextpaw_llamacpp=[LLAMACPP])
         yield proxy
+        await proxy.close()
 
 
 # -- options ----------------------------------------------------------------------------------------

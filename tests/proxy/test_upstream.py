@@ -114,6 +114,7 @@ async def proxy() -> AsyncIterator[Proxy]:
         proxy.upstream.relay.address = ("127.0.0.1", CLOSED_PORT)  # as if it listened: model requests are carried
         yield proxy
         proxy.upstream.done()
+        await proxy.close()
 
 
 def to(backend: Backend, body: dict[str, Any]) -> http.HTTPFlow:

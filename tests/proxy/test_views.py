@@ -34,6 +34,7 @@ async def proxy() -> AsyncIterator[Proxy]:
         proxy = Proxy(tctx, addons)
         tctx.configure(proxy.backends, contextpaw_ollama=[OLLAMA])
         yield proxy
+        await proxy.close()
 
 
 def with_tool_result(rows: int = 1500) -> dict:
