@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import builtins
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -50,12 +49,9 @@ def searchable(data: builtins.bytes) -> str:
     time `json` holds the interpreter's lock for (the writer thread reads megabytes a hole); what
     it refuses (a lone surrogate's escape) by `json`."""
     try:
-        content = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        try:
-            content = json.loads(data)
-        except ValueError:
-            return data.decode("utf-8", "replace")
+        content = wire.read_json(data)
+    except ValueError:
+        return data.decode("utf-8", "replace")
     texts: list[str] = []
     stack = [content]
     while stack:

@@ -60,7 +60,7 @@ from contextpaw.relay.rescue import rescued
 from contextpaw.settings import FitSettings, declare, unknown_options
 from contextpaw.wire import bodies
 from contextpaw.wire.bodies import HOP_HEADERS
-from contextpaw.wire.streams import KEPT_STREAM, STREAM_TYPES, StreamReport, own_bytes, read_json, splice
+from contextpaw.wire.streams import KEPT_STREAM, STREAM_TYPES, StreamReport, own_bytes, splice
 
 TRUNCATION_FLAGGED = "contextpaw.truncation_flagged"
 """Set once the flow is marked as cut by its server: the mark and comment are made once."""
@@ -350,7 +350,7 @@ class Compactor:
             return
         try:
             big = len(content) > OFFLOAD_BYTES
-            answer = await off_loop(big, functools.partial(read_json, content)) if big else read_json(content)
+            answer = await off_loop(big, functools.partial(wire.read_json, content)) if big else wire.read_json(content)
         except ValueError:
             self.ledger.failed(
                 f"{flow.request.method} {flow.request.path}",

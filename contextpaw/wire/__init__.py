@@ -37,6 +37,7 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     load,
     model_of,
     positive,
+    read_json,
     upstream_overflow,
     utf8_type,
     write,

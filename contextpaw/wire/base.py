@@ -81,6 +81,18 @@ _NONCE = secrets.token_hex(8)
 _LITERAL = re.compile(r'"\\u0000' + _NONCE + r':([^"\\]*)\\u0000"')
 
 
+def read_json(data: bytes) -> Any:
+    """JSON bytes as `json.loads` reads them (an answer's body, a kept hole), by orjson in a
+    quarter of the time; by `json` where orjson refuses them (NaN, a number past a double, a
+    byte-order mark, UTF-16), so that the ValueError is json's. One difference is left: orjson reads
+    an integer past 64 bits as a float (no count is that big, and what is read here is never written
+    back). It runs for every handled answer."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
 def load(raw: bytes) -> Any:
     """JSON bytes as `json.loads` reads them (UTF-8, -16 or -32), every number that Python would not
     write back as written read as a `Number`; an object comes back as a `Body`. A float that orjson

@@ -64,17 +64,6 @@ def own_bytes(value: Mapping[str, Any]) -> bytes:
         return report_bytes(value)
 
 
-def read_json(data: bytes) -> Any:
-    """An answer's body as `json.loads` reads it, by orjson in a quarter of the time; by `json`
-    where orjson refuses it (NaN, a number past a double, a byte-order mark, UTF-16), so that the
-    ValueError is json's. One difference is left: orjson reads an integer past 64 bits as a float
-    (no count is that big; the answer goes on as its bytes came). It runs for every handled answer."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
-
-
 def record_bytes(framing: Literal["ndjson", "sse"], value: Mapping[str, Any]) -> bytes:
     """One record of a stream in its framing: an NDJSON line or an SSE `data:` event, named after
     the object's `type` where it has one (Anthropic's streams name every event)."""

@@ -405,18 +405,28 @@ async def test_a_request_reaches_the_backend_byte_for_byte_and_its_answer_reache
     assert relay.failures == []
 
 
+OVERFLOW = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error"}}).encode()
+"""llama-server's 400 for a prompt over its window."""
+
+
+def overflow_then_ok(received: list[bytes]) -> Handler:
+    """A backend that answers a request with the overflow 400 and its retry with `{"ok":true}`,
+    keeping both requests as they arrived in `received`."""
+
+    async def handler(conn: BackendConn) -> None:
+        received.append(await conn.read_request())
+        await conn.send(buffered(OVERFLOW, "400 Bad Request"))
+        received.append(await conn.read_request())
+        await conn.send(buffered(b'{"ok":true}'))
+
+    return handler
+
+
 async def test_the_flow_key_never_reaches_the_backend_and_a_rescue_is_asked_by_it(relay: Running, backends, tunnels) -> None:
     """The addon gives a request its flow's key; the backend's overflow goes to that flow's rescue,
     whose retry is sent instead, and the backend sees neither the key nor the first answer's fate."""
     received: list[bytes] = []
-    overflow = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error"}}).encode()
-
-    async def handler(conn: BackendConn) -> None:
-        received.append(await conn.read_request())
-        await conn.send(buffered(overflow, "400 Bad Request"))
-        received.append(await conn.read_request())
-        await conn.send(buffered(b'{"ok":true}'))
-
+    handler = overflow_then_ok(received)
     asked: list[tuple[str, int, bytes]] = []
 
     def rescuer(key: str) -> Callable[[int, bytes], Awaitable[bytes | None]] | None:
@@ -432,7 +442,7 @@ async def test_the_flow_key_never_reaches_the_backend_and_a_rescue_is_asked_by_i
     await tunnel.send("POST", OPENAI_PATH, [("Content-Type", "application/json"), (FLOW_HEADER, "flow-1")], b'{"big":1}')
     response, got, _ = await tunnel.response()
     assert response.status_code == 200 and got == b'{"ok":true}'
-    assert asked == [("flow-1", 400, overflow)]
+    assert asked == [("flow-1", 400, OVERFLOW)]
     assert received[1].endswith(b'{"smaller":1}') and all(FLOW_HEADER.lower().encode() not in r.lower() for r in received)
 
 
@@ -440,13 +450,7 @@ async def test_every_request_the_relay_sends_carries_its_mark_the_retry_too(rela
     """The instance's loop mark is the relay's to add, on the way out: a flow it carries is never
     marked (and unmarked again) for it."""
     received: list[bytes] = []
-    overflow = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error"}}).encode()
-
-    async def handler(conn: BackendConn) -> None:
-        received.append(await conn.read_request())
-        await conn.send(buffered(overflow, "400 Bad Request"))
-        received.append(await conn.read_request())
-        await conn.send(buffered(b'{"ok":true}'))
+    handler = overflow_then_ok(received)
 
     async def decide(status: int, answer: bytes) -> bytes | None:
         return b'{"smaller":1}'
@@ -462,17 +466,15 @@ async def test_every_request_the_relay_sends_carries_its_mark_the_retry_too(rela
 
 
 async def test_a_request_without_a_flow_key_gets_the_backends_overflow_as_it_came(relay: Running, backends, tunnels) -> None:
-    overflow = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error"}}).encode()
-
     async def handler(conn: BackendConn) -> None:
         await conn.read_request()
-        await conn.send(buffered(overflow, "400 Bad Request"))
+        await conn.send(buffered(OVERFLOW, "400 Bad Request"))
 
     relay.relay.rescue = lambda key: pytest.fail("asked about a flow nobody named")
     tunnel = await tunnels(relay, (await backends(handler)).port)
     await tunnel.send("POST", OPENAI_PATH, [("Content-Type", "application/json")], b'{"big":1}')
     response, got, _ = await tunnel.response()
-    assert response.status_code == 400 and got == overflow
+    assert response.status_code == 400 and got == OVERFLOW
 
 
 async def test_a_chunked_backend_answer_is_relayed_with_its_whole_body(relay: Running, backends, tunnels) -> None:

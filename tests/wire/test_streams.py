@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextpaw.core.report import Report
-from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses
-from contextpaw.wire.streams import StreamReport, Unasked, own_bytes, read_json, report_bytes, splice
+from contextpaw.wire import anthropic, llamacpp, ollama, openai, read_json, responses
+from contextpaw.wire.streams import StreamReport, Unasked, own_bytes, report_bytes, splice
 
 REPORT = b'{"compacted":true}'
 
