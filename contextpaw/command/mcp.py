@@ -45,7 +45,7 @@ SEARCH_LIMIT = 10
 
 RETRIEVE_HELP = (
     "ContextPaw removed old messages from your context to fit the model's window and left a marker in their place, "
-    "'[ContextPaw: … retrieval id cp-…]'. Pass the reference from such a marker (cp-<id>.<capability>, copied whole) "
+    "'[ContextPaw: … ref cp-….]'. Pass the reference from such a marker (cp-<id>.<capability>, copied whole) "
     "to get the removed messages or text back verbatim. Use it when you need something that was removed: a file's "
     "content, a tool's output, an earlier instruction. Long content comes in parts: the first line says which part "
     "you have and how many there are; call again with the same ref and part=N for the next."

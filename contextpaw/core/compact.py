@@ -41,12 +41,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from contextpaw.core.conversation import Conversation, Message, Unit
-from contextpaw.core.holes import MARKER_SLACK, Holes
+from contextpaw.core.holes import MARKER_MARGIN, MARKER_SHARE, MARKER_SLACK, Holes, shows_refs
 from contextpaw.core.markers import elision_text
 from contextpaw.core.refs import Refs
 from contextpaw.core.rendering import render
 from contextpaw.core.report import Report
-from contextpaw.core.shrink import PLACEHOLDER_ID, SHRINK_FLOOR, Cut, shrink_text
+from contextpaw.core.shrink import PLACEHOLDER_ID, SHRINK_FLOOR, Cut, cut_ref, shrink_text
 from contextpaw.core.tokens import Counter
 
 FILL = 0.995
@@ -74,11 +74,24 @@ to 78% of a 16k window on average; room for one, 85%."""
 SIZE_CLASS = 1.5
 """Units whose sizes are within this ratio are evicted oldest first (`_ChatCompaction.stalest_biggest`)."""
 
+NIBBLE = 4
+"""A message's first cut takes at least this many times what its note costs."""
+
 SHRINK_ROUNDS = 8
 """Passes over the protected messages before a fit is given up as impossible."""
 
 EARLIER_CUT = "cut at or before the last turn's last marker"
 """Said in the report's notes when the budget cannot hold last turn's prompt up to its last marker."""
+GAVE_WAY = "the earlier turns' cuts could not hold what must be kept now"
+"""Said when a plan from earlier turns gives way to a fresh fit rather than refuse the turn."""
+WINDOW_GREW = "the window grew"
+"""Said when a conversation cut for a smaller window is cut afresh for the one it has now."""
+MERGED = "markers merged"
+"""Said when holes merge into one because their markers would take more than `MARKER_SHARE`."""
+GROWN = 1.25
+"""A budget this many times the one a plan was made for drops the plan's cuts: the room is used."""
+OPENING_SHRUNK = "the conversation's opening alone is over the budget: its first messages shrunk middle-out"
+"""Said when the task's message, too big for any budget left, is shrunk rather than refused."""
 
 
 def recut_target(budget: int, headroom: float) -> int:
@@ -164,16 +177,24 @@ class Plan:
     """The fit is over its target because what must be kept needs the room: the newest unit is
     kept whole up to the budget rather than cut for the next turns' room. A check of the fit by
     the server takes it as it is (cut tighter, the newest unit would be shrunk)."""
+    budget: int = 0
+    """The budget the cuts were made for (0: unknown, a plan from before it was kept): a window
+    grown well past it is used, not held to the old cuts (`GROWN`)."""
+    shown: bool = True
+    """The markers name their references (`holes.shows_refs`): decided at a conversation's first
+    cut and kept, so that a count that moves between turns never rewrites a marker sent."""
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON values, for a store several instances share."""
         return {
             "evicted": sorted(self.evicted),
-            "shrunk": {k: [c.target, c.head, c.tail, c.elided] for k, c in self.shrunk.items()},
+            "shrunk": {k: [c.target, c.head, c.tail, c.elided, int(c.legend)] for k, c in self.shrunk.items()},
             "notes": dict(self.notes),
             "hole_starts": sorted(self.hole_starts),
             "headroom": self.headroom,
             "held": self.held,
+            "budget": self.budget,
+            "shown": self.shown,
         }
 
     @classmethod
@@ -181,11 +202,13 @@ class Plan:
         """The plan `to_json` wrote; a ValueError (or KeyError, TypeError) for anything else."""
         return cls(
             frozenset(str(k) for k in data["evicted"]),
-            {str(k): Cut(*(int(n) for n in v)) for k, v in data["shrunk"].items()},
+            {str(k): _cut(v) for k, v in data["shrunk"].items()},
             {str(k): str(v) for k, v in data["notes"].items()},
             frozenset(str(k) for k in data["hole_starts"]),
             float(data["headroom"]),
             bool(data["held"]),
+            int(data.get("budget", 0)),
+            bool(data.get("shown", True)),
         )
 
     @property
@@ -194,6 +217,12 @@ class Plan:
         keys = sum(sys.getsizeof(k) for k in self.evicted) + sum(sys.getsizeof(k) + 80 for k in self.shrunk)
         notes = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self.notes.items())
         return sys.getsizeof(self.evicted) + sys.getsizeof(self.shrunk) + sys.getsizeof(self.notes) + keys + notes
+
+
+def _cut(values: Any) -> Cut:
+    """A cut as `Plan.to_json` wrote it: four numbers, and whether its note carries the legend."""
+    target, head, tail, elided, *legend = (int(n) for n in values)
+    return Cut(target, head, tail, elided, bool(legend and legend[0]))
 
 
 @dataclass(slots=True)
@@ -238,14 +267,32 @@ def compact_chat(
     if fixed + sum(cost) <= limit:  # the common case, decided before any of the bookkeeping
         return ChatResult(None, as_sent(fixed + sum(cost), limit, counter), Plan())
     share = headroom_share(conversation.messages, cost, budget) if headroom is None else headroom
+    given_way: list[str] = []
+    if previous is not None and previous.budget and budget >= previous.budget * GROWN and (previous.evicted or previous.shrunk):
+        given_way.append(f"{WINDOW_GREW} from {previous.budget} to {budget} tokens: cut afresh, the earlier cuts dropped")
+        previous = None
 
-    def fit(within: int) -> ChatResult:
-        return _ChatCompaction(
-            conversation, within, counter, keep_recent, previous or Plan(), fixed, cost, digests or {}, share, refs
-        ).run()
+    def fit(within: int, plan: Plan | None) -> ChatResult:
+        result = _ChatCompaction(conversation, within, counter, keep_recent, plan or Plan(), fixed, cost, digests or {}, share, refs).run()
+        plan = replace(result.plan, budget=budget) if result.report.compacted else result.plan
+        report = replace(result.report, notes=(*given_way, *result.report.notes)) if given_way else result.report
+        return ChatResult(result.messages, report, plan)
 
     try:
-        return fit(budget)
+        return _fitted(fit, budget, previous)
+    except BudgetTooSmall:
+        if previous is None or not (previous.evicted or previous.shrunk):
+            raise
+    # the earlier turns' cuts cannot hold what must be kept now: they give way to a fresh fit,
+    # which a conversation sent as new would get
+    given_way.append(f"{GAVE_WAY}: cut afresh")
+    return _fitted(fit, budget, None)
+
+
+def _fitted(fit: Callable[[int, Plan | None], ChatResult], budget: int, previous: Plan | None) -> ChatResult:
+    """`fit` within `budget`, or a little over it where the engine's steps land within it after all."""
+    try:
+        return fit(budget, previous)
     except BudgetTooSmall as short:
         # The engine's steps (whole units out, middle-out shrinks) can overshoot what it names as
         # the least: granted the few tokens it says it lacks, the same steps may land within the
@@ -255,7 +302,7 @@ def compact_chat(
             raise
         for extra in (shortfall, 2 * shortfall + MARKER_SLACK, 4 * shortfall + 2 * MARKER_SLACK):
             try:
-                nearer = fit(budget + extra)
+                nearer = fit(budget + extra, previous)
             except BudgetTooSmall:
                 continue
             if nearer.report.final_tokens <= budget:
@@ -327,7 +374,11 @@ class _ChatCompaction:
         self.shrunk: dict[int, tuple[Message, int, Cut]] = {}
         """index -> (the shrunk message, its tokens, where its text was cut)"""
         self.refs = refs
-        self.holes = Holes(self.msgs, self.cost, counter, digests, refs)
+        cut_before = bool(previous.evicted or previous.shrunk)
+        shown = previous.shown if cut_before else shows_refs(budget, counter, refs.url)
+        self.holes = Holes(self.msgs, self.cost, counter, digests, refs, shown=shown)
+        self.cap = int(budget * MARKER_SHARE * MARKER_MARGIN)
+        """The most the markers may take together before their holes merge."""
 
     def run(self) -> ChatResult:
         original = self.fixed + self.kept
@@ -338,25 +389,34 @@ class _ChatCompaction:
             own = self.fixed + sum(c for m, c in zip(self.msgs, self.cost, strict=True) if m.pinned)
             if own > self.budget:  # the agent's own part: no conversation is small enough
                 raise self.too_small(what, own, math.ceil(pinned / (1 - self.headroom)))
-            raise self.too_small(what)
+            # the opening (a pasted document, say) cannot be kept byte for byte in any budget left:
+            # it is shrunk middle-out like any message that must be kept, its start and end whole
+            opening = [u for u in self.pinned if not any(self.msgs[i].pinned for i in u.indices)]
+            self.pinned = [u for u in self.pinned if u not in opening]
+            self.protected = [u for u in self.units if u in opening or u in self.protected]
+            notes.append(OPENING_SHRUNK)
 
         last = self.repeat_previous()
         cut = last is None or self.total() > self.budget
         if last is None:
             self.evict_until(self.target, sorted(self.evictable, key=self.stalest_biggest))
+            self.bridge()
             self.shrink_protected(self.budget)
             self.must_fit()
             self.refill(self.target)
             self.fill(self.target)
         elif cut and (changed := self.recut(last)) is not None:
             notes.append(changed)
+        if cut and (merged := self.merge()) is not None:
+            notes.append(merged)
 
         sent = render(self.msgs, self.cost, self.shrunk, self.holes, written=self.previous.notes, fixed=self.fixed, counter=self.counter)
         headroom = room = self.headroom if cut else self.previous.headroom
         held = cut and self.total() > self.target and self.evicted.issuperset(self.evictable)
         if held:  # all that could go is gone: the room left is what the kept part leaves, and the target is said so
             room = max(self.budget - sent.tokens, 0) / self.budget
-            notes.append(f"what must be kept (the head, the latest turns and the file just read, whole) takes "
+            newest = "shrunk to fit" if self.fresh.intersection(self.shrunk) else "whole"
+            notes.append(f"what must be kept (the head, the latest turns and the file just read, {newest}) takes "
                          f"{sent.tokens} of the budget's {self.budget} tokens: the cut leaves "
                          f"{room:.0%} of it free, less than its headroom of {self.headroom:.0%}")  # fmt: skip
         report = replace(sent.told(as_sent(original, self.budget, self.counter)), headroom=room, notes=tuple(notes))
@@ -368,6 +428,7 @@ class _ChatCompaction:
             hole_starts=frozenset(u.key for u in self.evicted if min(u.indices) in starts),
             headroom=headroom,
             held=held,
+            shown=self.holes.shown,
         )
         return ChatResult([m.raw for m in sent.messages], report, plan)
 
@@ -403,8 +464,24 @@ class _ChatCompaction:
         return self.shrunk[i][1] if i in self.shrunk else self.cost[i]
 
     def total(self) -> int:
-        """Tokens of what would be sent now: kept messages, shrunk sizes and hole markers."""
-        return self.fixed + self.kept + self.holes.marker_total
+        """Tokens of what would be sent now: kept messages, shrunk sizes and hole markers (with
+        the legend, which the first says)."""
+        return self.fixed + self.kept + self.holes.marker_total + self.hole_legend()
+
+    def hole_legend(self) -> int:
+        """The legend's cost where a hole's marker says it: there are holes, and no cut text says it."""
+        if not self.holes.starts or any(cut.legend for _, _, cut in self.shrunk.values()):
+            return 0
+        return self.holes.legend_cost()
+
+    def marker_tokens(self) -> int:
+        """What ContextPaw's own notes take: the holes' markers, the legend, each shrunk message's note."""
+        notes = self.holes.marker_total + self.hole_legend()
+        for i, (_, _, cut) in self.shrunk.items():
+            text = self.msgs[i].content_text
+            shown = PLACEHOLDER_ID if self.holes.shown else ""
+            notes += self.counter.text(elision_text(cut.elided, text.count("\n", cut.head, cut.tail), shown, self.refs.url, not cut.legend))
+        return notes
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -465,6 +542,7 @@ class _ChatCompaction:
                 self.must_fit()
             earliest = min((min(u.indices) for u in self.evicted - self.sticky if min(u.indices) <= last), default=last)
             self.holes.unwall(earliest)
+        self.bridge()
         self.refill(target)
         self.fill(target)
         return f"{EARLIER_CUT} (message {last}): {changed}" if changed else None
@@ -521,8 +599,9 @@ class _ChatCompaction:
             raise self.too_small("the task, the recent messages and the markers")
 
     def least(self) -> None:
-        """Cut to the least this request can be: everything evictable gone, every protected message
-        at its floor."""
+        """Cut to the least this request can be: everything evictable gone in one hole, every
+        protected message at its floor."""
+        self.holes.unwall(-1)
         for unit in self.evictable:
             if unit not in self.evicted:
                 self.evict(unit)
@@ -536,7 +615,22 @@ class _ChatCompaction:
         would hold what is never cut)."""
         self.least()
         original = self.fixed + sum(self.cost)
-        return BudgetTooSmall(self.total(), self.budget, what, original, self.counter, head, least_budget)
+        required = self.total()
+        if not self.holes.shown and shows_refs(required, self.counter, self.refs.url):
+            required += self.named_refs_cost()  # a budget of that much has its markers name their references
+        return BudgetTooSmall(required, self.budget, what, original, self.counter, head, least_budget)
+
+    def named_refs_cost(self) -> int:
+        """What the markers would add if they named their references (and said the legend once)."""
+        shown = Holes(self.msgs, self.cost, self.counter, self.holes.digests, self.refs, shown=True)
+        shown.add(i for u in self.evicted for i in u.indices)
+        notes = shown.marker_total + (shown.legend_cost() if shown.starts else 0) - self.holes.marker_total
+        per_cut = self.counter.text(elision_text(1, 0, PLACEHOLDER_ID, self.refs.url)) - self.counter.text(
+            elision_text(1, 0, "", self.refs.url)
+        )
+        legend = 0 if shown.starts or not self.shrunk else shown.legend_cost()
+        slack = MARKER_SLACK * (1 + len(self.shrunk) + len(shown.starts))  # notes of a new length cut texts anew
+        return max(notes, 0) + len(self.shrunk) * max(per_cut, 0) + legend + slack
 
     def shrink(self, i: int, over: int) -> bool:
         """Cut message `i`'s text middle-out by `over` more tokens (to no less than the floor);
@@ -546,16 +640,23 @@ class _ChatCompaction:
         own = self.counter.text(text)
         current = self.shrunk.get(i)
         now = current[2].target if current is not None else own
-        floor = SHRINK_FLOOR + self.counter.text(elision_text(own, text.count("\n"), PLACEHOLDER_ID, self.refs.url))
-        target = max(floor, now - over)
+        shown = self.holes.shown
+        # the request's first note says how to read it back; a text cut where no other note does, says it
+        legend = not self.holes.starts and not any(c.legend for j, (_, _, c) in self.shrunk.items() if j != i)
+        note = elision_text(own, text.count("\n"), PLACEHOLDER_ID if shown else "", self.refs.url, not legend)
+        cost = self.counter.text(note)
+        # a cut takes at least a few times what its note costs: a note that stands for a few tokens
+        # is a marker the model reads for nothing
+        target = max(SHRINK_FLOOR + cost, now - max(over, NIBBLE * cost) if current is None else now - over)
         if target >= now:
             return False
-        self.cut(i, shrink_text(text, target, self.counter, self.refs.url))
+        self.cut(i, shrink_text(text, target, self.counter, self.refs.url, shown=shown, legend=legend))
         return True
 
     def cut(self, i: int, cut: Cut) -> None:
         text = self.msgs[i].content_text
-        smaller = self.msgs[i].with_content(cut.apply(text, self.refs.ref(text), self.refs.url))
+        marker_id = cut_ref(self.refs, text, cut) if self.holes.shown else ""
+        smaller = self.msgs[i].with_content(cut.apply(text, marker_id, self.refs.url))
         size = self.counter.message(smaller)
         self.kept += size - self.size(i)
         self.shrunk[i] = (smaller, size, cut)
@@ -578,11 +679,77 @@ class _ChatCompaction:
         _, size, _ = self.shrunk.pop(i)
         self.kept -= size - self.cost[i]
 
-    def fill(self, limit: int) -> None:
+    def bridge(self) -> None:
+        """Evict each unit kept between two holes this turn's cut may join, where its marker saved
+        costs more than the unit (a chat's one-line answer between two evicted pastes): a cut makes
+        one hole, not one per message it took, and the model reads no answers to questions gone."""
+        for unit in self.evictable:
+            lo, hi = min(unit.indices), max(unit.indices)
+            if unit in self.evicted or lo - 1 not in self.holes.start or hi + 1 not in self.holes.end:
+                continue
+            if lo in self.holes.walls or hi + 1 in self.holes.walls:
+                continue
+            before = self.total()
+            self.evict(unit)
+            if self.total() > before:
+                self.readmit(unit)
+
+    def merge(self) -> str | None:
+        """Where the markers take more than `MARKER_SHARE` of the budget, their holes, and the texts
+        cut that could go, become one hole: what lay between them goes too (a chat's short answers
+        between evicted questions), then the hole gives back its newest units while the target
+        holds them. The one marker that stands
+        for them all is new, so the prompt is read again from the first hole on: said in the notes
+        (None: the markers are within their share, or there is one hole)."""
+        tokens = self.marker_tokens()
+        if tokens > self.cap:
+            self.unshrink_for_markers()
+        holes = list(self.holes)
+        cut = [i for i in self.shrunk if self.unit_of[i] in self.evictable]
+        if len(holes) + len(cut) < 2 or self.marker_tokens() <= self.cap:
+            return None
+        ends = [i for hole in holes for i in hole] + cut
+        first, last = min(ends), max(ends)
+        self.holes.unwall(-1)
+        for unit in self.evictable:
+            if unit not in self.evicted and first <= max(unit.indices) and min(unit.indices) <= last:
+                for i in unit.indices:
+                    if i in self.shrunk:
+                        self.unshrink(i)
+                self.evict(unit)
+        while len(self.holes.starts) == 1:  # the newest end of the one hole gives back: it stays one hole
+            start = self.holes.starts[0]
+            unit = self.unit_of[self.holes.end[start]]
+            if min(unit.indices) <= start or self.total_taken_back(unit) > self.target:
+                break
+            self.readmit(unit)
+        if len(self.holes.starts) == 1:  # the room left takes the hole's newest unit, shrunk
+            self.fill(self.target, [self.unit_of[self.holes.end[self.holes.starts[0]]]])
+        return (f"{MERGED}: {len(holes) + len(cut)} markers took {tokens} tokens, over {MARKER_SHARE:.0%} of the budget "
+                f"({self.cap}); their holes are one now, with what lay between them")  # fmt: skip
+
+    def unshrink_for_markers(self) -> None:
+        """Take back this turn's cuts into kept messages that only made room for the next turns
+        (the budget holds them whole), while the markers are over their share: a note is worth
+        less than the room it makes when the window is this small."""
+        previous = {self.cut_key(i) for i in self.shrunk if self.cut_key(i) in self.previous.shrunk}
+        for i in sorted(self.shrunk, key=lambda i: self.shrunk[i][2].elided):
+            if self.marker_tokens() <= self.cap:
+                return
+            if self.cut_key(i) in previous or self.unit_of[i] in self.evicted:
+                continue
+            cut = self.shrunk[i][2]
+            self.unshrink(i)
+            if self.total() > self.budget:
+                self.cut(i, cut)
+
+    def fill(self, limit: int, units: list[Unit] | None = None) -> None:
         """Use room that whole units could not, up to `limit`: re-admit the smallest unit evicted
-        this turn that fits once its biggest message is shrunk middle-out (its call and results
-        stay together). Last turn's holes stay as they were sent."""
-        for unit in sorted(self.evicted - self.sticky, key=lambda u: (self.unit_cost[u], u.indices)):
+        this turn (or the first of `units` that can) that fits once its biggest message is shrunk
+        middle-out (its call and results stay together), where its note keeps the markers within
+        their share. Last turn's holes stay as they were sent."""
+        order = units if units is not None else sorted(self.evicted - self.sticky, key=lambda u: (self.unit_cost[u], u.indices))
+        for unit in order:
             if self.total() >= limit * FILL:
                 return
             biggest = self.biggest(unit)
@@ -590,7 +757,7 @@ class _ChatCompaction:
                 continue
             self.readmit(unit)
             over = self.total() - limit
-            if self.shrink(biggest, over) and self.total() <= limit:
+            if self.shrink(biggest, over) and self.total() <= limit and self.marker_tokens() <= self.cap:
                 return
             if biggest in self.shrunk:
                 self.unshrink(biggest)
@@ -623,5 +790,8 @@ class _ChatCompaction:
         """Re-admit units evicted this turn that fit in the room left (up to `limit`), biggest first
         and, among units of about one size, the newest (the holes stay before what is kept)."""
         for unit in sorted(self.evicted - self.sticky, key=lambda u: (self.stalest_biggest(u)[0], -max(u.indices))):
-            if self.fixed + self.kept + self.unit_cost[unit] <= limit and self.total_taken_back(unit) <= limit:
+            if self.fixed + self.kept + self.unit_cost[unit] > limit:
+                continue
+            taken_back = self.total_taken_back(unit)
+            if taken_back <= limit and taken_back - self.total() >= self.unit_size(unit):  # no hole split in two
                 self.readmit(unit)

@@ -9,10 +9,19 @@ import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from contextpaw.core.conversation import Message
-from contextpaw.core.markers import hole_text, kind_of
+from contextpaw.core.markers import hole_text, kind_of, legend
 from contextpaw.core.refs import Refs
 from contextpaw.core.shrink import PLACEHOLDER_ID
 from contextpaw.core.tokens import Counter
+
+MARKER_SHARE = 0.05
+"""The most of the budget a request's markers may take together: the model must read the
+conversation, not ContextPaw's notes. Past it, holes merge (`compact`); a window too small for one
+marker that names its reference and says how to read it back gets markers without one."""
+
+MARKER_MARGIN = 0.9
+"""Holes merge a little before their markers reach `MARKER_SHARE`: the count of a note is close,
+not exact, and the share is a promise."""
 
 MARKER_SLACK = 4
 """Tokens allowed for a marker's real id tokenizing differently from the placeholder it was sized with."""
@@ -21,13 +30,31 @@ Hole = tuple[int, int]
 """The first and last index of a run of evicted messages."""
 
 
+def shows_refs(budget: int, counter: Counter, url: str) -> bool:
+    """Whether markers in this budget name their reference: two markers, one with the legend, must
+    fit within `MARKER_SHARE` of it (a window of 4,096 tokens holds them, not 2,048)."""
+    first = hole_text({"user message": 2, "tool result": 2}, 99_999, PLACEHOLDER_ID, None, url, told=False)
+    second = hole_text({"tool result": 2}, 99_999, PLACEHOLDER_ID, None, url)
+    notes = counter.text(first) + counter.text(second) + 2 * (counter.message_overhead + MARKER_SLACK)
+    return notes <= budget * MARKER_SHARE * MARKER_MARGIN
+
+
 class Holes:
     """The holes by both ends, their markers' cost, and what each marker says."""
 
     def __init__(
-        self, msgs: Sequence[Message], cost: Sequence[int], counter: Counter, digests: Mapping[str, str], refs: Refs = Refs()
+        self,
+        msgs: Sequence[Message],
+        cost: Sequence[int],
+        counter: Counter,
+        digests: Mapping[str, str],
+        refs: Refs = Refs(),
+        shown: bool = True,
     ) -> None:
         self.msgs = msgs
+        self.shown = shown
+        """Markers name their reference: False where the window is too small to carry one
+        (`compact.MARKER_SHARE`); the client's report names it all the same."""
         self.refs = refs
         """Keys each hole's reference, and says where to read it back."""
         self.counter = counter
@@ -45,6 +72,7 @@ class Holes:
         sent before, so that a new eviction beside one makes a hole and a marker of its own instead of
         rewriting the marker the server has cached."""
         self._marker_cost: dict[Hole, int] = {}
+        self._legend_cost: int | None = None
         # Prefix sums, so a hole's note (its size and what kinds of message it held) costs O(1).
         self._cost_before = [0, *itertools.accumulate(cost)]
         kinds = {kind_of(m.role) for m in msgs}
@@ -122,7 +150,7 @@ class Holes:
         """Tokens of a hole's marker, with a placeholder id of the real id's length (ids are hashes)."""
         if hole not in self._marker_cost:
             real_id = self.marker_id(hole) if self.digests else None
-            note = self.note(hole, PLACEHOLDER_ID, self.digests.get(real_id or ""))
+            note = self.note(hole, PLACEHOLDER_ID, self.digests.get(real_id or ""), told=True)
             self._marker_cost[hole] = self.counter.text(note) + self.counter.message_overhead + MARKER_SLACK
         return self._marker_cost[hole]
 
@@ -134,11 +162,19 @@ class Holes:
     def marker_id(self, hole: Hole) -> str:
         return self.refs.ref([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
 
-    def note(self, hole: Hole, marker_id: str, digest: str | None = None) -> str:
+    def note(self, hole: Hole, marker_id: str, digest: str | None = None, told: bool = True) -> str:
+        """A hole's marker; with the legend unless the request already said it (`told`)."""
         start, stop = hole[0], hole[1] + 1
         kinds = {k: before[stop] - before[start] for k, before in self._kinds_before.items()}
         tokens = self._cost_before[stop] - self._cost_before[start]
-        return hole_text({k: n for k, n in kinds.items() if n}, tokens, marker_id, digest, self.refs.url)
+        shown_id = marker_id if self.shown else ""
+        return hole_text({k: n for k, n in kinds.items() if n}, tokens, shown_id, digest, self.refs.url, told)
+
+    def legend_cost(self) -> int:
+        """What the legend adds to the request's first marker."""
+        if self._legend_cost is None:
+            self._legend_cost = self.counter.text(legend(self.refs.url, self.shown)) + MARKER_SLACK
+        return self._legend_cost
 
 
 def _runs(indices: Iterable[int]) -> list[Hole]:

@@ -29,38 +29,55 @@ def kind_of(role: str) -> str:
     return "tool result" if role == "tool" else f"{role} message"
 
 
-def how_to_read(ref: str, url: str) -> str:
-    """How a model gets `ref` back: by its id (an MCP tool), and with a shell tool, the command
-    (quoted: `?` is a shell's wildcard), which prints the first part of the content and says how to
-    ask for the next (`contextpaw.core.parts`)."""
-    command = f"; with a shell tool, run: curl -s '{url}{EVICTED_PATH}{ref}?part=1'" if url else ""
-    return f"retrieval id {ref}{command}"
+LEGEND_OPENING = "Do not guess or invent removed text."
+"""The legend's first words, which a request's markers say once (`legend`): a marker's own words
+are its size and its reference only."""
 
 
-def hole_text(kinds: Mapping[str, int], tokens: int, marker_id: str, digest: str | None = None, url: str = "") -> str:
-    """The note standing in for evicted messages: what, how much, that it is gone, and how to get it back.
+def legend(url: str, shown: bool = True) -> str:
+    """What a request's first marker says for all of them: that the text is gone, and, where markers
+    name a reference (`shown`), how a model reads one back: with an MCP tool, or with a shell tool,
+    the command (quoted: `?` is a shell's wildcard), which prints the first part of the content and
+    says how to ask for the next (`contextpaw.core.parts`)."""
+    if not shown:
+        return f" {LEGEND_OPENING}"
+    command = f", or curl -s '{url}{EVICTED_PATH}<ref>?part=1'" if url else ""
+    return f" {LEGEND_OPENING} Read it back by its ref: the contextpaw_retrieve tool{command}."
 
-    `kinds` counts the removed messages by `kind_of` their role. With a digest, the note carries it,
-    labelled as a summary so the model does not take it for the original text. `url` is where the
-    client reached the proxy: the note then names the command that prints the content.
+
+def hole_text(kinds: Mapping[str, int], tokens: int, marker_id: str, digest: str | None = None, url: str = "", told: bool = True) -> str:
+    """The note standing in for evicted messages: how many, how much, and the reference that reads
+    them back ("" where the window is too small to carry one); where the request says nothing yet
+    of how to read it back (`told` False), the legend too.
+
+    Short on purpose: a long session carries many such notes, and the model must read the
+    conversation, not ContextPaw's bookkeeping. `kinds` counts the removed messages by `kind_of`
+    their role. With a digest, the note carries it, labelled as a summary so the model does not
+    take it for the original text.
     """
     count = sum(kinds.values())
-    what = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in sorted(kinds.items()))
-    return (
-        f"{MARKER_PREFIX} {count} earlier message{'s' if count > 1 else ''} ({what}, "
-        f"{tokens:,} tokens) {'were' if count > 1 else 'was'} removed here to fit the context window. That content is no "
-        f"longer visible to you: do not guess or invent what it said. If you need it, run the tool "
-        f"again or read it back ({how_to_read(marker_id, url)}).]"
-    ) + (f"\n[ContextPaw summary of the removed messages (a digest, not the original text):\n{digest}\n]" if digest else "")
+    what = f"{count} earlier message{'s' if count > 1 else ''}" if len(kinds) > 1 else _counted(kinds)
+    note = f"{MARKER_PREFIX} {what} ({tokens:,} tokens) removed{_telling(marker_id, url, told)}]"
+    return note + (f"\n[ContextPaw summary of the removed messages (a digest, not the original text):\n{digest}\n]" if digest else "")
 
 
-def elision_text(tokens: int, lines: int, marker_id: str, url: str = "") -> str:
-    """The note left inside a message shrunk middle-out."""
-    span = f"{tokens:,} tokens" + (f" ({lines:,} lines)" if lines else "")
-    return (
-        f"\n{MARKER_PREFIX} {span} were cut from the middle here to fit the context window; that part "
-        f"is no longer visible to you, do not guess it ({how_to_read(marker_id, url)}).]\n"
-    )
+def _counted(kinds: Mapping[str, int]) -> str:
+    ((kind, n),) = kinds.items()
+    return f"{n} earlier {kind}{'s' if n > 1 else ''}"
+
+
+def elision_text(tokens: int, lines: int, marker_id: str, url: str = "", told: bool = True) -> str:
+    """The note left inside a message shrunk middle-out: what was cut and its reference (with the
+    legend where the request says nothing yet of how to read it back)."""
+    span = f"{tokens:,} tokens" + (f" ({lines:,} lines)" if lines and marker_id else "")
+    return f"\n{MARKER_PREFIX} {span} cut{_telling(marker_id, url, told)}]\n"
+
+
+def _telling(marker_id: str, url: str, told: bool) -> str:
+    """A marker's reference ("": a window too small to carry one), and the legend where the
+    request has not said it yet."""
+    ref = f"; ref {marker_id}" if marker_id else ""
+    return f"{ref}.{'' if told else legend(url, bool(marker_id))}"
 
 
 def marker_role(before: str | None, after: str | None) -> str | None:

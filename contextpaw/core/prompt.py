@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from contextpaw.core.compact import BudgetTooSmall, as_sent
+from contextpaw.core.holes import shows_refs
 from contextpaw.core.refs import Refs
 from contextpaw.core.report import Removal, Report
-from contextpaw.core.shrink import SHRINK_FLOOR, shrink_text
+from contextpaw.core.shrink import SHRINK_FLOOR, cut_ref, shrink_text
 from contextpaw.core.tokens import Counter
 
 
@@ -37,9 +38,10 @@ def compact_prompt(
     room = budget - fixed_tokens
     if room < SHRINK_FLOOR:
         raise BudgetTooSmall(fixed_tokens + SHRINK_FLOOR, budget, "the system text and template", original, counter)
-    marker_id = refs.ref(prompt)
-    cut = shrink_text(prompt, room, counter, refs.url)
-    kept = cut.apply(prompt, marker_id, refs.url)
+    shown = shows_refs(budget, counter, refs.url)
+    cut = shrink_text(prompt, room, counter, refs.url, shown=shown, legend=True)
+    marker_id = cut_ref(refs, prompt, cut)
+    kept = cut.apply(prompt, marker_id if shown else "", refs.url)
     report = replace(
         as_sent(original, budget, counter),
         compacted=True,

@@ -9,9 +9,9 @@ from typing import Any
 
 from contextpaw.core.conversation import Message
 from contextpaw.core.holes import Holes
-from contextpaw.core.markers import can_fold, fold, marker_role, speaker_after, standalone
+from contextpaw.core.markers import LEGEND_OPENING, can_fold, fold, marker_role, speaker_after, standalone
 from contextpaw.core.report import Action, Removal, Report
-from contextpaw.core.shrink import Cut
+from contextpaw.core.shrink import Cut, cut_ref
 from contextpaw.core.tokens import Counter
 
 
@@ -53,6 +53,8 @@ def render(
     """The messages as cut: `shrunk` maps an index to (its message as cut, its tokens, the cut);
     `written` holds last turn's marker texts, sent again byte for byte where a hole comes out the same."""
     starts = {h[0]: h for h in holes}
+    told = _told(holes, written, shrunk)
+    """The request says the legend already (a marker sent again as it was, a message cut)."""
     out: list[Message] = []
     removals: list[Removal] = []
     evicted: dict[str, Any] = {}
@@ -69,7 +71,7 @@ def render(
             action: Action = "summarized" if digest else "dropped"
             removals += [Removal(j, msgs[j].role, cost[j], action, marker_id) for j in range(first, last + 1)]
             if digest or marker_id not in written:
-                note = holes.note(starts[i], marker_id, digest)
+                note, told = holes.note(starts[i], marker_id, digest, told), True
             else:
                 note = written[marker_id]  # written once: the prefix stays the same
             if not digest:
@@ -90,7 +92,7 @@ def render(
             continue
         if i in shrunk:
             message, size, cut = shrunk[i]
-            marker_id = holes.refs.ref(msgs[i].content_text)
+            marker_id = cut_ref(holes.refs, msgs[i].content_text, cut)
             evicted[marker_id] = msgs[i].content_text
             removals.append(Removal(i, message.role, cut.elided, "shrunk", marker_id))
         else:
@@ -102,3 +104,9 @@ def render(
         final += size
         i += 1
     return Rendered(out, removals, evicted, final, notes)
+
+
+def _told(holes: Holes, written: Mapping[str, str], shrunk: Mapping[int, tuple[Message, int, Cut]]) -> bool:
+    """Whether a marker sent again as it was, or a message cut with the legend, says the legend."""
+    again = (written.get(holes.marker_id(h), "") for h in holes if not holes.digests.get(holes.marker_id(h)))
+    return any(LEGEND_OPENING in note for note in again) or any(cut.legend for _, _, cut in shrunk.values())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contextpaw.core.markers import elision_text
-from contextpaw.core.refs import PLACEHOLDER_REF
+from contextpaw.core.refs import PLACEHOLDER_REF, Refs
 from contextpaw.core.tokens import Counter
 
 SHRINK_FLOOR = 64
@@ -27,34 +27,46 @@ class Cut:
     head: int
     tail: int
     elided: int
+    legend: bool = False
+    """The note says how to read a marker back: the request's first marker does, once."""
 
     def apply(self, text: str, marker_id: str, url: str = "") -> str:
+        """The text as cut; `marker_id` "" where the window is too small for markers to name one."""
+        told = not self.legend
         if self.head == 0 and self.tail >= len(text):  # nothing of the text left but the note
-            return elision_text(self.elided, text.count("\n"), marker_id, url).strip("\n")
-        note = elision_text(self.elided, text.count("\n", self.head, self.tail), marker_id, url)
+            return elision_text(self.elided, text.count("\n"), marker_id, url, told).strip("\n")
+        note = elision_text(self.elided, text.count("\n", self.head, self.tail), marker_id, url, told)
         return text[: self.head] + note + text[self.tail :]
 
 
-def shrink_text(text: str, target: int, counter: Counter, url: str = "") -> Cut:
+def cut_ref(refs: Refs, text: str, cut: Cut) -> str:
+    """The reference of a text cut at `cut`: the text it reads back is the whole text, but a cut
+    made deeper is a marker of its own, so that one reference always stands for one note."""
+    return refs.ref([text, cut.head, cut.tail])
+
+
+def shrink_text(text: str, target: int, counter: Counter, url: str = "", *, shown: bool = True, legend: bool = False) -> Cut:
     """Where to cut `text` so that its head and tail fit in `target` tokens, note included; cuts
     fall at line ends.
 
     Each pass scales the kept characters by how far the last result overshot, and always by at
     least one token's worth, so it terminates; the last resort keeps only the note. The note is
-    sized with a placeholder id of the real id's length.
+    sized with a placeholder id of the real id's length (none where markers show no id: `shown`),
+    and with the legend where it carries it.
     """
+    placeholder = PLACEHOLDER_ID if shown else ""
     total = counter.text(text)
     chars_per_token = max(len(text) / max(total, 1), 1.0)
     keep_chars = int(len(text) * target / max(total, 1))
     while keep_chars > 0:
         head, tail = _head_tail(text, keep_chars)
         elided = max(total - counter.text(head) - counter.text(tail), 0)
-        cut = Cut(target, len(head), len(text) - len(tail), elided)
-        size = counter.text(cut.apply(text, PLACEHOLDER_ID, url))
+        cut = Cut(target, len(head), len(text) - len(tail), elided, legend)
+        size = counter.text(cut.apply(text, placeholder, url))
         if size <= target:
             return cut
         keep_chars = min(int(keep_chars * target / size), keep_chars - int((size - target) * chars_per_token) - 1)
-    return Cut(target, 0, len(text), total)
+    return Cut(target, 0, len(text), total, legend)
 
 
 def _head_tail(text: str, keep_chars: int) -> tuple[str, str]:

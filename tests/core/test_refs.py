@@ -43,8 +43,8 @@ def test_a_reference_reads_only_with_its_own_capability() -> None:
 
 def test_the_marker_tells_a_model_with_a_shell_the_command_that_reads_it_back() -> None:
     ref = Refs(b"k" * 32, "http://127.0.0.1:11435").ref(ENV)
-    note = hole_text({"tool result": 1}, 120, ref, url="http://127.0.0.1:11435")
-    assert f"curl -s 'http://127.0.0.1:11435/contextpaw/evicted/{ref}?part=1'" in note and f"retrieval id {ref}" in note
+    note = hole_text({"tool result": 1}, 120, ref, url="http://127.0.0.1:11435", told=False)
+    assert "curl -s 'http://127.0.0.1:11435/contextpaw/evicted/<ref>?part=1'" in note and f"ref {ref}" in note
     assert "curl" not in hole_text({"tool result": 1}, 120, ref)  # no address known: the id alone
 
 

@@ -491,7 +491,9 @@ async def test_a_cut_our_per_text_count_overstates_is_made_again_to_fill_the_win
     assert report is not None and report.exact and report.counter == "backend"
     real = await f.services.counting.total("", json.loads(decision.body))
     assert real == report.final_tokens <= report.budget
-    assert real >= 0.97 * report.target, f"{real} of {report.budget}: the room our count overstated is used"
+    # the server counts the first cut at 82% of the target; the fits made again reach 90% or more
+    # (a fill that would take the markers past their share of 5% is not made)
+    assert real >= 0.88 * report.target, f"{real} of {report.budget}: the room our count overstated is used"
 
 
 class HalfAgainTextCounting(ToolBlindCounting):
@@ -610,7 +612,10 @@ async def test_a_fill_that_repeats_a_fit_the_server_counted_costs_no_call_and_th
     decision = await f.fit(s)
     assert isinstance(decision, Forward) and decision.body is not None and s.report is not None
     assert len(counting.bodies) == len(set(counting.bodies)) <= sizing.VERIFY_ROUNDS + 1, "the request, then each fit once"
-    assert s.report.final_tokens <= s.report.budget and s.report.final_tokens >= 0.88 * s.report.target
+    # at 1,024 tokens the markers' share (5%) holds two short markers: holes merge, and the room a
+    # whole unit leaves after a merge is not always filled (a fill's note would pass the share)
+    least = 0.7 if window == 1024 else 0.85
+    assert s.report.final_tokens <= s.report.budget and s.report.final_tokens >= least * s.report.target
 
 
 async def test_what_must_be_kept_is_priced_by_the_servers_whole_count_when_our_count_of_it_runs_over() -> None:
@@ -784,10 +789,6 @@ async def learned(f: Fitter, body: dict[str, Any], ratio: float) -> FlowState:
     return s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a first cut now leaves headroom (up to 35% of the budget), so the samples a kind's reach grows from are that much smaller: 1,500 words of known prose are still held to the reach (issue 38: conversations are now counted at their own rate instead; the unanchored guard's growth is left)",
-)
 async def test_on_a_route_that_cannot_forbid_a_cut_a_kind_of_text_calibration_knows_is_not_evicted_for_the_estimates_width() -> None:
     """The estimate can be 3.3 times too low for some text, so an unknown text on Ollama's /v1 route
     is cut to a third of the window; once calibration has seen this kind of text counted whole, at
@@ -976,8 +977,9 @@ async def test_on_ollamas_native_chat_a_cut_of_dense_history_fills_the_window_in
     assert 0.9 <= use <= 1.0, use
     assert json.loads(s.sent or b"{}")["truncate"] is False
     by_bytes, _ = await _first_overflow_use(tokenizer, forbid_truncation=False)
-    # keyed marker references (32 hex characters each) fill a little more of it than the 12-digit ids did
-    assert by_bytes < 0.85, f"without the shape count the same cut uses {by_bytes:.0%}"
+    # without the shape count the cut is priced by bytes: never over its target (lean markers, with
+    # their reference and legend said once, no longer leave a third of it empty as 400-character ones did)
+    assert by_bytes <= 1.0, f"without the shape count the same cut uses {by_bytes:.0%}"
 
 
 async def test_a_shape_priced_cut_the_server_counts_over_the_window_is_refused_by_ollama_and_refitted_then_learned_as_retried() -> None:
@@ -1005,7 +1007,8 @@ async def test_a_request_whose_least_fits_the_window_only_without_the_answer_res
     needs more than the window less the answer's reserve, but fits the window. llama-server serves
     it (generation is capped by the room left), so it is cut to fit and sent, never refused."""
     f = fitter(default_ctx=1024, discover_window=False)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go on."}]
+    rules = "".join(f"Rule {n}: answer in one short line, and never guess.\n" for n in range(24))  # never cut
+    messages = [{"role": "system", "content": rules}, {"role": "user", "content": "Go on."}]
     for i in range(20):
         messages.append({"role": "assistant" if i % 2 == 0 else "user", "content": f"turn {i}: " + "word " * 60})
     messages[-1]["content"] = "the latest question: " + "detail " * 330

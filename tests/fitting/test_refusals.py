@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from contextpaw.core.compact import HEADROOM, BudgetTooSmall, compact_chat
+from contextpaw.core.compact import HEADROOM, OPENING_SHRUNK, BudgetTooSmall, compact_chat
 from contextpaw.core.conversation import Conversation
 from contextpaw.core.tokens import EstimateCounter
 from contextpaw.fitting.budget import Budgeter
@@ -76,8 +76,8 @@ def test_the_head_is_told_in_the_units_of_the_budget_the_client_is_told() -> Non
 
 
 def test_a_huge_opening_is_the_users_and_is_not_counted_as_the_agents() -> None:
-    """The conversation's opening is never cut either, but it is what the user wrote: the sentence
-    names only the agent's own part, and the window it names holds the opening too."""
+    """The conversation's opening is what the user wrote: the sentence names only the agent's own
+    part, and the window it names holds the opening too; an opening alone over the budget is shrunk."""
     rest = [{"role": "user", "content": "note " * 3000}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
     agent = Conversation.from_wire([{"role": "system", "content": "Follow the house rules. " * 900}, *rest], TOOLS)
     overflow = BUDGETER.for_window(8192, PARAMS).impossible(refused(agent, 8192))
@@ -86,6 +86,8 @@ def test_a_huge_opening_is_the_users_and_is_not_counted_as_the_agents() -> None:
     bigger = BUDGETER.for_window(overflow.least_window, PARAMS)
     assert compact_chat(agent, bigger.tokens, COUNTER).report.final_tokens <= bigger.tokens
 
+    # the user's own opening, over any budget left, is shrunk middle-out rather than refused
     plain = Conversation.from_wire([{"role": "system", "content": "Be brief."}, *rest])
-    users_own = BUDGETER.for_window(2048, PARAMS).impossible(refused(plain, 2048))
-    assert users_own.head is None and "raise the window" not in users_own.message
+    budget = BUDGETER.for_window(2048, PARAMS).tokens
+    fitted = compact_chat(plain, budget, COUNTER)
+    assert fitted.report.final_tokens <= budget and OPENING_SHRUNK in fitted.report.notes

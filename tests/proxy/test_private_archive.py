@@ -19,7 +19,19 @@ from contextpaw.proxy.compose import make_addons
 from support.flows import LLAMACPP, OLLAMA, get, long_chat, ok_json, post, reverse
 from support.inprocess import Proxy
 
-COMMAND = re.compile(r"curl -s '(http://[^/\s]+)/contextpaw/evicted/(cp-[0-9a-f]{12}\.[0-9a-f]{16})\?part=1'")
+LEGEND = re.compile(r"curl -s '(http://[^/\s]+)/contextpaw/evicted/<ref>\?part=1'")
+REF = re.compile(r"earlier [^\]]*?; ref (cp-[0-9a-f]{12}\.[0-9a-f]{16})")
+"""A hole's reference (what it reads back is the messages that went)."""
+
+
+class COMMAND:
+    """The commands a model is told: the legend's, said once, with each marker's reference in it."""
+
+    @staticmethod
+    def findall(text: str) -> list[tuple[str, str]]:
+        urls = LEGEND.findall(text)
+        assert len(urls) <= 1, "the legend is said once a request"
+        return [(url, ref) for url in urls for ref in REF.findall(text)]
 
 
 @pytest.fixture
@@ -34,7 +46,7 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Proxy]:
 
 
 async def compacted(proxy: Proxy, body: dict | None = None) -> tuple[dict, http.HTTPFlow]:
-    flow = reverse(post("/api/chat", body or long_chat()))
+    flow = reverse(post("/api/chat", body or long_chat(turns=40, num_ctx=8192)))
     flow.request.headers["Host"] = "127.0.0.1:11435"  # as every HTTP/1.1 client sends it
     flow.client_conn.timestamp_tls_setup = None  # plain HTTP, as agents reach a local proxy
     await proxy.send(flow)
@@ -63,7 +75,7 @@ async def test_the_marker_names_the_command_that_reads_it_back_at_the_address_th
 async def test_the_markers_command_prints_the_content_as_text_in_parts_that_join_back(proxy: Proxy) -> None:
     """What a shell tool prints stays under every agent's own limit: the command asks for part 1,
     and each part says how to ask for the next."""
-    sent, _ = await compacted(proxy, long_chat(turns=40))
+    sent, _ = await compacted(proxy, long_chat(turns=80, num_ctx=8192))
     url, ref = COMMAND.findall(json.dumps(sent))[0]
     whole = parts.rendered(json.loads((await read(proxy, f"/contextpaw/evicted/{ref}")).content)["content"])
     first = await read(proxy, f"/contextpaw/evicted/{ref}?part=1")

@@ -113,7 +113,7 @@ async def test_a_shrunk_text_shows_the_note_and_the_part_that_was_cut(proxy: Pro
     assert any(r["action"] == "shrunk" for r in flow.metadata[REPORT]["removals"])
     shown = view(flow.request, flow).text
     sent = text(json.loads(flow.request.content))
-    note = re.search(r"\[ContextPaw: [^]]*cut from the middle[^]]*\]", sent)
+    note = re.search(r"\[ContextPaw: [^]]* tokens[^]]* cut[.;][^]]*\]", sent)
     assert note and " ".join(note.group().split()) in flat(shown)
     lines = shown.splitlines()
     start = next(i for i, line in enumerate(lines) if "what was cut" in line)

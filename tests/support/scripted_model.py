@@ -57,7 +57,7 @@ count routes, so every count agrees with what generation evaluates.
   ``count_tokens`` routes count exactly (llama-server always has its tokenizer).
 
 **Retrieval** (``--retrieve``, off by default): when the prompt shows a ContextPaw marker's reference
-(``retrieval id cp-<id>.<cap>``) and the request offers a tool whose name ends in
+(``ref cp-<id>.<cap>``) and the request offers a tool whose name ends in
 ``contextpaw_retrieve`` (Claude Code's ``mcp__contextpaw__contextpaw_retrieve``, Qwen Code's and
 opencode's own spellings), the model answers with a call of that tool with the reference, once per
 reference and session, before its next read, and reads a file between two retrievals (a cut after a
@@ -103,7 +103,7 @@ SLOTS = 4
 FILE_PATH = re.compile(r"(/[^\s'\"`<>]*?/file-(\d{2,3})\.txt)")
 FACT_LINE = re.compile(r"FACT-(\d{2,3}): the key is ([A-Za-z]+)")
 RETRIEVE_TOOL = "contextpaw_retrieve"
-MARKER_REF = re.compile(r"retrieval id (cp-[0-9a-f]{12}\.[0-9a-f]{16})")
+MARKER_REF = re.compile(r"ref (cp-[0-9a-f]{12}\.[0-9a-f]{16})")
 PART_NOTE = re.compile(r"\[ContextPaw: part (\d+) of (\d+) of (cp-[0-9a-f]{12}\.[0-9a-f]{16})")
 """What heads a retrieval's result that comes in parts (``contextpaw mcp``): the part, of how many."""
 SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id", "thread-id")

@@ -83,7 +83,10 @@ def with_retrieval(*messages: dict[str, Any]) -> dict[str, Any]:
     return {"tools": tools, "messages": [*head, *messages]}
 
 
-MARKER = {"role": "user", "content": f"[ContextPaw: 2 messages evicted (retrieval id {REF}; with a shell tool, run: curl -s x)]"}
+MARKER = {
+    "role": "user",
+    "content": f"[ContextPaw: 2 earlier messages (300 tokens) removed; ref {REF}. Do not guess or invent removed text.]",
+}
 
 
 def retrieve_call(call_id: str) -> dict[str, Any]:
