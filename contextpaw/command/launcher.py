@@ -12,7 +12,7 @@ import shutil
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -22,6 +22,20 @@ from contextpaw.command import launch
 
 DEFAULT_PROXIES = ("http://127.0.0.1:11434", "http://127.0.0.1:8092")
 """Where `contextpaw` listens by default: in front of Ollama, then of llama-server."""
+
+
+def proxies(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """Where ContextPaw listens, read from the environment the rest of the command reads:
+    `CONTEXTPAW_URL`, else `CONTEXTPAW_HOST` with `CONTEXTPAW_PORT` and `CONTEXTPAW_LLAMACPP_PORT`
+    (each defaulting as `contextpaw` does)."""
+    if environ.get("CONTEXTPAW_URL"):
+        return (environ["CONTEXTPAW_URL"].rstrip("/"),)
+    host = environ.get("CONTEXTPAW_HOST") or "127.0.0.1"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    ports = (environ.get("CONTEXTPAW_PORT") or "11434", environ.get("CONTEXTPAW_LLAMACPP_PORT") or "8092")
+    return tuple(f"http://{host}:{port.strip()}" for port in ports)
+
+
 DEFAULT_STATE_DIR = "~/.contextpaw"
 ASK_TIMEOUT_S = 120.0
 """Learning an Ollama model's window may load it, as the agent's first request would."""
@@ -40,7 +54,11 @@ def parser() -> argparse.ArgumentParser:
         epilog="Everything after -- goes to the agent: contextpaw launch codex -- exec 'fix the tests'",
     )  # fmt: skip
     p.add_argument("agent", choices=sorted(launch.PLANS), help="the agent to start")
-    p.add_argument("--url", help=f"where ContextPaw listens (default: the first of {', '.join(DEFAULT_PROXIES)} that answers)")
+    p.add_argument(
+        "--url",
+        help=f"where ContextPaw listens (default: CONTEXTPAW_URL, else the first of {', '.join(DEFAULT_PROXIES)} "
+        "that answers, its ports as CONTEXTPAW_PORT and CONTEXTPAW_LLAMACPP_PORT say)",
+    )
     p.add_argument("--model", help="the model (default: the one the backend lists, when it lists one)")
     p.add_argument("--window", type=int, metavar="N", help="tell the agent this window instead of the one ContextPaw serves")
     p.add_argument("--state-dir", type=Path, metavar="DIR",
@@ -64,27 +82,48 @@ def ask(url: str) -> tuple[int, Any]:
         return 0, None
 
 
-def proxy_url(given: str | None) -> str:
-    for url in [given] if given else DEFAULT_PROXIES:
-        status, _ = ask(url.rstrip("/") + "/contextpaw/health")
-        if status == 200:
+def proxy_url(given: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The first address where ContextPaw answers its health check. A 503 is ContextPaw too, with a
+    backend that does not answer: it is named, and the launch goes on (the agent may use the other)."""
+    candidates = [given] if given else proxies(os.environ if environ is None else environ)
+    for url in candidates:
+        status, health = ask(url.rstrip("/") + "/contextpaw/health")
+        if status == 200 or (status == 503 and isinstance(health, dict) and "backends" in health):
+            for down in [b for b in health["backends"] if isinstance(b, dict) and not b.get("answers")]:
+                why = f" ({down['last_error']})" if down.get("last_error") else ""
+                print(f"contextpaw launch: ContextPaw at {url.rstrip('/')} answers, but its backend {down.get('kind') or ''} "
+                      f"at {down.get('url')} does not{why}", file=sys.stderr)  # fmt: skip
             return url.rstrip("/")
-    where = given or " or ".join(DEFAULT_PROXIES)
+    where = " or ".join(candidates)
     raise LaunchError(f"no ContextPaw answers at {where}: start `contextpaw --ollama URL` or `--llamacpp URL`, or give --url")
 
 
-def listed_model(proxy: str) -> str:
-    """The model the backend lists, where it lists exactly one (llama-server serves one)."""
-    _, listing = ask(proxy + "/v1/models")
-    names = [m.get("id") for m in (listing or {}).get("data") or [] if isinstance(m, dict) and m.get("id")]
-    if len(names) == 1:
-        return str(names[0])
-    raise LaunchError(f"name the model with --model: the backend lists {', '.join(map(str, names)) or 'none'}")
+def listed_models(proxy: str) -> list[str] | None:
+    """The models the backend behind `proxy` lists (None: it did not answer a listing)."""
+    status, listing = ask(proxy + "/v1/models")
+    if status != 200 or not isinstance(listing, dict):
+        return None
+    return [str(m["id"]) for m in listing.get("data") or [] if isinstance(m, dict) and m.get("id")]
+
+
+def chosen_model(proxy: str, given: str | None) -> str:
+    """The model to launch with: the one given, which the backend must list where it lists any
+    (Ollama's `name` and `name:latest` are one), else the one it lists."""
+    names = listed_models(proxy)
+    if given is None:
+        if names is not None and len(names) == 1:
+            return names[0]
+        raise LaunchError(f"name the model with --model: the backend lists {', '.join(names or []) or 'none'}")
+    if names and given not in names and f"{given}:latest" not in names and given.removesuffix(":latest") not in names:
+        raise LaunchError(f"the backend has no model {given}: it lists {', '.join(names)}")
+    return given
 
 
 def target(ns: argparse.Namespace) -> launch.Target:
     proxy = proxy_url(ns.url)
-    model = ns.model or listed_model(proxy)
+    model = chosen_model(proxy, ns.model)
+    print(f"contextpaw launch: asking ContextPaw at {proxy} for the window of {model} (a model not loaded yet may take up "
+          f"to {ASK_TIMEOUT_S:.0f} s to load)", file=sys.stderr)  # fmt: skip
     status, served = ask(f"{proxy}/contextpaw/window?model={quote(model, safe='')}")
     if status != 200 or not isinstance(served, dict):
         reason = served.get("error") if isinstance(served, dict) else f"status {status}"

@@ -32,9 +32,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from contextpaw.command.launcher import DEFAULT_PROXIES, proxies
 from contextpaw.core import parts, refs
 
-DEFAULT_PROXIES = ("http://127.0.0.1:11434", "http://127.0.0.1:8092")
+ANSWERING = (200, 503)
+"""Health statuses of a running ContextPaw: 503 says a backend does not answer, and what it
+evicted is read back all the same."""
 """Where `contextpaw` listens by default: in front of Ollama, then of llama-server."""
 STATE_DIRS = (Path("~/.contextpaw"), Path("~/.mitmproxy"))
 """Where the proxy keeps its token: `contextpaw`'s confdir, then mitmproxy's (`mitmdump -s`)."""
@@ -71,7 +74,7 @@ class Proxy:
     """Where the running ContextPaw is and how to prove the right to read from it."""
 
     url: str | None = None
-    """`--url`; None: the first of `DEFAULT_PROXIES` that answers, found at the first call."""
+    """`--url`; None: the first of `launcher.proxies` that answers, found at the first call."""
     state_dirs: tuple[Path, ...] = STATE_DIRS
     token: str | None = None
     """`--token` or `CONTEXTPAW_TOKEN`; None: the state directory's token file."""
@@ -111,14 +114,15 @@ class Proxy:
         """The proxy's address (Unanswered: nothing answers there)."""
         if self.url:
             return self.url.rstrip("/")
-        if self._found and self.get(self._found + "/contextpaw/health")[0] == 200:
+        if self._found and self.get(self._found + "/contextpaw/health")[0] in ANSWERING:
             return self._found
-        for url in DEFAULT_PROXIES:
-            if self.get(url + "/contextpaw/health")[0] == 200:
+        candidates = proxies(os.environ)
+        for url in candidates:
+            if self.get(url + "/contextpaw/health")[0] in ANSWERING:
                 self._found = url
                 return url
         raise Unanswered(
-            f"ContextPaw is not running: nothing answers at {' or '.join(DEFAULT_PROXIES)}. "
+            f"ContextPaw is not running: nothing answers at {' or '.join(candidates)}. "
             "Start it (`contextpaw --ollama URL` or `--llamacpp URL`), or give `contextpaw mcp --url URL`."
         )
 
@@ -231,7 +235,7 @@ def parser() -> argparse.ArgumentParser:
                     "context: contextpaw_retrieve(ref, part) and contextpaw_search(query). `contextpaw launch` registers it.",
     )  # fmt: skip
     p.add_argument("--url", default=os.environ.get("CONTEXTPAW_URL") or None,
-                   help=f"where ContextPaw listens (default: CONTEXTPAW_URL, else the first of {', '.join(DEFAULT_PROXIES)} that answers)")  # fmt: skip
+                   help=f"where ContextPaw listens (default: CONTEXTPAW_URL, else the first of {', '.join(DEFAULT_PROXIES)} that answers, as for contextpaw launch)")  # fmt: skip
     p.add_argument("--state-dir", type=Path, metavar="DIR",
                    help=f"the proxy's state directory, where it keeps {TOKEN_FILE} (default {' then '.join(map(str, STATE_DIRS))})")  # fmt: skip
     p.add_argument("--token", default=os.environ.get("CONTEXTPAW_TOKEN") or None,
