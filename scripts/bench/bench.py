@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         help="reuse these scripts/bench/bench_agent_loop.py --out JSONs (one per window) instead of running it at 2048 and 8192",
     )
     ap.add_argument("--prefix", type=Path, help="reuse this scripts/bench/bench_prefix.py --out JSON instead of running it")
+    ap.add_argument("--growing-chat", type=Path, help="reuse this scripts/bench/bench_growing_chat.py --out JSON instead of running it")
     ap.add_argument(
         "--agent-sessions", type=Path, help="reuse this scripts/bench/agent_sessions.py --out JSON instead of running the matrix"
     )
@@ -122,6 +123,7 @@ MEASURED = {
     "compaction": ("compaction", "real_window_use", "window_use"),
     "agent_loop": ("agent_loops", "agent_loop"),
     "prefix": ("prefix",),
+    "growing_chat": ("growing_chat",),
     "window_use_through": ("window_use_through",),
     "recall": ("recall",),
     "loop_health": ("loop_health",),
@@ -160,6 +162,17 @@ def measure(result: dict[str, Any], wanted: set[str], work: Path, args: argparse
             if args.prefix
             else script_json("bench/bench_prefix.py", work / "prefix.json", ["--turns", "40", "--windows", "8192"] if args.quick else [])
         )
+    if "growing_chat" in wanted:  # the chats' summaries: their turns one by one stay in the script's own JSON
+        result["growing_chat"] = without_turns(
+            json.loads(args.growing_chat.read_text())
+            if args.growing_chat
+            else script_json(
+                "bench/bench_growing_chat.py",
+                work / "growing_chat.json",
+                ["--turns", "40", "--windows", "2048", "8192", "--shares", "0.05", "0.4"] if args.quick else [],
+            )
+        )
+
     if "window_use_through" in wanted:
         result["window_use_through"] = (
             json.loads(args.window_use.read_text()) if args.window_use else {"skipped": skip_real} if skip_real
@@ -182,6 +195,10 @@ def measure(result: dict[str, Any], wanted: set[str], work: Path, args: argparse
                 result["big_answer"] = pressure.big_answer(stage, args.quick, progress)
             if "fuzz_cpu" in wanted:  # last: it leaves the evicted store full
                 result["fuzz_cpu"] = fuzz_cpu.fuzz_cpu(stage, args.quick, args.fuzz_bodies, progress)
+
+
+def without_turns(chats: dict[str, Any]) -> dict[str, Any]:
+    return {**chats, "chats": [{k: v for k, v in c.items() if k != "per_turn"} for c in chats["chats"]]}
 
 
 if __name__ == "__main__":

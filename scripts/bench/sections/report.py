@@ -269,6 +269,8 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     "met" if unnoted == 0 else f"not met: {unnoted} unnoted",
                 )
             )
+    if chats := result.get("growing_chat"):
+        rows += growing_chat_rows(chats)
     use = result.get("window_use_through", {}).get("summary") or {}
     for path, label in (
         ("llama-server", "llama-server's counts"),
@@ -321,6 +323,39 @@ def stall_verdict(ours_ms: float, bare_ms: float) -> str:
     if within:
         return f"met within 1.5x of bare; not ≤ 10 ms: bare mitmdump itself stalls {bare_ms:.1f} ms relaying the same body"
     return "not met"
+
+
+def growing_chat_rows(chats: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """One row per window of scripts/bench/bench_growing_chat.py: every turn answered, the markers'
+    worst share of a prompt, merges against re-cuts, and what each turn re-reads beside the least."""
+    rows = []
+    for window in sorted({c["window"] for c in chats["chats"]}):
+        runs = [c for c in chats["chats"] if c["window"] == window]
+        turns = sum(c["turns"] for c in runs)
+        answered = sum(c["answered"] for c in runs)
+        worst = max(runs, key=lambda c: c["marker_share_worst"])
+        over = [c for c in runs if c["marker_share_worst"] > 0.05]
+        rare = [c for c in runs if c["merges"] * 10 > max(c["recuts"], 1)]
+        shares = f"{pct(min(c['share'] for c in runs))} to {pct(max(c['share'] for c in runs))}"
+        reeval = ", ".join(f"{pct(c['reeval_per_turn'])} vs {pct(c['least_per_turn'])}" for c in runs)
+        missed = [f"{turns - answered} turns refused"] if answered < turns else []
+        missed += (
+            [f"markers over 5% at messages of {', '.join(pct(c['share']) for c in over)} (worst {pct(worst['marker_share_worst'])})"]
+            if over
+            else []
+        )
+        missed += [f"merges more often than one a ten re-cuts at messages of {', '.join(pct(c['share']) for c in rare)}"] if rare else []
+        rows.append(
+            (
+                f"growing chat, engine, {window:,} tokens, messages of {shares} of it, {runs[0]['turns']} turns",
+                f"re-read a turn, least any cut could: {reeval}",
+                f"{answered} of {turns} turns answered; markers at most {pct(worst['marker_share_worst'])} of a prompt; "
+                f"merges {sum(c['merges'] for c in runs)} in {sum(c['recuts'] for c in runs)} re-cut turns",
+                "every turn answered, markers <= 5% of every prompt, a merge at most once a ten cuts",
+                "met" if not missed else "not met: " + "; ".join(missed),
+            )
+        )
+    return rows
 
 
 def goals_table(result: dict[str, Any]) -> list[str]:
