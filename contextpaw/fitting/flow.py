@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from contextpaw import wire
 from contextpaw.core.lifecycle import IllegalTransition, advance
@@ -110,6 +111,9 @@ class FlowState:
     """What was sent cannot be cut: it says `truncate: false`, or llama-server gets it (a 400)."""
     rescues: int = 0
     """Retries after upstream overflows so far (at most `MAX_RESCUES`)."""
+    retold: dict[str, Any] | None = None
+    """The answer's final record (or whole answer) with its prompt size told as if nothing had been
+    cut (`wire.told_usage`), once the report is made for it; None: it goes as it came."""
     phase: Phase = Phase.RECEIVED
     where: Where = UNPLACED
     """The labels of this request's metrics (its model once it is read)."""

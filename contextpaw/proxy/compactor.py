@@ -359,6 +359,7 @@ class Compactor:
             )
             return
         value = self._final_report(flow, state, answer) if isinstance(answer, dict) else None
+        content = own_bytes(state.retold) if value is not None and state.retold is not None else content
         if value is not None and (body := splice(content, value)) is not None:  # a JSON object: parsed above
             response.content = body
         watched = state.watched
@@ -382,6 +383,7 @@ class Compactor:
             keep=keep,
             unasked=self.fitter.answers.unasked_records(state),
             telling=route.telling,
+            retold=lambda: state.retold,
         )
 
     def _final_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None = None) -> bytes | None:
@@ -398,6 +400,8 @@ class Compactor:
 
     def _checked_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None) -> bytes | None:
         value = self.fitter.answers.final_report(state, final, counted)
+        if value is not None and isinstance(final, dict):
+            value = self._usage_told(state, final, value)
         watched = state.watched
         if watched is not None:
             flow.metadata[REPORT] = value if value is not None and watched is state.report else watched.to_json()
@@ -410,6 +414,22 @@ class Compactor:
         if self.kept is not None:
             self.kept.save(self.fitter.calibration)
         return own_bytes(value) if value is not None else None
+
+    @staticmethod
+    def _usage_told(state: FlowState, final: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+        """After a cut, the answer tells the client the prompt's size as if nothing had been cut:
+        the server's count plus what ContextPaw removed. An agent that compacts from usage
+        (opencode) otherwise reads the cut prompt's size, under its own threshold, and its history
+        grows on behind ContextPaw's cuts. The report says both (`usage_told`)."""
+        report = state.report
+        if report is None or not report.compacted or report.original_tokens <= report.final_tokens:
+            return value
+        added = report.original_tokens - report.final_tokens
+        retold = wire.told_usage(final, added, state.route.prompt_counts)
+        if retold is None:
+            return value
+        state.retold = retold
+        return {**value, "usage_told": {"added": added, "server_prompt_tokens": state.route.evaluated(final)}}
 
 
 def _client_left(error: FlowError) -> bool:

@@ -38,6 +38,7 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     model_of,
     positive,
     read_json,
+    told_usage,
     upstream_overflow,
     utf8_type,
     write,

@@ -96,5 +96,6 @@ MESSAGES = Route(
     "sse",
     _is_final,
     evaluated=_evaluated,
+    prompt_counts=(("usage", "input_tokens"),),
     telling=re.compile(rb'"usage"|"message_delta"'),
 )

@@ -398,6 +398,28 @@ Anthropic's), and their clients tell an overflow by it and its words; a 413 read
 on the body's size (Anthropic's `request_too_large`)."""
 
 
+def told_usage(record: Mapping[str, Any], added: int, paths: tuple[tuple[str, ...], ...]) -> dict[str, Any] | None:
+    """`record` with `added` tokens added to each integer count at `paths` (the answer's prompt
+    size, as the client reads it), or None where it has none of them."""
+    out = dict(record)
+    told = False
+    for path in paths:
+        parents, node = [out], out
+        for key in path[:-1]:
+            child = node.get(key) if isinstance(node, dict) else None
+            if not isinstance(child, dict):
+                break
+            node = dict(child)
+            parents[-1][key] = node
+            parents.append(node)
+        else:
+            value = node.get(path[-1])
+            if isinstance(value, int) and not isinstance(value, bool):
+                node[path[-1]] = value + added
+                told = True
+    return out if told else None
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """One handled endpoint: how to read, rewrite and answer it in its API's convention."""
@@ -417,6 +439,10 @@ class Route:
     streams_unless_told: bool = False
     """Whether a request that does not say `"stream": true|false` is answered in a stream (Ollama's
     native routes); every route reads any other value as this default."""
+    prompt_counts: tuple[tuple[str, ...], ...] = ()
+    """Where the final record (or the whole answer) says the prompt's size to the client, each a
+    path of keys: what `told_usage` adds ContextPaw's cut to, so that an agent that compacts from
+    usage learns its history overflowed."""
     telling: re.Pattern[bytes] | None = None
     """What the bytes of every stream record that `is_final` or `evaluated` tells something of hold
     (a key, or a key and its value): a record without it, and without an escaped ASCII character

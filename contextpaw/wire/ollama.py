@@ -66,8 +66,21 @@ def _is_final(record: Mapping[str, Any]) -> bool:
 
 
 TELLING = re.compile(EVALUATED_KEYS + rb'|"done"\s*:\s*true')
-CHAT = Route("ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True, telling=TELLING)
-GENERATE = Route("ollama.generate", _generate, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True, telling=TELLING)
+COUNT = (("prompt_eval_count",),)
+CHAT = Route(
+    "ollama.chat", _chat, _refusal, _proxy_error, "ndjson", _is_final, streams_unless_told=True, prompt_counts=COUNT, telling=TELLING
+)
+GENERATE = Route(
+    "ollama.generate",
+    _generate,
+    _refusal,
+    _proxy_error,
+    "ndjson",
+    _is_final,
+    streams_unless_told=True,
+    prompt_counts=COUNT,
+    telling=TELLING,
+)
 
 
 # -- the served window in `/api/show` ------------------------------------------------------------

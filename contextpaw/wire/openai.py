@@ -91,8 +91,11 @@ def _is_final(record: Mapping[str, Any]) -> bool:
 
 TELLING = re.compile(EVALUATED_KEYS + rb'|"finish_reason"\s*:\s*[^n\s]|"choices"\s*:\s*\[\s*\]')
 """A finish reason that is not null, no choices, or a count: a token chunk has none of them."""
-CHAT = Route("openai.chat", _chat, refusal("messages"), proxy_error, "sse", _is_final, telling=TELLING)
-COMPLETIONS = Route("openai.completions", _completion, refusal("prompt"), proxy_error, "sse", _is_final, telling=TELLING)
+USAGE = (("usage", "prompt_tokens"), ("usage", "total_tokens"))
+CHAT = Route("openai.chat", _chat, refusal("messages"), proxy_error, "sse", _is_final, prompt_counts=USAGE, telling=TELLING)
+COMPLETIONS = Route(
+    "openai.completions", _completion, refusal("prompt"), proxy_error, "sse", _is_final, prompt_counts=USAGE, telling=TELLING
+)
 
 
 # -- the usage a stream carries only when asked for -------------------------------------------------

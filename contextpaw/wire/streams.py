@@ -113,7 +113,11 @@ class StreamReport:
         keep: int = 0,
         unasked: Unasked | None = None,
         telling: re.Pattern[bytes] | None = None,
+        retold: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> None:
+        self._retold = retold
+        """After the report is made for the final record: that record as the client is to read it
+        (its prompt size told whole), or None to keep its bytes."""
         self._separator = b"\n" if framing == "ndjson" else b"\n\n"
         self._sse = framing == "sse"
         self._is_final = is_final
@@ -304,7 +308,8 @@ class StreamReport:
             if said is None:  # only watched, nothing to add (policy off)
                 return record
             report = said
-        merged = splice(record[start:end], report)
+        retold = self._retold() if self._retold is not None else None
+        merged = splice(own_bytes(retold) if retold is not None else record[start:end], report)
         if merged is None:
             return record
         self._placed = True

@@ -69,7 +69,9 @@ from support.recorder import read_log  # noqa: E402
 AGENTS = ("claude", "codex", "opencode", "qwen")
 BEHAVIOURS = ("ollama", "llamacpp")
 MODEL_ROUTES = {"/v1/messages": "anthropic", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
-RETRIEVAL_ID = re.compile(r"retrieval id (cp-[0-9a-f]+(?:\.[0-9a-f]+)?)")
+RETRIEVAL_ID = re.compile(r"ref (cp-[0-9a-f]+(?:\.[0-9a-f]+)?)")
+MARKER_TEXT = re.compile(r"\[ContextPaw:[^\]]*\]")
+"""A marker as the model reads it (a digest aside, none holds a bracket of its own)."""
 MARKER = "[ContextPaw:"
 WORDS = (
     "alpha bravo cedar delta ember falcon garnet harbor indigo juniper kettle lantern meadow nectar orchid pepper "
@@ -172,6 +174,10 @@ class Result:
     """Per turn, the share of the prompt that is new (the messages the turn adds): the least any
     cut could re-evaluate, what a session that dies direct is set beside."""
     evaluated_tokens: int = 0
+    rewritten: int = 0
+    """References whose marker read otherwise in a later request (one reference, one text)."""
+    marker_share: float = 0.0
+    """The most of a prompt's characters that ContextPaw's markers took."""
     notes: list[str] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
@@ -195,6 +201,8 @@ class Result:
             "silent cuts": f"{self.silent_cuts}/{self.server_cuts}",
             "re-eval / turn": pct(self.reeval),
             "least / turn": pct(self.least),
+            "markers rewritten": self.rewritten,
+            "markers, most of a prompt": pct(self.marker_share),
         }  # fmt: skip
 
 
@@ -376,6 +384,7 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
     cut_seen = False
     last_removed: list[tuple[Any, Any]] = []
     reevals, leasts, last_file, first_answered = [], [], None, True
+    marker_texts: dict[str, set[str]] = {}
     texts = {i + 1: f.text for i, f in enumerate(files)}
     for entry in agent_turns:
         api, body = entry["api"], entry["body"]
@@ -454,6 +463,10 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
                 change = _head_change(api, client["body"], body) if client is not None else ""
                 result.head_changes.append(f"request {entry['n']}: {change or 'the server cut into the head'}")
         text = json.dumps(body, ensure_ascii=False)
+        for marker in MARKER_TEXT.findall(text):
+            for ref in RETRIEVAL_ID.findall(marker):
+                marker_texts.setdefault(ref, set()).add(marker)
+        result.marker_share = max(result.marker_share, sum(map(len, MARKER_TEXT.findall(text))) / max(len(text), 1))
         if MARKER in text:
             result.marked += 1
             ids = set(RETRIEVAL_ID.findall(text))
@@ -463,6 +476,7 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
             elif len(result.notes) < 8:
                 result.notes.append(f"request {entry['n']}: markers {sorted(ids - listed)} not in the report "
                                     f"(compacted header {headers.get('x-contextpaw-compacted')})")  # fmt: skip
+    result.rewritten = sum(1 for texts_ in marker_texts.values() if len(texts_) > 1)
     result.use_after_first_cut = sum(shares_from_cut) / len(shares_from_cut) if shares_from_cut else None
     result.reeval = sum(reevals) / len(reevals) if reevals else None
     result.least = sum(leasts) / len(leasts) if leasts else None
