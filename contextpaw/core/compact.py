@@ -407,7 +407,7 @@ class _ChatCompaction:
             self.fill(self.target)
         elif cut and (changed := self.recut(last)) is not None:
             notes.append(changed)
-        if cut and (merged := self.merge()) is not None:
+        if (merged := self.merge()) is not None:  # also where last turn's cuts repeat: the share is a promise
             notes.append(merged)
 
         sent = render(self.msgs, self.cost, self.shrunk, self.holes, written=self.previous.notes, fixed=self.fixed, counter=self.counter)
@@ -708,6 +708,8 @@ class _ChatCompaction:
         cut = [i for i in self.shrunk if self.unit_of[i] in self.evictable]
         if len(holes) + len(cut) < 2 or self.marker_tokens() <= self.cap:
             return None
+        if any(self.holes.digests.get(self.holes.marker_id(h)) for h in holes):
+            return None  # a digest is what the model reads of its hole, asked for (contextpaw_summarize): kept
         ends = [i for hole in holes for i in hole] + cut
         first, last = min(ends), max(ends)
         self.holes.unwall(-1)

@@ -41,7 +41,7 @@ def overflowing() -> dict[str, Any]:
         {"role": "tool", "tool_call_id": "c1", "content": SECRET},
     ]
     for i in range(6):
-        messages += [{"role": "user", "content": f"question {i} " + "filler " * 200}, {"role": "assistant", "content": f"answer {i}"}]
+        messages += [{"role": "user", "content": f"question {i} " + "filler " * 600}, {"role": "assistant", "content": f"answer {i}"}]
     return {"model": "scripted", "messages": [*messages, {"role": "user", "content": "what was the password?"}]}
 
 
@@ -50,7 +50,7 @@ def cut(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, s
     """(the proxy's address, its state directory, the reference its marker named)."""
     work = tmp_path_factory.mktemp("mcp-retrieval")
     with ExitStack() as exits:
-        args = ["--n-ctx", "4096", "--behaviour", "llamacpp", "--log", str(work / "model.jsonl")]
+        args = ["--n-ctx", "8192", "--behaviour", "llamacpp", "--log", str(work / "model.jsonl")]  # markers name references
         model = exits.enter_context(start_module("support.scripted_model", args, "/", work / "model.out", timeout=180))
         stack, stops = cli.start_contextpaw_stack(work / "stack", model.url)
         exits.enter_context(stops)
