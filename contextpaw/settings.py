@@ -114,6 +114,8 @@ class FitSettings:
     summarizer_timeout: int = 30
     summary_tokens: int = 256
     calibrate: bool = True
+    usage_whole: bool = False
+    """After a cut, the answer's usage tells the whole history's size (`Compactor._usage_told`)."""
     state_dir: Path = Path("~/.mitmproxy")
     archive: str = "sqlite"
     """Where evicted content is kept: `sqlite` (under `state_dir`), `memory`, or `redis://host:port/db`."""
@@ -220,6 +222,10 @@ FIT_OPTIONS = _with_field_defaults(
     summary_tokens=Option(int, "The most tokens all digests of one request may take.", least=32),
     calibrate=Option(bool,
         "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model."),
+    usage_whole=Option(bool,
+        "After a cut, tell the client the prompt size of its whole history in the answer's usage (the server's "
+        "count plus what ContextPaw removed; the report's usage_told names both), so that an agent that compacts "
+        "from usage, such as opencode, learns its history overflowed. Off: usage is the server's count."),
     state_dir=Option(str, "Where the calibration and the archive are kept across restarts (default: confdir).", default=""),
     archive=Option(
         str, "Where evicted content is kept: sqlite (in the state dir), memory, or redis://host:port/db (shared).", read=_archive

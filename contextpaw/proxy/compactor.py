@@ -400,7 +400,7 @@ class Compactor:
 
     def _checked_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None) -> bytes | None:
         value = self.fitter.answers.final_report(state, final, counted)
-        if value is not None and isinstance(final, dict):
+        if value is not None and isinstance(final, dict) and self.fitter.settings.usage_whole:
             value = self._usage_told(state, final, value)
         watched = state.watched
         if watched is not None:

@@ -102,6 +102,14 @@ def proxy(workdir: Path, ollama: Backend, llamacpp: Backend) -> Iterator[Proxy]:
 
 
 @pytest.fixture(scope="session")
+def usage_whole(workdir: Path, ollama: Backend, llamacpp: Backend) -> Iterator[Proxy]:
+    """The documented setup, telling the whole history's size in the usage after a cut."""
+    running = mitmdump(workdir, "usage-whole", [ollama.url, llamacpp.url], "--set", "contextpaw_usage_whole=true")
+    with running.process:
+        yield running
+
+
+@pytest.fixture(scope="session")
 def cutting_ollama(workdir: Path) -> Iterator[Backend]:
     """Fake Ollama as most models run: an overflow is cut in silence (ollama.md §1)."""
     args = ["--n-ctx", str(N_CTX)]

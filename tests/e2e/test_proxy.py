@@ -70,18 +70,18 @@ def test_ollama_chat_is_compacted_and_the_model_keeps_its_system_prompt(proxy: P
     reply = client.chat(model="fake", messages=overflowing(), options=OPTIONS)
     assert SECRET in reply.message.content
     assert headers.last["X-ContextPaw-Compacted"] == "true"
-    assert reply.prompt_eval_count > int(headers.last["X-ContextPaw-Budget"])  # the history's size, told whole (below)
+    assert reply.prompt_eval_count <= int(headers.last["X-ContextPaw-Budget"])  # the server's count (whole with usage_whole)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_ollama_after_a_cut_tells_the_prompt_size_whole_and_names_the_servers_count(proxy: Proxy, stream: bool) -> None:
+def test_ollama_after_a_cut_tells_the_prompt_size_whole_and_names_the_servers_count(usage_whole: Proxy, stream: bool) -> None:
     """An agent that compacts from usage (opencode) read the cut prompt's size, under its own
     threshold, and never compacted while ContextPaw cut its history turn after turn."""
-    client, _ = ollama_at(proxy.ollama)
+    client, _ = ollama_at(usage_whole.ollama)
     answer = client.chat(model="fake", messages=overflowing(), options=OPTIONS, stream=stream)
     final = list(answer)[-1] if stream else answer  # what the `ollama` client reads
     body = {"model": "fake", "messages": overflowing(), "options": OPTIONS, "stream": stream}
-    with httpx.stream("POST", f"{proxy.ollama}/api/chat", json=body) as response:  # and the report beside it
+    with httpx.stream("POST", f"{usage_whole.ollama}/api/chat", json=body) as response:  # and the report beside it
         record = [json.loads(line) for line in response.iter_lines() if line][-1]
     report = record["contextpaw"]
     told = report["usage_told"]
@@ -90,8 +90,8 @@ def test_ollama_after_a_cut_tells_the_prompt_size_whole_and_names_the_servers_co
     assert told["added"] == report["original_tokens"] - report["final_tokens"] > 0
 
 
-def test_openai_stream_after_a_cut_tells_the_usage_whole_to_the_sdk(proxy: Proxy) -> None:
-    stream = openai_at(proxy.llamacpp).chat.completions.create(
+def test_openai_stream_after_a_cut_tells_the_usage_whole_to_the_sdk(usage_whole: Proxy) -> None:
+    stream = openai_at(usage_whole.llamacpp).chat.completions.create(
         model="fake", messages=overflowing(), max_tokens=8, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
@@ -101,12 +101,19 @@ def test_openai_stream_after_a_cut_tells_the_usage_whole_to_the_sdk(proxy: Proxy
     assert usage.usage.total_tokens == usage.usage.prompt_tokens + usage.usage.completion_tokens
 
 
-def test_an_answer_to_a_request_sent_whole_keeps_the_servers_usage(proxy: Proxy) -> None:
-    completion = openai_at(proxy.llamacpp).chat.completions.create(
+def test_an_answer_to_a_request_sent_whole_keeps_the_servers_usage(usage_whole: Proxy) -> None:
+    completion = openai_at(usage_whole.llamacpp).chat.completions.create(
         model="fake", messages=[{"role": "user", "content": QUESTION}], max_tokens=8
     )
     assert completion.usage is not None and completion.usage.prompt_tokens < 100
     assert "usage_told" not in (completion.model_extra.get("contextpaw") or {})
+
+
+def test_without_the_option_a_cut_answer_keeps_the_servers_usage(proxy: Proxy) -> None:
+    completion = openai_at(proxy.llamacpp).chat.completions.create(model="fake", messages=overflowing(), max_tokens=8)
+    report = completion.model_extra["contextpaw"]
+    assert report["compacted"] and "usage_told" not in report
+    assert completion.usage is not None and completion.usage.prompt_tokens <= report["budget"]
 
 
 def test_ollama_chat_stream_carries_the_report_in_the_done_record(proxy: Proxy) -> None:
