@@ -38,7 +38,6 @@ from contextpaw.core import parts, refs
 ANSWERING = (200, 503)
 """Health statuses of a running ContextPaw: 503 says a backend does not answer, and what it
 evicted is read back all the same."""
-"""Where `contextpaw` listens by default: in front of Ollama, then of llama-server."""
 STATE_DIRS = (Path("~/.contextpaw"), Path("~/.mitmproxy"))
 """Where the proxy keeps its token: `contextpaw`'s confdir, then mitmproxy's (`mitmdump -s`)."""
 TOKEN_FILE = "contextpaw-token"

@@ -478,10 +478,13 @@ class _ChatCompaction:
         """What ContextPaw's own notes take: the holes' markers, the legend, each shrunk message's note."""
         notes = self.holes.marker_total + self.hole_legend()
         for i, (_, _, cut) in self.shrunk.items():
-            text = self.msgs[i].content_text
-            shown = PLACEHOLDER_ID if self.holes.shown else ""
-            notes += self.counter.text(elision_text(cut.elided, text.count("\n", cut.head, cut.tail), shown, self.refs.url, not cut.legend))
+            notes += self.note_cost(cut.elided, self.msgs[i].content_text.count("\n", cut.head, cut.tail), cut.legend)
         return notes
+
+    def note_cost(self, tokens: int, lines: int, legend: bool) -> int:
+        """Tokens of the note in a text cut middle-out, its reference sized by a placeholder."""
+        shown = PLACEHOLDER_ID if self.holes.shown else ""
+        return self.counter.text(elision_text(tokens, lines, shown, self.refs.url, not legend))
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -640,17 +643,15 @@ class _ChatCompaction:
         own = self.counter.text(text)
         current = self.shrunk.get(i)
         now = current[2].target if current is not None else own
-        shown = self.holes.shown
         # the request's first note says how to read it back; a text cut where no other note does, says it
         legend = not self.holes.starts and not any(c.legend for j, (_, _, c) in self.shrunk.items() if j != i)
-        note = elision_text(own, text.count("\n"), PLACEHOLDER_ID if shown else "", self.refs.url, not legend)
-        cost = self.counter.text(note)
+        cost = self.note_cost(own, text.count("\n"), legend)
         # a cut takes at least a few times what its note costs: a note that stands for a few tokens
         # is a marker the model reads for nothing
         target = max(SHRINK_FLOOR + cost, now - max(over, NIBBLE * cost) if current is None else now - over)
         if target >= now:
             return False
-        self.cut(i, shrink_text(text, target, self.counter, self.refs.url, shown=shown, legend=legend))
+        self.cut(i, shrink_text(text, target, self.counter, self.refs.url, shown=self.holes.shown, legend=legend))
         return True
 
     def cut(self, i: int, cut: Cut) -> None:
@@ -698,9 +699,9 @@ class _ChatCompaction:
         """Where the markers take more than `MARKER_SHARE` of the budget, their holes, and the texts
         cut that could go, become one hole: what lay between them goes too (a chat's short answers
         between evicted questions), then the hole gives back its newest units while the target
-        holds them. The one marker that stands
-        for them all is new, so the prompt is read again from the first hole on: said in the notes
-        (None: the markers are within their share, or there is one hole)."""
+        holds them. The one marker that stands for them all is new, so the prompt is read again
+        from the first hole on: said in the notes (None: the markers are within their share, or
+        there is one hole)."""
         tokens = self.marker_tokens()
         if tokens > self.cap:
             self.unshrink_for_markers()
@@ -734,11 +735,10 @@ class _ChatCompaction:
         """Take back this turn's cuts into kept messages that only made room for the next turns
         (the budget holds them whole), while the markers are over their share: a note is worth
         less than the room it makes when the window is this small."""
-        previous = {self.cut_key(i) for i in self.shrunk if self.cut_key(i) in self.previous.shrunk}
         for i in sorted(self.shrunk, key=lambda i: self.shrunk[i][2].elided):
             if self.marker_tokens() <= self.cap:
                 return
-            if self.cut_key(i) in previous or self.unit_of[i] in self.evicted:
+            if self.cut_key(i) in self.previous.shrunk or self.unit_of[i] in self.evicted:
                 continue
             cut = self.shrunk[i][2]
             self.unshrink(i)

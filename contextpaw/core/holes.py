@@ -72,6 +72,9 @@ class Holes:
         sent before, so that a new eviction beside one makes a hole and a marker of its own instead of
         rewriting the marker the server has cached."""
         self._marker_cost: dict[Hole, int] = {}
+        self._marker_ids: dict[Hole, str] = {}
+        """A hole's reference, once made: it hashes every message the hole holds, and rendering, the
+        legend's check and the merge each ask for it."""
         self._legend_cost: int | None = None
         # Prefix sums, so a hole's note (its size and what kinds of message it held) costs O(1).
         self._cost_before = [0, *itertools.accumulate(cost)]
@@ -160,7 +163,9 @@ class Holes:
         return self.counter.text(note) + MARKER_SLACK
 
     def marker_id(self, hole: Hole) -> str:
-        return self.refs.ref([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
+        if hole not in self._marker_ids:
+            self._marker_ids[hole] = self.refs.ref([self.msgs[i].raw for i in range(hole[0], hole[1] + 1)])
+        return self._marker_ids[hole]
 
     def note(self, hole: Hole, marker_id: str, digest: str | None = None, told: bool = True) -> str:
         """A hole's marker; with the legend unless the request already said it (`told`)."""

@@ -404,14 +404,13 @@ def told_usage(record: Mapping[str, Any], added: int, paths: tuple[tuple[str, ..
     out = dict(record)
     told = False
     for path in paths:
-        parents, node = [out], out
+        node = out
         for key in path[:-1]:
-            child = node.get(key) if isinstance(node, dict) else None
+            child = node.get(key)
             if not isinstance(child, dict):
                 break
-            node = dict(child)
-            parents[-1][key] = node
-            parents.append(node)
+            node[key] = copy = dict(child)  # copied on the way down: the answer as read stays as it came
+            node = copy
         else:
             value = node.get(path[-1])
             if isinstance(value, int) and not isinstance(value, bool):
