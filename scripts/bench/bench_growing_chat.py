@@ -102,15 +102,24 @@ def run_chat(window: int, share: float, turns: int, counter: Counter, tokenize: 
         "turns": turns,
         "answered": len(answered),
         "compacted": len(cut),
-        "marker_share_worst": max((r["markers"] / r["tokens"] for r in answered), default=0.0),
-        "marker_share_last": answered[-1]["markers"] / answered[-1]["tokens"] if answered else None,
+        **session_shares(answered, answered, after),
+        "first_refusal": next((r["refused"] for r in rows if "refused" in r), None),
+        "per_turn": rows,
+    }
+
+
+def session_shares(answered: list[dict[str, Any]], seen: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a chat's turns say, in both growing-chat benchmarks: the markers' share of a prompt
+    (of the turns whose prompt was `seen`), what each turn `after` the first cut read again beside
+    the least a cut could, and the report's merges and plans that gave way (of the `answered`)."""
+    return {
+        "marker_share_worst": max((r["markers"] / r["tokens"] for r in seen), default=0.0),
+        "marker_share_last": seen[-1]["markers"] / seen[-1]["tokens"] if seen else None,
         "reeval_per_turn": statistics.fmean([r["reevaluated"] / r["tokens"] for r in after]) if after else None,
         "least_per_turn": statistics.fmean([r["least"] / r["tokens"] for r in after]) if after else None,
         "recuts": sum(1 for r in after if r["reevaluated"] > r["least"]),
         "merges": sum(1 for r in answered if any(MERGED in n for n in r["notes"])),
         "given_way": sum(1 for r in answered if any(GAVE_WAY in n for n in r["notes"])),
-        "first_refusal": next((r["refused"] for r in rows if "refused" in r), None),
-        "per_turn": rows,
     }
 
 

@@ -60,7 +60,6 @@ import platform
 import random
 import re
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -78,11 +77,10 @@ for _path in (HERE, REPO / "tests"):  # the bench modules beside this one, and t
 
 import bench_growing_chat  # noqa: E402
 import httpx  # noqa: E402
-from bench_growing_chat import ANSWER_TOKENS, MARKER, WORDS, chunk, lines_for  # noqa: E402
+from bench_growing_chat import ANSWER_TOKENS, MARKER, WORDS, chunk, lines_for, session_shares  # noqa: E402
 from bench_prefix import render, shared, smollm_gguf  # noqa: E402
 from measure_window_use import MODEL, Failed, NoBlobEngine, llama_server, post, proxy, terminate  # noqa: E402
 
-from contextpaw.core.compact import GAVE_WAY, MERGED  # noqa: E402
 from contextpaw.core.tokens import TokenizerCounter  # noqa: E402
 from support.backends import Backend, locate_llama_server, start_module  # noqa: E402
 from support.common import running  # noqa: E402
@@ -217,14 +215,8 @@ def summarize(rows: list[dict[str, Any]], turns: int) -> dict[str, Any]:
         "unobserved": sum(1 for r in answered if r.get("unobserved")),
         "compacted": len(cut),
         "first_compacted_turn": cut[0]["turn"] if cut else None,
-        "marker_share_worst": max((r["markers"] / r["tokens"] for r in seen), default=0.0),
+        **session_shares(answered, seen, after),
         "marker_share_worst_server": max((r["server_markers"] / r["server_tokens"] for r in seen if "server_tokens" in r), default=None),
-        "marker_share_last": seen[-1]["markers"] / seen[-1]["tokens"] if seen else None,
-        "reeval_per_turn": statistics.fmean([r["reevaluated"] / r["tokens"] for r in after]) if after else None,
-        "least_per_turn": statistics.fmean([r["least"] / r["tokens"] for r in after]) if after else None,
-        "recuts": sum(1 for r in after if r["reevaluated"] > r["least"]),
-        "merges": sum(1 for r in answered if any(MERGED in n for n in r["notes"])),
-        "given_way": sum(1 for r in answered if any(GAVE_WAY in n for n in r["notes"])),
         "sim_cuts": sum(1 for r in answered if r.get("sim_cut")),
         "upstream_truncated": sum(1 for r in answered if r.get("upstream_truncated")),
         "seconds": round(sum(r.get("seconds", 0.0) for r in answered), 1),
