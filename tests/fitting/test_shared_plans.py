@@ -45,7 +45,7 @@ def test_a_plan_goes_through_json_unchanged() -> None:
 
 async def test_the_next_turn_on_another_instance_repeats_the_first_instances_cuts(redis_url: str) -> None:
     first, second = instance(redis_url), instance(redis_url)
-    turn = chat(turns=12)
+    turn = chat(turns=16, num_ctx=4096)  # a window whose markers share holds several: the plan repeats as it was
     one = state(turn)
     decision = await first.fit(one)
     assert isinstance(decision, Forward) and decision.body is not None and one.report is not None

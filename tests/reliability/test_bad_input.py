@@ -201,7 +201,7 @@ def test_overflowing_chats_with_odd_fields_are_compacted_validly(runner: Any, ki
     )
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def run(route: tuple[int, str], extra: dict[str, Any], odd: list[Any], enc: str) -> None:
-        body = long_chat(**extra)
+        body = {**long_chat(), **extra}
         body["messages"][2:2] = odd
         raw, headers = encoded(dumps(body), enc)
         seen[check(runner, kit, *route, raw, headers)] += 1
