@@ -116,6 +116,8 @@ class FitSettings:
     calibrate: bool = True
     usage_whole: bool = False
     """After a cut, the answer's usage tells the whole history's size (`Compactor._usage_told`)."""
+    ask_ollama: bool = True
+    """Where the estimate cannot tell whether a request fits, Ollama's native chat is asked to count it."""
     state_dir: Path = Path("~/.mitmproxy")
     archive: str = "sqlite"
     """Where evicted content is kept: `sqlite` (under `state_dir`), `memory`, or `redis://host:port/db`."""
@@ -226,6 +228,11 @@ FIT_OPTIONS = _with_field_defaults(
         "After a cut, tell the client the prompt size of its whole history in the answer's usage (the server's "
         "count plus what ContextPaw removed; the report's usage_told names both), so that an agent that compacts "
         "from usage, such as opencode, learns its history overflowed. Off: usage is the server's count."),
+    ask_ollama=Option(bool,
+        "On Ollama's /v1 and Anthropic routes, which cannot ask it to refuse instead of cutting, and without a "
+        "tokenizer for the model: where the estimate cannot tell whether a request fits, ask Ollama's native "
+        "/api/chat to count it (truncate:false, one token) before cutting. What fits goes out unchanged; the "
+        "prompt's prefix is then in the server's cache for the request itself."),
     state_dir=Option(str, "Where the calibration and the archive are kept across restarts (default: confdir).", default=""),
     archive=Option(
         str, "Where evicted content is kept: sqlite (in the state dir), memory, or redis://host:port/db (shared).", read=_archive

@@ -6,6 +6,8 @@ loop pays only for its new messages). Two more numbers come from the server once
 template's fixed cost (system default, generation prompt) and its cost per message. The whole
 request's exact total comes from `/v1/chat/completions/input_tokens` (Anthropic's: `/v1/messages/count_tokens`),
 used to check the result.
+Ollama has no tokenize route: `OllamaCounting` asks its native chat, which refuses instead of
+cutting (`truncate: false`) and otherwise counts what it evaluated.
 Any failure returns None: the caller falls back to its tokenizer or calibrated counter. A server
 whose counting failed is not asked again for `retry_after` seconds, so a hanging `/tokenize` costs one
 timeout, not one per request.
@@ -32,6 +34,7 @@ from contextpaw.core.caches import LRU
 from contextpaw.core.tokens import Counter
 from contextpaw.wire import bodies
 from contextpaw.wire.bodies import JSON_TYPE
+from contextpaw.wire.ollama import refused_count
 
 logger = logs.get(__name__)
 
@@ -264,6 +267,82 @@ class LlamaCppCounting:
             "seconds": round(self.seconds, 3),
             "cached_texts": len(self.texts),
         }
+
+
+ASK_TIMEOUT_S = 180.0
+"""Ollama evaluates the prompt to count it (a minute for 30,000 tokens on a CPU): the request itself
+would wait that long, and then finds the prompt in the server's cache."""
+
+
+@dataclass(frozen=True, slots=True)
+class OllamaCount:
+    """Ollama's answer to a request sent to count it."""
+
+    tokens: int | None
+    """Its count of the prompt (None: it refused without saying one, as versions before 0.13 do)."""
+    fits: bool
+    """It served the prompt whole (False: it refused it as over its window)."""
+
+
+class OllamaCounting:
+    """Asks an Ollama server to count a chat on its native route, one answer cached per body, with
+    the time it took kept (the price of asking); a server that fails is not asked for a while."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout: float = ASK_TIMEOUT_S, retry_after: float = 30.0) -> None:
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.retry_after = retry_after
+        self.counts: LRU = LRU(256)
+        self.calls = 0
+        self.failures = 0
+        self.seconds = 0.0
+        self._resting_until: dict[str, float] = {}
+
+    async def count(self, base_url: str, body: Mapping[str, Any], big: bool = False) -> OllamaCount | None:
+        """Ollama's count of `body` (`wire.ollama.counting_chat`'s), or None: it failed, or answered
+        something that is neither a count nor a refusal."""
+        data = await asyncio.to_thread(_serialized, body, sort_keys=True) if big else _serialized(body, sort_keys=True)
+        key = (base_url, hashlib.blake2b(data, digest_size=12).digest())
+        if key in self.counts:
+            return self.counts[key]
+        if time.monotonic() < self._resting_until.get(base_url, -math.inf):
+            return None
+        started = time.perf_counter()
+        self.calls += 1
+        try:
+            async with self.session.post(base_url.rstrip("/") + "/api/chat", timeout=self.timeout, data=bodies.as_upload(data),
+                                         headers=JSON_HEADERS) as resp:  # fmt: skip
+                answer = orjson.loads(await resp.read())
+                if resp.status == 200:
+                    counted = OllamaCount(int(answer["prompt_eval_count"]), True)
+                elif resp.status == 400 and (refused := _refusal(answer)) is not None:
+                    counted = refused
+                else:
+                    raise ValueError(f"answered {resp.status}: {str(answer)[:200]}")
+        except FAILURES as e:
+            self.failures += 1
+            self._resting_until[base_url] = time.monotonic() + self.retry_after
+            logger.warning("counting at %s/api/chat failed (%s); not asked again for %gs", base_url, e, self.retry_after)
+            return None
+        finally:
+            self.seconds += time.perf_counter() - started
+        self.counts.put(key, counted)
+        return counted
+
+    def stats(self) -> dict[str, Any]:
+        return {"calls": self.calls, "failures": self.failures, "seconds": round(self.seconds, 3)}
+
+
+LEGACY_REFUSAL = "the input length exceeds the context length"
+"""Ollama's refusal of a prompt over its window before it passed llama-server's sentence on."""
+
+
+def _refusal(answer: Any) -> OllamaCount | None:
+    counted = refused_count(answer)
+    if counted is not None:
+        return OllamaCount(counted, False)
+    error = answer.get("error") if isinstance(answer, Mapping) else None
+    return OllamaCount(None, False) if isinstance(error, str) and LEGACY_REFUSAL in error else None
 
 
 TOKENS_OPEN = re.compile(rb'\s*\{\s*"tokens"\s*:\s*\[')

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from contextpaw.calls.server_counts import LlamaCppCounting
+from contextpaw.calls.server_counts import LlamaCppCounting, OllamaCounting
 from contextpaw.calls.summarizer import ChatCompletions
 from contextpaw.core import logs
 from contextpaw.core.tokens import Counter, TokenizerCounter
@@ -67,12 +67,19 @@ class HttpServices:
         """Tokenizer file path -> its counter (None: the file could not be used)."""
         self._loads = InFlight()
         self._counting: LlamaCppCounting | None = None
+        self._asking: OllamaCounting | None = None
 
     @property
     def counting(self) -> LlamaCppCounting:
         if self._counting is None:
             self._counting = LlamaCppCounting(self.session.get())
         return self._counting
+
+    @property
+    def asking(self) -> OllamaCounting:
+        if self._asking is None:
+            self._asking = OllamaCounting(self.session.get())
+        return self._asking
 
     async def tokenizer(self, path: str) -> Counter | None:
         """Load a tokenizer once, in a worker thread (a GGUF vocabulary takes seconds to read), one

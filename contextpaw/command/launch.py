@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from contextpaw.wire import Kind
+from contextpaw.wire import USAGE_HEADER, Kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +129,16 @@ for ("Claude requested permissions to use mcp__contextpaw__contextpaw_retrieve, 
 granted it yet.")."""
 
 
+USAGE_WHOLE = {USAGE_HEADER: "whole"}
+"""Sent by every agent that compacts from the usage it is told (all but aider, which counts its own
+history): after a cut, the usage says the whole history's size, so its own compaction fires on the
+next turn instead of never (`wire.usage_whole`)."""
+
+
+def _usage_note(agent: str, how: str) -> str:
+    return f"{agent}: after a cut, told its whole history's size in the usage ({USAGE_HEADER}: whole, through {how})"
+
+
 def _mcp_note(agent: str, how: str) -> str:
     return f"{agent}: contextpaw_retrieve and contextpaw_search (`contextpaw mcp`, MCP server {MCP_NAME!r}) through {how}"
 
@@ -149,6 +159,7 @@ def claude(target: Target) -> Launch:
         **{name: target.model for name in CLAUDE_MODELS},
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(target.window),
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(target.output),
+        "ANTHROPIC_CUSTOM_HEADERS": "\n".join(f"{name}: {value}" for name, value in USAGE_WHOLE.items()),
     }
     compacts = target.window - min(target.output, 20_000) - 13_000
     command, *args = target.mcp
@@ -158,6 +169,7 @@ def claude(target: Target) -> Launch:
         f"Claude Code: window {target.window} (CLAUDE_CODE_MAX_CONTEXT_TOKENS), answers up to {target.output} tokens; "
         + (f"it compacts its history from {compacts} tokens" if compacts > 0 else
            "it keeps 13,000 tokens for a summary, more than the window leaves: raise the window"),
+        _usage_note("Claude Code", "ANTHROPIC_CUSTOM_HEADERS"),
         _mcp_note("Claude Code", "--mcp-config (this session only, beside your own servers)"),
         f"Claude Code: {' and '.join(MCP_GRANTS)} run without asking (--allowedTools; "
         "your own --allowedTools add to it)",
@@ -171,7 +183,8 @@ def claude(target: Target) -> Launch:
 def codex(target: Target) -> Launch:
     """Codex: a `contextpaw` provider on the Responses API, and `model_context_window` with
     `model_auto_compact_token_limit`, all as `-c` overrides (its config.toml is left alone)."""
-    provider = f'{{name="ContextPaw", base_url={json.dumps(_v1(target))}, wire_api="responses"}}'
+    headers = ", ".join(f"{json.dumps(name)}={json.dumps(value)}" for name, value in USAGE_WHOLE.items())
+    provider = f'{{name="ContextPaw", base_url={json.dumps(_v1(target))}, wire_api="responses", http_headers={{{headers}}}}}'
     overrides = {
         "model": json.dumps(target.model),
         "model_provider": '"contextpaw"',
@@ -188,6 +201,7 @@ def codex(target: Target) -> Launch:
     argv = ("codex", *(a for key, value in overrides.items() for a in ("-c", f"{key}={value}")))
     notes = (f"Codex: window {target.window} (model_context_window); it compacts its history from "
              f"{target.compact_at} tokens (model_auto_compact_token_limit)",
+             _usage_note("Codex", "the provider's http_headers"),
              _mcp_note("Codex", f"-c mcp_servers.{MCP_NAME}.*"),
              f"Codex: {' and '.join(MCP_TOOLS)} run without asking "
              f"(-c mcp_servers.{MCP_NAME}.tools.<tool>.approval_mode=\"approve\")")  # fmt: skip
@@ -205,7 +219,7 @@ def opencode(target: Target) -> Launch:
             "contextpaw": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "ContextPaw",
-                "options": {"baseURL": _v1(target)},
+                "options": {"baseURL": _v1(target), "headers": dict(USAGE_WHOLE)},
                 "models": {target.model: {"name": target.model, "limit": {"context": target.window, "output": target.output}}},
             }
         },
@@ -217,6 +231,7 @@ def opencode(target: Target) -> Launch:
     }
     notes = (f"opencode: window {target.window}, answers up to {target.output} (limit.context, limit.output) "
              f"in {path}, through OPENCODE_CONFIG",
+             _usage_note("opencode", "the provider's options.headers in the same file"),
              _mcp_note("opencode", f"mcp.{MCP_NAME} in the same file"),
              f"opencode: {' and '.join(f'{MCP_NAME}_{tool}' for tool in MCP_TOOLS)} run without asking (permission in "
              "the same file, over your own rules)")  # fmt: skip
@@ -260,7 +275,7 @@ def qwen(target: Target) -> Launch:
     33,000 tokens below it where that is lower and positive."""
     path = _generated(target, "qwen", ".defaults.json")
     settings = {
-        "model": {"generationConfig": {"contextWindowSize": target.window}},
+        "model": {"generationConfig": {"contextWindowSize": target.window, "customHeaders": dict(USAGE_WHOLE)}},
         "mcpServers": {MCP_NAME: {"command": target.mcp[0], "args": list(target.mcp[1:])}},
         # declared up front, not deferred behind its tool_search (a local model seldom searches); a union over scopes
         "tools": {"visible": list(MCP_GRANTS)},
@@ -272,6 +287,7 @@ def qwen(target: Target) -> Launch:
            "QWEN_CODE_MAX_OUTPUT_TOKENS": str(target.output)}  # fmt: skip
     notes = (f"Qwen Code: window {target.window} (model.generationConfig.contextWindowSize in {path}, through "
              f"QWEN_CODE_SYSTEM_DEFAULTS_PATH), answers up to {target.output} (QWEN_CODE_MAX_OUTPUT_TOKENS)",
+             _usage_note("Qwen Code", "model.generationConfig.customHeaders in the same file"),
              _mcp_note("Qwen Code", f"mcpServers.{MCP_NAME} in the same file"),
              f"Qwen Code: {' and '.join(MCP_GRANTS)} run without asking (permissions.allow in the same file, beside "
              "your own rules)")  # fmt: skip

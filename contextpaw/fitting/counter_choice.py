@@ -17,9 +17,10 @@ from contextpaw.core import logs
 from contextpaw.core.caches import LRU
 from contextpaw.core.tokens import Counter, EstimateCounter, ShapeCounter
 from contextpaw.fitting.calibration import MAX_KEYS, CalibratedCounter, Calibration, calibration_key
-from contextpaw.fitting.services import InFlight, Services, off_loop
+from contextpaw.fitting.services import AskedCount, InFlight, Services, off_loop
 from contextpaw.fitting.windows import BackendWindows
 from contextpaw.settings import FitSettings
+from contextpaw.wire import ollama as wire_ollama
 
 logger = logs.get(__name__)
 
@@ -129,6 +130,14 @@ class CounterChoice:
         machine can read it)."""
         show = await self.windows.show(backend, model)
         return show.model_file if show is not None else None
+
+    async def asked(self, backend: wire.Backend, parsed: wire.Chat, big: bool) -> AskedCount | None:
+        """Ollama's own count of a chat, asked on its native route (None: not Ollama, not to be
+        asked, or no answer)."""
+        if backend.kind != wire.Kind.OLLAMA or not self.settings.ask_ollama:
+            return None
+        body = await off_loop(big, functools.partial(wire_ollama.counting_chat, parsed))
+        return await self.services.asking.count(backend.url, body, big)
 
     async def exact_total(self, backend: wire.Backend, parsed: wire.Chat | wire.Prompt, sent: Mapping[str, Any], big: bool) -> int | None:
         """llama-server's own count of a whole request: a chat as it renders it (template, system

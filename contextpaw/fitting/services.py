@@ -87,6 +87,24 @@ class BackendCounting(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
+class AskedCount(Protocol):
+    """Ollama's answer: its count (None where it refused without one), and whether it served the prompt whole."""
+
+    @property
+    def tokens(self) -> int | None: ...
+
+    @property
+    def fits(self) -> bool: ...
+
+
+class OllamaAsking(Protocol):
+    """Ollama's own count of a chat, asked on its native route (`contextpaw.calls.server_counts.OllamaCounting`)."""
+
+    async def count(self, base_url: str, body: Mapping[str, Any], big: bool = False) -> AskedCount | None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
 class Services(Protocol):
     """What the fitter asks of the world; every call is best-effort (None: do without)."""
 
@@ -97,6 +115,9 @@ class Services(Protocol):
 
     @property
     def counting(self) -> BackendCounting: ...
+
+    @property
+    def asking(self) -> OllamaAsking: ...
 
     async def tokenizer(self, path: str) -> Counter | None:
         """A counter from a tokenizer or GGUF file (loaded once, off the event loop)."""

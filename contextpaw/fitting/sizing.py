@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Callable, Mapping
 
 from contextpaw import wire
@@ -141,6 +142,12 @@ class Sizer:
                        "rate, and the server's count of it says whether it was cut")  # fmt: skip
         elif guard is not None and not counter.exact:
             guarded, bound, why = await self._guarded(parsed, budget, backend, big, guard)
+            asked = await self._asked(parsed, counter, fixed, guarded, budget, backend, big, guard)
+            if isinstance(asked, Fitted):
+                return asked
+            if asked is not None:
+                (counter, why), bound = asked, ANCHOR_MARGIN
+                guarded = budget.within(bound)
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)
 
@@ -233,6 +240,44 @@ class Sizer:
         counted = await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
         proved = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
         return max(counted, math.ceil(proved * guard.floor)) <= budget.admits
+
+    async def _asked(
+        self,
+        parsed: wire.Chat | wire.Prompt,
+        counter: Counter,
+        fixed: int,
+        guarded: Budget,
+        budget: Budget,
+        backend: wire.Backend,
+        big: bool,
+        guard: Guard,
+    ) -> Fitted | tuple[CalibratedCounter, str] | None:
+        """Where the guard would cut a chat that may fit, Ollama's own count of it (asked on its
+        native route, `CounterChoice.asked`): a request it counts within the window goes out
+        unchanged, its count in the report; one over it is cut at the rate that count shows (the
+        counter, and why). None: nothing to ask (no cut, or its words prove it over), or no
+        answer, and the guard holds. An answer to a count that no text could give (an Ollama
+        older than `truncate: false` cut the prompt and counted what it kept) is no answer."""
+        if not isinstance(parsed, wire.Chat):
+            return None
+        counted = await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
+        proved = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
+        if counted <= guarded.admits or math.ceil(proved * guard.floor) > budget.admits:
+            return None
+        started = time.perf_counter()
+        asked = await self.counters.asked(backend, parsed, big)
+        if asked is None or asked.tokens is None or not proved:
+            return None
+        rate, took = asked.tokens / proved, time.perf_counter() - started
+        if not ESTIMATE_BOUNDS[0] <= rate <= ESTIMATE_BOUNDS[1]:
+            return None
+        said = f"Ollama counted it at {asked.tokens} tokens, asked on /api/chat with truncate:false in {took:.2f}s"
+        if asked.fits and asked.tokens <= budget.admits:
+            note = f"{said}: it fits the {budget.admits} the window admits, and goes out unchanged"
+            report = Report(False, "none", asked.tokens, asked.tokens, budget.admits, counter="backend", exact=True,
+                            window=budget.window, notes=(note,))  # fmt: skip
+            return Fitted(None, report)
+        return CalibratedCounter(self.estimate, max(rate, guard.floor)), f"{said}, over the window: cut at its rate"
 
     async def _guarded(
         self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, guard: Guard

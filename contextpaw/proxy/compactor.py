@@ -400,7 +400,8 @@ class Compactor:
 
     def _checked_report(self, flow: http.HTTPFlow, state: FlowState, final: Any, counted: int | None) -> bytes | None:
         value = self.fitter.answers.final_report(state, final, counted)
-        if value is not None and isinstance(final, dict) and self.fitter.settings.usage_whole:
+        whole = wire.usage_whole(self.fitter.settings.usage_whole, flow.request.headers.get(wire.USAGE_HEADER))
+        if value is not None and isinstance(final, dict) and whole:
             value = self._usage_told(state, final, value)
         watched = state.watched
         if watched is not None:

@@ -235,6 +235,7 @@ class AdminEndpoints:
                 "order": ["tokenizer option", "backend (llama-server)", "tokenizer (Ollama's GGUF)", "calibrated"],
                 "tokenizers": {path: bool(c) for path, c in self.services.tokenizers.items()},
                 "backend": self.services.counting.stats(),
+                "ollama_asked": self.services.asking.stats(),
             },
             "calibration": self.fitter.calibration.to_json(),
             "summarizer": self.fitter.summarizer.stats() if self.fitter.summarizer else None,

@@ -16,6 +16,7 @@ from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses
 from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     MODEL_FIELD,
     REFUSAL_STATUS,
+    USAGE_HEADER,
     Backend,
     Chat,
     Kind,
@@ -40,6 +41,7 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     read_json,
     told_usage,
     upstream_overflow,
+    usage_whole,
     utf8_type,
     write,
 )

@@ -398,6 +398,20 @@ Anthropic's), and their clients tell an overflow by it and its words; a 413 read
 on the body's size (Anthropic's `request_too_large`)."""
 
 
+USAGE_HEADER = "X-ContextPaw-Usage"
+"""A client's word on the usage it is told after a cut: `whole` (its whole history's size) or
+`served` (the server's count), over the `contextpaw_usage_whole` option. `contextpaw launch` has each
+agent send `whole`: an agent that compacts from usage then learns, on the turn ContextPaw cut, that
+its history is over the window."""
+
+
+def usage_whole(option: bool, header: str | None) -> bool:
+    """Whether the usage told after a cut is the whole history's: the request's `USAGE_HEADER`
+    where it says `whole` or `served`, else the option."""
+    said = (header or "").strip().lower()
+    return said == "whole" if said in ("whole", "served") else option
+
+
 def told_usage(record: Mapping[str, Any], added: int, paths: tuple[tuple[str, ...], ...]) -> dict[str, Any] | None:
     """`record` with `added` tokens added to each integer count at `paths` (the answer's prompt
     size, as the client reads it), or None where it has none of them."""

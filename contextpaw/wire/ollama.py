@@ -131,3 +131,57 @@ def shown_model(request: Any) -> str:
         return ""
     name = request.get("model") or request.get("name")
     return name if isinstance(name, str) else ""
+
+
+# -- asking Ollama for a count: `/api/chat` with `truncate: false` ----------------------------------
+# Ollama has no tokenize route. Its native chat refuses (400, with the count) instead of cutting
+# when told `truncate: false` (v0.12.6+), and answers with `prompt_eval_count` otherwise: one token
+# generated, the prompt evaluated once, and its prefix left in the server's cache for the request
+# itself, which its `/v1` and Anthropic routes render with the same template.
+
+NATIVE_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def _native_tool(tool: Any) -> dict[str, Any] | None:
+    """A tool definition as Ollama's native chat reads it (OpenAI's function shape); None for a
+    tool the template would not render (a server-side tool of Anthropic's or the Responses API)."""
+    if not isinstance(tool, Mapping):
+        return None
+    if isinstance(tool.get("function"), Mapping):
+        return dict(tool)
+    schema = tool.get("input_schema", tool.get("parameters"))
+    if not isinstance(tool.get("name"), str) or not isinstance(schema, Mapping):
+        return None
+    return {"type": "function", "function": {"name": tool["name"], "description": str(tool.get("description", "")), "parameters": schema}}
+
+
+def counting_chat(parsed: Chat) -> dict[str, Any]:
+    """The `/api/chat` body whose count is the count of `parsed` on any of Ollama's chat routes:
+    the system text sent beside the messages first, each message as the text the model reads under
+    the role the template renders it with, the tools in the native shape; at most one token
+    generated, and refused rather than cut (`truncate: false`). No `num_ctx`: the window is the one
+    the request itself gets (a native request that names one asks for it as it would)."""
+    messages = [{"role": "system", "content": parsed.fixed_text}] if parsed.fixed_text else []
+    for m in parsed.conversation.messages:
+        role = m.role if m.role in NATIVE_ROLES else "assistant" if m.speaker == "assistant" else "user"
+        messages.append({"role": role, "content": m.text})
+    tools = parsed.conversation.tools
+    native = [t for t in map(_native_tool, tools) if t is not None] if isinstance(tools, list) else []
+    options: dict[str, Any] = {"num_predict": 1}
+    if parsed.params.num_ctx:
+        options["num_ctx"] = parsed.params.num_ctx
+    body: dict[str, Any] = {"model": parsed.params.model, "messages": messages, "stream": False, "truncate": False, "options": options}
+    if native:
+        body["tools"] = native
+    return body
+
+
+REFUSED_COUNT = re.compile(r"request \((\d+) tokens\) exceeds the available context size")
+
+
+def refused_count(answer: Any) -> int | None:
+    """The count in Ollama's refusal of a prompt over its window (llama-server's sentence, passed
+    on as the error's text); None for any other answer."""
+    error = answer.get("error") if isinstance(answer, Mapping) else None
+    found = REFUSED_COUNT.search(error) if isinstance(error, str) else None
+    return int(found.group(1)) if found else None

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from contextpaw.fitting.sizing import ANCHOR_MARGIN
+from contextpaw.wire import USAGE_HEADER
 from support import agents as cli
 from support.backends import start_module
 from support.recorder import read_log
@@ -159,6 +160,18 @@ def test_the_agent_compacts_itself_before_the_window(session: Session) -> None:
     before = [e for e in session.model_log if e["n"] < first]
     assert max(e["prompt_tokens"] for e in before) < session.window, session.about()
     assert not session.cut(), f"cut or refused: {[e.get('n', e.get('path')) for e in session.cut()]}\n" + session.about()
+
+
+MODEL_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/api/chat")
+
+
+@AGENTS
+def test_the_agent_asks_to_be_told_its_whole_history_after_a_cut(session: Session) -> None:
+    """Each model request carries `X-ContextPaw-Usage: whole`, set by launch in the agent's own
+    settings: after a cut the usage it reads is over its threshold, and its own compaction fires."""
+    chats = [e for e in session.sent if e["path"].split("?")[0] in MODEL_ROUTES]
+    told = [{k.lower(): v for k, v in e["headers"].items()}.get(USAGE_HEADER.lower()) for e in chats]
+    assert chats and told == ["whole"] * len(chats), session.about()
 
 
 @AGENTS

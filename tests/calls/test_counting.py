@@ -473,3 +473,47 @@ def test_a_tokenize_answer_of_another_shape_is_parsed_and_its_tokens_counted(ans
     from contextpaw.calls.server_counts import token_count
 
     assert token_count(answer) == len(json.loads(answer)["tokens"])
+
+
+# -- Ollama asked to count on its native chat --------------------------------------------------
+
+
+async def test_ollama_counts_what_fits_and_names_the_count_of_what_it_refuses() -> None:
+    """The fake Ollama (a word a token) at a 1,000-token window: a request that fits is counted as
+    evaluated, one over it is refused with its count (`truncate: false`), and neither is cut."""
+    import aiohttp
+
+    from contextpaw.calls.server_counts import OllamaCounting
+    from support.fake_ollama import OllamaSettings, fake_ollama_app
+
+    def body(words: int) -> dict[str, object]:
+        return {"model": "fake:latest", "messages": [{"role": "user", "content": "word " * words}], "stream": False,
+                "truncate": False, "options": {"num_predict": 1}}  # fmt: skip
+
+    with running(fake_ollama_app(OllamaSettings(num_ctx=1000), 32768)) as url:
+        async with aiohttp.ClientSession() as session:
+            counting = OllamaCounting(session)
+            fits = await counting.count(url, body(500))
+            over = await counting.count(url, body(3000))
+            assert fits is not None and fits.fits and 500 <= (fits.tokens or 0) < 520
+            assert over is not None and not over.fits and over.tokens is not None and over.tokens >= 3000
+            assert await counting.count(url, body(500)) == fits and counting.stats()["calls"] == 2, "a body is asked once"
+
+
+async def test_an_ollama_that_cannot_count_is_not_asked_again_for_a_while() -> None:
+    import aiohttp
+    from aiohttp import web
+
+    from contextpaw.calls.server_counts import OllamaCounting
+
+    async def unknown(request: web.Request) -> web.Response:
+        return web.json_response({"error": "model 'm' not found"}, status=404)
+
+    app = web.Application()
+    app.router.add_post("/api/chat", unknown)
+    with running(app) as url:
+        async with aiohttp.ClientSession() as session:
+            counting = OllamaCounting(session, retry_after=60)
+            assert await counting.count(url, {"model": "m", "messages": []}) is None
+            assert await counting.count(url, {"model": "m", "messages": [{"role": "user", "content": "x"}]}) is None
+            assert counting.stats() == {"calls": 1, "failures": 1, "seconds": counting.stats()["seconds"]}

@@ -21,7 +21,7 @@ from contextpaw.command import launch
 from contextpaw.ops import admin
 from contextpaw.ops.evicted import MemoryStore
 from contextpaw.ops.metrics import Stats
-from contextpaw.wire import Backend, Kind
+from contextpaw.wire import USAGE_HEADER, Backend, Kind
 
 STATE = Path("/home/u/.contextpaw")
 
@@ -124,7 +124,9 @@ def test_aider_on_llama_server_speaks_openai_without_num_ctx() -> None:
 def test_qwen_code_reads_a_generated_system_defaults_file() -> None:
     plan = launch.plan("qwen", target(32768))
     path = Path(plan.env["QWEN_CODE_SYSTEM_DEFAULTS_PATH"])
-    assert json.loads(plan.files[path])["model"] == {"generationConfig": {"contextWindowSize": 32768}}
+    assert json.loads(plan.files[path])["model"] == {
+        "generationConfig": {"contextWindowSize": 32768, "customHeaders": {USAGE_HEADER: "whole"}}
+    }
     assert plan.env["QWEN_CODE_MAX_OUTPUT_TOKENS"] == "4096"
     assert plan.env["OPENAI_BASE_URL"] == "http://127.0.0.1:8092/v1" and plan.argv[-2:] == ("-m", "qwen3:8b")
 

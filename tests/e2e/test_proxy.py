@@ -116,6 +116,25 @@ def test_without_the_option_a_cut_answer_keeps_the_servers_usage(proxy: Proxy) -
     assert completion.usage is not None and completion.usage.prompt_tokens <= report["budget"]
 
 
+def test_a_client_that_asks_for_the_whole_usage_is_told_it_without_the_option(proxy: Proxy) -> None:
+    """`contextpaw launch` has each agent send `X-ContextPaw-Usage: whole`: the option stays off for
+    every other client of the same ContextPaw."""
+    client = openai.OpenAI(base_url=f"{proxy.llamacpp}/v1", api_key="k", max_retries=0, default_headers={"X-ContextPaw-Usage": "whole"})
+    completion = client.chat.completions.create(model="fake", messages=overflowing(), max_tokens=8)
+    told = completion.model_extra["contextpaw"]["usage_told"]
+    assert completion.usage is not None and completion.usage.prompt_tokens == told["server_prompt_tokens"] + told["added"] > N_CTX
+
+
+def test_a_client_that_asks_for_the_servers_usage_is_told_it_under_the_option(usage_whole: Proxy) -> None:
+    client = openai.OpenAI(
+        base_url=f"{usage_whole.llamacpp}/v1", api_key="k", max_retries=0, default_headers={"X-ContextPaw-Usage": "served"}
+    )
+    completion = client.chat.completions.create(model="fake", messages=overflowing(), max_tokens=8)
+    report = completion.model_extra["contextpaw"]
+    assert report["compacted"] and "usage_told" not in report
+    assert completion.usage is not None and completion.usage.prompt_tokens <= report["budget"]
+
+
 def test_ollama_chat_stream_carries_the_report_in_the_done_record(proxy: Proxy) -> None:
     client, headers = ollama_at(proxy.ollama)
     parts = list(client.chat(model="fake", messages=overflowing(), options=OPTIONS, stream=True))

@@ -49,12 +49,30 @@ class NoCounting:
         return {}
 
 
+class Asked:
+    """An Ollama asked to count: `counts` answers each body in turn (an `OllamaCount`, or None for
+    a failed call); each body asked is kept in `bodies`."""
+
+    def __init__(self, *counts: Any) -> None:
+        self.answers = list(counts)
+        self.bodies: list[Mapping[str, Any]] = []
+
+    async def count(self, base_url: str, body: Mapping[str, Any], big: bool = False) -> Any:
+        self.bodies.append(body)
+        return self.answers.pop(0) if self.answers else None
+
+    def stats(self) -> dict[str, Any]:
+        return {"calls": len(self.bodies)}
+
+
 class FakeServices:
-    """Discovery that knows nothing (every window is the request's own or the default)."""
+    """Discovery that knows nothing (every window is the request's own or the default), and an
+    Ollama that counts nothing when asked."""
 
     def __init__(self) -> None:
         self.fetched: list[tuple[str, str]] = []
         self.counting = NoCounting()
+        self.asking = Asked()
 
     async def fetch(self, method: str, url: str, body: dict[str, Any] | None) -> Any:
         self.fetched.append((method, url))
