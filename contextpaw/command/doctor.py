@@ -206,25 +206,26 @@ def check_llamacpp_window(s: LlamaServer, asked: int | None) -> list[Finding]:
 
 
 def agents_short_of(window: int) -> dict[str, int]:
-    """The agents `contextpaw launch` knows whose fixed part (tools, instructions, environment) and
-    an answer's room do not fit in `window`, each with the least window from there on that holds
-    them (as `launch` decides: its numbers, its room for an answer)."""
-    return {agent: need for agent in launch.FIXED_TOKENS if (need := launch.least_window(agent, window)) > window}
+    """The agents `contextpaw launch` knows that cannot live in `window` on their own compaction,
+    each with the least window that they can (`launch.living_window`: what launch refuses by)."""
+    return {agent: need for agent in launch.FIXED_TOKENS if (need := launch.living_window(agent, window)) > window}
 
 
 def check_agents(subject: str, window: int | None, trained: int | None, raise_to: Callable[[int], str]) -> list[Finding]:
-    """Which agents cannot start at the served `window`: ContextPaw would refuse each of their
-    requests, since what an agent sends before any conversation is never cut. `raise_to(n)` is
-    how to serve this model at `n`; beyond `trained`, only another model helps."""
+    """Which agents cannot live at the served `window` on their own compaction (`contextpaw launch`
+    refuses to start them there): what an agent sends before any conversation is never cut, and
+    its summary and the files it reads again after one need room too. `raise_to(n)` is how to serve
+    this model at `n`; beyond `trained`, only another model helps."""
     if not window:
         return []
     short = agents_short_of(window)
     if not short:
-        most = max(launch.FIXED_TOKENS, key=launch.FIXED_TOKENS.__getitem__)
-        return [Finding("ok", subject, f"{window:,} tokens hold the tools and instructions of every agent `contextpaw launch` "
-                                       f"starts, and an answer ({most}, the largest, needs {launch.least_window(most, 0):,})")]  # fmt: skip
-    what = (f"{window:,} tokens are too few for {_names([f'{a} ({n:,})' for a, n in short.items()])}: the tools and "
-            "instructions each sends, with room for an answer, need that window, so ContextPaw would refuse their every request")  # fmt: skip
+        most = max(launch.FIXED_TOKENS, key=lambda agent: launch.living_window(agent, window))
+        return [Finding("ok", subject, f"{window:,} tokens are enough for every agent `contextpaw launch` starts to work on its "
+                                       f"own compaction ({most}, the most demanding, needs {launch.living_window(most, 0):,})")]  # fmt: skip
+    what = (f"{window:,} tokens are too few for {_names([f'{a} ({n:,})' for a, n in short.items()])} to keep working on "
+            "their own compaction (their tools and instructions, their summary, the files they read again and an answer "
+            "need that window): `contextpaw launch` refuses to start them there")  # fmt: skip
     reachable = {agent: need for agent, need in short.items() if not trained or need <= trained}
     beyond = [agent for agent in short if agent not in reachable]
     fixes = []

@@ -65,6 +65,14 @@ class Target:
         return answer_room(self.window)
 
     @property
+    def read_room(self) -> int:
+        """Room for what one turn adds after the agent last saw its usage (a file read whole, up to
+        40 KB: 12,000 tokens): a third of the window, at most 12,000 tokens. An agent that checks
+        its usage after each answer compacts this much before the window, so the next read still
+        fits (with a quarter, a 40 KB read after a turn just under the threshold overflowed)."""
+        return min(self.window // 3, 12_000)
+
+    @property
     def compact_at(self) -> int:
         """Where an agent that takes a token count compacts: nine tenths of what the answer's room
         leaves, so that one more turn fits before the window."""
@@ -210,8 +218,10 @@ def codex(target: Target) -> Launch:
 
 def opencode(target: Target) -> Launch:
     """opencode: a generated config (`OPENCODE_CONFIG`, merged over the user's own) with a
-    `contextpaw` provider whose model has `limit.context` and `limit.output`; opencode compacts when
-    its history leaves less than the answer's room."""
+    `contextpaw` provider whose model has `limit.context`, `limit.input` and `limit.output`. opencode
+    compacts after an answer whose usage passes `limit.input` less `compaction.reserved`; reserved
+    is the answer's room and a read's (`Target.read_room`), so the turn after its last check still
+    fits (with the answer's room alone, a 10,000-token read took it over the window first)."""
     path = _generated(target, "opencode", ".json")
     config = {
         "$schema": "https://opencode.ai/config.json",
@@ -220,17 +230,25 @@ def opencode(target: Target) -> Launch:
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "ContextPaw",
                 "options": {"baseURL": _v1(target), "headers": dict(USAGE_WHOLE)},
-                "models": {target.model: {"name": target.model, "limit": {"context": target.window, "output": target.output}}},
+                "models": {
+                    target.model: {
+                        "name": target.model,
+                        "limit": {"context": target.window, "input": target.window, "output": target.output},
+                    }
+                },
             }
         },
+        # it compacts once its usage passes `limit.input` less `compaction.reserved`: the answer's room and a read's
+        "compaction": {"reserved": target.output + target.read_room},
         "model": f"contextpaw/{target.model}",
         "small_model": f"contextpaw/{target.model}",
         "mcp": {MCP_NAME: {"type": "local", "command": list(target.mcp), "enabled": True, "timeout": MCP_STARTUP_S * 1000}},
         # run without asking: `opencode run` rejects what it would ask for; the user's other rules stay (merged)
         "permission": {f"{MCP_NAME}_{tool}": "allow" for tool in MCP_TOOLS},
     }
-    notes = (f"opencode: window {target.window}, answers up to {target.output} (limit.context, limit.output) "
-             f"in {path}, through OPENCODE_CONFIG",
+    notes = (f"opencode: window {target.window}, answers up to {target.output} (limit.context, limit.input, limit.output) "
+             f"in {path}, through OPENCODE_CONFIG; it compacts its history from "
+             f"{target.window - target.output - target.read_room} tokens (compaction.reserved)",
              _usage_note("opencode", "the provider's options.headers in the same file"),
              _mcp_note("opencode", f"mcp.{MCP_NAME} in the same file"),
              f"opencode: {' and '.join(f'{MCP_NAME}_{tool}' for tool in MCP_TOOLS)} run without asking (permission in "
@@ -321,9 +339,41 @@ def least_window(agent: str, window: int) -> int:
     return window
 
 
+LIVING_WINDOWS: Mapping[str, int] = MappingProxyType(
+    {"claude": 65_536, "codex": 32_768, "opencode": 32_768, "qwen": 32_768, "aider": 16_384}
+)
+"""The least window in which each pinned agent, launched, lives through a long session of file reads
+(20 reads of 20-40 KB files, 5,000-10,000 tokens each) on its own compaction: it finishes, and it
+compacts before the window. Measured with `scripts/bench/agent_sessions.py --via launch` (the
+numbers in docs/measurements.md). Below it, each fails its own way: Claude Code keeps 13,000 tokens
+for its summary besides its answer's room and reads its last files back after it, and stops with
+`autocompact_thrashing`."""
+
+
+def living_window(agent: str, window: int) -> int:
+    """The least window the agent lives in: the measured one, or the one its fixed part and an
+    answer need (`least_window`), whichever is more."""
+    return max(LIVING_WINDOWS[agent], least_window(agent, window))
+
+
+def too_small(agent: str, target: Target) -> str | None:
+    """Why the agent cannot live in the window served (None: it can), with the window it needs
+    and how the backend gives it."""
+    need = living_window(agent, target.window)
+    if target.num_ctx >= need:
+        return None
+    how = (f"start llama-server with -c {need}" if target.kind == Kind.LLAMACPP else
+           f"start Ollama with OLLAMA_CONTEXT_LENGTH={need}, or give {target.model} a Modelfile with PARAMETER num_ctx {need} "
+           "(`contextpaw doctor` says which applies)")  # fmt: skip
+    fixed = FIXED_TOKENS[agent]
+    return (f"{agent} needs a window of at least {need:,} to keep working through a long session on its own compaction "
+            f"(its tools and instructions take about {fixed:,} tokens, then its summary, the files it reads again and an "
+            f"answer); {target.model} is served at {target.num_ctx:,}. To serve it at {need:,}: {how}")  # fmt: skip
+
+
 def plan(agent: str, target: Target) -> Launch:
     """The launch of `agent` at `target` (KeyError: not an agent `launch` knows), with a note where
-    the window cannot hold the agent's own fixed part and an answer."""
+    the window cannot hold the agent's own fixed part and an answer: every request would be refused."""
     chosen = PLANS[agent](target)
     least = least_window(agent, target.window)
     if target.window >= least:

@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
                    help="ContextPaw's state directory: the generated files go under launch/, and `contextpaw mcp` reads the "
                         "proxy's token there (default ~/.contextpaw, ContextPaw's own)")  # fmt: skip
     p.add_argument("--print", action="store_true", help="show what would be set and written, as a shell script; start nothing")
+    p.add_argument("--force", action="store_true",
+                   help="start the agent even where the window served is less than it needs to live on its own compaction")  # fmt: skip
     return p
 
 
@@ -160,10 +162,16 @@ def main(argv: Sequence[str]) -> int:
     ours, agent_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     ns = parser().parse_args(ours)
     try:
-        chosen = launch.plan(ns.agent, target(ns))
+        aimed = target(ns)
+        short = launch.too_small(ns.agent, aimed)
+        if short is not None and not ns.force:
+            raise LaunchError(f"{short}; or start it anyway with --force")
+        chosen = launch.plan(ns.agent, aimed)
     except LaunchError as e:
         print(f"contextpaw launch: {e}", file=sys.stderr)
         return 2
+    if short is not None:
+        print(f"contextpaw launch: started anyway (--force): {short}", file=sys.stderr)
     if ns.print:
         sys.stdout.write(chosen.script(tuple(agent_args)))
         return 0

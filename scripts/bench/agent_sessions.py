@@ -130,7 +130,7 @@ class Spec:
     behaviour: str
     tokenizer: bool
     via: str
-    """direct | contextpaw"""
+    """direct | contextpaw | launch (`contextpaw launch AGENT`: the agent told the window and its settings)"""
     files: int
     n_ctx: int
 
@@ -178,6 +178,15 @@ class Result:
     """References whose marker read otherwise in a later request (one reference, one text)."""
     marker_share: float = 0.0
     """The most of a prompt's characters that ContextPaw's markers took."""
+    compactions: int = 0
+    """The agent's own summary requests (the scripted model answered them as summaries)."""
+    files_read: int = 0
+    """Files whose FACT line reached the model in some request (each file was read)."""
+    largest_share: float = 0.0
+    """The largest prompt the server counted, as a share of the window."""
+    asked_seconds: float = 0.0
+    asked_calls: int = 0
+    """What asking Ollama to count took (`contextpaw_ask_ollama`), from ContextPaw's health page."""
     notes: list[str] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
@@ -203,6 +212,10 @@ class Result:
             "least / turn": pct(self.least),
             "markers rewritten": self.rewritten,
             "markers, most of a prompt": pct(self.marker_share),
+            "own compactions": self.compactions,
+            "files read": f"{self.files_read}/{self.spec.files}",
+            "largest prompt": pct(self.largest_share),
+            "asking": f"{self.asked_calls} in {self.asked_seconds:.1f} s",
         }  # fmt: skip
 
 
@@ -216,20 +229,8 @@ def run_agent(agent: str, binary: Path, base: str, task: str, home: Path, projec
                                       timeout=timeout)  # fmt: skip
     if agent == "qwen":  # told no window, as Claude Code and Codex: it assumes 200,000 and never compacts here
         return agent_cli.run_qwen(binary, base, task, home=home, cwd=project, timeout=timeout,
-                                  settings={"tools": {"truncateToolOutputThreshold": QWEN_TOOL_OUTPUT_LIMIT}})  # fmt: skip
+                                  settings={"tools": {"truncateToolOutputThreshold": agent_cli.QWEN_TOOL_OUTPUT_LIMIT}})  # fmt: skip
     raise ValueError(agent)
-
-
-CODEX_TOOL_OUTPUT_LIMIT = 50_000
-"""Codex keeps about 2,500 tokens of a command's output in its history by default (it keeps the
-start and the end, and says "Warning: truncated output"), whatever the call asked for. The sessions
-raise that (`tool_output_token_limit`) so that a whole file reaches the model unless a cut
-shrinks it, as with the other agents."""
-
-
-QWEN_TOOL_OUTPUT_LIMIT = 200_000
-"""Qwen Code keeps the first 25,000 characters of what its read_file returns by default
-(`tools.truncateToolOutputThreshold`), so the sessions raise that too."""
 
 
 def run_codex(binary: Path, base: str, task: str, *, home: Path, cwd: Path, timeout: float) -> agent_cli.AgentRun:
@@ -238,7 +239,7 @@ def run_codex(binary: Path, base: str, task: str, *, home: Path, cwd: Path, time
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     (codex_home / "config.toml").write_text(
-        f'model = "fake-model"\nmodel_provider = "local"\ntool_output_token_limit = {CODEX_TOOL_OUTPUT_LIMIT}\n\n'
+        f'model = "fake-model"\nmodel_provider = "local"\ntool_output_token_limit = {agent_cli.CODEX_TOOL_OUTPUT_LIMIT}\n\n'
         f'[model_providers.local]\nname = "local"\nbase_url = "{base.rstrip("/")}/v1"\nwire_api = "responses"\n'
         'env_key = "LOCAL_KEY"\nrequest_max_retries = 0\nstream_max_retries = 0\n\n[analytics]\nenabled = false\n'
     )
@@ -281,15 +282,29 @@ def run_session(spec: Spec, binary: Path, work: Path, options: Sequence[str] = (
         model = exits.enter_context(start_module("support.scripted_model", args, "/", work / "model.out", timeout=180))
         stack = None
         base = model.url
-        if spec.via == "contextpaw":
+        if spec.via in ("contextpaw", "launch"):
             stack, stops = agent_cli.start_contextpaw_stack(work / "stack", model.url, options)
             exits.enter_context(stops)
             base = stack.front
-        run = run_agent(spec.agent, binary, base, task_text(files), work / "home", project, spec, timeout)
+        if spec.via == "launch":
+            run = agent_cli.run_launched(spec.agent, binary, base, task_text(files), home=work / "home", cwd=project,
+                                         state=work / "state", timeout=timeout, force=True)  # fmt: skip
+        else:
+            run = run_agent(spec.agent, binary, base, task_text(files), work / "home", project, spec, timeout)
         (work / "agent.out").write_text(run.describe())
+        asked = asked_of(stack.proxy.url) if stack else {}
     result = Result(spec, run.returncode, round(run.seconds, 1), final_text(spec.agent, run))
+    result.asked_calls, result.asked_seconds = int(asked.get("calls", 0)), float(asked.get("seconds", 0.0))
     analyse(result, files, read_log(log), read_log(stack.front_log) if stack else None)
     return result
+
+
+def asked_of(proxy: str) -> dict[str, Any]:
+    """What ContextPaw's health page says of asking Ollama to count (calls, seconds)."""
+    import urllib.request
+
+    with urllib.request.urlopen(proxy + "/contextpaw/health", timeout=30) as answer:
+        return dict(json.loads(answer.read())["counter"].get("ollama_asked") or {})
 
 
 # --- the measures -------------------------------------------------------------------------------
@@ -360,8 +375,16 @@ def whole_in(text: str, seen: str) -> int:
     return found
 
 
+def asked_count(entry: Mapping[str, Any]) -> bool:
+    """Whether a request the model received is ContextPaw asking Ollama for a count (its native
+    chat, `truncate: false`, one token), not the agent's."""
+    body = entry.get("body") or {}
+    return entry.get("api") == "ollama" and body.get("truncate") is False and (body.get("options") or {}).get("num_predict") == 1
+
+
 def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[str, Any]], front_log: list[dict[str, Any]] | None) -> None:
     n_ctx = result.spec.n_ctx
+    model_log = [e for e in model_log if not asked_count(e)]
     agent_turns = [e for e in model_log if e.get("reply", {}).get("kind") in ("tool", "final", "lost") or e["status"] != 200]
     agent_turns = [e for e in agent_turns if (e.get("body") or {}).get("tools")]
     result.requests = len(model_log)
@@ -373,6 +396,10 @@ def analyse(result: Result, files: Sequence[ProjectFile], model_log: list[dict[s
     result.finished = result.exit_code == 0 and bool(final) and result.final_answer.startswith("Done.")
     answer = result.final_answer if result.final_answer else (final[-1]["reply"]["text"] if final else "")
     result.facts = sum(1 for f in files if f.fact in answer)
+    result.compactions = sum(1 for e in model_log if (e.get("reply") or {}).get("kind") == "summary")
+    seen = "\n".join(json.dumps(e.get("body"), ensure_ascii=False) for e in model_log)
+    result.files_read = sum(1 for f in files if f.fact in seen)
+    result.largest_share = max((e.get("prompt_tokens") or 0 for e in model_log), default=0) / n_ctx
     # the client's requests, by their last message, for pairing
     sent: dict[str, list[dict[str, Any]]] = {}
     for entry in front_log or []:
@@ -502,13 +529,15 @@ def _head_change(api: str, sent: Mapping[str, Any], received: Mapping[str, Any])
 # --- the matrix ---------------------------------------------------------------------------------
 
 
-def matrix(agents: Iterable[str], behaviours: Iterable[str], tokenizers: Iterable[str], files: int, n_ctx: int) -> list[Spec]:
+def matrix(
+    agents: Iterable[str], behaviours: Iterable[str], tokenizers: Iterable[str], vias: Sequence[str], files: int, n_ctx: int
+) -> list[Spec]:
     specs = []
     for agent in agents:
         for behaviour in behaviours:
             # llama-server always counts with its own tokenizer: only Ollama runs without one
             for tokenizer in [True] if behaviour == "llamacpp" else [t == "yes" for t in tokenizers]:
-                for via in ("direct", "contextpaw"):
+                for via in vias:
                     specs.append(Spec(agent, behaviour, tokenizer, via, files, n_ctx))
     return specs
 
@@ -516,12 +545,17 @@ def matrix(agents: Iterable[str], behaviours: Iterable[str], tokenizers: Iterabl
 COLUMNS = ("agent", "backend", "tokenizer", "path", "finished", "turns", "facts", "cuts", "window at cuts", "target",
            "cuts on target", "use from 1st cut", "fresh whole", "head identical", "pairs intact", "markers reported", "silent cuts",
            "re-eval / turn", "least / turn")  # fmt: skip
+LAUNCH_COLUMNS = ("agent", "backend", "tokenizer", "window", "finished", "files read", "own compactions", "cuts",
+                  "largest prompt", "asking")  # fmt: skip
+"""The launch sessions' table (issue 55): does the agent's own compaction keep it under the window."""
 
 
 def table(results: Sequence[Result]) -> str:
-    rows = [r.row() for r in results]
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(row[c]) for c in COLUMNS) + " |" for row in rows]
+    launched = all(r.spec.via == "launch" for r in results)
+    columns = LAUNCH_COLUMNS if launched else COLUMNS
+    rows = [{**r.row(), "window": r.spec.n_ctx} for r in results]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -530,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", default=",".join(AGENTS), help="comma-separated: claude,codex,opencode,qwen")
     parser.add_argument("--behaviours", default=",".join(BEHAVIOURS), help="comma-separated: ollama,llamacpp")
     parser.add_argument("--tokenizers", default="no,yes", help="on Ollama: no (ContextPaw estimates), yes (the GGUF)")
-    parser.add_argument("--via", default="direct,contextpaw", help="comma-separated: direct,contextpaw")
+    parser.add_argument("--via", default="direct,contextpaw", help="comma-separated: direct,contextpaw,launch")
     parser.add_argument("--files", type=int, default=12)
     parser.add_argument("--n-ctx", type=int, default=32768)
     parser.add_argument("--set", dest="options", action="append", default=[], help="a ContextPaw option, name=value")
@@ -548,8 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     work = (args.work or Path(__import__("tempfile").mkdtemp(prefix="agent-sessions-"))).resolve()
     if args.commit:
         use_commit(args.commit, work)
-    via = set(args.via.split(","))
-    specs = [s for s in matrix(names, args.behaviours.split(","), args.tokenizers.split(","), args.files, args.n_ctx) if s.via in via]
+    specs = matrix(names, args.behaviours.split(","), args.tokenizers.split(","), args.via.split(","), args.files, args.n_ctx)
     results = []
     for spec in specs:
         started = time.monotonic()

@@ -56,28 +56,6 @@ def task(paths: list[Path]) -> str:
     return f"Read these {len(paths)} files in this order, one per turn, with your file-reading tool, then list every FACT line:\n{listed}\n"
 
 
-def headless(agent: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str], str | None]:
-    """The agent's own arguments for one non-interactive run, the environment that keeps it offline
-    and in ``home``, and its stdin: nothing that names a window, a model or a provider."""
-    if agent == "claude":
-        env = {k: v for k, v in cli.CLAUDE_ENV.items() if k != "ANTHROPIC_AUTH_TOKEN"}
-        return ["-p", "--output-format", "json"], {**env, "CLAUDE_CONFIG_DIR": str(home / ".claude")}, prompt
-    if agent == "codex":
-        codex_home = home / ".codex"
-        codex_home.mkdir(parents=True, exist_ok=True)
-        # Codex keeps ~2,500 tokens of a command's output by default; the files are read whole
-        (codex_home / "config.toml").write_text("tool_output_token_limit = 50000\n\n[analytics]\nenabled = false\n")
-        return ["exec", "--json", "--skip-git-repo-check", "-"], {"CODEX_HOME": str(codex_home)}, prompt
-    if agent == "opencode":
-        return ["run", prompt, "--format", "json"], dict(cli.OPENCODE_ENV), None
-    if agent == "qwen":
-        settings = home / ".qwen" / "settings.json"
-        settings.parent.mkdir(parents=True, exist_ok=True)
-        settings.write_text(json.dumps(cli.qwen_settings(None)))
-        return ["--yolo", "-o", "json"], dict(cli.QWEN_ENV), prompt
-    raise ValueError(agent)
-
-
 @dataclass
 class Session:
     agent: str
@@ -111,23 +89,7 @@ def launch_session(agent: str, behaviour: str, binary: Path, work: Path) -> Sess
         model = exits.enter_context(start_module("support.scripted_model", args, "/", work / "model.out", timeout=180))
         stack, stops = cli.start_contextpaw_stack(work / "stack", model.url)
         exits.enter_context(stops)
-        own, env, stdin = headless(agent, home, task(paths))
-        env = cli.scratch_env(home, {**env, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
-        argv = [
-            sys.executable,
-            "-m",
-            "contextpaw.command.cli",
-            "launch",
-            agent,
-            "--url",
-            stack.front,
-            "--state-dir",
-            str(work / "state"),
-            "--",
-            *own,
-        ]
-        code, out, err, seconds = cli.run_process(argv, env, project, 300, stdin=stdin)
-        run = cli.AgentRun(argv, code, out, err, None, seconds, home)
+        run = cli.run_launched(agent, binary, stack.front, task(paths), home=home, cwd=project, state=work / "state", timeout=300)
         (work / "agent.out").write_text(run.describe())
     return Session(agent, window, run, read_log(log), read_log(stack.front_log))
 

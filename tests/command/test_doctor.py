@@ -131,32 +131,31 @@ def test_render_shows_each_fix_under_its_finding_and_counts_problems() -> None:
 # -- the agents' fixed part against the served window -----------------------------------------------
 
 
-def launch_warns(agent: str, window: int) -> bool:
-    """Whether `contextpaw launch` says the agent's tools and instructions leave it no room at `window`."""
-    plan = launch.plan(agent, launch.Target("http://127.0.0.1:8092", "m", window, Kind.LLAMACPP, Path("/state")))
-    return any("ContextPaw refuses every request" in note for note in plan.notes)
+def launch_refuses(agent: str, window: int) -> bool:
+    """Whether `contextpaw launch` refuses to start the agent (without --force) at `window`."""
+    return launch.too_small(agent, launch.Target("http://127.0.0.1:8092", "m", window, Kind.LLAMACPP, Path("/state"))) is not None
 
 
-@pytest.mark.parametrize("window", [1024, 4096, 8192, 16384, 18432, 32768])
-def test_the_agents_short_of_a_window_are_those_launch_warns_of_each_with_a_window_launch_accepts(window: int) -> None:
+@pytest.mark.parametrize("window", [1024, 4096, 8192, 16384, 18432, 32768, 65536])
+def test_the_agents_short_of_a_window_are_those_launch_refuses_each_with_a_window_launch_accepts(window: int) -> None:
     short = doctor.agents_short_of(window)
-    assert set(short) == {agent for agent in launch.FIXED_TOKENS if launch_warns(agent, window)}
+    assert set(short) == {agent for agent in launch.FIXED_TOKENS if launch_refuses(agent, window)}
     for agent, need in short.items():
-        assert need > window and need % 1024 == 0 and not launch_warns(agent, need), (agent, need)
+        assert need > window and need % 1024 == 0 and not launch_refuses(agent, need), (agent, need)
 
 
-def test_at_4096_every_agent_but_aider_is_short_and_qwen_needs_the_most() -> None:
+def test_at_4096_every_agent_is_short_and_claude_code_needs_the_most() -> None:
     short = doctor.agents_short_of(4096)
-    assert set(short) == {"claude", "codex", "opencode", "qwen"}
-    assert max(short, key=short.__getitem__) == "qwen" and doctor.agents_short_of(short["qwen"]) == {}
+    assert set(short) == set(launch.FIXED_TOKENS)
+    assert max(short, key=short.__getitem__) == "claude" and doctor.agents_short_of(short["claude"]) == {}
 
 
 def test_an_ollama_window_too_small_for_agents_names_them_and_how_to_raise_it() -> None:
     short = doctor.agents_short_of(4096)
     [finding] = doctor.check_ollama_agents(OllamaModel("http://o:1", "qwen3:8b", 4096, 131072, None))
     assert finding.level == "note" and finding.subject == "http://o:1 model qwen3:8b"
-    assert all(f"{agent} ({need:,})" in finding.what for agent, need in short.items()) and "aider" not in finding.what
-    assert "refuse their every request" in finding.what
+    assert all(f"{agent} ({need:,})" in finding.what for agent, need in short.items())
+    assert "`contextpaw launch` refuses to start them" in finding.what
     most = max(short.values())
     assert f"for all of them, a window of {most:,}" in finding.fix
     assert f"OLLAMA_CONTEXT_LENGTH={most}" in finding.fix and f"contextpaw_ollama_context_length={most}" in finding.fix
@@ -168,7 +167,7 @@ def test_an_ollama_window_set_by_the_modelfile_is_raised_in_the_modelfile() -> N
 
 
 def test_a_window_that_holds_every_agent_is_one_ok_line() -> None:
-    [finding] = doctor.check_ollama_agents(OllamaModel("http://o:1", "m", 32768, 131072, None))
+    [finding] = doctor.check_ollama_agents(OllamaModel("http://o:1", "m", 65536, 131072, None))
     assert finding.level == "ok" and "every agent" in finding.what and not finding.fix
 
 
@@ -179,17 +178,17 @@ def test_an_unknown_window_says_nothing_of_agents() -> None:
 
 def test_llama_server_slots_are_raised_per_slot_and_an_agent_beyond_the_trained_length_needs_another_model() -> None:
     short = doctor.agents_short_of(2048)
-    [finding] = doctor.check_llamacpp_agents(LlamaServer("http://l:1", 2048, 4, 16384))
+    [finding] = doctor.check_llamacpp_agents(LlamaServer("http://l:1", 2048, 4, 32768))
     assert finding.level == "note" and finding.subject == "http://l:1 (llama-server)"
-    reachable = max(need for need in short.values() if need <= 16384)
+    reachable = max(need for need in short.values() if need <= 32768)
     assert f"-c {reachable * 4} -np 4" in finding.fix and f"-c {reachable} -np 1" in finding.fix
-    assert "qwen needs more than the 16,384 tokens the model was trained on" in finding.fix
-    assert "for claude, codex and opencode" in finding.fix
+    assert "claude needs more than the 32,768 tokens the model was trained on" in finding.fix
+    assert "for codex, opencode, aider and qwen" in finding.fix
 
 
 def test_a_llama_server_window_is_the_smallest_slot() -> None:
-    [finding] = doctor.check_llamacpp_agents(LlamaServer("http://l:1", 32768, 2, 131072, slot_windows=(32768, 4096)))
-    assert finding.what.startswith("4,096 tokens are too few") and "-c 19456 -np 1" in finding.fix
+    [finding] = doctor.check_llamacpp_agents(LlamaServer("http://l:1", 65536, 2, 131072, slot_windows=(65536, 4096)))
+    assert finding.what.startswith("4,096 tokens are too few") and "-c 65536 -np 1" in finding.fix
 
 
 def test_agents_that_do_not_fit_are_a_note_not_a_problem() -> None:

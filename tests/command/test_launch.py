@@ -100,8 +100,12 @@ def test_opencode_reads_a_generated_config_in_the_state_dir() -> None:
     plan = launch.plan("opencode", target(24576))
     ((path, text),) = plan.files.items()
     assert plan.env == {"OPENCODE_CONFIG": str(path)} and path.parent == STATE / "launch"
-    model = json.loads(text)["provider"]["contextpaw"]["models"]["qwen3:8b"]
-    assert model["limit"] == {"context": 24576, "output": 3072}
+    config = json.loads(text)
+    model = config["provider"]["contextpaw"]["models"]["qwen3:8b"]
+    assert model["limit"] == {"context": 24576, "input": 24576, "output": 3072}
+    # opencode compacts from limit.input less reserved: the answer's room and a read of 8,192 (a third of the window)
+    assert config["compaction"] == {"reserved": 3072 + 8192}
+    assert any("compacts its history from 13312 tokens" in note for note in plan.notes)
     assert path.name == "opencode-qwen3-8b.json"
 
 

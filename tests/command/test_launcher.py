@@ -97,3 +97,22 @@ def test_launch_says_what_it_waits_for(admin, tmp_path, capsys) -> None:
 def test_nothing_answering_is_said_with_every_address_tried() -> None:
     with pytest.raises(launcher.LaunchError, match=r"no ContextPaw answers at http://127.0.0.1:9 or http://127.0.0.1:7"):
         launcher.proxy_url(None, {"CONTEXTPAW_PORT": "9", "CONTEXTPAW_LLAMACPP_PORT": "7"})
+
+
+def test_a_window_the_agent_cannot_live_in_is_refused_with_the_window_it_needs_and_how(admin, tmp_path, capsys) -> None:
+    """Served at 8,192, Codex would compact turn after turn and still overflow: launch starts
+    nothing, names the window it needs and the server's option that gives it."""
+    url, _ = admin
+    assert launcher.main(["codex", "--url", url, "--state-dir", str(tmp_path), "--print"]) == 2
+    err = capsys.readouterr().err
+    assert "codex needs a window of at least 32,768" in err and "smollm2 is served at 8,192" in err
+    assert "start llama-server with -c 32768" in err and "--force" in err
+    assert not (tmp_path / "launch").exists()
+
+
+def test_force_starts_the_agent_anyway_and_says_so(admin, tmp_path, capsys) -> None:
+    url, _ = admin
+    assert launcher.main(["codex", "--url", url, "--state-dir", str(tmp_path), "--print", "--force"]) == 0
+    out, err = capsys.readouterr()
+    assert "exec codex" in out and "model_context_window=8192" in out
+    assert "started anyway (--force): codex needs a window of at least 32,768" in err

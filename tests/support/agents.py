@@ -379,6 +379,61 @@ def run_qwen(
 _located: dict[tuple[str, ...], Agents] = {}
 
 
+CODEX_TOOL_OUTPUT_LIMIT = 50_000
+"""Codex keeps about 2,500 tokens of a command's output in its history by default (its start and
+end, with "Warning: truncated output"), whatever the call asked for: raised, so that a file read
+reaches the model whole unless a cut shrinks it, as with the other agents."""
+QWEN_TOOL_OUTPUT_LIMIT = 200_000
+"""Qwen Code keeps the first 25,000 characters of what its read_file returns by default
+(`tools.truncateToolOutputThreshold`): raised too."""
+
+
+def launch_arguments(agent: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str], str | None]:
+    """For `contextpaw launch AGENT -- ARGS`: the agent's own arguments for one non-interactive run,
+    the environment that keeps it offline and in ``home``, and its stdin; nothing that names a
+    window, a model or a provider (launch sets those)."""
+    if agent == "claude":
+        env = {k: v for k, v in CLAUDE_ENV.items() if k != "ANTHROPIC_AUTH_TOKEN"}
+        return ["-p", "--output-format", "json"], {**env, "CLAUDE_CONFIG_DIR": str(home / ".claude")}, prompt
+    if agent == "codex":
+        codex_home = home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        (codex_home / "config.toml").write_text(f"tool_output_token_limit = {CODEX_TOOL_OUTPUT_LIMIT}\n\n[analytics]\nenabled = false\n")
+        return ["exec", "--json", "--skip-git-repo-check", "-"], {"CODEX_HOME": str(codex_home)}, prompt
+    if agent == "opencode":
+        return ["run", prompt, "--format", "json"], dict(OPENCODE_ENV), None
+    if agent == "qwen":
+        settings = home / ".qwen" / "settings.json"
+        settings.parent.mkdir(parents=True, exist_ok=True)
+        settings.write_text(json.dumps({**qwen_settings(None), "tools": {"truncateToolOutputThreshold": QWEN_TOOL_OUTPUT_LIMIT}}))
+        return ["--yolo", "-o", "json"], dict(QWEN_ENV), prompt
+    raise ValueError(agent)
+
+
+def run_launched(
+    agent: str, binary: Path, front: str, prompt: str, *, home: Path, cwd: Path, state: Path, timeout: float, force: bool = False
+) -> AgentRun:
+    """`contextpaw launch AGENT --url FRONT -- <launch_arguments>` in ``cwd``, the agent's binary
+    first on PATH (`force`: in a window launch would refuse); ``result`` is what the agent printed,
+    parsed as one JSON value or JSON lines."""
+    import sys
+
+    own, env, stdin = launch_arguments(agent, home, prompt)
+    env = scratch_env(home, {**env, "PATH": f"{binary.parent}:{scratch_env(home)['PATH']}"})
+    argv = [sys.executable, "-m", "contextpaw.command.cli", "launch", agent, "--url", front, "--state-dir", str(state),
+            *(["--force"] if force else []), "--", *own]  # fmt: skip
+    cwd.mkdir(parents=True, exist_ok=True)
+    code, out, err, seconds = run_process(argv, env, cwd, timeout, stdin=stdin)
+    parsed = _json_or_none(out.strip())
+    if parsed is None:
+        parsed = [e for e in (_json_or_none(line) for line in out.splitlines() if line.strip()) if isinstance(e, dict)]
+    events = [e for e in parsed if isinstance(e, dict)] if isinstance(parsed, list) else []
+    # opencode's text parts, or the result event Qwen Code ends with (Claude Code's is `result` itself)
+    text = "".join(e["part"].get("text", "") for e in events if e.get("type") == "text" and isinstance(e.get("part"), dict))
+    text = text or next((str(e.get("result") or "") for e in reversed(events) if e.get("type") == "result"), "")
+    return AgentRun(argv, code, out, err, parsed, seconds, home, {"text": text})
+
+
 def require_agents(*names: str) -> dict[str, Path]:
     """The proven binaries, installing them if need be (once per test session); otherwise the test
     skips with get_agents.sh's reason. Under CI (``$CI`` set) only an unreachable registry may skip:

@@ -611,6 +611,10 @@ class ScriptedModel:
             entry |= {"status": 400, "cut": False, "cut_tokens": 0, "evaluated_tokens": 0, "body": body}
             self.write(entry)
             return web.json_response(context_overflow_error(len(tokens), n_ctx), status=400)
+        if api == "ollama" and body.get("truncate") is False and len(tokens) >= n_ctx:  # Ollama refuses instead of cutting
+            entry |= {"status": 400, "cut": False, "cut_tokens": 0, "evaluated_tokens": 0, "body": body}
+            self.write(entry)
+            return web.json_response({"error": compact_json(context_overflow_error(len(tokens), n_ctx))}, status=400)
         seen = text
         if self.settings.behaviour == "ollama" and len(tokens) > n_ctx:
             tokens, seen = await asyncio.to_thread(self.ollama_fit, conversation)
