@@ -31,6 +31,11 @@ PREFIX = "contextpaw_"
 """An option is named this and the settings field it sets: `contextpaw_keep_recent` sets `keep_recent`."""
 
 
+MAX_TTL_S = 10 * 365 * 86_400
+"""The longest `contextpaw_evicted_ttl`: ten years. Redis refuses an expiry past what its clock can
+add (a TTL of 10**30 was taken, and every write of the archive failed)."""
+
+
 class Option(NamedTuple):
     """An option: what an addon's `load` declares (`declare`) and how its settings read it."""
 
@@ -44,6 +49,8 @@ class Option(NamedTuple):
     """The field's value from the option's, or a ValueError that says what is wrong with it."""
     default: Any = None
     """The option's default (in the table below, None is the field's)."""
+    most: int | None = None
+    """The largest value it takes (numbers only)."""
 
     def value(self, options: Any, name: str) -> Any:
         """The field's value from the option `name` of `options`, or a ValueError that names it."""
@@ -52,6 +59,8 @@ class Option(NamedTuple):
             raise ValueError(f"{name} must be one of {', '.join(self.choices)}, not {value!r}")
         if self.least is not None and value < self.least:
             raise ValueError(f"{name} must be at least {self.least}, not {value}")
+        if self.most is not None and value > self.most:
+            raise ValueError(f"{name} must be at most {self.most}, not {value}")
         if self.read is None:
             return value
         try:
@@ -206,7 +215,7 @@ FIT_OPTIONS = _with_field_defaults(
     conversations=Option(int, "Conversations whose eviction plan is remembered (LRU).", least=1),
     evicted_items=Option(int, "Evicted contents kept for /contextpaw/evicted/<id>.", least=1),
     evicted_mb=Option(int, "Megabytes of evicted content kept.", least=1),
-    evicted_ttl=Option(int, "Seconds evicted content is kept.", least=1),
+    evicted_ttl=Option(int, "Seconds evicted content is kept (at most ten years).", least=1, most=MAX_TTL_S),
     discover_window=Option(bool,
         "Ask the backend for the model's real window (llama-server /props; Ollama /api/ps, /api/show)."),
     tokenizer=Option(str,

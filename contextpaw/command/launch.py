@@ -268,12 +268,14 @@ def aider(target: Target) -> Launch:
                        "input_cost_per_token": 0, "output_cost_per_token": 0,
                        "litellm_provider": name.split("/")[0], "mode": "chat"}}  # fmt: skip
     files = {metadata_path: json.dumps(metadata, indent=2) + "\n"}
-    argv = ["aider", "--model", name, "--model-metadata-file", str(metadata_path)]
+    # `--flag=VALUE` wherever a value comes from the backend (the model's name): a name such as `--yes-always`
+    # is then a value, never a flag of the agent's own
+    argv = ["aider", f"--model={name}", f"--model-metadata-file={metadata_path}"]
     if target.kind == Kind.OLLAMA:
         env = {"OLLAMA_API_BASE": target.proxy.rstrip("/")}
         settings_path = _generated(target, "aider", ".settings.yml")
         files[settings_path] = json.dumps([{"name": name, "extra_params": {"num_ctx": target.num_ctx}}], indent=2) + "\n"
-        argv += ["--model-settings-file", str(settings_path)]
+        argv += [f"--model-settings-file={settings_path}"]
         defaults = {}
     else:
         env = {"OPENAI_API_BASE": _v1(target)}
@@ -309,7 +311,7 @@ def qwen(target: Target) -> Launch:
              _mcp_note("Qwen Code", f"mcpServers.{MCP_NAME} in the same file"),
              f"Qwen Code: {' and '.join(MCP_GRANTS)} run without asking (permissions.allow in the same file, beside "
              "your own rules)")  # fmt: skip
-    return Launch("qwen", ("qwen", "--auth-type", "openai", "-m", target.model), _frozen(env),
+    return Launch("qwen", ("qwen", "--auth-type", "openai", f"--model={target.model}"), _frozen(env),
                   _frozen({"OPENAI_API_KEY": "contextpaw"}), MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}), notes)  # fmt: skip
 
 

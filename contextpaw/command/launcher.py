@@ -36,6 +36,10 @@ def proxies(environ: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(f"http://{host}:{port.strip()}" for port in ports)
 
 
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""What asks ContextPaw: straight to it, never through `http_proxy` (ContextPaw is on this machine,
+and `contextpaw mcp` sends the local token with what it asks)."""
+
 DEFAULT_STATE_DIR = "~/.contextpaw"
 ASK_TIMEOUT_S = 120.0
 """Learning an Ollama model's window may load it, as the agent's first request would."""
@@ -73,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
 def ask(url: str) -> tuple[int, Any]:
     """GET `url`: (status, JSON body or None); status 0 when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=ASK_TIMEOUT_S) as answer:
+        with DIRECT.open(url, timeout=ASK_TIMEOUT_S) as answer:
             return answer.status, json.loads(answer.read() or b"null")
     except urllib.error.HTTPError as e:
         try:

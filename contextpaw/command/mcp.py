@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from contextpaw.command.launcher import DEFAULT_PROXIES, proxies
+from contextpaw.command.launcher import DEFAULT_PROXIES, DIRECT, proxies
 from contextpaw.core import parts, refs
 
 ANSWERING = (200, 503)
@@ -99,7 +99,7 @@ class Proxy:
         if token:
             request.add_header("X-ContextPaw-Token", token)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as answer:
+            with DIRECT.open(request, timeout=self.timeout) as answer:
                 return answer.status, json.loads(answer.read() or b"null")
         except urllib.error.HTTPError as e:
             try:

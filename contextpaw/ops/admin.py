@@ -234,12 +234,17 @@ class Admin:
 
 
 def _part(path: str) -> int | str | None:
-    """`?part=N` of an evicted reference's path: the number, the text where it is not one, None
-    where none is asked."""
+    """`?part=N` of an evicted reference's path: the number, the text where it is not one (or is
+    more digits than any part has: Python refuses to read an int of 5,000), None where none is asked."""
     asked = parse_qs(urlsplit(path).query).get("part")
     if not asked:
         return None
-    return int(asked[0]) if asked[0].isascii() and asked[0].isdigit() else asked[0]
+    number = asked[0].lstrip("0") or "0"
+    return int(number) if number.isascii() and number.isdigit() and len(number) <= PART_DIGITS else asked[0]
+
+
+PART_DIGITS = 9
+"""The most digits a part number is read with: a hole's parts are counted in thousands at most."""
 
 
 def _asking(part: int) -> str:

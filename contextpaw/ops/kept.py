@@ -53,11 +53,12 @@ def read_state(path: Path, limit: int = STATE_LIMIT) -> bytes | None:
     except (OSError, RuntimeError) as e:  # RuntimeError: a loop of links
         logger.warning("state file %s cannot be opened (%s): starting fresh", path, e)
         return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # looked at on the descriptor: a directory cannot even be wrapped in a file
+        os.close(fd)
+        logger.warning("state file %s is not a regular file (%s): not read; starting fresh", path, _kind(info.st_mode))
+        return None
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            logger.warning("state file %s is not a regular file (%s): not read; starting fresh", path, _kind(info.st_mode))
-            return None
         try:
             data = f.read(limit + 1) if info.st_size <= limit else b""
         except OSError as e:

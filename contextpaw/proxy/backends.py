@@ -23,6 +23,7 @@ from contextpaw.core import logs
 from contextpaw.fitting.services import InFlight
 from contextpaw.ops.metrics import FailureLedger
 from contextpaw.proxy.replies import REFUSED_MARK, flag, refused_comment, reply
+from contextpaw.relay.exchange import OWN_PREFIX
 from contextpaw.relay.loopback import Relay
 from contextpaw.settings import BACKEND_OPTIONS, MAX_BODY_MB, BackendSettings, declare
 from contextpaw.wire import bodies
@@ -290,17 +291,24 @@ class Backends:
         self._marked[flow] = marks
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        self._unmark(flow)
+        """The mark comes off; and a backend's own `X-ContextPaw-*` headers do not reach the client
+        as this instance's (the relay drops them as the backend's answer comes: `exchange.OWN_PREFIX`)."""
+        if self._unmark(flow) and flow.response is not None:
+            for name in [n for n in flow.response.headers if n.lower().startswith(OWN_PREFIX.decode())]:
+                del flow.response.headers[name]
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._unmark(flow)
 
-    def _unmark(self, flow: http.HTTPFlow) -> None:
-        if (marks := self._marked.pop(flow, None)) is not None:
-            if marks:
-                flow.request.headers[HOP_HEADER] = ", ".join(marks)
-            else:
-                flow.request.headers.pop(HOP_HEADER, None)
+    def _unmark(self, flow: http.HTTPFlow) -> bool:
+        """Take this instance's mark off; whether it had sent the flow on (marked) itself."""
+        if (marks := self._marked.pop(flow, None)) is None:
+            return False
+        if marks:
+            flow.request.headers[HOP_HEADER] = ", ".join(marks)
+        else:
+            flow.request.headers.pop(HOP_HEADER, None)
+        return True
 
     async def _checked(self, flow: http.HTTPFlow, relayed: bool) -> None:
         size, limit = len(flow.request.raw_content or b""), self.settings.max_body_bytes

@@ -160,7 +160,10 @@ class AdminEndpoints:
         peer = flow.client_conn.peername[0] if flow.client_conn.peername else ""
         token = flow.request.headers.get("X-ContextPaw-Token")
         host = client_host(flow)
-        trusted = admin.token_matches(token, ctx.options.contextpaw_admin_token, self.local_token)
+        # the state dir's local token (what `contextpaw mcp` reads) is this machine's: good on the loopback only;
+        # the operator's admin token is for clients elsewhere
+        local = self.local_token if admin.loopback_address(peer) else None
+        trusted = admin.token_matches(token, ctx.options.contextpaw_admin_token, local)
         own = tuple(f"{scheme}://{host}".lower() for scheme in ("http", "https")) if host else ()
         if admin.cross_site(flow.request.headers.get("Origin"), flow.request.headers.get("Sec-Fetch-Site"), own):
             answer = admin.json_reply(403, {"error": "ContextPaw endpoints do not answer requests made for another site"})

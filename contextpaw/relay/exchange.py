@@ -128,9 +128,14 @@ def _close(work: Awaitable[Any]) -> None:
         work.close()
 
 
+OWN_PREFIX = b"x-contextpaw-"
+"""ContextPaw's headers: a backend's own of that name are not passed on, or the client would read
+them as this ContextPaw's (a report it did not make, an error it did not have)."""
+
+
 def answer_headers(response: h11.Response, length: int | None = None) -> list[tuple[bytes, bytes]]:
-    """The backend answer's own headers, as they came, without its connection's (the sink frames and
-    keeps its own); with the body's `length` when the answer is passed on whole."""
+    """The answer's own headers, as they came, without its connection's (the sink frames and keeps
+    its own); with the body's `length` when the answer is passed on whole."""
     headers = [(k, v) for k, v in response.headers.raw_items() if k.lower() not in CONNECTION_HEADERS]
     if length is not None:
         headers.append((b"Content-Length", str(length).encode()))
@@ -300,7 +305,10 @@ class Exchange:
         while isinstance(response, h11.InformationalResponse):
             response = await self._next_event(timeouts.headers, "before its answer's headers", "sent no answer")
         assert isinstance(response, h11.Response)
-        return response
+        if not any(k.lower().startswith(OWN_PREFIX) for k, _ in response.headers.raw_items()):
+            return response
+        kept = [(k, v) for k, v in response.headers.raw_items() if not k.lower().startswith(OWN_PREFIX)]
+        return h11.Response(status_code=response.status_code, headers=kept, reason=response.reason, http_version=response.http_version)
 
     def _streams(self, response: h11.Response) -> bool:
         content_type = dict(response.headers).get(b"content-type", b"").decode("latin-1")

@@ -109,10 +109,15 @@ def test_opencode_reads_a_generated_config_in_the_state_dir() -> None:
     assert path.name == "opencode-qwen3-8b.json"
 
 
+def given(argv: tuple[str, ...], flag: str) -> str:
+    """The value of `--flag=VALUE` in `argv` (launch writes a value the backend chose so)."""
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(flag + "="))
+
+
 def test_aider_on_ollama_asks_for_the_served_window_as_num_ctx() -> None:
     plan = launch.plan("aider", target(16384, Kind.OLLAMA))
-    metadata, settings = (Path(plan.argv[plan.argv.index(flag) + 1]) for flag in ("--model-metadata-file", "--model-settings-file"))
-    assert plan.argv[plan.argv.index("--model") + 1] == "ollama_chat/qwen3:8b"
+    metadata, settings = (Path(given(plan.argv, flag)) for flag in ("--model-metadata-file", "--model-settings-file"))
+    assert given(plan.argv, "--model") == "ollama_chat/qwen3:8b"
     assert json.loads(plan.files[metadata])["ollama_chat/qwen3:8b"]["max_input_tokens"] == 16384
     assert json.loads(plan.files[settings]) == [{"name": "ollama_chat/qwen3:8b", "extra_params": {"num_ctx": 16384}}]
     assert plan.env == {"OLLAMA_API_BASE": "http://127.0.0.1:8092"}
@@ -120,8 +125,8 @@ def test_aider_on_ollama_asks_for_the_served_window_as_num_ctx() -> None:
 
 def test_aider_on_llama_server_speaks_openai_without_num_ctx() -> None:
     plan = launch.plan("aider", target(16384, Kind.LLAMACPP))
-    assert plan.argv[plan.argv.index("--model") + 1] == "openai/qwen3:8b"
-    assert "--model-settings-file" not in plan.argv
+    assert given(plan.argv, "--model") == "openai/qwen3:8b"
+    assert not any(a.startswith("--model-settings-file") for a in plan.argv)
     assert plan.env == {"OPENAI_API_BASE": "http://127.0.0.1:8092/v1"} and plan.defaults == {"OPENAI_API_KEY": "contextpaw"}
 
 
@@ -132,7 +137,7 @@ def test_qwen_code_reads_a_generated_system_defaults_file() -> None:
         "generationConfig": {"contextWindowSize": 32768, "customHeaders": {USAGE_HEADER: "whole"}}
     }
     assert plan.env["QWEN_CODE_MAX_OUTPUT_TOKENS"] == "4096"
-    assert plan.env["OPENAI_BASE_URL"] == "http://127.0.0.1:8092/v1" and plan.argv[-2:] == ("-m", "qwen3:8b")
+    assert plan.env["OPENAI_BASE_URL"] == "http://127.0.0.1:8092/v1" and plan.argv[-1] == "--model=qwen3:8b"
 
 
 @pytest.mark.parametrize("agent", sorted(launch.PLANS))
@@ -306,3 +311,13 @@ async def test_the_window_endpoint_asks_for_the_model_on_ollama_and_for_a_backen
     named = await _admin().answer("GET", "/contextpaw/window?model=qwen3%3A8b", ollama)
     assert json.loads(named.body)["model"] == "qwen3:8b"
     assert (await _admin().answer("GET", "/contextpaw/window?model=m", none)).status == 404
+
+
+@pytest.mark.parametrize("agent", sorted(launch.PLANS))
+def test_a_model_name_the_backend_chose_never_becomes_an_argument_of_its_own(agent: str) -> None:
+    """A backend that lists one model named `--yolo`: `qwen -m --yolo` read it as "approve every
+    tool call". Every value launch passes from the backend is `--flag=VALUE`, JSON inside `-c`, or in
+    a file."""
+    plan = launch.plan(agent, dataclasses.replace(target(65536), model="--yolo"))
+    assert "--yolo" not in plan.argv
+    assert all(not a.endswith(" --yolo") for a in plan.argv)

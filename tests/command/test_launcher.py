@@ -116,3 +116,35 @@ def test_force_starts_the_agent_anyway_and_says_so(admin, tmp_path, capsys) -> N
     out, err = capsys.readouterr()
     assert "exec codex" in out and "model_context_window=8192" in out
     assert "started anyway (--force): codex needs a window of at least 32,768" in err
+
+
+def test_contextpaw_is_asked_straight_never_through_an_http_proxy(admin, monkeypatch) -> None:
+    """`contextpaw mcp` sends the local token with what it asks: with `http_proxy` set (and no
+    `no_proxy`), the token went to that proxy. Both commands ask ContextPaw straight."""
+    from contextpaw.command.mcp import Proxy
+
+    seen: list[str] = []
+
+    class Elsewhere(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(self.headers.get("X-ContextPaw-Token") or "")
+            self.send_response(502)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    relay = ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    url, _ = admin
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{relay.server_address[1]}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    try:
+        assert Proxy(url=url, token="secret").get(url + "/contextpaw/health", "secret")[0] == 200
+        assert launcher.ask(url + "/contextpaw/health")[0] == 200
+    finally:
+        relay.shutdown()
+        relay.server_close()
+    assert seen == []

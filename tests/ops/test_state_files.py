@@ -55,7 +55,12 @@ def oversized(path: Path) -> None:
     path.write_text(json.dumps({"ratios": {"ollama/m": [1.2]}, "version": 0, "entries": {}, "pad": "x" * STATE_LIMIT}))
 
 
-@pytest.mark.parametrize("make", [dev_zero, fifo, oversized], ids=["link to /dev/zero", "FIFO", "over the limit"])
+def directory(path: Path) -> None:
+    """A directory where the file goes: it cannot even be opened as a file object (the proxy did not start)."""
+    path.mkdir()
+
+
+@pytest.mark.parametrize("make", [dev_zero, fifo, oversized, directory], ids=["link to /dev/zero", "FIFO", "over the limit", "directory"])
 def test_a_special_or_oversized_state_file_is_refused_promptly_small_and_with_one_line_each(tmp_path: Path, make) -> None:
     path = tmp_path / "state"
     make(path)

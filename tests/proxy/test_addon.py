@@ -152,6 +152,8 @@ def test_fit_options_are_validated_with_a_clear_message(compactor: Alone[Compact
         compactor.configure(contextpaw_default_ctx=1000)
     with pytest.raises(exceptions.OptionsError, match="contextpaw_keep_recent must be at least 0"):
         compactor.configure(contextpaw_keep_recent=-1)
+    with pytest.raises(exceptions.OptionsError, match="contextpaw_evicted_ttl must be at most 315360000"):
+        compactor.configure(contextpaw_evicted_ttl=10**30)  # Redis refused every write with it
 
 
 def test_a_backend_url_is_validated_with_a_clear_message(backends: Alone[Backends]) -> None:

@@ -55,9 +55,11 @@ async def compacted(proxy: Proxy, body: dict | None = None) -> tuple[dict, http.
     return sent, flow
 
 
-async def read(proxy: Proxy, path: str, **headers: str) -> http.Response:
+async def read(proxy: Proxy, path: str, peer: str = "", **headers: str) -> http.Response:
     flow = reverse(get(path))
     flow.request.headers.update(headers)
+    if peer:
+        flow.client_conn.peername = (peer, 40000)
     await proxy.send(flow)
     assert flow.response is not None
     return flow.response
@@ -89,6 +91,12 @@ async def test_the_markers_command_prints_the_content_as_text_in_parts_that_join
     assert "".join(pieces) == whole and all(len(p.encode()) <= parts.PART_BYTES for p in pieces)
     past, odd = await read(proxy, f"/contextpaw/evicted/{ref}?part=99"), await read(proxy, f"/contextpaw/evicted/{ref}?part=²")
     assert past.status_code == odd.status_code == 400 and f"comes in {header[2]} part(s)" in past.text and "a number" in odd.text
+    huge, padded = (
+        await read(proxy, f"/contextpaw/evicted/{ref}?part={'9' * 5000}"),
+        await read(proxy, f"/contextpaw/evicted/{ref}?part=0002"),
+    )
+    assert huge.status_code == 400 and "a number" in huge.text, "5,000 digits: no int is read (a 500 before)"
+    assert padded.text == (await read(proxy, f"/contextpaw/evicted/{ref}?part=2")).text, "0002 is part 2"
     forged = await read(proxy, f"/contextpaw/evicted/{ref[:-4]}0000?part=1")
     assert forged.status_code == 404, "a part is read with the capability only"
 
@@ -104,6 +112,17 @@ async def test_without_the_capability_the_answer_is_the_unknown_ids(proxy: Proxy
     results = json.loads(found.content)["results"]
     assert found.status_code == 200 and 1 <= len(results) <= 3 and all(r["ref"].startswith("cp-") for r in results)
     assert (await read(proxy, "/contextpaw/search?q=log")).status_code == 403  # loopback, but no token
+
+
+async def test_the_local_token_opens_nothing_from_another_machine(proxy: Proxy, tmp_path: Path) -> None:
+    """The state dir's token is what `contextpaw mcp` on this machine sends: from a peer elsewhere it
+    is no token at all (the operator's contextpaw_admin_token is the one for other machines)."""
+    sent, _ = await compacted(proxy)
+    ref = COMMAND.findall(json.dumps(sent))[0][1]
+    token = {"X-ContextPaw-Token": keys.local_token(tmp_path), "Host": "127.0.0.1:11435"}
+    assert (await read(proxy, "/contextpaw/search?q=log", **token)).status_code == 200
+    assert (await read(proxy, "/contextpaw/search?q=log", peer="192.0.2.7", **token)).status_code == 403
+    assert (await read(proxy, f"/contextpaw/evicted/{ref.split('.')[0]}", peer="192.0.2.7", **token)).status_code == 403
 
 
 @pytest.mark.parametrize(
