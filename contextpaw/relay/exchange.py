@@ -307,8 +307,8 @@ class Exchange:
         assert isinstance(response, h11.Response)
         if not any(k.lower().startswith(OWN_PREFIX) for k, _ in response.headers.raw_items()):
             return response
-        kept = [(k, v) for k, v in response.headers.raw_items() if not k.lower().startswith(OWN_PREFIX)]
-        return h11.Response(status_code=response.status_code, headers=kept, reason=response.reason, http_version=response.http_version)
+        theirs = [(k, v) for k, v in response.headers.raw_items() if not k.lower().startswith(OWN_PREFIX)]
+        return h11.Response(status_code=response.status_code, headers=theirs, reason=response.reason, http_version=response.http_version)
 
     def _streams(self, response: h11.Response) -> bool:
         content_type = dict(response.headers).get(b"content-type", b"").decode("latin-1")
