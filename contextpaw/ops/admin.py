@@ -34,11 +34,15 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from contextpaw import wire
-from contextpaw.core import parts, refs
+from contextpaw.core import logs, parts, refs
 from contextpaw.ops.evicted import EvictedStore
 from contextpaw.ops.metrics import Stats, package_version
 
+logger = logs.get(__name__)
+
 PREFIX = "/contextpaw/"
+STORE_WAIT_S = 2.0
+"""How long a metrics scrape waits for the archive's figures (Prometheus's own timeout is 10 s)."""
 JSON = "application/json"
 
 
@@ -176,16 +180,26 @@ class Admin:
             return json_reply(200, await self.runtime())
         if name == "metrics":  # each backend is asked whether it answers, as /health asks
             self.stats.answering = [(b["kind"], b["url"], b["answers"]) for b in (await self.health())["backends"]]
+            self.stats.kept = await self._kept_figures()
             return Reply(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
         if name.startswith("evicted/"):
+            # off the loop always: a shared archive answers over the network, a hole of megabytes is
+            # parsed for its parts, and SQLite waits on its lock while a long search holds it
             part = _part(path)
-            read = functools.partial(self.evicted, name.removeprefix("evicted/"), trusted, secret, part)
-            if self.store.blocking_reads or part is not None:  # a shared archive over the network, or a
-                return await asyncio.to_thread(read)  # hole of megabytes parsed for its parts: off the loop
-            return read()
+            return await asyncio.to_thread(self.evicted, name.removeprefix("evicted/"), trusted, secret, part)
         if name == "search":
             return await self.search(path, trusted, secret)
         return json_reply(404, {"error": f"no such ContextPaw endpoint: {path}"})
+
+    async def _kept_figures(self) -> tuple[int, int] | None:
+        """(items, bytes) the archive keeps, asked in a thread within `STORE_WAIT_S` (None: it did
+        not answer in time, and the scrape goes on without them): a hung Redis froze every client
+        for 20 s at each scrape when the collector asked it on the event loop."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(lambda: (len(self.store), self.store.bytes)), STORE_WAIT_S)
+        except Exception as e:  # a timeout, or the store's own failure (Redis down, garbage under its keys)
+            logger.warning("the evicted archive's figures were not read for /contextpaw/metrics (%s)", type(e).__name__)
+            return None
 
     def evicted(self, ref: str, trusted: bool, secret: bytes, part: int | str | None = None) -> Reply:
         """What `ref` stands for, to whoever saw its marker or holds a token: as JSON, or with

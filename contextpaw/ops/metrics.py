@@ -164,6 +164,8 @@ class Stats(Collector):
         """More counters owned by other addons (the GPU arbiter's), read at each scrape."""
         self.answering: list[tuple[str, str, bool]] = []
         """(kind, url, answers) per backend, as the last health probe found them (set before each scrape)."""
+        self.kept: tuple[int, int] | None = (0, 0)
+        """(items, bytes) the archive keeps, read off the loop before each scrape (None: it did not answer)."""
         self.build = {"version": package_version(), "mitmproxy": package_version("mitmproxy"), "python": platform.python_version()}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -261,12 +263,14 @@ class Stats(Collector):
         for kind, url, answers in self.answering:
             up.add_metric((label(kind) if kind else UNKNOWN, label(url)), float(answers))
         yield up
-        yield GaugeMetricFamily(
-            "contextpaw_evicted_store_items", "Evicted contents kept for /contextpaw/evicted/<id>", value=len(self.store)
-        )
-        yield GaugeMetricFamily(
-            "contextpaw_evicted_store_bytes", "Bytes of evicted content kept for /contextpaw/evicted/<id>", value=self.store.bytes
-        )
+        yield GaugeMetricFamily("contextpaw_evicted_store_up", "1 if the evicted archive said what it keeps when this scrape asked, else 0",
+                                value=float(self.kept is not None))  # fmt: skip
+        if self.kept is not None:
+            items, size = self.kept
+            yield GaugeMetricFamily("contextpaw_evicted_store_items", "Evicted contents kept for /contextpaw/evicted/<id>", value=items)
+            yield GaugeMetricFamily(
+                "contextpaw_evicted_store_bytes", "Bytes of evicted content kept for /contextpaw/evicted/<id>", value=size
+            )
 
     @staticmethod
     def _histogram(

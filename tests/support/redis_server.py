@@ -18,6 +18,8 @@ import pytest
 from support.common import free_port
 
 BINARY = "redis-server"
+PIDS: dict[str, int] = {}
+"""Each running server's process id, by its URL (a test that hangs it sends SIGSTOP)."""
 
 
 def require_redis() -> str:
@@ -46,8 +48,11 @@ def redis_server(workdir: Path) -> Iterator[str]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start: {(workdir / f'redis-{port}.log').read_text()[-500:]}")
             time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
+        url = f"redis://127.0.0.1:{port}/0"
+        PIDS[url] = process.pid
+        yield url
     finally:
+        PIDS.pop(f"redis://127.0.0.1:{port}/0", None)
         process.terminate()
         process.wait(timeout=10)
         log.close()
