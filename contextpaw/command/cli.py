@@ -19,11 +19,12 @@ import asyncio
 import functools
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from contextpaw import wire
@@ -87,7 +88,10 @@ what is wrong (windows smaller than the model's, unreachable backends, a tokeniz
 listeners beyond the loopback).
 
 `contextpaw launch AGENT [--print] [-- AGENT ARGS]` starts claude, codex, opencode, aider or qwen
-pointed at a running ContextPaw, told the window it serves (`contextpaw launch --help`)."""
+pointed at a running ContextPaw, told the window it serves (`contextpaw launch --help`).
+
+`contextpaw mcp` is an MCP server (stdio) whose contextpaw_retrieve and contextpaw_search tools read
+back what ContextPaw evicted; launch registers it with each agent (`contextpaw mcp --help`)."""
 
 
 OWN_GROUPS = ("contextpaw", "the earlier proxy's flags")
@@ -229,9 +233,27 @@ def fronted(ns: argparse.Namespace, sources: Mapping[str, str] | None = None) ->
     return backends, notes
 
 
+class ParserDone(Exception):
+    """The parser has said all there is to say (`--help`, or a usage error and its status): mitmproxy
+    turns a SystemExit from its parser into exit 1, after its own advice about flags it renamed
+    ("--port is deprecated", which is ContextPaw's own flag)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+def _parser_done(p: argparse.ArgumentParser, status: int = 0, message: str | None = None) -> NoReturn:
+    if message:
+        p._print_message(message, sys.stderr)
+    raise ParserDone(status)
+
+
 def command_parser(mitmproxy_parser: Callable[[Any], argparse.ArgumentParser], opts: Any) -> argparse.ArgumentParser:
-    """mitmdump's (or mitmweb's) own parser, with ContextPaw's arguments and help added."""
+    """mitmdump's (or mitmweb's) own parser, with ContextPaw's arguments and help added; `--help`
+    exits 0 and a usage error 2, each in ContextPaw's words (`ParserDone`)."""
     p = mitmproxy_parser(opts)
+    p.exit = functools.partial(_parser_done, p)  # type: ignore[method-assign]
     p.prog, p.epilog, p.formatter_class = "contextpaw", EPILOG, argparse.RawDescriptionHelpFormatter
     p.description = __doc__.split("\n\n")[0]
     p.set_defaults(filter_args=None)  # mitmweb has none; run() asks
@@ -239,6 +261,21 @@ def command_parser(mitmproxy_parser: Callable[[Any], argparse.ArgumentParser], o
     ours = [g for g in p._action_groups if g.title in OWN_GROUPS]
     p._action_groups = [*ours, *(g for g in p._action_groups if g not in ours)]  # --help shows them first
     return p
+
+
+WRONG_TYPE = re.compile(r"Expected (?P<expected>.+) for (?P<option>\w+), but got <class '(?P<got>\w+)'>\.?")
+TYPE_WORDS = {"<class 'int'>": "a whole number", "<class 'bool'>": "true or false", "<class 'str'>": "a text",
+              "collections.abc.Sequence[str]": "a list ([a, b], or one '- a' a line)"}  # fmt: skip
+
+
+def wrong_type(error: str) -> str | None:
+    """mitmproxy's TypeError for an option's value read from config.yaml, in a person's words
+    (None: some other TypeError, which is a bug to show whole)."""
+    found = WRONG_TYPE.fullmatch(error.strip())
+    if found is None:
+        return None
+    expected = TYPE_WORDS.get(found["expected"], found["expected"])
+    return f"{found['option']} must be {expected}, not a {found['got']}"
 
 
 def version_text() -> str:
@@ -516,7 +553,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         quiet = {"termlog_verbosity": "warn"} if args.quiet and not (args.options or args.commands) else {}
         return {**mitmdump_filters(args), **quiet}
 
-    run(WithContextPaw, functools.partial(command_parser, mitmproxy_parser), [*mitmproxy_args(backends), *argv], extra)
+    try:
+        run(WithContextPaw, functools.partial(command_parser, mitmproxy_parser), [*mitmproxy_args(backends), *argv], extra)
+    except ParserDone as done:
+        sys.exit(done.status)
+    except TypeError as e:  # mitmproxy reads config.yaml's values unchecked: a wrong type ends in its TypeError
+        said = wrong_type(str(e))
+        if said is None:
+            raise
+        confdir = next(iter(_set_values(argv, "confdir")[-1:]), presets(ns)["confdir"])
+        print(f"contextpaw: {said}, in {Path(confdir).expanduser() / 'config.yaml'}", file=sys.stderr)
+        sys.exit(2)
 
 
 def doctor_parser() -> argparse.ArgumentParser:

@@ -315,6 +315,13 @@ def qwen(target: Target) -> Launch:
                   _frozen({"OPENAI_API_KEY": "contextpaw"}), MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}), notes)  # fmt: skip
 
 
+INSTALL: Mapping[str, str] = MappingProxyType({
+    "claude": "npm install -g @anthropic-ai/claude-code", "codex": "npm install -g @openai/codex",
+    "opencode": "npm install -g opencode-ai", "qwen": "npm install -g @qwen-code/qwen-code", "aider": "pipx install aider-chat",
+})  # fmt: skip
+"""How each agent is installed, for launch to say where one is missing (the versions tested are in docs/agents.md)."""
+
+
 PLANS: Mapping[str, Callable[[Target], Launch]] = MappingProxyType(
     {"claude": claude, "codex": codex, "opencode": opencode, "aider": aider, "qwen": qwen}
 )

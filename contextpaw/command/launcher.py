@@ -181,7 +181,8 @@ def main(argv: Sequence[str]) -> int:
         return 0
     binary = shutil.which(chosen.argv[0])
     if binary is None:
-        print(f"contextpaw launch: {chosen.argv[0]} is not on PATH (--print shows what it would be started with)", file=sys.stderr)
+        print(f"contextpaw launch: {chosen.argv[0]} is not on PATH: install it with `{launch.INSTALL[ns.agent]}` "
+              "(--print shows what it would be started with)", file=sys.stderr)  # fmt: skip
         return 2
     for path, text in chosen.files.items():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Literal, Protocol, cast
 
 import h11
@@ -149,7 +150,8 @@ def json_answer(status: int, body: dict[str, Any], *headers: tuple[bytes, bytes]
 
 def _whole_answer(status: int, data: bytes, *headers: tuple[bytes, bytes]) -> list[h11.Event]:
     head = [(b"Content-Type", JSON_TYPE), (b"Content-Length", str(len(data)).encode()), *headers]
-    return [h11.Response(status_code=status, headers=head), h11.Data(data=data), h11.EndOfMessage()]
+    reason = HTTPStatus(status).phrase.encode() if status in HTTPStatus._value2member_map_ else b""  # "502 Bad Gateway", not "502 "
+    return [h11.Response(status_code=status, headers=head, reason=reason), h11.Data(data=data), h11.EndOfMessage()]
 
 
 class Terms(Protocol):

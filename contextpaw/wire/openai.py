@@ -38,11 +38,14 @@ def _completion(body: dict[str, Any]) -> Prompt:
 
 
 def overlong(overflow: Overflow) -> str:
-    """OpenAI's sentence for a prompt over the window, with its numbers: the budget is the most a
-    prompt may be, so the request's size is always the larger."""
+    """OpenAI's sentence for a prompt over the window, with its numbers: the window, and what was
+    asked of it, the messages and the room kept for the answer (and the template) beside them. Its
+    maximum is the window, never the budget (a 4,096-token window was said to be 3,008)."""
+    room = max(overflow.window - overflow.budget, 0)
     return (
-        f"This model's maximum context length is {overflow.budget} tokens. However, your messages "
-        f"resulted in {overflow.required} tokens. Please reduce the length of the messages."
+        f"This model's maximum context length is {overflow.window} tokens. However, you requested "
+        f"{overflow.required + room} tokens ({overflow.required} in the messages, {room} in the completion). "
+        "Please reduce the length of the messages or completion."
     )
 
 

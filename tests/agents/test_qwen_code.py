@@ -134,7 +134,7 @@ def test_strict_is_context_length_exceeded_which_qwen_code_recognises(qwen_code:
     assert sent and all(e["response"]["status"] == 400 for e in sent), "\n".join(map(describe, sent))
     error = json.loads(sent[0]["response"]["body"])["error"]
     assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded"), error
-    assert error["message"].startswith(f"This model's maximum context length is {error['budget']} tokens"), error
+    assert error["message"].startswith(f"This model's maximum context length is {error['num_ctx']} tokens"), error
     assert not running.forwarded(CHAT), "the refused request reached the backend"
     assert RECOGNISED in run.extra["debug"], run.describe()
     assert run.returncode == 1 and run.extra["is_error"] and "maximum context length" in run.extra["error"], run.describe()

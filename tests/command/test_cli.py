@@ -233,13 +233,23 @@ def test_reading_flows_needs_no_backend(start: Callable[..., Any], tmp_path: Pat
 
 
 def test_help_names_set_health_and_mitmweb(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exited:
         cli.main(["--help"])
+    assert exited.value.code == 0, "help asked for is no failure (mitmproxy's parser made it exit 1)"
     shown = " ".join(capsys.readouterr().out.split())
-    for said in ("--set", "/contextpaw/health", "8081", "?token=", "contextpaw doctor", "strict: refuse"):
+    for said in ("--set", "/contextpaw/health", "8081", "?token=", "contextpaw doctor", "contextpaw mcp", "strict: refuse"):
         assert said in shown
     for flag, (option, _, _) in cli.OLD_FLAGS.items():
         assert flag in shown and option in shown
+
+
+def test_an_unknown_argument_is_a_usage_error_in_contextpaws_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """Beside --port, mitmproxy's parser first advised "--port is deprecated. Please use
+    `--listen-port` instead", of ContextPaw's own flag, and exited 1."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--ollama", URL, "--port", "9999", "--bogus-flag"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "unrecognized arguments: --bogus-flag" in err and "deprecated" not in err
 
 
 def test_version_names_contextpaw_and_mitmproxy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -463,3 +473,20 @@ def test_two_backends_of_a_kind_in_config_yaml_need_modes_of_their_own(
     with pytest.raises(SystemExit):
         start()
     assert "contextpaw_ollama names 2 backends" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [("contextpaw_keep_recent: lots", "contextpaw_keep_recent must be a whole number, not a str"),
+     ("contextpaw_llamacpp: http://127.0.0.1:9", "contextpaw_llamacpp must be a list ([a, b], or one '- a' a line), not a str")],
+)  # fmt: skip
+def test_a_config_file_value_of_the_wrong_type_is_one_line_naming_the_option_and_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, said: str
+) -> None:
+    """mitmproxy reads config.yaml unchecked, and its TypeError came out as a 36-line traceback."""
+    (tmp_path / "config.yaml").write_text(line + "\n")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--llamacpp", URL, "--confdir", str(tmp_path), "--port", "0", "--llamacpp-port", "0"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert err.strip() == f"contextpaw: {said}, in {tmp_path / 'config.yaml'}"

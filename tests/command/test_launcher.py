@@ -148,3 +148,10 @@ def test_contextpaw_is_asked_straight_never_through_an_http_proxy(admin, monkeyp
         relay.shutdown()
         relay.server_close()
     assert seen == []
+
+
+def test_an_agent_not_installed_is_named_with_the_command_that_installs_it(admin, tmp_path, capsys, monkeypatch) -> None:
+    url, _ = admin
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert launcher.main(["opencode", "--url", url, "--state-dir", str(tmp_path), "--force"]) == 2
+    assert "opencode is not on PATH: install it with `npm install -g opencode-ai`" in capsys.readouterr().err

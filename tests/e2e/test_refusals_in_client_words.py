@@ -29,8 +29,8 @@ N_CTX = 1024
 BACKENDS = ["ollama", "llamacpp"]
 
 OPENAI_SENTENCE = re.compile(
-    r"This model's maximum context length is (\d+) tokens\. However, your messages resulted in (\d+) tokens\. "
-    r"Please reduce the length of the messages\. ContextPaw: "
+    r"This model's maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
+    r"\((\d+) in the messages, (\d+) in the completion\)\. Please reduce the length of the messages or completion\. ContextPaw: "
 )
 RESPONSES_SENTENCE = "Your input exceeds the context window of this model. Please adjust your input and try again. "
 ANTHROPIC_SENTENCE = re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum")
@@ -81,6 +81,15 @@ def numbers_of(pattern: re.Pattern[str], message: str) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
+def openai_numbers(message: str, error: dict[str, Any]) -> tuple[int, int]:
+    """OpenAI's sentence's window and messages' tokens; what it says was requested is the two it names."""
+    found = OPENAI_SENTENCE.search(message)
+    assert found, message
+    window, requested, messages, room = (int(found[i]) for i in (1, 2, 3, 4))
+    assert requested == messages + room > window and room == error["num_ctx"] - error["budget"], message
+    return window, messages
+
+
 # -- the overflow under strict, on every route -------------------------------------------------------
 
 
@@ -90,7 +99,7 @@ def test_openai_chat_refusal_is_openais_sentence_with_the_numbers(strict: Proxy,
         openai_at(getattr(strict, backend)).chat.completions.create(model="fake", messages=notes(), max_tokens=16)
     error = openai_error(refused, "messages")
     assert OPENAI_SENTENCE.match(error["message"]), error["message"]
-    assert numbers_of(OPENAI_SENTENCE, error["message"]) == (error["budget"], error["n_prompt_tokens"])
+    assert openai_numbers(error["message"], error) == (error["num_ctx"], error["n_prompt_tokens"])
     assert error["n_prompt_tokens"] > error["budget"] and "policy strict" in error["message"]
 
 
@@ -101,7 +110,7 @@ def test_openai_completions_refusal_is_openais_sentence_with_the_numbers(strict:
         openai_at(getattr(strict, backend)).completions.create(model="fake", prompt=prompt, max_tokens=16)
     error = openai_error(refused, "prompt")
     assert OPENAI_SENTENCE.match(error["message"]), error["message"]
-    assert numbers_of(OPENAI_SENTENCE, error["message"]) == (error["budget"], error["n_prompt_tokens"])
+    assert openai_numbers(error["message"], error) == (error["num_ctx"], error["n_prompt_tokens"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -113,7 +122,7 @@ def test_responses_refusal_opens_with_the_responses_apis_own_sentence(strict: Pr
     error = openai_error(refused, "input")
     assert error["message"].startswith(RESPONSES_SENTENCE), error["message"]
     assert OPENAI_SENTENCE.match(error["message"].removeprefix(RESPONSES_SENTENCE)), error["message"]
-    assert numbers_of(OPENAI_SENTENCE, error["message"]) == (error["budget"], error["n_prompt_tokens"])
+    assert openai_numbers(error["message"], error) == (error["num_ctx"], error["n_prompt_tokens"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -199,7 +199,7 @@ async def test_a_strict_refusal_for_the_counts_error_names_the_count_it_feared_n
     error = json.loads(decision.body)["error"]
     assert s.report is not None and s.report.original_tokens <= error["budget"], "the turn's own count fits"
     assert error["n_prompt_tokens"] > error["budget"], error
-    assert f"resulted in {error['n_prompt_tokens']} tokens" in error["message"] and "may run" in error["message"], error
+    assert f"({error['n_prompt_tokens']} in the messages" in error["message"] and "may run" in error["message"], error
 
 
 async def test_a_new_conversations_turn_no_droppable_message_could_explain_is_judged_whole_and_teaches_its_rate() -> None:

@@ -13,6 +13,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 import h11
@@ -319,6 +320,7 @@ def assert_shape(path: str, body: Any, status: int, code: str | None = None) -> 
 
 def assert_error_answer(response: h11.Response, body: bytes, path: str, status: int) -> str:
     assert response.status_code == status
+    assert response.reason == HTTPStatus(status).phrase.encode(), "a status line with its reason (it was empty)"
     assert header(response, b"content-type") == b"application/json; charset=utf-8"
     assert header(response, b"content-length") == str(len(body)).encode()
     reason = header(response, ERROR_HEADER)
