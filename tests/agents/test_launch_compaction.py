@@ -30,10 +30,12 @@ from support import agents as cli
 from support.backends import start_module
 from support.recorder import read_log
 
-SESSIONS = {"claude": (65536, 16), "codex": (32768, 12), "opencode": (32768, 12), "qwen": (32768, 12)}
-"""agent -> (window, files). Claude Code keeps 13,000 tokens for its summary besides its answer's
-room, and after a compaction it reads the last five files again: at 49,152 its 12k-token head, the
-summary and those files came back over its threshold, and it stopped (`autocompact_thrashing`)."""
+SESSIONS = {"claude": (65536, 16), "codex": (32768, 12), "opencode": (32768, 12), "qwen": (65536, 16)}
+"""agent -> (window, files): each at the least window launch starts it in (`launch.LIVING_WINDOWS`,
+opencode's aside), with files enough to outgrow it. Claude Code keeps 13,000 tokens for its summary
+besides its answer's room, and after a compaction it reads the last five files again: at 49,152 its
+12k-token head, the summary and those files came back over its threshold, and it stopped
+(`autocompact_thrashing`). Qwen Code keeps 33,000 tokens free of its window."""
 WORDS = "amber basil cedar delta ember falcon garnet harbor indigo juniper kettle lantern meadow nectar".split()
 
 
