@@ -119,7 +119,8 @@ class LlamaCppCounting:
         self.retry_after = retry_after
         self.texts: LRU = LRU(cache_size)
         self.totals: LRU = LRU(256)
-        self.templates: dict[str, TemplateCost] = {}
+        self.templates: dict[tuple[str, str], TemplateCost] = {}
+        """(base URL, model) -> its template's cost: a router serves models of their own templates."""
         self.calls = 0
         self.failures = 0
         self.seconds = 0.0
@@ -167,42 +168,43 @@ class LlamaCppCounting:
     async def _answer(self, base_url: str, path: str, body: dict[str, Any] | bytes) -> Any:
         return orjson.loads(await self._post(base_url, path, body))
 
-    async def _tokens(self, base_url: str, text: str, special: bool) -> int:
-        body = {"content": text, "add_special": special, "parse_special": special}
+    async def _tokens(self, base_url: str, text: str, special: bool, model: str = "") -> int:
+        body = {"content": text, "add_special": special, "parse_special": special, **_named(model)}
         return token_count(await self._post(base_url, "/tokenize", body))
 
-    async def _count_each(self, base_url: str, texts: list[str]) -> list[int]:
+    async def _count_each(self, base_url: str, texts: list[str], model: str = "") -> list[int]:
         """Each text's tokens, `COUNTS_IN_FLIGHT` calls at a time."""
         counts = [0] * len(texts)
         todo = iter(enumerate(texts))
 
         async def worker() -> None:
             for i, text in todo:
-                counts[i] = await self._tokens(base_url, text, special=False)
+                counts[i] = await self._tokens(base_url, text, special=False, model=model)
 
         await asyncio.gather(*(worker() for _ in range(min(COUNTS_IN_FLIGHT, len(texts)))))
         return counts
 
-    async def template(self, base_url: str) -> TemplateCost:
-        """Measure the template once: rendered and counted by the server, with one-token messages."""
-        if base_url not in self.templates:
+    async def template(self, base_url: str, model: str = "") -> TemplateCost:
+        """Measure the template once per server and model: rendered and counted by the server, with
+        one-token messages."""
+        if (base_url, model) not in self.templates:
             one = [{"role": "user", "content": "x"}]
             three = [*one, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]
             with_system = [{"role": "system", "content": "s"}, *one]
             counts = []
             for messages in (one, three, with_system):
-                prompt = (await self._answer(base_url, "/apply-template", {"messages": messages}))["prompt"]
-                counts.append(await self._tokens(base_url, prompt, special=True))
+                prompt = (await self._answer(base_url, "/apply-template", {"messages": messages, **_named(model)}))["prompt"]
+                counts.append(await self._tokens(base_url, prompt, special=True, model=model))
             per_message = max(0, (counts[1] - counts[0] - 2) // 2)
-            self.templates[base_url] = TemplateCost(
+            self.templates[(base_url, model)] = TemplateCost(
                 fixed=max(0, counts[0] - per_message - 1),
                 fixed_with_system=max(0, counts[2] - 2 * per_message - 2),
                 per_message=per_message,
             )
-        return self.templates[base_url]
+        return self.templates[(base_url, model)]
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False, model: str = ""
     ) -> tuple[BackendCounter, int] | None:
         """A counter that knows every text in `texts`, and the template's fixed cost; None on failure.
 
@@ -212,13 +214,13 @@ class LlamaCppCounting:
         if self._resting(base_url, "counting"):
             return None
         try:
-            template = await self.template(base_url) if chat else TemplateCost(0, 0, 0)
+            template = await self.template(base_url, model) if chat else TemplateCost(0, 0, 0)
             keyed = await asyncio.to_thread(_keyed, texts) if big else _keyed(texts)
-            missing = [t for t, key in keyed.items() if (base_url, key) not in self.texts]
-            counts = await self._count_each(base_url, missing)
+            missing = [t for t, key in keyed.items() if (base_url, model, key) not in self.texts]
+            counts = await self._count_each(base_url, missing, model)
             for text, n in zip(missing, counts):
-                self.texts.put((base_url, keyed[text]), n)
-            known = {t: self.texts[(base_url, key)] for t, key in keyed.items() if (base_url, key) in self.texts}
+                self.texts.put((base_url, model, keyed[text]), n)
+            known = {t: self.texts[(base_url, model, key)] for t, key in keyed.items() if (base_url, model, key) in self.texts}
         except FAILURES as e:
             self._failed(base_url, "counting", e)
             return None
@@ -243,18 +245,18 @@ class LlamaCppCounting:
                 return None
         return self.totals[key]
 
-    async def prompt_total(self, base_url: str, prompt: str, big: bool = False) -> int | None:
+    async def prompt_total(self, base_url: str, prompt: str, big: bool = False, model: str = "") -> int | None:
         """The server's exact size of a raw prompt, as `/completion` tokenizes it (its special
         tokens read as such, the model's BOS added); None on failure. The text of a cut prompt
         that our count only estimates (a marker's hex reference, the kept head and tail) runs
         denser than the prompt it came from."""
         keyed = await asyncio.to_thread(_keyed, [prompt]) if big else _keyed([prompt])
-        key = (base_url, "prompt", keyed.get(prompt, b""))
+        key = (base_url, "prompt", model, keyed.get(prompt, b""))
         if key not in self.totals:
             if self._resting(base_url, "counting"):
                 return None
             try:
-                self.totals.put(key, await self._tokens(base_url, prompt, special=True))
+                self.totals.put(key, await self._tokens(base_url, prompt, special=True, model=model))
             except FAILURES as e:
                 self._failed(base_url, "counting", e)
                 return None
@@ -360,6 +362,12 @@ def token_count(answer: bytes) -> int:
             commas = answer.count(b",", opening, closing)
             return commas + 1 if commas or answer[opening + 1 : closing].strip() else 0
     return len(orjson.loads(answer)["tokens"])
+
+
+def _named(model: str) -> dict[str, str]:
+    """The `model` field a router llama-server needs on every call (it answers "model name is
+    missing from the request" without it); a server of one model reads none."""
+    return {"model": model} if model else {}
 
 
 def _keyed(texts: Iterable[str]) -> dict[str, bytes]:

@@ -348,7 +348,9 @@ def least_window(agent: str, window: int) -> int:
     return window
 
 
-LIVING_WINDOWS: Mapping[str, int] = MappingProxyType({"claude": 65_536, "codex": 32_768, "opencode": 24_576, "qwen": 65_536, "aider": 32_768})
+LIVING_WINDOWS: Mapping[str, int] = MappingProxyType(
+    {"claude": 65_536, "codex": 32_768, "opencode": 24_576, "qwen": 65_536, "aider": 32_768}
+)
 """The least window in which each pinned agent, launched, lives through a long session of file reads
 on its own compaction: it finishes, and ContextPaw cuts nothing. Measured with
 `scripts/bench/agent_sessions.py --via launch --files 20` (20 reads of 20-40 KB files, 5,000-12,000

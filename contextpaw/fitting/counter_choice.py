@@ -88,6 +88,7 @@ class CounterChoice:
                 chat=isinstance(parsed, wire.Chat),
                 has_system=parsed.has_system,
                 big=big,
+                model=model,
             )
             if counted is not None:
                 return counted
@@ -147,8 +148,11 @@ class CounterChoice:
             return None
         if isinstance(parsed, wire.Prompt):
             prompt = sent.get("prompt")
-            return await self.services.counting.prompt_total(backend.url, prompt, big) if isinstance(prompt, str) else None
+            model = parsed.params.model
+            return await self.services.counting.prompt_total(backend.url, prompt, big, model) if isinstance(prompt, str) else None
         path, counted = parsed.counted(sent)
+        if parsed.params.model and "model" not in counted:  # a router counts with the model the request names
+            counted = {**counted, "model": parsed.params.model}
         return await self.services.counting.total(backend.url, counted, path=path, big=big)
 
 

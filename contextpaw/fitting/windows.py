@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import quote
 
 from contextpaw.core.caches import SizedLRU
 from contextpaw.fitting.services import Fetch, InFlight
@@ -109,8 +110,8 @@ class BackendWindows:
         """Lookups under way: concurrent first requests for a model share one."""
 
     async def window(self, backend: Backend, model: str) -> int | None:
-        lookup = self._llamacpp if backend.kind == Kind.LLAMACPP else functools.partial(self._ollama, model=model)
-        return await self._once(("window", backend, model), functools.partial(lookup, backend))
+        lookup = self._llamacpp if backend.kind == Kind.LLAMACPP else self._ollama
+        return await self._once(("window", backend, model), functools.partial(lookup, backend, model))
 
     async def show(self, backend: Backend, model: str) -> OllamaShow | None:
         """Ollama's `/api/show` for `model`, read once per `ttl`."""
@@ -159,8 +160,17 @@ class BackendWindows:
         for key in [key for key in self.known if restarted(key[1])]:
             self.known.discard(key)
 
-    async def _llamacpp(self, backend: Backend) -> int | None:
-        return llamacpp_window(await self.fetch("GET", backend.url + "/props", None))
+    async def _llamacpp(self, backend: Backend, model: str) -> int | None:
+        """`/props`'s window; in router mode (one llama-server, many models), the named model's:
+        its own `/props` while it is loaded (asked with `autoload=false`, so nothing is loaded to
+        answer), else the `--ctx-size` the router would start it with (`/models`)."""
+        props = await self.fetch("GET", backend.url + "/props", None)
+        if not is_router(props):
+            return llamacpp_window(props)
+        if not model:
+            return None
+        loaded = await self.fetch("GET", f"{backend.url}/props?model={quote(model, safe='')}&autoload=false", None)
+        return llamacpp_window(loaded) or router_model_window(await self.fetch("GET", backend.url + "/models", None), model)
 
     async def _ollama(self, backend: Backend, model: str) -> int | None:
         if not model:
@@ -199,6 +209,47 @@ class BackendWindows:
 def llamacpp_window(props: Any) -> int | None:
     settings = props.get("default_generation_settings") if isinstance(props, dict) else None
     return positive(settings.get("n_ctx")) if isinstance(settings, dict) else None
+
+
+def is_router(props: Any) -> bool:
+    """Whether `/props` is a router's: llama-server started with `--models-dir` or
+    `--models-preset`, serving many models, each in a child server with its own window."""
+    return isinstance(props, dict) and props.get("role") == "router"
+
+
+def router_model(listing: Any, model: str) -> dict[str, Any] | None:
+    """The router's `/models` entry for `model` (its id or one of its aliases)."""
+    entries = listing.get("data") if isinstance(listing, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and (entry.get("id") == model or model in (entry.get("aliases") or [])):
+            return entry
+    return None
+
+
+def router_model_window(listing: Any, model: str) -> int | None:
+    """The window a router gives `model` when it loads it, from the command line it lists for it
+    (`status.args`): `--ctx-size` (`-c`), divided among `--parallel` (`-np`) slots unless the
+    command says `--kv-unified` (a count the router chose itself shares one pool: measured on the
+    pinned build, `ctx-size = 1024` alone gave 4 slots of 1,024, with `parallel = 2` 2 of 2,048 of
+    4,096). None where the command names no size (the model's own length then)."""
+    entry = router_model(listing, model)
+    status = entry.get("status") if entry else None
+    args = status.get("args") if isinstance(status, dict) else None
+    if not isinstance(args, list):
+        return None
+    args = [str(a) for a in args]
+
+    def value(*names: str) -> int | None:
+        for i, arg in enumerate(args[:-1]):
+            if arg in names and args[i + 1].isdigit():
+                return int(args[i + 1])
+        return None
+
+    size, slots = value("--ctx-size", "-c"), value("--parallel", "-np")
+    if not size:
+        return None
+    unified = any(a in ("--kv-unified", "-kvu") for a in args)
+    return positive(size // slots if slots and slots > 1 and not unified else size)
 
 
 def _same_model(listed: str, asked: str) -> bool:

@@ -165,6 +165,7 @@ def printed(tmp_path: Path, behaviour: str, agent: str) -> tuple[subprocess.Comp
             "--state-dir",
             str(state),
             "--print",
+            "--force",  # aider lives from 32,768: what is printed at 24,576 is the question here
         ]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
@@ -206,8 +207,22 @@ def test_aider_asks_ollama_for_the_served_window(stack: cli.StartStack, home: Pa
            "--no-pretty", "--no-fancy-input", "--no-detect-urls", "--map-tokens", "0", "--message", "say hi"]  # fmt: skip
     binary = cli.require_agents("aider")["aider"]
     env = cli.scratch_env(home, {**cli.AIDER_ENV, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
-    argv = [sys.executable, "-m", "contextpaw.command.cli", "launch", "aider", "--url", running.front, "--model", "fake:latest",
-            "--state-dir", str(home / "state"), "--", *own]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "contextpaw.command.cli",
+        "launch",
+        "aider",
+        "--url",
+        running.front,
+        "--model",
+        "fake:latest",
+        "--state-dir",
+        str(home / "state"),
+        "--force",
+        "--",
+        *own,
+    ]  # fmt: skip (a one-question run at 6,144)
     code, out, err, _ = cli.run_process(argv, env, home, 180)
     chats = running.sent("/api/chat")
     assert code == 0 and chats, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"

@@ -9,7 +9,6 @@ file. The model's log holds each request's body: the tools the agent offered it.
 
 from __future__ import annotations
 
-import json
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,26 +23,6 @@ from support.recorder import read_log
 FILES = 12
 """Files the task reads, one a turn: a session long enough for an agent that starts its MCP servers
 beside the first turn (Codex) to have them by the last."""
-
-
-def headless(agent: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str], str | None]:
-    """The agent's own arguments for one non-interactive run, its offline environment in `home`, its stdin."""
-    if agent == "claude":
-        env = {k: v for k, v in cli.CLAUDE_ENV.items() if k != "ANTHROPIC_AUTH_TOKEN"}
-        return ["-p", "--output-format", "json"], {**env, "CLAUDE_CONFIG_DIR": str(home / ".claude")}, prompt
-    if agent == "codex":
-        codex_home = home / ".codex"
-        codex_home.mkdir(parents=True, exist_ok=True)
-        (codex_home / "config.toml").write_text("[analytics]\nenabled = false\n")
-        return ["exec", "--json", "--skip-git-repo-check", "-"], {"CODEX_HOME": str(codex_home)}, prompt
-    if agent == "opencode":
-        return ["run", prompt, "--format", "json"], dict(cli.OPENCODE_ENV), None
-    if agent == "qwen":
-        settings = home / ".qwen" / "settings.json"
-        settings.parent.mkdir(parents=True, exist_ok=True)
-        settings.write_text(json.dumps(cli.qwen_settings(None)))
-        return ["--yolo", "-o", "json"], dict(cli.QWEN_ENV), prompt
-    raise ValueError(agent)
 
 
 def tool_names(body: dict[str, Any]) -> set[str]:
@@ -73,10 +52,22 @@ def offered(agent: str, binary: Path, work: Path) -> tuple[list[set[str]], str]:
         exits.enter_context(stops)
         listed = "".join(f"{n}. {note}\n" for n, note in enumerate(notes, 1))
         prompt = f"Read these files in this order, one per turn, with your file-reading tool, then list every FACT line:\n{listed}"
-        own, env, stdin = headless(agent, home, prompt)
+        own, env, stdin = cli.launch_arguments(agent, home, prompt)
         env = cli.scratch_env(home, {**env, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
-        argv = [sys.executable, "-m", "contextpaw.command.cli", "launch", agent, "--url", stack.front,
-                "--state-dir", str(work / "state"), "--", *own]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "contextpaw.command.cli",
+            "launch",
+            agent,
+            "--url",
+            stack.front,
+            "--state-dir",
+            str(work / "state"),
+            "--force",
+            "--",
+            *own,
+        ]  # fmt: skip (the tools are the question, not the window)
         code, out, err, seconds = cli.run_process(argv, env, project, 300, stdin=stdin)
         run = cli.AgentRun(argv, code, out, err, None, seconds, home)
     return [tool_names(entry.get("body") or {}) for entry in read_log(log)], run.describe()

@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from test_launch_compaction import headless, make_files, task
+from test_launch_compaction import make_files, task
 
 from contextpaw.core import parts, refs
 from support import agents as cli
@@ -184,12 +184,13 @@ def one_session(agent: str, binary: Path, front: str, work: Path, log: Path, use
         (home / ".config" / "opencode").mkdir(parents=True, exist_ok=True)
         (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps(USERS_OWN_OPENCODE))
     start = len(read_log(log)) if log.exists() else 0
-    own, env, stdin = headless(agent, home, task(paths))
+    own, env, stdin = cli.launch_arguments(agent, home, task(paths))
     # no grant of the test's own (not Qwen Code's --yolo): the tool runs on the one launch gives it
     own = [*(a for a in own if a != "--yolo"), *(USERS_OWN_ARGS.get(agent, []) if users_own else [])]
     env = cli.scratch_env(home, {**env, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
+    # --force: retrieval is the question, at a window where Claude Code and Qwen Code would not be launched
     argv = [sys.executable, "-m", "contextpaw.command.cli", "launch", agent, "--url", front, "--window", str(TOLD),
-            "--state-dir", str(work / "state"), "--", *own]  # fmt: skip
+            "--state-dir", str(work / "state"), "--force", "--", *own]  # fmt: skip
     code, out, err, seconds = cli.run_process(argv, env, project, 420, stdin=stdin)
     run = cli.AgentRun(argv, code, out, err, None, seconds, home)
     (work / "agent.out").write_text(run.describe())

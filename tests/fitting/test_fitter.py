@@ -467,7 +467,7 @@ class HighTextCounting(ToolBlindCounting):
     whole request (as SmolLM2's do: a text alone tokenizes longer than inside the template)."""
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False, model: str = ""
     ) -> tuple[Counter, int] | None:
         from contextpaw.calls.server_counts import BackendCounter
 
@@ -500,7 +500,7 @@ class HalfAgainTextCounting(ToolBlindCounting):
     """SmolLM2's per-text counts of an agent's dumps: half again what the whole request counts."""
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False, model: str = ""
     ) -> tuple[Counter, int] | None:
         from contextpaw.calls.server_counts import BackendCounter
 
@@ -636,7 +636,7 @@ class DenseMarkerCounting(ToolBlindCounting):
     """A llama-server that counts a raw prompt's marker (hex references, a URL) at a token per
     byte, three times denser than the prose around it: what our count of a cut prompt estimates."""
 
-    async def prompt_total(self, base_url: str, prompt: str, big: bool = False) -> int | None:
+    async def prompt_total(self, base_url: str, prompt: str, big: bool = False, model: str = "") -> int | None:
         self.totals += 1
         marker = re.search(r"\n\[ContextPaw:[^\]]*\]\n", prompt)
         return tokens_of(prompt) + (3 * len(marker.group()) // 4 if marker else 0)

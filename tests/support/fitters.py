@@ -34,7 +34,7 @@ class NoCounting:
     calls = 0
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False, model: str = ""
     ) -> tuple[Counter, int] | None:
         self.calls += 1
         return None
@@ -42,7 +42,7 @@ class NoCounting:
     async def total(self, base_url: str, body: Mapping[str, Any], path: str = "", big: bool = False) -> int | None:
         return None
 
-    async def prompt_total(self, base_url: str, prompt: str, big: bool = False) -> int | None:
+    async def prompt_total(self, base_url: str, prompt: str, big: bool = False, model: str = "") -> int | None:
         return None
 
     def stats(self) -> dict[str, Any]:
@@ -116,7 +116,7 @@ class ToolBlindCounting:
         self.costly, self.extra = costly, extra
 
     async def counter(
-        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False
+        self, base_url: str, texts: Iterable[str], fallback: Counter, *, chat: bool, has_system: bool, big: bool = False, model: str = ""
     ) -> tuple[Counter, int] | None:
         from contextpaw.calls.server_counts import BackendCounter
 
@@ -131,7 +131,7 @@ class ToolBlindCounting:
         whole = 8 + tokens_of(system_text(body.get("system"))) + sum(4 + tokens_of(m.text) for m in messages)
         return whole + (self.extra if self.costly in json.dumps(body) else 0)
 
-    async def prompt_total(self, base_url: str, prompt: str, big: bool = False) -> int | None:
+    async def prompt_total(self, base_url: str, prompt: str, big: bool = False, model: str = "") -> int | None:
         self.totals += 1
         return tokens_of(prompt)
 

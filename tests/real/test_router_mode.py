@@ -1,0 +1,68 @@
+"""The real llama-server in router mode (`--models-preset`: one server, many models, each its own
+window), behind ContextPaw: each model's window is learned from the router without loading it or
+a 400, requests are counted by the model they name, and an overflow to the small one is fitted
+before it is sent while the big one takes the same chat whole."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support.backends import LOOPBACK, Backend, free_port, start_process, start_proxy
+
+PRESETS = {"small": 1024, "big": 4096}
+"""Two presets of the one SmolLM2 GGUF, each with its own `ctx-size` (a slot each: `parallel = 1`)."""
+
+
+@pytest.fixture(scope="module")
+def router(real_backend: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    binary, model = real_backend
+    work = tmp_path_factory.mktemp("router")
+    presets = work / "presets.ini"
+    presets.write_text("".join(f"[{name}]\nmodel = {model}\nctx-size = {size}\nparallel = 1\n\n" for name, size in PRESETS.items()))
+    port = free_port()
+    argv = [str(binary), "--models-preset", str(presets), "--models-max", "2", "--host", LOOPBACK, "--port", str(port)]
+    with start_process(argv, f"http://{LOOPBACK}:{port}", "/health", work / "router.log", 120) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def proxy(router: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    work = tmp_path_factory.mktemp("router-proxy")
+    options = [f"contextpaw_llamacpp={router.url}", f"contextpaw_state_dir={work / 'state'}", "contextpaw_output_reserve=64"]
+    with start_proxy(router.url, work / "conf", work / "mitmdump.log", options=options) as running:
+        yield running
+
+
+def loaded(router: Backend) -> set[str]:
+    listing = httpx.get(router.url + "/models", timeout=30).json()["data"]
+    return {m["id"] for m in listing if m["status"]["value"] == "loaded"}
+
+
+def chat(model: str, words: int) -> dict[str, object]:
+    notes = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"note {i}: " + "amber basil cedar delta " * (words // 40)}
+             for i in range(10)]  # fmt: skip
+    return {"model": model, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "system", "content": "Be brief."}, *notes, {"role": "user", "content": "Which notes?"}]}  # fmt: skip
+
+
+def test_each_models_window_is_learned_from_the_router_without_loading_it(proxy: Backend, router: Backend) -> None:
+    windows = {name: httpx.get(f"{proxy.url}/contextpaw/window?model={name}", timeout=60).json() for name in PRESETS}
+    assert {name: w["window"] for name, w in windows.items()} == PRESETS, windows
+    assert all(w["source"] == "backend" for w in windows.values()), windows
+    assert loaded(router) == set(), "nothing was loaded to learn a window"
+
+
+def test_an_overflow_to_the_small_model_is_fitted_before_it_is_sent_and_the_big_one_takes_it_whole(proxy: Backend) -> None:
+    body = chat("small", 2400)  # about 2,500 tokens: over 1,024, under 4,096
+    small = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=300)
+    assert small.status_code == 200, small.text
+    report = small.json()["contextpaw"]
+    assert report["compacted"] and not report.get("recovered_from_upstream_400"), report
+    assert report["counter"] == "backend" and small.json()["usage"]["prompt_tokens"] <= 1024
+    big = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "model": "big"}, timeout=300)
+    assert big.status_code == 200 and big.headers["X-ContextPaw-Compacted"] == "false", big.text
+    assert 1024 < big.json()["usage"]["prompt_tokens"] <= 4096
