@@ -460,6 +460,8 @@ async def diagnose(setup: Setup) -> list[Finding]:
                     vocabularies.append((f"{model.name} at {a.url}", model.vocab))
                 if not vocabularies:
                     findings.append(Finding("note", a.url, "has no model to check", "ollama pull MODEL, or name one with --model"))
+            elif backend and (router := await read_router(fetch, backend)) is not None:
+                findings += check_router(router)
             elif backend:
                 server = await read_llamacpp(fetch, backend)
                 findings += check_llamacpp_window(server, setup.asked_ctx) + check_llamacpp_agents(server)
@@ -530,6 +532,69 @@ async def read_ollama(fetch: Any, windows: Any, backend: wire.Backend, models: S
         vocab = wire.positive(wire.int_field(info, f"{arch}.vocab_size")) or (len(tokens) if isinstance(tokens, list) and tokens else None)
         found.append(OllamaModel(backend.url, name, window, show and show.trained, show and show.num_ctx, vocab))
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class RouterModel:
+    name: str
+    status: str
+    """`loaded`, `loading` or `unloaded`, as the router lists it."""
+    window: int | None
+    """What a request gets: the loaded model's own, else what its command line will give it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    """A llama-server in router mode (`--models-dir`, `--models-preset`): many models, one each in
+    a child server with its own window; at most `max_loaded` at once."""
+
+    url: str
+    max_loaded: int | None
+    models: tuple[RouterModel, ...]
+
+
+async def read_router(fetch: Any, backend: wire.Backend) -> Router | None:
+    """The router and each model's window, as ContextPaw learns them (`BackendWindows`: a loaded
+    model's `/props`, else its listed command line; nothing is loaded to find out); None for a
+    llama-server of one model."""
+    from contextpaw.fitting.windows import BackendWindows, is_router
+
+    props = await fetch("GET", backend.url + "/props", None)
+    if not is_router(props):
+        return None
+    listing = await fetch("GET", backend.url + "/models", None)
+    entries = [e for e in (listing or {}).get("data") or [] if isinstance(e, dict) and e.get("id")]
+    windows = BackendWindows(fetch)
+    models = []
+    for entry in entries:
+        status = entry.get("status")
+        value = status.get("value") if isinstance(status, dict) else None
+        window = await windows.window(backend, str(entry["id"]))
+        models.append(RouterModel(str(entry["id"]), str(value or "unknown"), window))
+    return Router(backend.url, _count(props, "max_instances"), tuple(models))
+
+
+def check_router(r: Router) -> list[Finding]:
+    """Router mode is a llama-server ContextPaw fronts per model: each model's window, which are
+    loaded, how many may be; and, per model, the agents that cannot live in its window."""
+    subject = f"{r.url} (llama-server, router mode)"
+    if not r.models:
+        return [Finding("problem", subject, "lists no model (/models)", "give it --models-dir DIR or --models-preset FILE.ini")]
+    shown = ", ".join(f"{m.name} {m.window:,} ({m.status})" if m.window else f"{m.name} ? ({m.status})" for m in r.models)
+    most = f"; at most {r.max_loaded} loaded at once (--models-max)" if r.max_loaded else ""
+    findings = [Finding("ok", subject, f"{len(r.models)} model(s), each fitted to its own window: {shown}{most}")]
+    for m in r.models:
+        if m.window is None:
+            findings.append(Finding("note", f"{subject} model {m.name}", "names no ctx-size: its window is known once it is loaded "
+                                    "(the model's own length, until then ContextPaw fits to contextpaw_default_ctx)",
+                                    f"set ctx-size in its [{m.name}] preset, or load it first"))  # fmt: skip
+            continue
+
+        def raise_to(n: int, name: str = m.name) -> str:
+            return f"set ctx-size = {n} (and parallel = 1) in its [{name}] preset, then restart the router"
+
+        findings += [f for f in check_agents(f"{subject} model {m.name}", m.window, None, raise_to) if f.level != "ok"]
+    return findings
 
 
 async def read_llamacpp(fetch: Any, backend: wire.Backend) -> LlamaServer:

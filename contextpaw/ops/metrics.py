@@ -48,6 +48,8 @@ COUNTS = {
     "evicted_tokens": "Prompt tokens compaction took out of the model's view (dropped, shrunk or summarized)",
     "upstream_truncated": "Answers whose server evaluated fewer prompt tokens than it was sent: it cut the prompt in silence",
     "upstream_truncation_possible": "Answers whose server may have cut the prompt: an estimated count near the window, which the numbers cannot settle",
+    "prompt_tokens_reused": "Prompt tokens llama-server took from its prompt cache (timings.cache_n): what a cut kept in place",
+    "prompt_tokens_evaluated": "Prompt tokens llama-server evaluated anew (timings.prompt_n): what each turn cost in prefill",
 }
 SOURCE_HELP = {
     "runtime_switches": "GPU hand-overs from one runtime to the other that brought the new one up (contextpaw_arbitrate)",

@@ -403,6 +403,12 @@ class Compactor:
         whole = wire.usage_whole(self.fitter.settings.usage_whole, flow.request.headers.get(wire.USAGE_HEADER))
         if value is not None and isinstance(final, dict) and whole:
             value = self._usage_told(state, final, value)
+        if isinstance(final, dict) and (cache := wire.prompt_cache(final)) is not None:
+            reused, evaluated = cache
+            self.ledger.stats.add("prompt_tokens_reused", reused, state.where)
+            self.ledger.stats.add("prompt_tokens_evaluated", evaluated, state.where)
+            if value is not None:  # what a cut cost in prefill, turn by turn: the server's own figures
+                value = {**value, "prompt_cache": {"reused_tokens": reused, "evaluated_tokens": evaluated}}
         watched = state.watched
         if watched is not None:
             flow.metadata[REPORT] = value if value is not None and watched is state.report else watched.to_json()

@@ -86,6 +86,9 @@ def details(report: Mapping[str, Any]) -> list[str]:
         cut = report.get(key)
         if isinstance(cut, Mapping):
             lines.append(f"{what}: {cut.get('evaluated_tokens')} of {cut.get('sent_tokens')} tokens evaluated")
+    cache = report.get("prompt_cache")
+    if isinstance(cache, Mapping):
+        lines.append(f"prompt cache: {cache.get('reused_tokens'):,} tokens reused, {cache.get('evaluated_tokens'):,} evaluated anew")
     if report.get("summarized"):
         lines.append("the markers carry a digest of what they replace")
     elif report.get("summary_reason"):

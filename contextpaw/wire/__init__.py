@@ -38,6 +38,7 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     load,
     model_of,
     positive,
+    prompt_cache,
     read_json,
     told_usage,
     upstream_overflow,

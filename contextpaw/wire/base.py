@@ -398,6 +398,19 @@ Anthropic's), and their clients tell an overflow by it and its words; a 413 read
 on the body's size (Anthropic's `request_too_large`)."""
 
 
+def prompt_cache(record: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(reused, evaluated): the prompt tokens llama-server took from its cache and those it
+    evaluated anew (`timings.cache_n`, `timings.prompt_n`, in a whole answer and a stream's last
+    record); None where the record says neither."""
+    timings = record.get("timings")
+    if not isinstance(timings, Mapping):
+        return None
+    reused, evaluated = timings.get("cache_n"), timings.get("prompt_n")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (reused, evaluated)):
+        return None
+    return reused, evaluated  # type: ignore[return-value]
+
+
 USAGE_HEADER = "X-ContextPaw-Usage"
 """A client's word on the usage it is told after a cut: `whole` (its whole history's size) or
 `served` (the server's count), over the `contextpaw_usage_whole` option. `contextpaw launch` has each

@@ -66,3 +66,35 @@ def test_an_overflow_to_the_small_model_is_fitted_before_it_is_sent_and_the_big_
     big = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "model": "big"}, timeout=300)
     assert big.status_code == 200 and big.headers["X-ContextPaw-Compacted"] == "false", big.text
     assert 1024 < big.json()["usage"]["prompt_tokens"] <= 4096
+
+
+def test_the_doctor_names_each_models_window_and_what_is_loaded(router: Backend) -> None:
+    """It said PROBLEM "reports no window in /props (router mode ...)", with the fix "run one
+    llama-server per model": giving up what the server is for."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "contextpaw.command.cli", "doctor", "--llamacpp", router.url, "--json"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    findings = __import__("json").loads(done.stdout)
+    said = {f["subject"]: f for f in (findings["findings"] if isinstance(findings, dict) else findings)}
+    router_line = said[f"{router.url} (llama-server, router mode)"]
+    assert router_line["level"] == "ok" and "small 1,024" in router_line["what"] and "big 4,096" in router_line["what"]
+    assert "at most 2 loaded at once" in router_line["what"]
+    assert not any("reports no window" in f["what"] for f in said.values())
+    small = said[f"{router.url} (llama-server, router mode) model small"]
+    assert small["level"] == "note" and "ctx-size = " in small["fix"] and "[small] preset" in small["fix"]
+
+
+def test_the_report_and_the_metrics_say_what_the_prompt_cache_saved(proxy: Backend) -> None:
+    """llama-server's `timings.cache_n` beside `prompt_n`: the next turn of a conversation finds its
+    prefix in the server's cache, and the report says how much (turn by turn, what a cut cost)."""
+    body = chat("big", 800)
+    first = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=300).json()
+    body["messages"] += [{"role": "assistant", "content": "Ten notes."}, {"role": "user", "content": "And the first?"}]
+    second = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=300).json()
+    one, two = first["contextpaw"]["prompt_cache"], second["contextpaw"]["prompt_cache"]
+    assert two["reused_tokens"] >= one["reused_tokens"] + one["evaluated_tokens"] - 8, (one, two)
+    assert two["evaluated_tokens"] < 60 and two["reused_tokens"] + two["evaluated_tokens"] == second["usage"]["prompt_tokens"]
+    metrics = httpx.get(proxy.url + "/contextpaw/metrics", timeout=30).text
+    assert 'contextpaw_prompt_tokens_reused_total{backend="llamacpp"' in metrics
