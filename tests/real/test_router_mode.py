@@ -98,3 +98,9 @@ def test_the_report_and_the_metrics_say_what_the_prompt_cache_saved(proxy: Backe
     assert two["evaluated_tokens"] < 60 and two["reused_tokens"] + two["evaluated_tokens"] == second["usage"]["prompt_tokens"]
     metrics = httpx.get(proxy.url + "/contextpaw/metrics", timeout=30).text
     assert 'contextpaw_prompt_tokens_reused_total{backend="llamacpp"' in metrics
+
+
+def test_the_model_list_through_contextpaw_names_each_models_served_window(proxy: Backend) -> None:
+    listed = httpx.get(proxy.url + "/v1/models", timeout=60).json()["data"]
+    windows = {m["id"]: m.get("contextpaw", {}).get("window") for m in listed}
+    assert windows == PRESETS, listed
