@@ -370,8 +370,9 @@ class Fitter:
         """Log, keep and count a compaction; the counts go last, so a failure before them (which
         forwards the request unchanged) leaves no count of a compaction that was never sent. The log
         line holds no prompt text; the evicted content is encoded for the store off the event loop
-        when the request is big (it can be most of a megabyte)."""
-        logger.debug("%s %s: %s", state.route.name, model, report.summary())
+        when the request is big (it can be most of a megabyte). It is said when decided (INFO): the
+        answer's own line comes when the answer ends, minutes later on a slow server."""
+        logger.info("%s %s %s: %s, sent on (%.2f s)", state.path, state.route.name, model, report.summary(), time.perf_counter() - started)
         encoded = await off_loop(big, functools.partial(_encoded, report.evicted))
         for marker_id, data in encoded.items():
             self.store.put(marker_id, data)

@@ -145,4 +145,4 @@ def what_happened(report: Report | None) -> str:
         return f"compacted {report.original_tokens} -> {report.final_tokens} tokens ({room})"
     if not report.original_tokens:
         return "unchanged (" + "; ".join(report.notes or ["not counted"]) + ")"
-    return f"unchanged {at_most}{report.original_tokens} -> {report.final_tokens} tokens ({room})"
+    return f"unchanged, {at_most}{report.original_tokens} tokens ({room})"

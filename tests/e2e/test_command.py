@@ -164,10 +164,10 @@ def test_doctor_finds_windows_tokenizer_and_listener(small_window_ollama: Backen
     assert any("has 500 tokens, the model at" in p and "32,000" in p for p in found), report
     assert sum("listens on 0.0.0.0" in p for p in found) == 2, report  # both listeners
     assert len(found) == 5, report
-    # Both windows are too small for an agent's own tools and instructions: a note each, with the fix.
+    # Both windows are too small for the agents to live in on their own compaction: a note each, with the fix.
     short = notes(report)
-    assert any(small_window_ollama.url in n and "claude (14,336)" in n and "OLLAMA_CONTEXT_LENGTH=19456" in n for n in short), report
-    assert any(divided_llamacpp.url in n and "claude (14,336)" in n and "-c 77824 -np 4" in n for n in short), report
+    assert any(small_window_ollama.url in n and "claude (65,536)" in n and "OLLAMA_CONTEXT_LENGTH=65536" in n for n in short), report
+    assert any(divided_llamacpp.url in n and "claude (65,536)" in n and "-c 262144 -np 4" in n for n in short), report
 
 
 def test_doctor_finds_fit_and_a_backend_that_does_not_answer(fitted_llamacpp: Backend) -> None:
@@ -199,15 +199,18 @@ def test_doctor_passes_a_sound_setup(llamacpp: Backend) -> None:
 
 @pytest.fixture(scope="module")
 def roomy_llamacpp(workdir: Path) -> Iterator[Backend]:
-    """llama-server -c 32768: room for every agent's tools and instructions."""
-    with start_module("support.fake_llamacpp", ["--n-ctx", "32768"], "/health", workdir / "doctor-roomy.log") as backend:
+    """llama-server -c 65536: room for every agent to live on its own compaction."""
+    args = ["--n-ctx", "65536", "--n-ctx-train", "65536"]
+    with start_module("support.fake_llamacpp", args, "/health", workdir / "doctor-roomy.log") as backend:
         yield backend
 
 
 def test_doctor_says_in_one_line_that_every_agent_fits(roomy_llamacpp: Backend) -> None:
-    status, report = doctor("--llamacpp", roomy_llamacpp.url, "--ctx", "32768")
+    status, report = doctor("--llamacpp", roomy_llamacpp.url, "--ctx", "65536")
     assert status == 0 and not [n for n in notes(report) if "llama-server" in n], report
-    assert f"ok      {roomy_llamacpp.url} (llama-server): 32,768 tokens hold the tools and instructions of every agent" in report, report
+    assert f"ok      {roomy_llamacpp.url} (llama-server): 65,536 tokens are enough for every agent `contextpaw launch` starts" in report, (
+        report
+    )
 
 
 # -- issue 43: what the doctor got wrong or missed --------------------------------------------------
