@@ -551,7 +551,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise exceptions.OptionsError("give --ollama URL, --llamacpp URL, or both (or mitmproxy's own --mode)")
         # -q keeps warnings and errors (mitmproxy's own -q keeps errors alone)
         quiet = {"termlog_verbosity": "warn"} if args.quiet and not (args.options or args.commands) else {}
-        return {**mitmdump_filters(args), **quiet}
+        # flows read back (-r) are shown, a line each, unless the user chose how: the preset's
+        # flow_detail=0 keeps a running proxy's terminal to ContextPaw's lines, and printed nothing here
+        given = {s.partition("=")[0] for s in args.setoptions or []} | file_options(read_from)
+        shown = (
+            {"flow_detail": 1}
+            if args.rfile and not ns.web and getattr(args, "flow_detail", None) is None and "flow_detail" not in given
+            else {}
+        )
+        return {**mitmdump_filters(args), **quiet, **shown}
 
     try:
         run(WithContextPaw, functools.partial(command_parser, mitmproxy_parser), [*mitmproxy_args(backends), *argv], extra)

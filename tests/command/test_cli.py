@@ -490,3 +490,22 @@ def test_a_config_file_value_of_the_wrong_type_is_one_line_naming_the_option_and
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "Traceback" not in err
     assert err.strip() == f"contextpaw: {said}, in {tmp_path / 'config.yaml'}"
+
+
+def test_flows_read_back_are_shown_a_line_each(tmp_path: Path) -> None:
+    """`contextpaw -n -r flows.mitm`, the documented way to read flows back, printed nothing: the
+    preset flow_detail=0 (a running proxy's terminal keeps to ContextPaw's lines) hid them."""
+    import subprocess
+    import sys
+
+    from mitmproxy import io
+    from mitmproxy.test import tflow
+
+    flows = tmp_path / "flows.mitm"
+    flow = tflow.tflow(resp=True)
+    flow.request.path = "/v1/chat/completions/read-back"
+    with flows.open("wb") as f:
+        io.FlowWriter(f).add(flow)
+    done = subprocess.run([sys.executable, "-m", "contextpaw.command.cli", "-n", "-r", str(flows), "--confdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0 and "/v1/chat/completions/read-back" in done.stdout, done.stdout + done.stderr
