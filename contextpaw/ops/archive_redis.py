@@ -20,6 +20,7 @@ from __future__ import annotations
 import builtins
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -81,6 +82,9 @@ class RedisStore(EvictedStore):
         self._pending: dict[str, builtins.bytes] = {}
         self._pending_lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[str, builtins.bytes] | threading.Event | None] = queue.SimpleQueue()
+        self._secret: builtins.bytes | None = None
+        """The fleet's secret this instance keys with (`shared_secret`), checked on every write."""
+        self._split = False
         self._writer = threading.Thread(target=self._write_loop, name="contextpaw-archive-redis", daemon=True)
         self._writer.start()
 
@@ -106,7 +110,33 @@ class RedisStore(EvictedStore):
         archive anyway."""
         key = self._key("secret")
         self._client.set(key, local, nx=True)
-        return bytes(self._client.get(key) or local)
+        self._secret = bytes(self._client.get(key) or local)
+        return self._secret
+
+    def _secret_kept(self, pipe: Any) -> Callable[[list[Any]], None]:
+        """Ask, in the writes' own round trip, that the fleet's secret is still the one this
+        instance uses (set again where Redis lost it: restarted empty, or flushed); the check of the
+        pipeline's first two answers. A Redis that lost it would let the next instance set a new one,
+        and the fleet split in silence: references made on one unreadable through the others."""
+        secret = self._secret
+        if secret is None:
+            return lambda results: None
+        key = self._key("secret")
+        pipe.set(key, secret, nx=True)
+        pipe.get(key)
+
+        def check(results: list[Any]) -> None:
+            reset, held = results[0], results[1]
+            if reset:
+                logger.warning("Redis at %s had lost the fleet's secret (restarted empty, or flushed): this instance set it "
+                               "again, so instances that start now join this one", self.url)  # fmt: skip
+            if held is not None and bytes(held) != secret and not self._split:
+                self._split = True
+                logger.error("the fleet is split: Redis at %s holds another secret than this instance's (another instance set "
+                             "it after Redis lost this one's); references made here are unreadable through the others, and "
+                             "theirs here: restart this instance to join them", self.url)  # fmt: skip
+
+        return check
 
     def put_plan(self, key: str, data: builtins.bytes) -> None:
         self._queue.put(("plan:" + key, data))
@@ -184,13 +214,14 @@ class RedisStore(EvictedStore):
             if puts:
                 try:
                     pipe = self._client.pipeline(transaction=False)
+                    check = self._secret_kept(pipe)
                     for marker_id, data in puts:
                         if marker_id.startswith("plan:"):  # a conversation's plan: the age bound is its TTL
                             pipe.set(self._key(marker_id), data, px=int(self.max_age_s * 1000))
                             continue
                         bounds = (self.max_items, self.max_bytes, self.max_age_s)
                         self._put(args=(self.prefix, marker_id, data, *bounds), client=pipe)
-                    pipe.execute()
+                    check(pipe.execute())
                 except redis.RedisError as e:
                     logger.warning("the archive at %s could not be written (%s): %d evicted contents lost", self.url, e, len(puts))
                 with self._pending_lock:
