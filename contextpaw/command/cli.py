@@ -15,6 +15,7 @@ command line always wins over them. Each of ContextPaw's flags can also come fro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import functools
 import logging
@@ -613,6 +614,13 @@ def run_doctor(argv: Sequence[str]) -> int:
     ns = p.parse_args(argv)  # an unknown flag is an error (exit 2), not silently ignored
     try:
         backends, notes = fronted(ns, from_environment(argv))
+        backends += configured_backends(ns, backends)
+        if not backends and not ns.mode and not any(s.startswith("contextpaw_") for s in ns.setoptions):
+            nothing = doctor.Finding("unchecked", "command line", "names no backend, so contextpaw would not start: nothing to check",
+                                     "give --ollama URL, --llamacpp URL or both, as to contextpaw (or contextpaw_ollama / "
+                                     f"contextpaw_llamacpp in {Path(ns.confdir or CONFDIR).expanduser() / 'config.yaml'})")  # fmt: skip
+            print(doctor.as_json([nothing]) if ns.json else doctor.render([nothing]))
+            return doctor.exit_status([nothing])
         specs = [*(f"reverse:{b.url}@{b.listen[0]}:{b.listen[1]}" for b in backends), *ns.mode]
         modes = [(spec, mode_specs.ProxyMode.parse(spec)) for spec in specs or ["regular"]]
     except ValueError as e:
@@ -641,6 +649,28 @@ def run_doctor(argv: Sequence[str]) -> int:
         findings.append(doctor.Finding("unchecked", "doctor", f"could not check: {type(e).__name__}: {e}"))
     print(doctor.as_json(findings) if ns.json else doctor.render(findings))
     return doctor.exit_status(findings)
+
+
+def configured_backends(ns: argparse.Namespace, backends: Sequence[Fronted]) -> list[Fronted]:
+    """The backends `config.yaml` in the confdir fronts, as the command fronts them
+    (`fronted_from_options`): one of a kind the command line does not name, at `--host` and the
+    kind's port; where `mode` is set there, the command runs those modes and none is added."""
+    from mitmproxy import optmanager
+
+    path = Path(ns.confdir or CONFDIR, "config.yaml").expanduser()
+    try:
+        options = optmanager.parse(path.read_text(encoding="utf8")) if path.is_file() else {}
+    except Exception:  # the command itself says what is wrong with the file (`wrong_type`, mitmproxy's own)
+        return []
+    if "mode" in options:
+        return []
+    found = []
+    for kind, port in ((wire.Kind.OLLAMA, ns.port), (wire.Kind.LLAMACPP, ns.llamacpp_port)):
+        urls = options.get(f"contextpaw_{kind}")
+        if isinstance(urls, list) and len(urls) == 1 and not any(b.kind == kind for b in backends):
+            with contextlib.suppress(ValueError):
+                found.append(Fronted(kind, backend_url(f"contextpaw_{kind}", str(urls[0]))[0], (ns.host, port)))
+    return found
 
 
 def _own_url(mode: Any, ns: argparse.Namespace) -> str:

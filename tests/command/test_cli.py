@@ -509,3 +509,21 @@ def test_flows_read_back_are_shown_a_line_each(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "contextpaw.command.cli", "-n", "-r", str(flows), "--confdir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0 and "/v1/chat/completions/read-back" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_doctor_without_a_backend_says_it_has_nothing_to_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With no arguments it reported "listens on every interface" of a listener contextpaw never
+    opens (without a backend the command does not start), a false PROBLEM and exit 1."""
+    assert cli.run_doctor(["--confdir", str(tmp_path)]) == 3
+    out = capsys.readouterr().out
+    assert "names no backend" in out and "every interface" not in out
+
+
+def test_the_doctor_reads_the_backends_config_yaml_fronts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The set-up docs/command.md shows (a backend in config.yaml, nothing on the command line) is
+    checked as the command runs it: on the loopback, at the kind's port."""
+    (tmp_path / "config.yaml").write_text("contextpaw_llamacpp: [http://127.0.0.1:9]\n")
+    cli.run_doctor(["--confdir", str(tmp_path), "--timeout", "2"])
+    out = capsys.readouterr().out
+    assert "ok      listener reverse:http://127.0.0.1:9@127.0.0.1:8092: on the loopback" in out
+    assert "every interface" not in out and "http://127.0.0.1:9: does not answer" in out
