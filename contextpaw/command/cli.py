@@ -15,8 +15,8 @@ command line always wins over them. Each of ContextPaw's flags can also come fro
 from __future__ import annotations
 
 import argparse
-import contextlib
 import asyncio
+import contextlib
 import functools
 import logging
 import os
