@@ -458,7 +458,10 @@ async def diagnose(setup: Setup) -> list[Finding]:
                 for model in await read_ollama(fetch, windows, backend, setup.models):
                     findings += check_ollama_window(model) + check_ollama_agents(model)
                     vocabularies.append((f"{model.name} at {a.url}", model.vocab))
-                if not vocabularies:
+                if not vocabularies and await fetch("GET", backend.url + "/api/tags", None) is None:
+                    findings.append(Finding("unchecked", a.url, f"did not list its models within {setup.timeout:g} s (/api/tags)",
+                                            "run the doctor again with a longer --timeout (a model may be loading)"))  # fmt: skip
+                elif not vocabularies:
                     findings.append(Finding("note", a.url, "has no model to check", "ollama pull MODEL, or name one with --model"))
             elif backend and (router := await read_router(fetch, backend)) is not None:
                 findings += check_router(router)

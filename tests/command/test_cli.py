@@ -527,3 +527,30 @@ def test_the_doctor_reads_the_backends_config_yaml_fronts(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert "ok      listener reverse:http://127.0.0.1:9@127.0.0.1:8092: on the loopback" in out
     assert "every interface" not in out and "http://127.0.0.1:9: does not answer" in out
+
+
+def test_an_ollama_too_slow_to_list_its_models_is_unchecked_not_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With a short --timeout it said "has no model to check", advised `ollama pull` for a model
+    that exists, and ended "no problems found", exit 0."""
+    import asyncio
+
+    from aiohttp import web
+
+    from support.common import running
+
+    async def root(request: web.Request) -> web.Response:
+        return web.Response(text="Ollama is running")
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(4)
+        return web.json_response({"models": [{"name": "qwen3:8b"}]})
+
+    app = web.Application()
+    app.router.add_get("/", root)
+    app.router.add_get("/api/ps", slow)
+    app.router.add_get("/api/tags", slow)
+    with running(app) as url:
+        status = cli.run_doctor(["--ollama", url, "--confdir", str(tmp_path), "--timeout", "1"])
+    out = capsys.readouterr().out
+    assert status == 3 and "did not list its models within 1 s" in out, out
+    assert "ollama pull" not in out and "no problems found" in out and "could not be checked" in out
