@@ -13,7 +13,7 @@ import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +45,8 @@ class Finding:
     subject: str
     what: str
     fix: str = ""
+    facts: Mapping[str, Any] = field(default_factory=dict)
+    """What a script reads in `--json` instead of the sentence: the window, the kind, the model."""
 
 
 def render(findings: Sequence[Finding]) -> str:
@@ -100,14 +102,15 @@ def check_answer(a: Answer) -> list[Finding]:
                                           "and fall back to a default one",
                         f"give it as --{a.found} {a.url}")]  # fmt: skip
     if a.answers:
-        return [Finding("ok", a.url, f"answers ({a.kind or 'kind unknown'})")]
+        return [Finding("ok", a.url, f"answers ({a.kind or 'kind unknown'})", facts={"answers": True, "kind": a.kind})]
     if a.plain_http:
         plain = "http://" + a.url.removeprefix("https://")
         return [Finding("problem", a.url, "the server speaks plain HTTP, not TLS",
                         f"write {plain} (mitmproxy would send it TLS, and every request would get a 502)")]  # fmt: skip
     flag = f"--{a.kind}" if a.kind else "--mode reverse:"
     return [Finding("problem", a.url, "does not answer",
-                    f"start the server, or point {flag} at where it listens (ContextPaw answers 502 meanwhile)")]  # fmt: skip
+                    f"start the server, or point {flag} at where it listens (ContextPaw answers 502 meanwhile)",
+                    {"answers": False, "kind": a.kind})]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,15 +133,16 @@ def check_ollama_window(m: OllamaModel) -> list[Finding]:
     if m.available is not None:
         have = f"it has {', '.join(m.available)}" if m.available else "it has no models"
         return [Finding("problem", subject, f"no such model ({have})", f"ollama pull {m.name}, or name one it has with --model")]
+    facts = {"kind": "ollama", "model": m.name, "window": m.window, "trained": m.trained, "modelfile_num_ctx": m.modelfile_ctx}
     if m.window is None:
-        return [Finding("note", subject, "its window for /v1 requests could not be learned (the model did not load in time)",
-                        "run the doctor again with a longer --timeout, or check `ollama ps`")]  # fmt: skip
+        return [Finding("unchecked", subject, "its window for /v1 requests could not be learned (the model did not load in time)",
+                        "run the doctor again with a longer --timeout, or check `ollama ps`", facts)]  # fmt: skip
     of = f" of the {m.trained:,} it was trained on" if m.trained else ""
     if not m.trained or m.window * FAR_BELOW > m.trained or m.window >= SUGGESTED_WINDOW:
-        return [Finding("ok", subject, f"requests without num_ctx (all of /v1) get {m.window:,} tokens{of}")]
+        return [Finding("ok", subject, f"requests without num_ctx (all of /v1) get {m.window:,} tokens{of}", facts=facts)]
     want = min(m.trained, SUGGESTED_WINDOW)
     what = f"requests without num_ctx (all of /v1, so every OpenAI client) get {m.window:,} tokens{of}"
-    return [Finding("problem", subject, what, _ollama_raise(m, want))]
+    return [Finding("problem", subject, what, _ollama_raise(m, want), facts)]
 
 
 def _ollama_raise(m: OllamaModel, want: int) -> str:
@@ -183,10 +187,11 @@ def check_llamacpp_window(s: LlamaServer, asked: int | None) -> list[Finding]:
         )
         target = s.trained
     shape = f"{per:,} tokens per request" + (f" ({slots} slots)" if slots > 1 else "")
+    facts = {"kind": "llamacpp", "window": per, "slots": slots, "trained": s.trained, "asked": asked}
     small = per < SMALL_SLOT and not asked and (not s.trained or s.trained > per + SLOT_PADDING)
     """A small window llama-server could widen (the model was trained on more, or does not say)."""
     if not small and (not target or per + SLOT_PADDING > target):
-        return [*findings, Finding("ok", subject, shape + (", as -c asks" if asked else ""))]
+        return [*findings, Finding("ok", subject, shape + (", as -c asks" if asked else ""), facts=facts)]
     if not target or per + SLOT_PADDING > target:  # small, and the model says nothing larger
         target = SUGGESTED_WINDOW
     split = slots > 1 and (not asked or per * slots + SLOT_PADDING * slots > target)
@@ -202,7 +207,7 @@ def check_llamacpp_window(s: LlamaServer, asked: int | None) -> list[Finding]:
                f"(-ctk q8_0 -ctv q8_0), or ask for what fits (-c {per * slots}); --fit off fails instead of shrinking")  # fmt: skip
     if not asked:
         fix += "; if you gave llama-server -c, tell the doctor with --ctx N"
-    return [*findings, Finding(level, subject, what, fix)]
+    return [*findings, Finding(level, subject, what, fix, facts)]
 
 
 def agents_short_of(window: int) -> dict[str, int]:
@@ -585,7 +590,9 @@ def check_router(r: Router) -> list[Finding]:
         return [Finding("problem", subject, "lists no model (/models)", "give it --models-dir DIR or --models-preset FILE.ini")]
     shown = ", ".join(f"{m.name} {m.window:,} ({m.status})" if m.window else f"{m.name} ? ({m.status})" for m in r.models)
     most = f"; at most {r.max_loaded} loaded at once (--models-max)" if r.max_loaded else ""
-    findings = [Finding("ok", subject, f"{len(r.models)} model(s), each fitted to its own window: {shown}{most}")]
+    facts = {"kind": "llamacpp", "router": True, "max_loaded": r.max_loaded,
+             "models": [{"model": m.name, "status": m.status, "window": m.window} for m in r.models]}  # fmt: skip
+    findings = [Finding("ok", subject, f"{len(r.models)} model(s), each fitted to its own window: {shown}{most}", facts=facts)]
     for m in r.models:
         if m.window is None:
             findings.append(Finding("note", f"{subject} model {m.name}", "names no ctx-size: its window is known once it is loaded "

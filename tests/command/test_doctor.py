@@ -36,8 +36,10 @@ def test_an_ollama_window_near_the_trained_length_is_fine(window: int, trained: 
     assert levels(doctor.check_ollama_window(OllamaModel("http://o:1", "m", window, trained, None))) == ["ok"]
 
 
-def test_an_ollama_window_not_learned_is_a_note() -> None:
-    assert levels(doctor.check_ollama_window(OllamaModel("http://o:1", "m", None, 131072, None))) == ["note"]
+def test_an_ollama_window_not_learned_could_not_be_checked() -> None:
+    """A model that did not load in time leaves the window unknown: not checked (exit 3), not a note (exit 0)."""
+    [finding] = doctor.check_ollama_window(OllamaModel("http://o:1", "m", None, 131072, None))
+    assert finding.level == "unchecked" and doctor.exit_status([finding]) == 3
 
 
 def test_np_dividing_the_context_is_found_with_the_command_line_that_undoes_it() -> None:
@@ -229,7 +231,15 @@ def test_exit_status_tells_problems_from_what_could_not_be_checked() -> None:
     assert doctor.exit_status([ok, unchecked, problem]) == 1
     assert doctor.exit_status([ok, unchecked]) == 3
     parsed = json.loads(doctor.as_json([ok, problem]))
-    assert parsed["status"] == 1 and parsed["findings"][1] == {"level": "problem", "subject": "a", "what": "x", "fix": "fix"}
+    assert parsed["status"] == 1 and parsed["findings"][1] == {"level": "problem", "subject": "a", "what": "x", "fix": "fix", "facts": {}}
+
+
+def test_json_gives_a_script_the_numbers_not_only_the_sentences() -> None:
+    [ollama] = doctor.check_ollama_window(OllamaModel("http://o:1", "qwen3:8b", 4096, 131072, None))
+    [llamacpp] = doctor.check_llamacpp_window(LlamaServer("http://l:1", 2048, 4, 131072), asked=8192)
+    facts = [f["facts"] for f in json.loads(doctor.as_json([ollama, llamacpp]))["findings"]]
+    assert facts[0] == {"kind": "ollama", "model": "qwen3:8b", "window": 4096, "trained": 131072, "modelfile_num_ctx": None}
+    assert facts[1] == {"kind": "llamacpp", "window": 2048, "slots": 4, "trained": 131072, "asked": 8192}
 
 
 def test_client_settings_past_contextpaw_or_at_nothing_are_problems() -> None:
