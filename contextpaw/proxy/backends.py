@@ -421,13 +421,22 @@ class Backends:
     async def _identified(self, address: tuple[str, int], url: str) -> wire.Backend | None:
         """The backend at a reverse-mode target, asked once what it is (None while it does not say)."""
         if address not in self.probed:
-            root, props = await asyncio.gather(self.session.text(url + "/"), self.session.text(url + "/props"))
-            kind = wire.identify(root[1] if root and root[0] == 200 else None, props and props[0])
+            kind = await self.kind_found(url)
             if kind is None:
                 return None
             self.probed[address] = wire.Backend.parse(kind, url)
             logger.info("%s identified as %s", url, kind)
         return self.probed[address]
+
+    async def kind_found(self, url: str) -> wire.Kind | None:
+        """What the server at `url` says it is (Ollama's "Ollama is running", llama-server's
+        `/props`), None where it says neither."""
+        root, props = await asyncio.gather(self.session.text(url + "/"), self.session.text(url + "/props"))
+        return wire.identify(root[1] if root and root[0] == 200 else None, props and props[0])
+
+    def configured_backends(self) -> list[wire.Backend]:
+        """The backends the options name with their kind (`--ollama`, `--llamacpp`)."""
+        return list(self.configured.values())
 
     async def answers(self, host: str, port: int) -> bool:
         try:

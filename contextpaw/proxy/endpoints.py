@@ -140,9 +140,16 @@ class AdminEndpoints:
         """Once at start, in a task of its own (clients are served meanwhile): each configured
         backend is asked whether it answers (a connection, `PROBE_TIMEOUT_S` at most), and one that
         does not is named with how to start it."""
-        for row in await self._backends():
+        rows = await self._backends()
+        for row in rows:
             if not row["answers"]:
                 logger.warning("%s backend %s does not answer: %s", row["kind"] or "the", row["url"], how_to_start(row["kind"], row["url"]))
+        answering = {row["url"] for row in rows if row["answers"]}
+        for backend in self.backends.configured_backends():
+            found = await self.backends.kind_found(backend.url) if backend.url in answering else None
+            if found is not None and found != backend.kind:
+                logger.warning("the %s backend %s is a %s: its window is read the %s way and found wrong; give it as --%s %s",
+                               backend.kind, backend.url, found, backend.kind, found, backend.url)  # fmt: skip
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if self.rewrites_host and isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):

@@ -106,3 +106,17 @@ def test_a_backend_down_at_start_is_warned_of_and_health_answers_503_until_it_is
         [row] = up.json()["backends"]
         assert up.status_code == 200 and row["answers"] is True
         assert row["last_error"] is None and row["last_error_at"] and row["last_ok_at"]
+
+
+def test_a_llama_server_given_as_ollama_is_said_at_start(workdir: Path) -> None:
+    """Only the doctor saw it: the proxy fronted a llama-server given as --ollama without a word,
+    and read its window the Ollama way."""
+    port = free_port()
+    with start_module("support.fake_llamacpp", ["--n-ctx", "2048"], "/health", workdir / "misnamed-llamacpp.log") as backend:
+        argv = [
+            sys.executable, "-m", "contextpaw.command.cli", "--ollama", backend.url, "--port", str(port),
+            "--confdir", str(workdir / "conf"), "--set", f"contextpaw_state_dir={workdir / 'misnamed-state'}",
+        ]  # fmt: skip
+        with start_process(argv, f"http://{LOOPBACK}:{port}", "/contextpaw/health", workdir / "misnamed.log", 60) as proxy:
+            warned = [line for line in new_lines(proxy.log, 0, 3, timeout=10) if "is a llamacpp" in line]
+    assert len(warned) == 1 and f"give it as --llamacpp {backend.url}" in warned[0], warned
