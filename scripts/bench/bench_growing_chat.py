@@ -9,7 +9,9 @@ Each turn the user pastes the next chunk of a log (a share of the window) and th
 in a line, and the whole conversation is sent again, as chat clients do. Per turn it records: was the
 turn answered (not refused), how many tokens ContextPaw's own markers take in the prompt, and how
 much of the prompt the server must read again (the tokens after the prefix it shares with the last
-prompt) beside the least any cut could cost (what the turn appended). Prints a table and writes
+prompt) beside the least any cut could cost (what the turn appended), and the engine's own time for
+the turn (parsing the conversation and fitting it with the last plan: whether a long session costs
+more per turn late than early). Prints a table and writes
 bench-results/growing_chat.json; `proxy_growing_chat` (tests/e2e) runs the same chat over the wire.
 """
 
@@ -22,6 +24,7 @@ import random
 import re
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -73,18 +76,21 @@ def run_chat(window: int, share: float, turns: int, counter: Counter, tokenize: 
     for t in range(turns):
         new = {"role": "user", "content": chunk(rng, lines, t * lines)}
         msgs = [*msgs, new]
+        started = time.perf_counter()
         try:
             result = compact_chat(Conversation.from_wire(msgs, []), budget, counter, previous=plan, refs=refs)
         except BudgetTooSmall as e:
             rows.append({"turn": t, "refused": str(e)})
             msgs.append({"role": "assistant", "content": "(refused)"})
             continue
+        fit_ms = 1000 * (time.perf_counter() - started)
         prompt = msgs if result.messages is None else result.messages
         text = render(prompt) + "<|im_start|>assistant\n"
         tokens = tokenize(text)
         markers = sum(len(tokenize(m)) for m in MARKER.findall(text))
         appended = len(tokenize(render(msgs[-2:]) + "<|im_start|>assistant\n"))  # last turn's answer and the new message
-        row = {"turn": t, "tokens": len(tokens), "markers": markers, "compacted": result.report.compacted, "notes": result.report.notes}
+        row = {"turn": t, "tokens": len(tokens), "markers": markers, "compacted": result.report.compacted, "notes": result.report.notes,
+               "fit_ms": fit_ms}  # fmt: skip
         if sent_tokens is not None:
             row["reevaluated"] = len(tokens) - shared(sent_tokens, tokens)
             row["least"] = min(appended, len(tokens))
@@ -104,6 +110,7 @@ def run_chat(window: int, share: float, turns: int, counter: Counter, tokenize: 
         "compacted": len(cut),
         **session_shares(answered, answered, after),
         "first_refusal": next((r["refused"] for r in rows if "refused" in r), None),
+        "fit_ms": fit_curve(answered),
         "per_turn": rows,
     }
 
@@ -121,6 +128,16 @@ def session_shares(answered: list[dict[str, Any]], seen: list[dict[str, Any]], a
         "merges": sum(1 for r in answered if any(MERGED in n for n in r["notes"])),
         "given_way": sum(1 for r in answered if any(GAVE_WAY in n for n in r["notes"])),
     }
+
+
+def fit_curve(answered: list[dict[str, Any]]) -> dict[str, float]:
+    """The engine's median time per turn (ms) around turns 10, 50, 100 and 200 (ten turns each)."""
+    curve = {}
+    for at in (10, 50, 100, 200):
+        near = [r["fit_ms"] for r in answered if at - 10 <= r["turn"] < at]
+        if near:
+            curve[str(at)] = round(statistics.median(near), 3)
+    return curve
 
 
 def pct(x: float | None) -> str:
@@ -148,11 +165,13 @@ def main() -> None:
     print(f"counter: {counter.name}; {args.turns} turns a chat; markers and re-evaluation in {'SmolLM2 tokens' if tokenizer else 'bytes'}")
     print(
         "window | message | answered | re-cut turns | merges | plan gave way | markers worst | markers last | re-eval / turn | least / turn"
+        " | fit ms at turn 10 / 50 / 100 / 200"
     )
     for r in results:
         print(
             f"{r['window']} | {pct(r['share'])} | {r['answered']}/{r['turns']} | {r['recuts']} | {r['merges']} | {r['given_way']} | "
             f"{pct(r['marker_share_worst'])} | {pct(r['marker_share_last'])} | {pct(r['reeval_per_turn'])} | {pct(r['least_per_turn'])}"
+            f" | {' / '.join(str(v) for v in r['fit_ms'].values())}"
         )
         if r["first_refusal"]:
             print(f"    first refusal: {r['first_refusal']}")
