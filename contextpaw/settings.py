@@ -241,7 +241,7 @@ FIT_OPTIONS = _with_field_defaults(
         "On Ollama's /v1 and Anthropic routes, which cannot ask it to refuse instead of cutting, and without a "
         "tokenizer for the model: where the estimate cannot tell whether a request fits, ask Ollama's native "
         "/api/chat to count it (truncate:false, one token) before cutting. What fits goes out unchanged; the "
-        "prompt's prefix is then in the server's cache for the request itself."),
+        "prompt's prefix is then in the server's cache for the request itself. Never under policy off."),
     state_dir=Option(str, "Where the calibration and the archive are kept across restarts (default: confdir).", default=""),
     archive=Option(
         str, "Where evicted content is kept: sqlite (in the state dir), memory, or redis://host:port/db (shared).", read=_archive

@@ -523,10 +523,18 @@ class _ChatCompaction:
         after = [u for u in self.evictable if min(u.indices) > last]
         self.evict_until(target, sorted(after, key=self.stalest_biggest))
         changed = None
+        ask = 0
         for _ in range(SHRINK_ROUNDS if last in self.shrunk else 0):  # a cut's cost does not fall exactly as its text's
-            if self.total() <= target or not self.shrink(last, self.total() - target):
+            before = self.total()
+            if before <= target:
+                break
+            # a text is cut at whole lines: where asking for what is over moved nothing, ask twice as much
+            ask = before - target if ask == 0 else 2 * ask
+            if not self.shrink(last, ask):
                 break
             changed = "its cut goes deeper"
+            if self.total() < before:
+                ask = 0
         if self.total() > target and self.prefix_tokens(last) <= target:
             self.shrink_protected(self.budget, after=last, fresh=False)
         if self.total() > target:

@@ -134,8 +134,8 @@ class CounterChoice:
 
     async def asked(self, backend: wire.Backend, parsed: wire.Chat, big: bool) -> AskedCount | None:
         """Ollama's own count of a chat, asked on its native route (None: not Ollama, not to be
-        asked, or no answer)."""
-        if backend.kind != wire.Kind.OLLAMA or not self.settings.ask_ollama:
+        asked, or no answer). Never under policy off: it watches, and adds no request of its own."""
+        if backend.kind != wire.Kind.OLLAMA or not self.settings.ask_ollama or self.settings.policy == "off":
             return None
         body = await off_loop(big, functools.partial(wire_ollama.counting_chat, parsed))
         return await self.services.asking.count(backend.url, body, big)

@@ -106,3 +106,10 @@ async def test_a_request_that_fits_by_the_estimate_is_not_asked() -> None:
     body = agent_request(words=2000)
     s = await fitted(asked, body)
     assert DECISIONS[id(s)] == UNCHANGED and not asked.bodies
+
+
+async def test_under_policy_off_ollama_is_not_asked() -> None:
+    """Policy off watches and tells; it adds no request of its own to the server."""
+    asked = Asked(OllamaCount(18513, True))
+    await fitted(asked, agent_request(), policy="off")
+    assert not asked.bodies

@@ -189,3 +189,13 @@ def test_a_re_cut_past_a_parallel_call_straddling_the_last_marker_is_one_the_bud
     once left out the runs between protected messages, and took this for a gap in the engine."""
     session = json.loads((Path(__file__).parents[1] / "fixtures" / "prefix_early_cut.json").read_text())
     test_each_turn_resends_the_last_turns_prompt_through_its_last_marker_unless_the_budget_cannot_hold_it.hypothesis.inner_test(session)
+
+
+def test_a_text_cut_deeper_by_a_token_or_two_is_cut_at_the_next_line_not_evicted_with_its_prefix() -> None:
+    """The session CI's run found: the opening shrunk, a 6,000-token read shrunk as the newest, then
+    a small turn leaves the prompt one token over the target. A text is cut at whole lines, so
+    asking it for one token more moved nothing, eight times, and the engine took the prefix for too
+    big and evicted the read before the last marker. Each ask that moves nothing now asks twice as
+    much: the read is cut at the next line, and the prefix stays."""
+    session = json.loads((Path(__file__).parents[1] / "fixtures" / "prefix_deeper_cut.json").read_text())
+    test_each_turn_resends_the_last_turns_prompt_through_its_last_marker_unless_the_budget_cannot_hold_it.hypothesis.inner_test(session)
