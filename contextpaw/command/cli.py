@@ -550,6 +550,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         opts.update(**served)
         if not has_work(args, opts):
             raise exceptions.OptionsError("give --ollama URL, --llamacpp URL, or both (or mitmproxy's own --mode)")
+        if args.server is not False and (taken := taken_ports(backends)):
+            raise PortTaken(taken)
         # -q keeps warnings and errors (mitmproxy's own -q keeps errors alone)
         quiet = {"termlog_verbosity": "warn"} if args.quiet and not (args.options or args.commands) else {}
         # flows read back (-r) are shown, a line each, unless the user chose how: the preset's
@@ -566,6 +568,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         run(WithContextPaw, functools.partial(command_parser, mitmproxy_parser), [*mitmproxy_args(backends), *argv], extra)
     except ParserDone as done:
         sys.exit(done.status)
+    except PortTaken as e:
+        print(f"contextpaw: {e}", file=sys.stderr)
+        sys.exit(2)
     except TypeError as e:  # mitmproxy reads config.yaml's values unchecked: a wrong type ends in its TypeError
         said = wrong_type(str(e))
         if said is None:
@@ -649,6 +654,31 @@ def run_doctor(argv: Sequence[str]) -> int:
         findings.append(doctor.Finding("unchecked", "doctor", f"could not check: {type(e).__name__}: {e}"))
     print(doctor.as_json(findings) if ns.json else doctor.render(findings))
     return doctor.exit_status(findings)
+
+
+class PortTaken(Exception):
+    """A port ContextPaw is to listen on is another program's (`taken_ports` says which and why)."""
+
+
+def taken_ports(backends: Sequence[Fronted]) -> str | None:
+    """Where a port ContextPaw is to listen on is held by another program, what to say instead of
+    mitmproxy's `[Errno 98] ... address already in use`: the flag that chose the port and how to see
+    who holds it (None: every port is free). Asked as a server binds (`SO_REUSEADDR`), so a port
+    left in TIME_WAIT is free."""
+    import socket
+
+    for b in backends:
+        host, port = b.listen
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError:
+                flag = "--port" if b.kind == wire.Kind.OLLAMA else "--llamacpp-port"
+                return (f"port {port} on {host} ({flag}, where clients reach {b.kind}) is taken by another program: give "
+                        f"{flag} another port, or stop what holds it (`ss -ltnp 'sport = :{port}'` names it)")  # fmt: skip
+    return None
 
 
 def configured_backends(ns: argparse.Namespace, backends: Sequence[Fronted]) -> list[Fronted]:

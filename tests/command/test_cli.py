@@ -31,6 +31,8 @@ def start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Callable[
         started.append(self)
 
     monkeypatch.setattr(master.Master, "run", serve)
+    # nothing listens here: the default ports may be another test's, or the machine's, meanwhile
+    monkeypatch.setattr(cli, "taken_ports", lambda backends: None)
 
     def run(*argv: str) -> Any:
         own_confdir = any(a.startswith("confdir=") for a in argv) or "CONTEXTPAW_CONFDIR" in os.environ
@@ -554,3 +556,19 @@ def test_an_ollama_too_slow_to_list_its_models_is_unchecked_not_clean(tmp_path: 
     out = capsys.readouterr().out
     assert status == 3 and "did not list its models within 1 s" in out, out
     assert "ollama pull" not in out and "no problems found" in out and "could not be checked" in out
+
+
+def test_a_port_another_program_holds_is_said_with_the_flag_that_chose_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """mitmproxy said `[Errno 98] reverse proxy to ... failed to listen ... address already in use`."""
+    import socket
+
+    from support.common import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["--llamacpp", URL, "--llamacpp-port", str(port), "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"port {port} on 127.0.0.1 (--llamacpp-port" in err and "Errno" not in err
