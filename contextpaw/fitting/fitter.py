@@ -318,6 +318,7 @@ class Fitter:
             exact=counter in EXACT_COUNTERS,
             window=overflow.window,
             required_tokens=overflow.required,
+            notes=(overflow.message.removeprefix("ContextPaw: "),),  # why, and what would fix it: the log line says it too
         )
         self._keep(state, report)
         state.overflow = overflow

@@ -139,7 +139,8 @@ def what_happened(report: Report | None) -> str:
         return "unchanged (not judged)"
     room = f"budget {report.budget}" + (f", window {report.window}" if report.window else "")
     if report.strategy == "refused":
-        return f"refused: {report.original_tokens} tokens, {report.required_tokens or report.original_tokens} needed ({room})"
+        why = f": {report.notes[0]}" if report.notes else ""
+        return f"refused: {report.original_tokens} tokens, {report.required_tokens or report.original_tokens} needed ({room}){why}"
     at_most = "at most " if report.upper_bound else ""
     if report.compacted:
         return f"compacted {report.original_tokens} -> {report.final_tokens} tokens ({room})"

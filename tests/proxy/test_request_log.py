@@ -76,3 +76,16 @@ async def test_a_compacted_request_is_told_at_info_whatever_mitmproxy_shows(prox
     shown(proxy, termlog_verbosity="error")
     [record] = await lines(proxy, long_chat(), caplog)
     assert record.levelno == logging.INFO and "compacted" in record.getMessage()
+
+
+async def test_a_refusal_is_told_with_its_reason_and_the_fix(proxy: Proxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The line said the numbers alone ("refused: 9,000 tokens, 9,000 needed"): not why, nor what to do."""
+    proxy.tctx.configure(proxy.compactor, contextpaw_policy="strict")
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        flow = post("/api/chat", long_chat())
+        await proxy.send(flow)
+        await proxy.answer(flow)
+    [record] = [r for r in caplog.records if r.name == LOGGER]
+    said = record.getMessage()
+    assert ": refused: " in said and "policy strict refuses to compact it" in said, said
