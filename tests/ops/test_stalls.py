@@ -76,3 +76,21 @@ async def test_an_evicted_read_that_waits_on_the_archive_waits_in_a_thread(tmp_p
     read = asyncio.ensure_future(endpoints.answer("GET", "/contextpaw/evicted/cp-0", None, trusted=True, secret=b"s" * 32))
     stall = await worst_stall(read)
     assert read.result().status == 404 and stall < 0.2, stall
+
+
+async def test_garbage_under_the_archives_keys_costs_a_scrape_its_figures_not_a_500(tmp_path: Path) -> None:
+    """`/contextpaw/metrics` answered 500 until the keys were cleaned."""
+    import redis
+
+    from contextpaw.ops.archive_redis import PREFIX, RedisStore
+
+    async def nothing() -> dict:
+        return {"backends": []}
+
+    with redis_server(tmp_path) as url:
+        store = RedisStore(url, max_items=100, max_bytes=1 << 20, max_age_s=60)
+        raw = redis.Redis.from_url(url)
+        raw.set(PREFIX + "bytes", b"not a number")
+        raw.set(PREFIX + "order", b"not a sorted set")
+        reply = await admin.Admin(Stats(store), store, nothing, nothing, None).answer("GET", "/contextpaw/metrics", None)  # type: ignore[arg-type]
+    assert reply.status == 200 and b"contextpaw_evicted_store_up 0.0" in reply.body
