@@ -20,7 +20,7 @@ from contextpaw.core.caches import LRU, SizedLRU
 from contextpaw.core.compact import BudgetTooSmall, Plan
 from contextpaw.core.refs import Refs
 from contextpaw.core.report import Report
-from contextpaw.core.tokens import Counter, EstimateCounter
+from contextpaw.core.tokens import EstimateCounter
 from contextpaw.core.truncation import ESTIMATE_BOUNDS
 from contextpaw.fitting.answers import Evaluated
 from contextpaw.fitting.budget import Budget
@@ -136,18 +136,22 @@ class Sizer:
             (counter, whose), bound = anchored, ANCHOR_MARGIN
             guarded = budget.within(bound)
             why = f"counted at {whose}, {counter.factor:.2f} tokens to the estimate's one, which may run {bound:.2f} times low"
-        elif guard is not None and not counter.exact and await self._opening(parsed, counter, fixed, budget, big, guard):
-            bound = self.calibration.bounds(calibration_key(backend, parsed.params.model))[1]
-            opening = ("the conversation's opening goes out whole: its count fits the window at the estimate's own "
-                       "rate, and the server's count of it says whether it was cut")  # fmt: skip
         elif guard is not None and not counter.exact:
-            guarded, bound, why = await self._guarded(parsed, budget, backend, big, guard)
-            asked = await self._asked(parsed, counter, fixed, guarded, budget, backend, big, guard)
-            if isinstance(asked, Fitted):
-                return asked
-            if asked is not None:
-                (counter, why), bound = asked, ANCHOR_MARGIN
-                guarded = budget.within(bound)
+            # the sizes the guard's questions ask about, each made once (a big request's are passes over megabytes)
+            proved = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
+            counted = await off_loop(big, functools.partial(parsed.tokens, counter, fixed)) if isinstance(parsed, wire.Chat) else None
+            if counted is not None and self._opening(parsed, counted, proved, budget, guard):
+                bound = self.calibration.bounds(calibration_key(backend, parsed.params.model))[1]
+                opening = ("the conversation's opening goes out whole: its count fits the window at the estimate's own "
+                           "rate, and the server's count of it says whether it was cut")  # fmt: skip
+            else:
+                guarded, bound, why = self._guarded(parsed, budget, backend, proved, guard)
+                asked = await self._asked(parsed, counted, proved, guarded, budget, backend, big, guard)
+                if isinstance(asked, Fitted):
+                    return asked
+                if asked is not None:
+                    (counter, why), bound = asked, ANCHOR_MARGIN
+                    guarded = budget.within(bound)
         if isinstance(parsed, wire.Chat):  # what only a chat has: turns, a last plan, holes to put digests in
             previous = previous or self.plans.get(parsed.key)
 
@@ -224,28 +228,25 @@ class Sizer:
         whose = "this conversation's own rate" if last.conversation == parsed.key else "the rate of the conversation whose text it repeats"
         return CalibratedCounter(self.estimate, max(rate, guard.floor)), whose
 
-    async def _opening(
-        self, parsed: wire.Chat | wire.Prompt, counter: Counter, fixed: int, budget: Budget, big: bool, guard: Guard
-    ) -> bool:
+    @staticmethod
+    def _opening(parsed: wire.Chat | wire.Prompt, counted: int, proved: int, budget: Budget, guard: Guard) -> bool:
         """Whether this is a conversation's opening (nothing after its task's message) that fits
         the window at the estimate's own rate, never below what its words prove. Its only cuttable
         part is the task itself, which the guard would shrink for the estimate's width alone (Qwen
         Code sends its instructions and the task as one message of 22,000 estimated tokens, 15,845
         in the model's count, into a 32,768-token window): sent whole, it is judged by the server's
-        count, which tells a cut."""
+        count, which tells a cut. (`counted`: our count of it; `proved`: the estimate of its words.)"""
         if not isinstance(parsed, wire.Chat):
             return False
         if parsed.conversation.task_index() != len(parsed.conversation.messages) - 1:
             return False
-        counted = await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
-        proved = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
         return max(counted, math.ceil(proved * guard.floor)) <= budget.admits
 
     async def _asked(
         self,
         parsed: wire.Chat | wire.Prompt,
-        counter: Counter,
-        fixed: int,
+        counted: int | None,
+        proved: int,
         guarded: Budget,
         budget: Budget,
         backend: wire.Backend,
@@ -257,11 +258,10 @@ class Sizer:
         unchanged, its count in the report; one over it is cut at the rate that count shows (the
         counter, and why). None: nothing to ask (no cut, or its words prove it over), or no
         answer, and the guard holds. An answer to a count that no text could give (an Ollama
-        older than `truncate: false` cut the prompt and counted what it kept) is no answer."""
-        if not isinstance(parsed, wire.Chat):
+        older than `truncate: false` cut the prompt and counted what it kept) is no answer.
+        (`counted`: our count of the chat, None for a raw prompt; `proved`: the estimate of its words.)"""
+        if not isinstance(parsed, wire.Chat) or counted is None:
             return None
-        counted = await off_loop(big, functools.partial(parsed.tokens, counter, fixed))
-        proved = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
         if counted <= guarded.admits or math.ceil(proved * guard.floor) > budget.admits:
             return None
         started = time.perf_counter()
@@ -279,8 +279,8 @@ class Sizer:
             return Fitted(None, report)
         return CalibratedCounter(self.estimate, max(rate, guard.floor)), f"{said}, over the window: cut at its rate"
 
-    async def _guarded(
-        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, big: bool, guard: Guard
+    def _guarded(
+        self, parsed: wire.Chat | wire.Prompt, budget: Budget, backend: wire.Backend, size: int, guard: Guard
     ) -> tuple[Budget, float, str]:
         """Where a cut cannot be forbidden: the budget the calibrated estimate's upper error bound
         still fits in, that bound (the verdict's), and what held the budget there.
@@ -291,9 +291,9 @@ class Sizer:
         bound is of the byte estimate, learned on whole requests of the kind: a cut keeps other
         text than it evicts, and only a count whose factor is the densest text's prices what stays
         no lower than it is (a shape count learned on prose and JSON prices camelCase code at 0.7
-        of its tokens, and a cut that kept it overflowed the window in silence)."""
+        of its tokens, and a cut that kept it overflowed the window in silence). (`size`: what the
+        estimate makes of the whole request.)"""
         key = calibration_key(backend, parsed.params.model)
-        size = await off_loop(big, functools.partial(rough_size, parsed, self.estimate))
         factor = self.calibration.factor(key)
         sent = min(size, math.ceil(budget.tokens / factor))
         reach = self.calibration.kind_reach(key, guard.kind)
