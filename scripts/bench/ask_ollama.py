@@ -15,7 +15,6 @@ each, what asking added over the direct request, and the prompt tokens the model
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -30,18 +29,13 @@ from typing import Any
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.backends import Backend, locate_smollm2, start_llama_server, start_proxy
 from support.common import running
-from support.fake_ollama import ModelCard, OllamaSettings, ollama_app
-from support.ollama_sim import LlamaServerEngine
+from support.fake_ollama import OllamaSettings, ollama_app
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measure_window_use import NoBlobEngine  # noqa: E402  (ContextPaw without the model's tokenizer)
 
 MODEL = "smollm2:135m"
 WORDS = "amber basil cedar delta ember falcon garnet harbor indigo juniper kettle lantern meadow nectar".split()
-
-
-class NoBlobEngine(LlamaServerEngine):
-    """The simulator, its `/api/show` naming no GGUF file: ContextPaw has no tokenizer."""
-
-    async def open(self) -> ModelCard:
-        return dataclasses.replace(await super().open(), blob="")
 
 
 def conversation(tokens: int, seed: int) -> dict[str, Any]:

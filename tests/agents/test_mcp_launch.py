@@ -9,7 +9,6 @@ file. The model's log holds each request's body: the tools the agent offered it.
 
 from __future__ import annotations
 
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -52,24 +51,8 @@ def offered(agent: str, binary: Path, work: Path) -> tuple[list[set[str]], str]:
         exits.enter_context(stops)
         listed = "".join(f"{n}. {note}\n" for n, note in enumerate(notes, 1))
         prompt = f"Read these files in this order, one per turn, with your file-reading tool, then list every FACT line:\n{listed}"
-        own, env, stdin = cli.launch_arguments(agent, home, prompt)
-        env = cli.scratch_env(home, {**env, "PATH": f"{binary.parent}:{cli.scratch_env(home)['PATH']}"})
-        argv = [
-            sys.executable,
-            "-m",
-            "contextpaw.command.cli",
-            "launch",
-            agent,
-            "--url",
-            stack.front,
-            "--state-dir",
-            str(work / "state"),
-            "--force",
-            "--",
-            *own,
-        ]  # fmt: skip (the tools are the question, not the window)
-        code, out, err, seconds = cli.run_process(argv, env, project, 300, stdin=stdin)
-        run = cli.AgentRun(argv, code, out, err, None, seconds, home)
+        # --force: the tools are the question, not the window (Claude Code and Qwen Code live from 65,536)
+        run = cli.run_launched(agent, binary, stack.front, prompt, home=home, cwd=project, state=work / "state", timeout=300, force=True)
     return [tool_names(entry.get("body") or {}) for entry in read_log(log)], run.describe()
 
 

@@ -16,6 +16,7 @@ import openai
 from support.backends import Backend, free_port, start_proxy
 from support.common import running
 from support.fake_ollama import OllamaSettings, fake_ollama_app
+from support.fitters import read_request
 
 WINDOW = 32768
 FILE_WORDS = 18000
@@ -25,21 +26,7 @@ request: 18,513 of 32,768), and some 33,000 estimated tokens."""
 
 def agent_request() -> dict[str, Any]:
     line = "The handler reads the request, checks the user and returns the settings it found.\n"
-    return {
-        "model": "fake:latest",
-        "max_tokens": 256,
-        "tools": [{"type": "function", "function": {"name": "read", "description": "Read a file.", "parameters": {"type": "object"}}}],
-        "messages": [
-            {"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": "Fix the failing handler."},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "h.py"}'}}],
-            },
-            {"role": "tool", "tool_call_id": "c1", "content": line * (FILE_WORDS // len(line.split()))},
-        ],
-    }
+    return read_request("fake:latest", line * (FILE_WORDS // len(line.split())), 256)
 
 
 @contextmanager

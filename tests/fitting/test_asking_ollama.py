@@ -8,32 +8,18 @@ from typing import Any
 
 from contextpaw.calls.server_counts import OllamaCount
 from contextpaw.fitting.flow import UNCHANGED, FlowState
-from support.fitters import OLLAMA, OPENAI, Asked, fitter, state
+from support.fitters import OLLAMA, OPENAI, Asked, fitter, read_request, state
 
 WINDOW = 32768
 
 
 def agent_request(words: int = 11000) -> dict[str, Any]:
     """An agent's fresh conversation of about `words` * 1.7 estimated tokens (18,700 at 11,000):
-    system prompt, tools, the task and a file it read."""
+    system prompt, tools, the task and a file of source it read."""
     source = "".join(
         f"def handler_{n}(request, context):\n    return resolve(request.user, context.settings[{n}])\n" for n in range(words // 9)
     )
-    return {
-        "model": "qwen3:8b",
-        "max_tokens": 4096,
-        "tools": [{"type": "function", "function": {"name": "read", "description": "Read a file.", "parameters": {"type": "object"}}}],
-        "messages": [
-            {"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": "Fix the failing handler."},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "h.py"}'}}],
-            },
-            {"role": "tool", "tool_call_id": "c1", "content": source},
-        ],
-    }
+    return read_request("qwen3:8b", source, 4096)
 
 
 async def fitted(asked: Asked, body: dict[str, Any], **settings: Any) -> FlowState:

@@ -92,6 +92,23 @@ def chat(turns: int = 12, num_ctx: int = 2048, **extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": messages, "stream": False, "options": {"num_ctx": num_ctx}, **extra}
 
 
+def read_request(model: str, read: str, max_tokens: int) -> dict[str, Any]:
+    """An agent's fresh conversation on OpenAI's chat API: its system prompt, its one tool, the
+    task, and a file it read (`read`) as the last message."""
+    call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "h.py"}'}}
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "tools": [{"type": "function", "function": {"name": "read", "description": "Read a file.", "parameters": {"type": "object"}}}],
+        "messages": [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Fix the failing handler."},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": read},
+        ],
+    }
+
+
 def fitter(**settings: Any) -> Fitter:
     return Fitter(
         FakeServices(),
