@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -472,8 +472,22 @@ def check_tls(backends: Sequence[Fronted]) -> list[str]:
     secure = [b for b in backends if b.url.startswith("https://")]
     if not secure:
         return []
-    answers = asyncio.run(doctor.answers_of([(b.kind, b.url) for b in secure]))
+    answers = run_probes(doctor.answers_of([(b.kind, b.url) for b in secure]))
     return [f"--{a.kind} {a.url}: {f.what}; {f.fix}" for a in answers for f in doctor.check_answer(a) if a.plain_http]
+
+
+def _quiet_on_interrupt(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """CPython 3.12.1 may call back a connect that Ctrl-C has just cancelled, and the loop would print
+    that callback's InvalidStateError as a traceback under the one line the command owes."""
+    if not isinstance(context.get("exception"), asyncio.InvalidStateError):
+        loop.default_exception_handler(context)
+
+
+def run_probes[T](probes: Coroutine[Any, Any, T]) -> T:
+    """Run the command's start-up or doctor probes on a loop of their own."""
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_exception_handler(_quiet_on_interrupt)
+        return runner.run(probes)
 
 
 def add_where_scripts_go(manager: Any, addons: Sequence[object]) -> None:
@@ -649,7 +663,7 @@ def run_doctor(argv: Sequence[str]) -> int:
     )
     findings = [doctor.Finding("note", "command line", note) for note in notes]
     try:
-        findings += asyncio.run(doctor.diagnose(setup))
+        findings += run_probes(doctor.diagnose(setup))
     except Exception as e:  # the doctor itself failed: nothing it says could be trusted
         findings.append(doctor.Finding("unchecked", "doctor", f"could not check: {type(e).__name__}: {e}"))
     print(doctor.as_json(findings) if ns.json else doctor.render(findings))

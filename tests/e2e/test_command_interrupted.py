@@ -97,3 +97,29 @@ def test_a_running_command_stopped_by_ctrl_c_prints_no_traceback(tmp_path: Path)
     said = "".join(lines)
     assert "Traceback" not in said, said[-3000:]
     assert process.returncode in (0, 130), said[-3000:]
+
+
+def test_a_connect_called_back_after_ctrl_c_cancelled_it_prints_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """CPython 3.12.1 calls a cancelled connect's callback, which raises InvalidStateError on the loop;
+    the probes' loop keeps that out of the one line Ctrl-C owes, and still reports any other failure."""
+    import asyncio
+
+    from contextpaw.command.cli import run_probes
+
+    def late_connect() -> None:
+        raise asyncio.InvalidStateError("invalid state")
+
+    def broken() -> None:
+        raise ValueError("a real failure")
+
+    async def probes() -> str:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(late_connect)
+        loop.call_soon(broken)
+        await asyncio.sleep(0.01)
+        return "answers"
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        assert run_probes(probes()) == "answers"
+    assert "InvalidStateError" not in caplog.text
+    assert "a real failure" in caplog.text
