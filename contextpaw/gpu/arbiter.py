@@ -50,6 +50,7 @@ from contextpaw.gpu.placement import (
     decide,
     retry_after,
 )
+from contextpaw.gpu.router import RouterServer, is_router_command
 from contextpaw.gpu.supervisor import ServerState, Supervisor, default_log_path, start_problem
 from contextpaw.gpu.vram import MIB
 from contextpaw.wire import Kind
@@ -91,6 +92,8 @@ class SwitchRecord:
     """The runtime evicted for it (None: the target fit beside what runs)."""
     target: Kind
     started_at: float
+    model: str | None = None
+    """The model the request that began it named (what a router llama-server loads)."""
     seconds: float | None = None
     error: str | None = None
     cancelled: bool = False
@@ -123,25 +126,31 @@ def _mib(value: int | None) -> str:
 
 class DecisionLog:
     """The last decisions with the readings behind them, for the status page, each logged once:
-    a wait that goes on is kept with the readings it began with."""
+    a wait that goes on is kept with the readings it began with, though requests for the other
+    runtime are decided in between."""
 
     def __init__(self) -> None:
         self.entries: deque[dict[str, Any]] = deque(maxlen=20)
+        self._last: dict[str, dict[str, Any]] = {}
+        """The last entry for each wanted runtime."""
 
-    def add(self, wanted: Kind, decision: Admission, need: int | None, room: Room | None) -> None:
+    def add(self, wanted: Kind, decision: Admission, need: int | None, room: Room | None, model: str | None = None) -> None:
         entry = {
             "wanted": str(wanted),
+            "model": model,
             "decision": decision.word,
             "evict": str(decision.evict) if isinstance(decision, Load) and decision.evict else None,
             "reason": getattr(decision, "reason", None),
             "need_bytes": need,
             **(room.as_json() if room is not None else {"free_bytes": None, "held_bytes": None}),
         }
-        same = ("wanted", "decision", "evict", "reason")
-        if self.entries and all(self.entries[-1][k] == entry[k] for k in same):
+        same = ("model", "decision", "evict", "reason")
+        last = self._last.get(entry["wanted"])
+        if isinstance(decision, Wait) and last is not None and all(last[k] == entry[k] for k in same):
             return
+        self._last[entry["wanted"]] = entry
         self.entries.append({"at": time.time(), **entry})
-        logger.info("contextpaw runtime: %s for %s%s%s; need %s, free %s, held %s", entry["decision"], wanted,
+        logger.info("contextpaw runtime: %s for %s%s%s%s; need %s, free %s, held %s", entry["decision"], wanted, f" ({model})" if model else "",
                  f", evicting {entry['evict']}" if entry["evict"] else "", f" ({entry['reason']})" if entry["reason"] else "",
                  _mib(need), _mib(entry["free_bytes"]), {k: _mib(v) for k, v in (entry["held_bytes"] or {}).items()})  # fmt: skip
 
@@ -149,8 +158,11 @@ class DecisionLog:
 def card_for(settings: ArbiterSettings, gpu: GpuProbe, session: Callable[[], aiohttp.ClientSession]) -> Card:
     """The card and the two runtimes on it, as ``settings`` describe them."""
     waits = {"release_timeout": settings.release_timeout, "poll_interval": settings.poll_interval}
-    server = Supervisor(settings.llamacpp_cmd, settings.llamacpp_url, settings.llamacpp_log, session, gpu,
-                        health_timeout=settings.health_timeout, stop_grace=settings.stop_grace, poll_interval=settings.poll_interval)  # fmt: skip
+    process = Supervisor(settings.llamacpp_cmd, settings.llamacpp_url, settings.llamacpp_log, session, gpu,
+                         health_timeout=settings.health_timeout, stop_grace=settings.stop_grace, poll_interval=settings.poll_interval)  # fmt: skip
+    server: Supervisor | RouterServer = process
+    if is_router_command(settings.llamacpp_cmd):
+        server = RouterServer(process, session, gpu, load_timeout=settings.health_timeout, **waits)
     return Card(gpu, OllamaModels(settings.ollama_url, session, gpu, **waits), server, **waits)
 
 
@@ -196,7 +208,7 @@ class Arbiter:
 
         Raises :class:`RuntimeUnavailable` when the runtime cannot be brought up, when the switch
         this request waited for failed, or (with ``retry_after``) when ``wait_timeout`` passes.
-        ``model`` (an Ollama request's) sizes what loading it takes.
+        ``model`` (the request's) sizes what loading it takes, and is what a router llama-server loads.
         """
         if flow_id in self._holders:
             raise ValueError(f"flow {flow_id!r} already holds {self._holders[flow_id]}")
@@ -212,31 +224,34 @@ class Arbiter:
                 if awaited is not None and awaited.error is not None:
                     raise RuntimeUnavailable(awaited.error)
                 cannot_start = need = room = None
-                if self._pending is None and wanted not in self._resident:  # only then is anything started
+                serving = True
+                if self._pending is None and wanted in self._resident:
+                    serving = await self.card.serves(wanted, model)
+                if self._pending is None and (wanted not in self._resident or not serving):  # only then is anything started
                     if wanted is Kind.LLAMACPP:
                         cannot_start = start_problem(self.settings.llamacpp_cmd)
                     if Kind.OLLAMA not in self._resident and await self.card.ollama_loaded():
                         self._resident[Kind.OLLAMA] = -math.inf  # loaded by another client: owed no hold
                     if self._resident:
                         need, room = await self.card.need(wanted, model), await self.card.room(self._resident)
-                decision = decide(self._resident, self._pending, wanted, cannot_start,
-                                  now=loop.time(), min_hold=self.settings.min_hold, need=need, room=room)  # fmt: skip
+                decision = decide(self._resident, self._pending, wanted, cannot_start, now=loop.time(),
+                                  min_hold=self.settings.min_hold, need=need, room=room, serving=serving)  # fmt: skip
                 match decision:
                     case Admit():
                         self._in_flight[wanted] += 1
                         self._holders[flow_id] = wanted
                         return
                     case Decline(reason):
-                        self._decisions.add(wanted, decision, need, room)
+                        self._decisions.add(wanted, decision, need, room, model)
                         self.counters.refused += 1
                         raise RuntimeUnavailable(reason)
                     case Load():
-                        self._decisions.add(wanted, decision, need, room)
-                        awaited = self._begin_switch(decision)
+                        self._decisions.add(wanted, decision, need, room, model)
+                        awaited = self._begin_switch(decision, model)
                         continue  # an eager task may have finished the switch already: decide again
                     case Wait(until=until):
                         if until is not None:
-                            self._decisions.add(wanted, decision, need, room)
+                            self._decisions.add(wanted, decision, need, room, model)
                         if self._pending is wanted:
                             awaited = self._last
                         await self._until_changed(deadline, wanted, until)
@@ -251,10 +266,10 @@ class Arbiter:
             self._notify()
 
     @contextlib.asynccontextmanager
-    async def use(self, kind: str) -> AsyncIterator[None]:
-        """Hold ``kind`` for the body of the ``async with``, for callers that live in one coroutine."""
+    async def use(self, kind: str, model: str | None = None) -> AsyncIterator[None]:
+        """Hold ``kind`` (for ``model``) for the body of the ``async with``, for callers that live in one coroutine."""
         flow_id = object()
-        await self.acquire(kind, flow_id)
+        await self.acquire(kind, flow_id, model)
         try:
             yield
         finally:
@@ -332,8 +347,8 @@ class Arbiter:
     def _enter(self, phase: Phase) -> None:
         self._phase = advance(PHASES, self._phase, phase)
 
-    def _begin_switch(self, load: Load) -> SwitchRecord:
-        record = SwitchRecord(source=load.evict, target=load.to, started_at=time.time())
+    def _begin_switch(self, load: Load, model: str | None) -> SwitchRecord:
+        record = SwitchRecord(source=load.evict, target=load.to, started_at=time.time(), model=model)
         self._pending, self._last = load.to, record
         self._spawn_task(self._run_switch(record))
         return record
@@ -362,7 +377,7 @@ class Arbiter:
                     self.counters.cancelled += 1
                     logger.info("contextpaw runtime: switch to %s cancelled: %s", record.target, cancel)
                     if record.target is Kind.LLAMACPP:
-                        await self.card.supervisor.stop()
+                        await self._undo_server()
                 except (SwitchFailed, TimeoutError) as failure:
                     record.error = str(failure) or (f"switch to {record.target} took longer than {self.settings.switch_timeout:g}s")
                     await self._recover(record)
@@ -389,9 +404,9 @@ class Arbiter:
         self.counters.failures += 1
         self._note(f"switch to {record.target} failed: {record.error}")
         if record.target is Kind.LLAMACPP or self.card.supervisor.state is ServerState.STOPPING:
-            await self.card.supervisor.stop()
-        if self.card.supervisor.state is ServerState.STOPPED:
-            self._resident.pop(Kind.LLAMACPP, None)
+            await self._undo_server()
+        if self.card.supervisor.state is ServerState.STOPPED or isinstance(self.card.supervisor, RouterServer):
+            self._resident.pop(Kind.LLAMACPP, None)  # a router left with its models unloaded holds nothing
         if record.source is Kind.OLLAMA:  # unloaded for nothing; it reloads on its next request
             self._resident.setdefault(Kind.OLLAMA, asyncio.get_running_loop().time())
 
@@ -409,11 +424,28 @@ class Arbiter:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
 
+    async def _undo_server(self) -> None:
+        """A llama-server switch that did not finish leaves nothing on the card: a router's models
+        unloaded (the router stays up for the next one), a plain server stopped."""
+        server = self.card.supervisor
+        if isinstance(server, RouterServer) and server.running:
+            try:
+                await server.unload()
+                return
+            except SwitchFailed as failure:
+                self._note(f"{failure}; stopping the router")
+        await server.stop()
+
     async def _evict(self, kind: Kind) -> None:
-        """Unload Ollama's models or stop the server, then wait for the card to show their memory back."""
+        """Unload Ollama's models, a router's models, or stop the server, then wait for the card to
+        show their memory back."""
+        server = self.card.supervisor
         if kind is Kind.OLLAMA:
             self._enter(Phase.UNLOADING_OLLAMA)
             release, holder, releasing = await self.card.ollama.unload(), "Ollama", Phase.RELEASING_OLLAMA
+        elif isinstance(server, RouterServer) and server.running:
+            self._enter(Phase.UNLOADING_MODELS)
+            release, holder, releasing = await server.unload(), "llama-server's models", Phase.RELEASING_MODELS
         else:
             self._enter(Phase.STOPPING_SERVER)
             release, holder, releasing = await self.card.supervisor.stop(), "llama-server", Phase.RELEASING_SERVER
@@ -422,11 +454,19 @@ class Arbiter:
             await self.card.await_release(release, holder)
 
     async def _bring_up(self, record: SwitchRecord) -> None:
-        """llama-server is started; Ollama loads its models itself on the request."""
-        if record.target is Kind.LLAMACPP and not self.card.supervisor.running:
+        """llama-server is started, and a router's model loaded; Ollama loads its models itself on
+        the request."""
+        if record.target is not Kind.LLAMACPP:
+            return
+        server = self.card.supervisor
+        keep_going = lambda: self._abandoned(record)  # noqa: E731  (nobody waits: stop loading)
+        if not server.running:
             self._enter(Phase.STARTING_SERVER)
-            await self.card.supervisor.start(lambda: self._abandoned(record))  # nobody waits: stop loading
+            await server.start(keep_going)
             self._spawn_task(self._watch())
+        if isinstance(server, RouterServer) and record.model is not None and not await server.serves(record.model):
+            self._enter(Phase.LOADING_MODEL)
+            await server.load(record.model, keep_going)
 
     async def _watch(self) -> None:
         """Notice a server that dies on its own, so the next request starts a new one."""

@@ -15,6 +15,7 @@ from typing import Any
 from contextpaw.gpu.nvml import GpuProbe, NoVram, VramReading, poll_until, sample
 from contextpaw.gpu.ollama_models import OllamaModels
 from contextpaw.gpu.placement import Release, Room, SwitchFailed, room_left
+from contextpaw.gpu.router import RouterServer
 from contextpaw.gpu.supervisor import Supervisor
 from contextpaw.gpu.vram import MIB
 from contextpaw.wire import Kind
@@ -25,7 +26,7 @@ class Card:
     proxy runs there; ``release_timeout`` bounds the wait for evicted memory to come back."""
 
     def __init__(
-        self, gpu: GpuProbe, ollama: OllamaModels, supervisor: Supervisor, *, release_timeout: float, poll_interval: float
+        self, gpu: GpuProbe, ollama: OllamaModels, supervisor: Supervisor | RouterServer, *, release_timeout: float, poll_interval: float
     ) -> None:
         self.gpu = gpu
         self.ollama = ollama
@@ -35,7 +36,12 @@ class Card:
 
     async def need(self, kind: Kind, model: str | None = None) -> int | None:
         """Bytes ``kind`` will take (Ollama's for ``model``, when the request names one); None when unknown."""
-        return await (self.ollama.need(model) if kind is Kind.OLLAMA else self.supervisor.need())
+        return await (self.ollama.need(model) if kind is Kind.OLLAMA else self.supervisor.need(model))
+
+    async def serves(self, kind: Kind, model: str | None) -> bool:
+        """Whether resident ``kind`` answers a request for ``model`` without loading anything the
+        arbiter must place: Ollama loads its own; a router llama-server must be asked to."""
+        return kind is Kind.OLLAMA or await self.supervisor.serves(model)
 
     async def report(self) -> tuple[VramReading | NoVram, dict[Kind, dict[str, Any]]]:
         """A reading now, and what the card knows of each runtime for the status page: its need,

@@ -100,6 +100,7 @@ def decide(
     min_hold: float = 0.0,
     need: int | None = None,
     room: Room | None = None,
+    serving: bool = True,
 ) -> Admission:
     """What a request for ``wanted`` does now.
 
@@ -109,9 +110,16 @@ def decide(
     NVML reports; otherwise the other runtime must go, but not before it has held the GPU
     ``min_hold`` seconds (against thrashing), and not when even its memory would not make room
     (an over-commit). Without a reading or an estimate, the other runtime goes: nothing else is safe.
+
+    A resident runtime that does not hold the request's model yet (``serving`` False: a router
+    llama-server, which loads one model at a time on the card) loads it beside its others where it
+    fits; else its others are unloaded, after their hold, unless only evicting the other runtime
+    makes room.
     """
     if switching_to is not None:
         return Wait()
+    if wanted in resident and not serving:
+        return _swap_model(resident, wanted, now=now, min_hold=min_hold, need=need, room=room)
     if wanted in resident:
         return Admit()
     if cannot_start:
@@ -130,6 +138,23 @@ def decide(
     if now < held_until:
         return Wait(f"{other} keeps the GPU until its {min_hold:g}s hold is over (contextpaw_min_hold)", held_until)
     return Load(wanted, evict=other)
+
+
+def _swap_model(
+    resident: Mapping[Kind, float], wanted: Kind, *, now: float, min_hold: float, need: int | None, room: Room | None
+) -> Admission:
+    """`decide` for a model the resident runtime `wanted` must load: beside its others, or in their place."""
+    if need is not None and room is not None:
+        if need <= room.free_bytes:
+            return Load(wanted)
+        others = [kind for kind in resident if kind is not wanted]
+        if others and need > room.free_bytes + room.held_bytes.get(wanted, 0):
+            return decide({k: v for k, v in resident.items() if k is not wanted}, None, wanted, None,
+                          now=now, min_hold=min_hold, need=need, room=room)  # fmt: skip
+    held_until = resident[wanted] + min_hold
+    if now < held_until:
+        return Wait(f"{wanted}'s models keep the GPU until their {min_hold:g}s hold is over (contextpaw_min_hold)", held_until)
+    return Load(wanted, evict=wanted)
 
 
 def blocking(in_flight: Mapping[Kind, int], evicted: Kind | None) -> int:
@@ -188,6 +213,9 @@ class Phase(StrEnum):
     STOPPING_SERVER = "stopping llama-server"
     RELEASING_SERVER = "waiting for llama-server to release VRAM"
     STARTING_SERVER = "starting llama-server"
+    UNLOADING_MODELS = "unloading llama-server's models"
+    RELEASING_MODELS = "waiting for llama-server's models to release VRAM"
+    LOADING_MODEL = "loading a model in llama-server"
 
 
 _SETTLED = frozenset({Phase.IDLE, Phase.READY})
@@ -197,14 +225,22 @@ PHASES: Mapping[Phase, frozenset[Phase]] = staying(
     {
         Phase.IDLE: frozenset({Phase.DRAINING, Phase.READY}),  # READY: a switch cancelled before its first step
         Phase.READY: frozenset({Phase.DRAINING, Phase.IDLE}),  # IDLE: the only resident runtime exited on its own
-        Phase.DRAINING: frozenset({Phase.UNLOADING_OLLAMA, Phase.STOPPING_SERVER, Phase.STARTING_SERVER}) | _SETTLED,
-        Phase.UNLOADING_OLLAMA: frozenset({Phase.RELEASING_OLLAMA, Phase.STARTING_SERVER}) | _SETTLED,
-        Phase.RELEASING_OLLAMA: frozenset({Phase.STARTING_SERVER}) | _SETTLED,
+        Phase.DRAINING: frozenset(
+            {Phase.UNLOADING_OLLAMA, Phase.STOPPING_SERVER, Phase.UNLOADING_MODELS, Phase.STARTING_SERVER, Phase.LOADING_MODEL}
+        )
+        | _SETTLED,  # fmt: skip
+        Phase.UNLOADING_OLLAMA: frozenset({Phase.RELEASING_OLLAMA, Phase.STARTING_SERVER, Phase.LOADING_MODEL}) | _SETTLED,
+        Phase.RELEASING_OLLAMA: frozenset({Phase.STARTING_SERVER, Phase.LOADING_MODEL}) | _SETTLED,
         Phase.STOPPING_SERVER: frozenset({Phase.RELEASING_SERVER}) | _SETTLED,
         Phase.RELEASING_SERVER: _SETTLED,
-        Phase.STARTING_SERVER: _SETTLED,
+        Phase.UNLOADING_MODELS: frozenset({Phase.RELEASING_MODELS, Phase.LOADING_MODEL}) | _SETTLED,
+        Phase.RELEASING_MODELS: frozenset({Phase.LOADING_MODEL}) | _SETTLED,
+        Phase.STARTING_SERVER: frozenset({Phase.LOADING_MODEL}) | _SETTLED,
+        Phase.LOADING_MODEL: _SETTLED,
     }
 )
 """From each phase, the phases a switch may go to next: drain, evict (unload or stop, then wait for
-the memory), start, and settle; staying is no step. A switch to Ollama starts nothing: Ollama loads
-on the request. Checked by :func:`~contextpaw.core.lifecycle.advance`, as every state table is."""
+the memory), start, load, and settle; staying is no step. A switch to Ollama starts nothing: Ollama
+loads on the request. A router llama-server is evicted by unloading its models and brought in by
+loading the request's one (started first if it is not running). Checked by
+:func:`~contextpaw.core.lifecycle.advance`, as every state table is."""

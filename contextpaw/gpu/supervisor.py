@@ -187,9 +187,13 @@ class Supervisor:
             "vram_bytes": reading.process_bytes(server.process.pid) if isinstance(reading, VramReading) else None,
         }
 
-    async def need(self) -> int | None:
+    async def serves(self, model: str | None) -> bool:
+        """A plain server serves what it was started with, whatever model a request names."""
+        return True
+
+    async def need(self, model: str | None = None) -> int | None:
         """Bytes the server will take, from its GGUF header and command line (read once); None when
-        the command names no readable model."""
+        the command names no readable model. ``model`` is a router's concern: one model here."""
         if not self._need_read:
             self._need_read, self._need = True, await self._estimate()
         return self._need.total_bytes if self._need is not None else None

@@ -32,8 +32,9 @@ from contextpaw.wire.streams import report_bytes
 logger = logs.get(__name__)
 
 MODEL_SCAN_BYTES = 1 << 20
-"""Bodies up to this size are scanned for the model an Ollama request loads (on the event loop:
-about a millisecond); a bigger one is sized by what Ollama's models held last."""
+"""Bodies up to this size are scanned for the model a request loads (on the event loop: about a
+millisecond); a bigger one is sized by what Ollama's models held last, and a router llama-server
+loads it itself."""
 CLIENT_CHECK_S = 0.5
 """How often a request waiting for its runtime checks that its client is still there."""
 MODEL_MANAGEMENT = ("/api/show", "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/blobs/")
@@ -194,7 +195,7 @@ async def _while_connected(flow: http.HTTPFlow, arbiter: Arbiter, kind: wire.Kin
     """Wait for the runtime while the client is there: one that went away stops waiting, so a
     switch nobody waits for any more is cancelled (mitmproxy does not cancel a hook on disconnect)."""
     raw = flow.request.raw_content or b""
-    model = wire.model_of(raw) if kind is wire.Kind.OLLAMA and len(raw) <= MODEL_SCAN_BYTES else None
+    model = wire.model_of(raw) if len(raw) <= MODEL_SCAN_BYTES else None
     waiting = asyncio.ensure_future(arbiter.acquire(kind, flow.id, model))
     while not waiting.done():
         await asyncio.wait({waiting}, timeout=CLIENT_CHECK_S)

@@ -18,7 +18,17 @@ from dataclasses import replace
 # `support` is the test support (tests/support/), not the package: run with PYTHONPATH=tests (docs/development.md)
 from support.arbitration_sim import replay, scenarios
 
-COLUMNS = ("scenario", "switches", "dropped", "evicted_in_flight", "over_commits", "decisions_logged", "served", "most_resident")
+COLUMNS = (
+    "scenario",
+    "switches",
+    "dropped",
+    "evicted_in_flight",
+    "over_commits",
+    "misplaced",
+    "decisions_logged",
+    "served",
+    "most_resident",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,32 @@ def test_what_would_not_fit_even_alone_is_refused_rather_than_over_committed() -
     assert isinstance(refused, Decline) and "8192 MiB would be free" in refused.reason
 
 
+def test_a_router_loads_a_model_beside_its_others_where_it_fits() -> None:
+    room = Room(free_bytes=12 * GIB, held_bytes={LLAMACPP: 6 * GIB})
+    assert decide({LLAMACPP: 95.0}, None, LLAMACPP, None, now=100.0, min_hold=20.0, need=11 * GIB, room=room, serving=False) == Load(
+        LLAMACPP
+    )
+
+
+def test_a_router_unloads_its_other_models_for_one_that_does_not_fit_once_their_hold_is_over() -> None:
+    room = Room(free_bytes=4 * GIB, held_bytes={LLAMACPP: 9 * GIB})
+    held = decide({LLAMACPP: 90.0}, None, LLAMACPP, None, now=100.0, min_hold=20.0, need=11 * GIB, room=room, serving=False)
+    assert isinstance(held, Wait) and held.until == 110.0
+    swapped = decide({LLAMACPP: 90.0}, None, LLAMACPP, None, now=110.0, min_hold=20.0, need=11 * GIB, room=room, serving=False)
+    assert swapped == Load(LLAMACPP, evict=LLAMACPP)
+    assert decide({LLAMACPP: 90.0}, None, LLAMACPP, None, now=110.0, min_hold=20.0, serving=False) == Load(LLAMACPP, evict=LLAMACPP), (
+        "without a reading, the models it holds go: nothing else is safe"
+    )
+
+
+def test_a_router_model_that_only_ollamas_memory_would_make_room_for_evicts_ollama() -> None:
+    room = Room(free_bytes=1 * GIB, held_bytes={LLAMACPP: 2 * GIB, OLLAMA: 15 * GIB})
+    resident = {LLAMACPP: 0.0, OLLAMA: 0.0}
+    assert decide(resident, None, LLAMACPP, None, now=100.0, min_hold=20.0, need=11 * GIB, room=room, serving=False) == Load(
+        LLAMACPP, evict=OLLAMA
+    )
+
+
 def test_only_requests_on_the_evicted_runtime_block_a_switch() -> None:
     assert blocking({OLLAMA: 2, LLAMACPP: 3}, OLLAMA) == 2
     assert blocking({OLLAMA: 2, LLAMACPP: 3}, LLAMACPP) == 3

@@ -37,8 +37,8 @@ def proxy(router: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield running
 
 
-def loaded(router: Backend) -> set[str]:
-    listing = httpx.get(router.url + "/models", timeout=30).json()["data"]
+def loaded(url: str) -> set[str]:
+    listing = httpx.get(url + "/models", timeout=30).json()["data"]
     return {m["id"] for m in listing if m["status"]["value"] == "loaded"}
 
 
@@ -53,7 +53,7 @@ def test_each_models_window_is_learned_from_the_router_without_loading_it(proxy:
     windows = {name: httpx.get(f"{proxy.url}/contextpaw/window?model={name}", timeout=60).json() for name in PRESETS}
     assert {name: w["window"] for name, w in windows.items()} == PRESETS, windows
     assert all(w["source"] == "backend" for w in windows.values()), windows
-    assert loaded(router) == set(), "nothing was loaded to learn a window"
+    assert loaded(router.url) == set(), "nothing was loaded to learn a window"
 
 
 def test_an_overflow_to_the_small_model_is_fitted_before_it_is_sent_and_the_big_one_takes_it_whole(proxy: Backend) -> None:
@@ -104,3 +104,59 @@ def test_the_model_list_through_contextpaw_names_each_models_served_window(proxy
     listed = httpx.get(proxy.url + "/v1/models", timeout=60).json()["data"]
     windows = {m["id"]: m.get("contextpaw", {}).get("window") for m in listed}
     assert windows == PRESETS, listed
+
+
+async def test_the_arbiter_shares_the_card_by_loading_and_unloading_the_routers_models(
+    real_backend: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A router llama-server the arbiter starts (CPU models here, no NVML): each request's model is
+    loaded before it is admitted, another model takes the card by unloading the first, and Ollama
+    takes it by unloading the router's models; the router process stays up throughout."""
+    import shlex
+
+    from aiohttp.test_utils import TestServer
+
+    from contextpaw.gpu.arbiter import Arbiter, ArbiterSettings
+    from support.fake_ollama import fake_ollama_app
+    from support.gpus import NoGpu
+
+    binary, model = real_backend
+    presets = tmp_path / "presets.ini"
+    presets.write_text("".join(f"[{name}]\nmodel = {model}\nctx-size = {size}\nparallel = 1\n\n" for name, size in PRESETS.items()))
+    port = free_port()
+    command = shlex.join([str(binary), "--models-preset", str(presets), "--host", LOOPBACK, "--port", str(port)])
+    router = f"http://{LOOPBACK}:{port}"
+    ollama = TestServer(fake_ollama_app(), host=LOOPBACK)
+    await ollama.start_server()
+    settings = ArbiterSettings(f"http://{LOOPBACK}:{ollama.port}", router, llamacpp_cmd=command,
+                               llamacpp_log=tmp_path / "router.log", min_hold=0.0, poll_interval=0.1)  # fmt: skip
+    arbiter = Arbiter(settings, NoGpu())
+    try:
+        async with arbiter.use("llamacpp", "small"):
+            assert loaded(router) == {"small"}
+            pid = (await arbiter.status())["llamacpp_process"]["pid"]
+        async with arbiter.use("llamacpp", "big"):
+            assert loaded(router) == {"big"}, "the small one was unloaded to make room"
+        async with arbiter.use("llamacpp", "big"):
+            assert loaded(router) == {"big"}
+        async with arbiter.use("ollama", "fake"):
+            assert loaded(router) == set(), "Ollama took the card from the router's models"
+            status = await arbiter.status()
+            assert status["llamacpp_process"]["pid"] == pid, "the router process stayed up"
+        async with arbiter.use("llamacpp", "small"):
+            assert loaded(router) == {"small"}
+        assert arbiter.counters.switches == 3 and arbiter.counters.failures == 0, arbiter.counters
+        said = [(d["wanted"], d["model"], d["evict"]) for d in status["decisions"]]
+        assert ("llamacpp", "big", "llamacpp") in said and ("ollama", "fake", "llamacpp") in said, said
+    finally:
+        await arbiter.aclose()
+        await ollama.close()
+    assert httpx_refused(router), "the router the arbiter started is stopped with it"
+
+
+def httpx_refused(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False

@@ -10,7 +10,7 @@ import pytest
 from support.arbitration_sim import replay, scenarios, switch_bound
 
 SCENARIOS = {s.name: s for s in scenarios()}
-ALTERNATING, SMALL_CARD, BIG_CARD, INTRUDER = SCENARIOS
+ALTERNATING, SMALL_CARD, BIG_CARD, INTRUDER, ROUTER_BESIDE, ROUTER_ALONE = SCENARIOS
 
 
 def test_alternating_clients_switch_at_most_once_per_hold_and_lose_nothing() -> None:
@@ -46,3 +46,21 @@ def test_memory_another_process_takes_is_accounted_for(intruder: bool) -> None:
     outcome = replay(scenario)
     assert outcome.over_commits == 0 and outcome.dropped == 0
     assert (outcome.switches > 0) is intruder
+
+
+@pytest.mark.parametrize("name", [ROUTER_BESIDE, ROUTER_ALONE])
+def test_a_router_llama_servers_models_and_ollamas_share_the_card_by_load_and_unload(name: str) -> None:
+    """Three clients (Ollama's model, the router's small and big ones) at 1 Hz each: every request
+    served with its own model loaded, nothing unloaded under a request, the card never
+    over-committed, and a switch at most once a hold."""
+    outcome = replay(SCENARIOS[name])
+    assert (outcome.dropped, outcome.evicted_in_flight, outcome.over_commits, outcome.misplaced) == (0, 0, 0, 0), outcome
+    assert outcome.served == len(SCENARIOS[name].schedule)
+    assert 0 < outcome.switches <= switch_bound(170, 20), outcome
+
+
+def test_the_routers_two_models_stay_loaded_together_beside_nothing_where_they_fit() -> None:
+    """On the 24 GB card Ollama's model fits beside the small one, and the two router models beside
+    each other: at times two runtimes hold the card; on the 16 GB card, never."""
+    assert replay(SCENARIOS[ROUTER_BESIDE]).most_resident == 2
+    assert replay(SCENARIOS[ROUTER_ALONE]).most_resident == 1

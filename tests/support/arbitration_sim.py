@@ -23,6 +23,8 @@ from typing import Any
 from contextpaw.gpu import card as arbiter_card
 from contextpaw.gpu.arbiter import Arbiter, ArbiterSettings, RuntimeUnavailable
 from contextpaw.gpu.nvml import DeviceMemory, ProcessMemory, VramReading
+from contextpaw.gpu.placement import Release
+from contextpaw.gpu.router import RouterServer
 from contextpaw.gpu.supervisor import ServerState
 from contextpaw.wire import Kind
 
@@ -133,8 +135,11 @@ class SimulatedServer:
     def running(self) -> bool:
         return self.state is ServerState.READY
 
-    async def need(self) -> int:
+    async def need(self, model: str | None = None) -> int:
         return self.need_bytes
+
+    async def serves(self, model: str | None) -> bool:
+        return True
 
     async def start(self, keep_going: Callable[[], None]) -> None:
         await asyncio.sleep(self.start_s)
@@ -162,17 +167,86 @@ class SimulatedServer:
         return {"pid": LLAMA_PID} if self.running else None
 
 
+class SimulatedRouter(RouterServer):
+    """llama-server in router mode: the process up `start_s` after it is started, then each model
+    loaded in `load_s` when asked, and unloaded in a second; what the card holds for it is the sum
+    of its loaded models' needs."""
+
+    state = ServerState.STOPPED  # its own, not the supervisor's
+
+    def __init__(self, card: SimulatedCard, needs: dict[str, int], start_s: float, load_s: float) -> None:  # the I/O is all here
+        self.card, self.needs, self.start_s, self.load_s = card, needs, start_s, load_s
+        self.models: set[str] = set()
+        self.loads = {}
+
+    @property
+    def running(self) -> bool:
+        return self.state is ServerState.READY
+
+    async def start(self, keep_going: Callable[[], None]) -> None:
+        await asyncio.sleep(self.start_s)
+        keep_going()
+        self.state = ServerState.READY
+
+    async def stop(self) -> None:
+        self.models.clear()
+        self.card.held.pop(Kind.LLAMACPP, None)
+        self.state = ServerState.STOPPED
+
+    async def died(self) -> None:
+        await asyncio.Event().wait()
+
+    async def loaded(self) -> set[str]:
+        return set(self.models)
+
+    async def serves(self, model: str | None) -> bool:
+        return model is None or model in self.models
+
+    async def need(self, model: str | None = None) -> int | None:
+        return self.needs.get(model) if model else None
+
+    async def load(self, model: str, keep_going: Callable[[], None]) -> None:
+        await asyncio.sleep(self.load_s)
+        keep_going()
+        self.models.add(model)
+        self.card.take(Kind.LLAMACPP, sum(self.needs[m] for m in self.models), asyncio.get_running_loop().time())
+
+    async def unload(self) -> Release | None:
+        if not self.models:
+            return None
+        self.card.evict(Kind.LLAMACPP)
+        await asyncio.sleep(1.0)
+        self.models.clear()
+        self.card.held.pop(Kind.LLAMACPP, None)
+        return None
+
+    def held_bytes(self, reading: VramReading) -> int | None:
+        return reading.process_bytes(LLAMA_PID)
+
+    def as_json(self, reading: Any) -> dict[str, Any] | None:
+        return {"pid": LLAMA_PID, "loaded": sorted(self.models)} if self.running else None
+
+
 class SimulatedArbiter(Arbiter):
     """The real arbiter with simulated runtimes behind it: Ollama loads its model on a request it
     admits (`load_s`), llama-server starts in `start_s`, and both give their memory back when evicted."""
 
     def __init__(
-        self, settings: ArbiterSettings, card: SimulatedCard, needs: dict[Kind, int], start_s: float = 4.0, load_s: float = 3.0
+        self,
+        settings: ArbiterSettings,
+        card: SimulatedCard,
+        needs: dict[Kind, int],
+        start_s: float = 4.0,
+        load_s: float = 3.0,
+        router: dict[str, int] | None = None,
     ) -> None:
         nvml = FakeNvml(card, asyncio.get_running_loop().time)  # read in a worker thread
         super().__init__(settings, nvml)
         self.simulated, self.needs, self.load_s = card, needs, load_s
-        ollama, server = SimulatedOllama(card, needs[Kind.OLLAMA]), SimulatedServer(card, needs[Kind.LLAMACPP], start_s)
+        ollama = SimulatedOllama(card, needs[Kind.OLLAMA])
+        server: SimulatedServer | SimulatedRouter = SimulatedServer(card, needs[Kind.LLAMACPP], start_s)
+        if router is not None:
+            server = SimulatedRouter(card, router, 1.0, load_s)
         self.card = arbiter_card.Card(nvml, ollama, server,  # type: ignore[arg-type]
                                       release_timeout=settings.release_timeout, poll_interval=settings.poll_interval)  # fmt: skip
 
@@ -188,6 +262,7 @@ class Request:
     at: float
     kind: Kind
     seconds: float = 0.5
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +273,8 @@ class Scenario:
     schedule: tuple[Request, ...]
     others: Callable[[float], int] = lambda t: 0
     min_hold: float = 20.0
+    router: dict[str, int] | None = None
+    """A router llama-server's models and what each takes (None: a plain llama-server)."""
 
 
 def alternating(seconds: float, hz: float = 1.0) -> tuple[Request, ...]:
@@ -221,6 +298,8 @@ class Outcome:
     most_resident: int
     cancelled: int
     min_hold: float
+    misplaced: int = 0
+    """Requests admitted to a router whose model was not loaded (the router would load it unplaced)."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -233,6 +312,7 @@ class Outcome:
             "served": self.served,
             "most_resident": self.most_resident,
             "cancelled": self.cancelled,
+            "misplaced": self.misplaced,
         }
 
 
@@ -258,21 +338,22 @@ def replay(scenario: Scenario) -> Outcome:
 async def _replay(scenario: Scenario) -> Outcome:
     card = SimulatedCard(scenario.card_bytes, scenario.others)
     settings = ArbiterSettings("http://ollama.invalid", "http://llama.invalid", llamacpp_cmd="true", min_hold=scenario.min_hold)
-    arbiter = SimulatedArbiter(settings, card, scenario.needs)
+    arbiter = SimulatedArbiter(settings, card, scenario.needs, router=scenario.router)
     decisions = _Decisions()
     logger = logging.getLogger("contextpaw.gpu.arbiter")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(decisions)
-    dropped = served = most = 0
+    dropped = served = most = misplaced = 0
     loop = asyncio.get_running_loop()
 
     async def client(n: int, request: Request) -> None:
-        nonlocal dropped, served, most
+        nonlocal dropped, served, most, misplaced
         await asyncio.sleep(max(0.0, request.at - loop.time()))
         try:
-            async with arbiter.use(request.kind):
+            async with arbiter.use(request.kind, request.model):
                 most = max(most, len(arbiter._resident))
+                misplaced += not await arbiter.card.serves(request.kind, request.model)
                 card.serving[request.kind] += 1
                 try:
                     if request.kind is Kind.OLLAMA:
@@ -292,12 +373,32 @@ async def _replay(scenario: Scenario) -> Outcome:
         await arbiter.aclose()
     counters = arbiter.counters
     return Outcome(scenario.name, counters.switches, dropped, card.evicted_in_flight, card.over_commits,
-                   decisions.count, served, most, counters.cancelled, scenario.min_hold)  # fmt: skip
+                   decisions.count, served, most, counters.cancelled, scenario.min_hold, misplaced)  # fmt: skip
+
+
+def round_robin(seconds: float, hz: float, clients: tuple[tuple[Kind, str | None], ...]) -> tuple[Request, ...]:
+    """One client per (runtime, model), each asking at `hz`, spread evenly over a period."""
+    period = 1 / hz
+    return tuple(
+        sorted(
+            (
+                Request(n * period + i * period / len(clients), kind, model=model)
+                for n in range(int(seconds * hz))
+                for i, (kind, model) in enumerate(clients)
+            ),
+            key=lambda r: r.at,
+        )
+    )
+
+
+ROUTER_CLIENTS = ((Kind.OLLAMA, "ollama-model"), (Kind.LLAMACPP, "small"), (Kind.LLAMACPP, "big"))
 
 
 def scenarios(min_hold: float = 20.0) -> list[Scenario]:
     """The issue's four: thrashing clients; the earlier proxy's 24 GB card; a card both fit on;
-    another process taking 10 GB mid-run."""
+    another process taking 10 GB mid-run. Then a router llama-server's two models and one Ollama
+    model on one card: where the router's two fit together beside nothing else, and where each
+    takes the card alone."""
     big = {Kind.OLLAMA: int(15.1 * GB), Kind.LLAMACPP: int(11.0 * GB)}
     return [
         Scenario("alternating clients, 1 Hz, 120 s", 24 * GB, big, alternating(120), min_hold=min_hold),
@@ -310,6 +411,22 @@ def scenarios(min_hold: float = 20.0) -> list[Scenario]:
             (Request(0, Kind.OLLAMA), *(Request(40 + 2 * n, Kind.LLAMACPP) for n in range(10)), Request(70, Kind.OLLAMA)),
             others=lambda t: 10 * GB if t >= 30 else 0,
             min_hold=min_hold,
+        ),  # fmt: skip
+        Scenario(
+            "router: 6 GB + 11 GB models and Ollama's 15.1 GB, 24 GB card",
+            24 * GB,
+            big,
+            round_robin(120, 1.0, ROUTER_CLIENTS),
+            min_hold=min_hold,
+            router={"small": 6 * GB, "big": 11 * GB},
+        ),  # fmt: skip
+        Scenario(
+            "router: 9 GB + 11 GB models and Ollama's 15.1 GB, 16 GB card",
+            16 * GB,
+            big,
+            round_robin(120, 1.0, ROUTER_CLIENTS),
+            min_hold=min_hold,
+            router={"small": 9 * GB, "big": 11 * GB},
         ),  # fmt: skip
     ]
 
