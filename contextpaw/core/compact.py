@@ -401,6 +401,7 @@ class _ChatCompaction:
         if last is None:
             self.evict_until(self.target, sorted(self.evictable, key=self.stalest_biggest))
             self.bridge()
+            self.give_back(self.target, shrink_next=True)
             self.shrink_protected(self.budget)
             self.must_fit()
             self.refill(self.target)
@@ -554,6 +555,7 @@ class _ChatCompaction:
             earliest = min((min(u.indices) for u in self.evicted - self.sticky if min(u.indices) <= last), default=last)
             self.holes.unwall(earliest)
         self.bridge()
+        self.give_back(target)
         self.refill(target)
         self.fill(target)
         return f"{EARLIER_CUT} (message {last}): {changed}" if changed else None
@@ -703,6 +705,26 @@ class _ChatCompaction:
             if self.total() > before:
                 self.readmit(unit)
 
+    def give_back(self, limit: int, shrink_next: bool = False) -> None:
+        """Take back, newest first, the units at the newest end of each hole this turn's cut made,
+        while the total stays within `limit`. Evicting small units one by one costs a marker each,
+        so the cut took more than it needed until the bridge joined them into one hole; taking back
+        at a hole's end never splits it. On a first cut (`shrink_next`), the first end unit too big
+        to take back whole is offered to `fill`, shrunk into the room left; a re-cut leaves it out,
+        as its note would be one marker more each turn."""
+        offered = not shrink_next
+        for start in sorted(self.holes.starts, reverse=True):
+            while start in self.holes.end:
+                unit = self.unit_of[self.holes.end[start]]
+                if unit in self.sticky or min(unit.indices) < start:
+                    break
+                if self.total_taken_back(unit) > limit:
+                    if not offered:
+                        offered = True
+                        self.fill(limit, [unit])
+                    break
+                self.readmit(unit)
+
     def merge(self) -> str | None:
         """Where the markers take more than `MARKER_SHARE` of the budget, their holes, and the texts
         cut that could go, become one hole: what lay between them goes too (a chat's short answers
@@ -757,9 +779,12 @@ class _ChatCompaction:
         """Use room that whole units could not, up to `limit`: re-admit the smallest unit evicted
         this turn (or the first of `units` that can) that fits once its biggest message is shrunk
         middle-out (its call and results stay together), where its note keeps the markers within
-        their share. Last turn's holes stay as they were sent."""
-        order = units if units is not None else sorted(self.evicted - self.sticky, key=lambda u: (self.unit_cost[u], u.indices))
-        for unit in order:
+        their share, and, taken from a hole's end, it makes no hole two. Last turn's holes stay as
+        they were sent."""
+        if units is None:
+            ends = (u for u in self.evicted - self.sticky if not self.holes.splits(u.indices))
+            units = sorted(ends, key=lambda u: (self.unit_cost[u], u.indices))
+        for unit in units:
             if self.total() >= limit * FILL:
                 return
             biggest = self.biggest(unit)
@@ -803,5 +828,5 @@ class _ChatCompaction:
             if self.fixed + self.kept + self.unit_cost[unit] > limit:
                 continue
             taken_back = self.total_taken_back(unit)
-            if taken_back <= limit and taken_back - self.total() >= self.unit_size(unit):  # no hole split in two
+            if taken_back <= limit and taken_back - self.total() <= self.unit_size(unit):  # no hole split in two
                 self.readmit(unit)

