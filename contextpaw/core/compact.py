@@ -43,7 +43,7 @@ from typing import Any
 from contextpaw.core.conversation import Conversation, Message, Unit
 from contextpaw.core.holes import MARKER_MARGIN, MARKER_SHARE, MARKER_SLACK, Holes, shows_refs
 from contextpaw.core.markers import elision_text
-from contextpaw.core.refs import Refs
+from contextpaw.core.refs import Refs, kept
 from contextpaw.core.rendering import render
 from contextpaw.core.report import Report
 from contextpaw.core.shrink import PLACEHOLDER_ID, SHRINK_FLOOR, Cut, cut_ref, shrink_text
@@ -412,6 +412,9 @@ class _ChatCompaction:
             notes.append(merged)
 
         sent = render(self.msgs, self.cost, self.shrunk, self.holes, written=self.previous.notes, fixed=self.fixed, counter=self.counter)
+        if unkept := [ref for ref in sent.evicted if not kept(ref)]:
+            notes.append(f"{len(unkept)} removed part{'s' if len(unkept) > 1 else ''} over the archive's bound of {self.refs.most_bytes:,} "
+                         "bytes: not kept, and their markers say so instead of naming a reference")  # fmt: skip
         headroom = room = self.headroom if cut else self.previous.headroom
         held = cut and self.total() > self.target and self.evicted.issuperset(self.evictable)
         if held:  # all that could go is gone: the room left is what the kept part leaves, and the target is said so

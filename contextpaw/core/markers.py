@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from contextpaw.core.conversation import OUTPUT_ITEMS, REASONING, Message
-from contextpaw.core.refs import EVICTED_PATH
+from contextpaw.core.refs import EVICTED_PATH, kept
 
 MARKER_PREFIX = "[ContextPaw:"
 
@@ -74,9 +74,9 @@ def elision_text(tokens: int, lines: int, marker_id: str, url: str = "", told: b
 
 
 def _telling(marker_id: str, url: str, told: bool) -> str:
-    """A marker's reference ("": a window too small to carry one), and the legend where the
-    request has not said it yet."""
-    ref = f"; ref {marker_id}" if marker_id else ""
+    """A marker's reference ("": a window too small to carry one; a bare id: content too big for the
+    archive, said so instead), and the legend where the request has not said it yet."""
+    ref = (f"; ref {marker_id}" if kept(marker_id) else "; too big to keep") if marker_id else ""
     return f"{ref}.{'' if told else legend(url, bool(marker_id))}"
 
 

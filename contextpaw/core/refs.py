@@ -55,21 +55,32 @@ def readable(key: bytes, ref: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Refs:
-    """The secret that keys the references of one request, and where the client reached the proxy
-    (`http://host:port`, as it named it; "" when unknown), for the command that reads one back."""
+    """The secret that keys the references of one request, where the client reached the proxy
+    (`http://host:port`, as it named it; "" when unknown), for the command that reads one back, and
+    the most bytes the archive keeps of one piece (0: no bound)."""
 
     key: bytes = b""
     url: str = ""
+    most_bytes: int = 0
 
     def ref(self, payload: Sequence[Any] | str) -> str:
-        """The reference of evicted content (a hole's messages, a shrunk text): `cp-<id>.<cap>`."""
+        """The reference of evicted content (a hole's messages, a shrunk text): `cp-<id>.<cap>`; a
+        bare `cp-<id>` for content over `most_bytes`, which the archive does not keep: no marker
+        promises to read it back (`kept`)."""
         data = payload.encode("utf-8", "surrogatepass") if isinstance(payload, str) else canonical(payload)
         marker_id = "cp-" + _mac(self.key, data)[:ID_HEX]
+        if self.most_bytes and len(data) > self.most_bytes:
+            return marker_id
         return f"{marker_id}.{capability(self.key, marker_id)}"
 
     def fetch(self, ref: str) -> str:
         """The shell command that prints what `ref` stands for, or "" without the proxy's address."""
         return f"curl -s {self.url}{EVICTED_PATH}{ref}" if self.url else ""
+
+
+def kept(ref: str) -> bool:
+    """Whether a reference `Refs.ref` made stands for content the archive keeps (it has a capability)."""
+    return "." in ref
 
 
 def store_id(ref: str) -> str:

@@ -29,7 +29,7 @@ from contextpaw import wire
 from contextpaw.core import logs
 from contextpaw.core.caches import LRU, SizedLRU
 from contextpaw.core.compact import BudgetTooSmall, Plan
-from contextpaw.core.refs import Refs, store_id
+from contextpaw.core.refs import Refs, kept, store_id
 from contextpaw.core.report import SIZE_BOUND, Report
 from contextpaw.core.tokens import EXACT_COUNTERS, EstimateCounter, ShapeCounter
 from contextpaw.fitting.answers import AnswerCheck
@@ -64,7 +64,7 @@ def _without_truncation(body: bytes | Mapping[str, Any]) -> bytes:
 
 def _encoded(evicted: Mapping[str, Any]) -> dict[str, bytes]:
     """Each marker's content as the archive keeps it, under its id (never its capability)."""
-    return {store_id(ref): encode(content) for ref, content in evicted.items()}
+    return {store_id(ref): encode(content) for ref, content in evicted.items() if kept(ref)}  # a bare id's marker says it is not kept
 
 
 async def _guard(state: FlowState, parsed: wire.Chat | wire.Prompt, estimate: EstimateCounter, big: bool) -> Guard | None:
@@ -146,7 +146,7 @@ class Fitter:
 
     async def fit(self, state: FlowState) -> Decision:
         """The one decision for a request; an internal failure forwards it unchanged and says so."""
-        state.refs = Refs(self.secret, state.proxy_url)
+        state.refs = Refs(self.secret, state.proxy_url, self.settings.evicted_bytes)
         self._place(state)
         try:
             decision = await self._fit(state)

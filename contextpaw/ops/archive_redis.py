@@ -8,7 +8,9 @@ each content is a key with the age bound as its TTL, a sorted set orders the ids
 clock, a hash holds their sizes and a counter their total; the oldest are dropped while the count
 or byte bound is passed. As with SQLite, `put` hands the content to one writer thread and returns;
 `get` answers pending content from the queue's copy, and otherwise asks the server, a network round
-trip: the endpoint runs it in a thread (`blocking_reads`). Conversation plans are kept here too
+trip: the endpoint runs it in a thread (`blocking_reads`). While the server is away, what the writer
+could not write stays in that copy (the newest within the byte bound), tried again every
+`evicted.RETRY_S`: a marker's reference reads back meanwhile and reaches the server once it is back. Conversation plans are kept here too
 (`plan:<conversation key>`, JSON, with the age bound as TTL): the instance that serves a
 conversation's next turn finds its cuts there when it has none of its own. Search has no index on a plain Redis: it
 reads the newest contents and matches their text, which is enough for an operator's or an agent's
@@ -26,12 +28,11 @@ from typing import Any
 import redis
 
 from contextpaw.core import logs
-from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, searchable, snippet
+from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, newest_within, next_batch, searchable, snippet
 
 logger = logs.get(__name__)
 
 PREFIX = "contextpaw:archive:"
-BATCH = 256
 SEARCHED = 2_000
 """The newest contents a search reads at most."""
 
@@ -82,6 +83,8 @@ class RedisStore(EvictedStore):
         self._pending: dict[str, builtins.bytes] = {}
         self._pending_lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[str, builtins.bytes] | threading.Event | None] = queue.SimpleQueue()
+        self._unwritten: list[tuple[str, builtins.bytes]] = []
+        """Contents a failed write left, held (in `_pending` too) until a write takes them."""
         self._secret: builtins.bytes | None = None
         """The fleet's secret this instance keys with (`shared_secret`), checked on every write."""
         self._split = False
@@ -204,32 +207,49 @@ class RedisStore(EvictedStore):
 
     def _write_loop(self) -> None:
         while True:
-            batch = [self._queue.get()]
-            while len(batch) < BATCH and isinstance(batch[-1], tuple):
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch = next_batch(self._queue, bool(self._unwritten))
             puts = [item for item in batch if isinstance(item, tuple)]
-            if puts:
-                try:
-                    pipe = self._client.pipeline(transaction=False)
-                    check = self._secret_kept(pipe)
-                    for marker_id, data in puts:
-                        if marker_id.startswith("plan:"):  # a conversation's plan: the age bound is its TTL
-                            pipe.set(self._key(marker_id), data, px=int(self.max_age_s * 1000))
-                            continue
-                        bounds = (self.max_items, self.max_bytes, self.max_age_s)
-                        self._put(args=(self.prefix, marker_id, data, *bounds), client=pipe)
-                    check(pipe.execute())
-                except redis.RedisError as e:
-                    logger.warning("the archive at %s could not be written (%s): %d evicted contents lost", self.url, e, len(puts))
-                with self._pending_lock:
-                    for marker_id, data in puts:
-                        if self._pending.get(marker_id) is data:
-                            del self._pending[marker_id]
+            if puts or self._unwritten:
+                self._write_or_hold([*self._unwritten, *puts])
             for item in batch:
                 if isinstance(item, threading.Event):
                     item.set()
-            if batch[-1] is None:
+            if batch and batch[-1] is None:
+                if self._unwritten:
+                    logger.warning("the archive at %s closed with %d contents it could not write: lost", self.url, len(self._unwritten))
                 return
+
+    def _write_or_hold(self, puts: list[tuple[str, builtins.bytes]]) -> None:
+        """Write `puts` (what a failed write left first); while the server is away, hold them in
+        memory, the newest within the archive's byte bound, readable meanwhile, tried again."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            check = self._secret_kept(pipe)
+            for marker_id, data in puts:
+                if marker_id.startswith("plan:"):  # a conversation's plan: the age bound is its TTL
+                    pipe.set(self._key(marker_id), data, px=int(self.max_age_s * 1000))
+                    continue
+                bounds = (self.max_items, self.max_bytes, self.max_age_s)
+                self._put(args=(self.prefix, marker_id, data, *bounds), client=pipe)
+            check(pipe.execute())
+        except redis.RedisError as e:
+            if not self._unwritten:
+                logger.warning("the archive at %s cannot be written (%s): what it is given is held in memory (at most %d bytes) "
+                               "and written once it can be", self.url, e, self.max_bytes)  # fmt: skip
+            self._unwritten, lost = newest_within(puts, lambda put: len(put[1]), self.max_bytes)
+            if lost:
+                logger.warning(
+                    "the archive at %s: %d held contents over its bound of %d bytes are lost", self.url, len(lost), self.max_bytes
+                )
+            self._forget_pending(lost)
+            return
+        if self._unwritten:
+            logger.warning("the archive at %s is written again: %d held contents are there", self.url, len(self._unwritten))
+        self._unwritten = []
+        self._forget_pending(puts)
+
+    def _forget_pending(self, puts: list[tuple[str, builtins.bytes]]) -> None:
+        with self._pending_lock:
+            for marker_id, data in puts:
+                if self._pending.get(marker_id) is data:
+                    del self._pending[marker_id]

@@ -8,7 +8,10 @@ key). Both are bounded by count and by the archive's age bound.
 
 Writes go through one writer thread and its queue: `put` hands the content over and returns, so a
 slow or full disk never holds up the event loop; until the writer has committed it, `get` answers
-the content from the queue's own copy. Reads of one id are made on the caller's thread, on a
+the content from the queue's own copy. A write that fails (a full disk) keeps its content there,
+bounded by the archive's bytes (the oldest go first, said in the log), and is tried again every
+`evicted.RETRY_S` and with the next write: a marker's reference reads back while the disk is away, and the
+content reaches the disk once it is back. Reads of one id are made on the caller's thread, on a
 connection of their own: in WAL mode a reader never waits for the writer (it reads the last
 commit), and a primary-key lookup costs tens of microseconds, less than handing it to a thread
 would. `search` reads the FTS index, which can take longer: the endpoint runs it in a thread.
@@ -27,13 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from contextpaw.core import logs
-from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, searchable
+from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, newest_within, next_batch, searchable
 
 logger = logs.get(__name__)
 
 ARCHIVE_FILE = "contextpaw-archive.sqlite3"
-BATCH = 256
-"""Puts the writer commits in one transaction at most."""
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS items (seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, at REAL NOT NULL,
@@ -98,6 +100,8 @@ class SqliteStore(EvictedStore):
         """Plans handed to the writer and not yet committed, by conversation key."""
         self._pending_lock = threading.Lock()
         self._queue: queue.SimpleQueue[Put | threading.Event | None] = queue.SimpleQueue()
+        self._unwritten: list[Put] = []
+        """Puts a failed write left, held (in `_pending` too) until a write takes them."""
         self._writer = threading.Thread(target=self._write_loop, name="contextpaw-archive", daemon=True)
         self._writer.start()
 
@@ -186,26 +190,38 @@ class SqliteStore(EvictedStore):
         db = self._connect()
         try:
             while True:
-                batch = [self._queue.get()]
-                while len(batch) < BATCH and isinstance(batch[-1], tuple):
-                    try:
-                        batch.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
+                batch = next_batch(self._queue, bool(self._unwritten))
                 puts = [item for item in batch if isinstance(item, tuple)]
-                if puts:
-                    try:
-                        self._write(db, puts)
-                    except sqlite3.Error as e:
-                        logger.warning("the archive %s could not be written (%s): %d entries lost", self.path, e, len(puts))
-                        self._forget_pending(puts)
+                if puts or self._unwritten:
+                    self._write_or_hold(db, puts)
                 for item in batch:
                     if isinstance(item, threading.Event):
                         item.set()
-                if batch[-1] is None:
+                if batch and batch[-1] is None:
+                    if self._unwritten:
+                        logger.warning("the archive %s closed with %d entries it could not write: lost", self.path, len(self._unwritten))
                     return
         finally:
             db.close()
+
+    def _write_or_hold(self, db: sqlite3.Connection, puts: list[Put]) -> None:
+        """Write what a failed write left, then `puts`; if this fails too, hold them all in memory,
+        the newest within the archive's byte bound."""
+        todo = [*self._unwritten, *puts]
+        try:
+            self._write(db, todo)
+        except sqlite3.Error as e:
+            if not self._unwritten:
+                logger.warning("the archive %s cannot be written (%s): what it is given is held in memory (at most %d bytes) "
+                               "and written once it can be", self.path, e, self.max_bytes)  # fmt: skip
+            self._unwritten, lost = newest_within(todo, lambda put: len(put[3]) if put[0] == "items" else 0, self.max_bytes)
+            if lost:
+                self._forget_pending(lost)
+                logger.warning("the archive %s: %d held entries over its bound of %d bytes are lost", self.path, len(lost), self.max_bytes)
+            return
+        if self._unwritten:
+            logger.warning("the archive %s is written again: %d held entries are on disk", self.path, len(self._unwritten))
+        self._unwritten = []
 
     def _write(self, db: sqlite3.Connection, puts: list[Put]) -> None:
         """One transaction for a batch of puts; the count and the bytes are kept up to date as it

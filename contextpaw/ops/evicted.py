@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import abc
 import builtins
+import queue
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import orjson
 
@@ -26,6 +27,39 @@ SNIPPET_CHARS = 160
 
 SEARCH_WAIT_S = 5.0
 """How long a search waits for the writes before it (they take milliseconds; a stuck disk is not waited out)."""
+BATCH = 256
+"""Writes a store's writer thread makes in one go at most."""
+RETRY_S = 5.0
+"""How often a writer tries again what a failed write left in memory (a full disk, a Redis away)."""
+
+Item = TypeVar("Item")
+
+
+def next_batch(writes: queue.SimpleQueue[Any], holding: bool) -> list[Any]:
+    """What a writer thread takes next from its queue: the first item it waits for (at most
+    `RETRY_S` while it `holding` a failed write's content: [] then, time to try it again), and the
+    writes queued behind it, up to `BATCH`."""
+    try:
+        batch = [writes.get(timeout=RETRY_S if holding else None)]
+    except queue.Empty:
+        return []
+    while len(batch) < BATCH and isinstance(batch[-1], tuple):
+        try:
+            batch.append(writes.get_nowait())
+        except queue.Empty:
+            break
+    return batch
+
+
+def newest_within(puts: Sequence[Item], size: Callable[[Item], int], most: int) -> tuple[list[Item], list[Item]]:
+    """(the newest `puts` whose sizes fit `most` bytes together, the older ones that do not): what a
+    store holds in memory while it cannot write, bounded as the archive itself is."""
+    total = 0
+    for at in range(len(puts) - 1, -1, -1):
+        total += size(puts[at])
+        if total > most:
+            return list(puts[at + 1 :]), list(puts[: at + 1])
+    return list(puts), []
 
 
 def encode(content: Any) -> bytes:

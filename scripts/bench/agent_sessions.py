@@ -569,11 +569,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-ctx", type=int, default=32768)
     parser.add_argument("--set", dest="options", action="append", default=[], help="a ContextPaw option, name=value")
     parser.add_argument("--work", type=Path, default=None, help="where the sessions run (default: a temporary folder)")
-    parser.add_argument("--out", type=Path, default=Path("agent_sessions.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench-results/agent_sessions.json"))
     parser.add_argument("--commit", default=None,
                         help="run ContextPaw as committed at this revision (git archive), not the working tree")  # fmt: skip
     args = parser.parse_args(argv)
     args.out = args.out.resolve()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     names = [a for a in args.agents.split(",") if a]
     found = agent_cli.locate_agents(*names)
     if not found.paths:

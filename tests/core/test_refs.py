@@ -73,3 +73,23 @@ def test_a_conversation_key_belongs_to_the_proxy_that_keyed_it() -> None:
     mine, again, theirs = (wire.keyed(parsed, s) for s in (b"k" * 32, b"k" * 32, b"t" * 32))
     assert isinstance(mine, wire.Chat) and isinstance(theirs, wire.Chat) and isinstance(again, wire.Chat)
     assert mine.key == again.key and mine.key not in (theirs.key, parsed.key)
+
+
+def test_content_over_the_archives_bound_gets_a_marker_that_promises_no_reading_back() -> None:
+    """A hole bigger than `contextpaw_evicted_mb` was never stored, yet its marker named a reference
+    and said how to read it back. Now its marker says it was too big to keep, the report says why,
+    and a hole within the bound keeps its reference."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Read the logs."},
+                {"role": "assistant", "content": "reading"}, {"role": "user", "content": "huge " + "log line " * 6000},
+                {"role": "assistant", "content": "next"}, {"role": "user", "content": "small " + "log line " * 300},
+                {"role": "assistant", "content": "done"}, {"role": "user", "content": "What stood out?"}]  # fmt: skip
+    bounded = Refs(b"k" * 32, "http://localhost:8080", most_bytes=5_000)
+    result = compact_chat(Conversation.from_wire(messages), 6000, EstimateCounter(), refs=bounded, keep_recent=1)
+    sent = wire.dumps(result.messages)
+    unkept = [r for r in result.report.markers if not refs.kept(r)]
+    assert unkept and all(f"ref {r}" not in sent for r in unkept)
+    assert "too big to keep" in sent
+    assert any("over the archive's bound of 5,000 bytes" in note for note in result.report.notes), result.report.notes
+    unbounded = compact_chat(Conversation.from_wire(messages), 6000, EstimateCounter(), refs=Refs(b"k" * 32, "http://localhost:8080"),
+                             keep_recent=1)  # fmt: skip
+    assert all(refs.kept(r) for r in unbounded.report.markers) and "too big" not in wire.dumps(unbounded.messages)

@@ -272,3 +272,70 @@ def test_stores_that_keep_no_digests_give_none_back(opener: Opener) -> None:
     store.put_digest("call-1", "digest", 10)
     store.flush()
     assert store.get_digests(10) == ([("call-1", "digest")] if opener.kind == "sqlite" else [])  # type: ignore[attr-defined]
+
+
+def test_a_full_disk_holds_what_the_archive_is_given_and_writes_it_once_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite itself refuses the writes (`max_page_count`: SQLITE_FULL, as a full disk answers).
+    Before, each failed batch was dropped: 560 of 560 references unreadable with a 200 and a
+    marker. Now what the archive is given reads back meanwhile and reaches the disk once it can."""
+    import sqlite3
+
+    from contextpaw.ops import evicted
+
+    connections: list[sqlite3.Connection] = []
+    connect = SqliteStore._connect
+
+    def kept_handle(self: SqliteStore) -> sqlite3.Connection:
+        db = connect(self)
+        connections.append(db)
+        return db
+
+    monkeypatch.setattr(SqliteStore, "_connect", kept_handle)
+    monkeypatch.setattr(evicted, "RETRY_S", 0.05)
+    path = tmp_path / ARCHIVE_FILE
+    s = SqliteStore(path, max_items=1000, max_bytes=10_000_000, max_age_s=3600)
+    try:
+        assert s.flush()
+        writer = connections[-1]
+        pages = writer.execute("PRAGMA page_count").fetchone()[0]
+        writer.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full
+        for i in range(60):
+            s.put(f"cp-{i}", encode(f"content {i} " + "x" * 10_000))
+        assert s.flush()
+        on_disk = sqlite3.connect(path).execute("SELECT count(*) FROM items").fetchone()[0]
+        assert on_disk == 0 and "cannot be written" in caplog.text
+        assert all(s.get(f"cp-{i}") == encode(f"content {i} " + "x" * 10_000) for i in range(60)), "read back while the disk is full"
+        writer.execute("PRAGMA max_page_count = 1073741823")  # room again
+        deadline = time.monotonic() + 10
+        while sqlite3.connect(path).execute("SELECT count(*) FROM items").fetchone()[0] < 60 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sqlite3.connect(path).execute("SELECT count(*) FROM items").fetchone()[0] == 60
+        assert "written again" in caplog.text
+    finally:
+        s.close()
+    again = SqliteStore(path, max_items=1000, max_bytes=10_000_000, max_age_s=3600)
+    try:
+        assert again.get("cp-59") == encode("content 59 " + "x" * 10_000)
+    finally:
+        again.close()
+
+
+def test_what_a_full_disk_leaves_in_memory_is_bounded_by_the_archives_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sqlite3
+
+    connections: list[sqlite3.Connection] = []
+    connect = SqliteStore._connect
+    monkeypatch.setattr(SqliteStore, "_connect", lambda self: connections.append(db := connect(self)) or db)
+    s = SqliteStore(tmp_path / ARCHIVE_FILE, max_items=1000, max_bytes=50_000, max_age_s=3600)
+    try:
+        assert s.flush()
+        connections[-1].execute(f"PRAGMA max_page_count = {connections[-1].execute('PRAGMA page_count').fetchone()[0]}")
+        for i in range(20):
+            s.put(f"cp-{i}", encode("y" * 10_000))
+            assert s.flush()
+        held = [i for i in range(20) if s.get(f"cp-{i}") is not None]
+        assert held == list(range(16, 20)), "the newest that fit 50,000 bytes"
+    finally:
+        s.close()

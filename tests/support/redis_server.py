@@ -33,10 +33,11 @@ def require_redis() -> str:
 
 
 @contextlib.contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    """A fresh server without persistence on a free loopback port; its `redis://` URL."""
+def redis_server(workdir: Path, port: int | None = None) -> Iterator[str]:
+    """A fresh server without persistence on a free loopback port (or `port`: one started again
+    where another was); its `redis://` URL."""
     binary = require_redis()
-    port = free_port()
+    port = port or free_port()
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
     log = open(workdir / f"redis-{port}.log", "wb")  # noqa: SIM115 (closed below)
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
