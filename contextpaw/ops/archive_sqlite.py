@@ -11,7 +11,12 @@ slow or full disk never holds up the event loop; until the writer has committed 
 the content from the queue's own copy. A write that fails (a full disk) keeps its content there,
 bounded by the archive's bytes (the oldest go first, said in the log), and is tried again every
 `evicted.RETRY_S` and with the next write: a marker's reference reads back while the disk is away, and the
-content reaches the disk once it is back. Reads of one id are made on the caller's thread, on a
+content reaches the disk once it is back.
+
+An archive in a directory or file this user cannot write (a read-only mount) is opened read-only:
+what it holds reads back, and what it is given is held as above. A damaged file (a bad page) is
+moved aside and what of it still reads is copied into a new archive (`salvage`): a damaged page
+costs its own contents, not the archive's. Reads of one id are made on the caller's thread, on a
 connection of their own: in WAL mode a reader never waits for the writer (it reads the last
 commit), and a primary-key lookup costs tens of microseconds, less than handing it to a thread
 would. `search` reads the FTS index, which can take longer: the endpoint runs it in a thread.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import os
 import queue
 import sqlite3
@@ -81,6 +87,59 @@ def fts_query(query: str) -> str:
     return " ".join('"' + word.replace('"', '""') + '"' for word in query.split())
 
 
+def salvage(path: Path) -> tuple[int, Path]:
+    """Move a damaged archive (and its journal) aside and copy each content of it that still reads,
+    one row at a time, into a new archive at `path`: (contents saved, where the damaged file went)."""
+    aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            Path(f"{path}{suffix}").rename(f"{aside}{suffix}")
+    private_file(path)
+    new = sqlite3.connect(path, isolation_level=None)
+    saved = 0
+    try:
+        new.executescript(SCHEMA)
+        old = sqlite3.connect(f"{aside.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            new.execute("BEGIN")
+            for seq in _seqs(old):
+                try:
+                    row = old.execute("SELECT id, at, size, data FROM items WHERE seq = ?", (seq,)).fetchone()
+                except sqlite3.DatabaseError:
+                    continue
+                if row is not None:
+                    new.execute("INSERT OR IGNORE INTO items (seq, id, at, size, data) VALUES (?, ?, ?, ?, ?)", (seq, *row))
+                    new.execute("INSERT INTO texts (rowid, text) VALUES (?, ?)", (seq, searchable(bytes(row[3]))))
+                    saved += 1
+            new.execute("COMMIT")
+        finally:
+            old.close()
+    except sqlite3.Error as e:  # what could not be saved is in the file moved aside
+        logger.warning("salvaging %s stopped (%s) after %d contents", aside, e, saved)
+        with contextlib.suppress(sqlite3.Error):
+            new.execute("COMMIT")
+    finally:
+        new.close()
+    return saved, aside
+
+
+def _seqs(old: sqlite3.Connection) -> range:
+    """The row numbers a damaged archive may hold: up to its highest, or, where even that does not
+    read, as far as rows are found (a thousand missing in a row end the search)."""
+    try:
+        top = old.execute("SELECT max(seq) FROM items").fetchone()[0] or 0
+    except sqlite3.DatabaseError:
+        top, misses, seq = 0, 0, 0
+        while misses < 1000:
+            seq += 1
+            try:
+                found = old.execute("SELECT 1 FROM items WHERE seq = ?", (seq,)).fetchone()
+            except sqlite3.DatabaseError:
+                found = None
+            top, misses = (seq, 0) if found else (top, misses + 1)
+    return range(1, top + 1)
+
+
 class SqliteStore(EvictedStore):
     """Evicted content in `path`, an SQLite database in WAL mode (see the module's note)."""
 
@@ -88,12 +147,25 @@ class SqliteStore(EvictedStore):
         super().__init__(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
         self.path = path
         self._clock = clock
-        private_dir(path.parent)
-        private_file(path)
-        self._read = self._connect()
-        self._read.executescript(SCHEMA)
+        self.read_only = False
+        """The archive is read where it lies and written nowhere (its directory or file is not ours to write)."""
+        try:
+            private_dir(path.parent)
+            private_file(path)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not path.is_file():
+                raise
+            self.read_only = True
+            logger.warning("the archive %s cannot be written (%s): what it holds is read, and new content is kept in memory", path, e)
+        try:
+            self._read, self._count, self._bytes = self._open()
+        except sqlite3.DatabaseError as e:
+            if self.read_only:
+                raise
+            saved, aside = salvage(path)
+            logger.warning("the archive %s is damaged (%s): moved to %s, and the %d contents that still read are kept", path, e, aside, saved)
+            self._read, self._count, self._bytes = self._open()
         self._read_lock = threading.Lock()
-        self._count, self._bytes = self._read.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()
         self._pending: dict[str, tuple[float, builtins.bytes]] = {}
         """Puts handed to the writer and not yet committed, by id: read from here meanwhile."""
         self._plans: dict[str, tuple[float, builtins.bytes]] = {}
@@ -105,7 +177,26 @@ class SqliteStore(EvictedStore):
         self._writer = threading.Thread(target=self._write_loop, name="contextpaw-archive", daemon=True)
         self._writer.start()
 
+    def _open(self) -> tuple[sqlite3.Connection, int, int]:
+        """The readers' connection, checked whole (`quick_check`: a damaged page raises here, not on
+        the read that meets it), and the contents' count and bytes."""
+        db = self._connect()
+        try:
+            if not self.read_only:
+                db.executescript(SCHEMA)
+            verdict = db.execute("PRAGMA quick_check").fetchone()[0]
+            if verdict != "ok":
+                raise sqlite3.DatabaseError(verdict)
+            count, size = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()
+        except BaseException:
+            db.close()
+            raise
+        return db, count, size
+
     def _connect(self) -> sqlite3.Connection:
+        if self.read_only:  # no journal to write beside it: read as it lies
+            return sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, check_same_thread=False,
+                                   isolation_level=None)  # fmt: skip
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")

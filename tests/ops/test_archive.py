@@ -339,3 +339,65 @@ def test_what_a_full_disk_leaves_in_memory_is_bounded_by_the_archives_bytes(tmp_
         assert held == list(range(16, 20)), "the newest that fit 50,000 bytes"
     finally:
         s.close()
+
+
+def test_a_damaged_page_costs_its_own_contents_not_the_archive(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One page of the file overwritten: before, the whole archive fell back to memory and 112 of
+    112 older references became unreadable. Now the file is moved aside and what still reads is
+    kept."""
+    import sqlite3
+
+    path = tmp_path / ARCHIVE_FILE
+    s = SqliteStore(path, max_items=1000, max_bytes=10_000_000, max_age_s=3600)
+    for i in range(150):
+        s.put(f"cp-{i}", encode(f"content {i} " + "z" * 1500))
+    s.close()
+    db = sqlite3.connect(path)
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    (page,) = db.execute("SELECT pageno FROM dbstat WHERE name = 'items' AND pagetype = 'leaf' ORDER BY pageno LIMIT 1 OFFSET 20").fetchone()
+    db.close()
+    with open(path, "r+b") as file:
+        file.seek((page - 1) * page_size)
+        file.write(b"\xde\xad" * (page_size // 2))
+    again = SqliteStore(path, max_items=1000, max_bytes=10_000_000, max_age_s=3600)
+    try:
+        readable = [i for i in range(150) if again.get(f"cp-{i}") == encode(f"content {i} " + "z" * 1500)]
+        assert 140 <= len(readable) < 150, f"{len(readable)} of 150 read back"
+        assert "is damaged" in caplog.text and list(tmp_path.glob(f"{ARCHIVE_FILE}.damaged-*"))
+        again.put("cp-new", encode("after the salvage"))
+        assert again.flush() and again.get("cp-new") == encode("after the salvage")
+    finally:
+        again.close()
+
+
+def test_an_archive_this_user_cannot_write_is_read_and_new_content_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only state dir: before, an intact archive there was ignored for an empty one in memory."""
+    import errno
+
+    from contextpaw.ops import archive_sqlite
+
+    path = tmp_path / ARCHIVE_FILE
+    s = SqliteStore(path, max_items=1000, max_bytes=10_000_000, max_age_s=3600)
+    s.put("cp-old", encode("kept before"))
+    s.close()
+
+    def refused(_: Path) -> None:  # what a read-only mount answers (root passes a mere chmod)
+        raise PermissionError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(archive_sqlite, "private_file", refused)
+    ro = SqliteStore(path, max_items=1000, max_bytes=10_000_000, max_age_s=3600)
+    try:
+        assert ro.read_only and "cannot be written" in caplog.text
+        assert ro.get("cp-old") == encode("kept before")
+        ro.put("cp-new", encode("held in memory"))
+        assert ro.flush() and ro.get("cp-new") == encode("held in memory")
+    finally:
+        ro.close()
+    monkeypatch.undo()
+    after = SqliteStore(path, max_items=1000, max_bytes=10_000_000, max_age_s=3600)
+    try:
+        assert after.get("cp-old") == encode("kept before") and after.get("cp-new") is None, "nothing was written there"
+    finally:
+        after.close()
