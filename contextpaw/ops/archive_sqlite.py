@@ -163,7 +163,9 @@ class SqliteStore(EvictedStore):
             if self.read_only:
                 raise
             saved, aside = salvage(path)
-            logger.warning("the archive %s is damaged (%s): moved to %s, and the %d contents that still read are kept", path, e, aside, saved)
+            logger.warning(
+                "the archive %s is damaged (%s): moved to %s, and the %d contents that still read are kept", path, e, aside, saved
+            )
             self._read, self._count, self._bytes = self._open()
         self._read_lock = threading.Lock()
         self._pending: dict[str, tuple[float, builtins.bytes]] = {}

@@ -354,7 +354,9 @@ def test_a_damaged_page_costs_its_own_contents_not_the_archive(tmp_path: Path, c
     s.close()
     db = sqlite3.connect(path)
     page_size = db.execute("PRAGMA page_size").fetchone()[0]
-    (page,) = db.execute("SELECT pageno FROM dbstat WHERE name = 'items' AND pagetype = 'leaf' ORDER BY pageno LIMIT 1 OFFSET 20").fetchone()
+    (page,) = db.execute(
+        "SELECT pageno FROM dbstat WHERE name = 'items' AND pagetype = 'leaf' ORDER BY pageno LIMIT 1 OFFSET 20"
+    ).fetchone()
     db.close()
     with open(path, "r+b") as file:
         file.seek((page - 1) * page_size)
