@@ -11,7 +11,7 @@ be cut (Ollama answers 400 instead). Pure: the shell supplies the numbers.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 
 EXACT_BOUNDS = (0.97, 1.03)
@@ -51,6 +51,14 @@ class Evaluation(Enum):
 class Verdict:
     evaluation: Evaluation
     truncation: Truncation | None = None
+    window_at_most: int | None = None
+    """Set where the count proves the server's window smaller than believed: the most it can be."""
+
+
+SHRUNK_SLACK = 32
+"""Tokens below the least a prompt can be that a count must fall before it proves a window smaller
+than believed: rounding, a template's extra or a BOS never explain that many."""
+SHRUNK = "the server evaluated fewer tokens than the least the prompt sent can be: its window is smaller than the {window} believed"
 
 
 def cut_counts(num_ctx: int) -> set[int]:
@@ -111,8 +119,15 @@ def judge(
     if window is None:
         return Verdict(Evaluation.UNSURE)
     low, _ = bounds
-    if not could_exceed(sent_tokens, window, bounds) or evaluated_tokens > window:
+    if evaluated_tokens > window:
         return Verdict(Evaluation.WHOLE)
+    if not could_exceed(sent_tokens, window, bounds):
+        if evaluated_tokens >= sent_tokens * low - SHRUNK_SLACK:
+            return Verdict(Evaluation.WHOLE)
+        # the window believed was not the one used (a server restarted with a smaller one): the
+        # count proves a cut all the same, and bounds the window used from above
+        cut = told(sent_tokens, evaluated_tokens, window, SHRUNK.format(window=window), cut=True)
+        return Verdict(Evaluation.CUT, replace(cut, num_ctx=None), window_at_most=evaluated_tokens + 1)
     if sent_tokens * low > window:
         reason = "the prompt sent is larger than the window the server used"
     elif evaluated_tokens in cut_counts(window):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -100,9 +101,17 @@ class Expected:
 class AnswerCheck:
     """Reads each answer's count of what it evaluated, for the flow it answers."""
 
-    def __init__(self, calibration: Calibration, stats: Stats, calibrate: bool = True) -> None:
+    def __init__(
+        self,
+        calibration: Calibration,
+        stats: Stats,
+        calibrate: bool = True,
+        learn_window: Callable[[wire.Backend, str, int], None] | None = None,
+    ) -> None:
         self.calibration = calibration
         self.stats = stats
+        self.learn_window = learn_window
+        """Where a window an answer proves smaller than believed is told (the next turn is fitted to it)."""
         self.calibrate = calibrate
         """Whether whole evaluations are learned from (`contextpaw_calibrate`)."""
         self._expected: LRU = LRU(REMEMBERED)
@@ -237,6 +246,11 @@ class AnswerCheck:
                 "%s: the server evaluated %s of the %d prompt tokens it was sent (%s): silent truncation",
                 state.path, evaluated if evaluated is not None else "an unknown number", truncation.sent_tokens, truncation.reason,
             )  # fmt: skip
+            if verdict.window_at_most is not None and self.learn_window is not None:
+                model = wire.model_of(state.original) or state.where.model
+                self.learn_window(state.backend, model, verdict.window_at_most)
+                logger.warning("%s: %s's window is at most %d tokens, not %s: the next requests are fitted to it",
+                               state.path, model, verdict.window_at_most, report.window)  # fmt: skip
         first = state.phase is not Phase.JUDGED
         state.advance(Phase.JUDGED)
         if first and evaluated is not None:

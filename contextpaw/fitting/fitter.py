@@ -109,7 +109,7 @@ class Fitter:
         self.shape = ShapeCounter()
         self.calibration = Calibration()
         self.counters = CounterChoice(services, self.windows, self.calibration, self.estimate, self.shape, settings)
-        self.answers = AnswerCheck(self.calibration, stats)
+        self.answers = AnswerCheck(self.calibration, stats, learn_window=self.windows.learn)
         """Each answer's count of what was evaluated, checked (the verdict) and learned from."""
         self.sizer = Sizer(
             self.counters, self.calibration, self.estimate, self.plans, settings.keep_recent, self.answers.evaluated_like, settings.headroom

@@ -50,6 +50,16 @@ def test_dropped_messages_are_flagged_when_fewer_tokens_were_evaluated_than_can_
     assert verdict.evaluation is Evaluation.CUT and "fewer tokens" in verdict.truncation.reason
 
 
+def test_a_count_below_any_size_the_prompt_can_have_proves_a_cut_in_a_window_smaller_than_believed():
+    """Issue 56: Ollama restarted 4096 -> 1024; two turns of 2,060 and 2,570 tokens (counted within
+    1%) were evaluated at 1,023 each, and nothing was said: the believed window could hold them."""
+    verdict = judge(2060, 1023, 4096, EXACT)
+    assert verdict.evaluation is Evaluation.CUT and "smaller than the 4096 believed" in verdict.truncation.reason
+    assert verdict.window_at_most == 1024 and verdict.truncation.num_ctx is None
+    assert judge(2060, 2050, 4096, EXACT).evaluation is Evaluation.WHOLE
+    assert judge(2060, 1023, 4096, GUESS).evaluation is not Evaluation.CUT, "an estimate cannot prove it"
+
+
 @given(st.integers(10, 200_000), st.floats(0.0, 0.025), st.integers(1, 1 << 18))
 def test_an_honest_count_is_never_flagged_with_an_exact_counter(sent, shortfall, window):
     evaluated = int(sent * (1 - shortfall))

@@ -183,6 +183,24 @@ async def test_a_cut_ollama_made_is_flagged_and_a_whole_evaluation_is_not() -> N
     assert f.stats.counts["upstream_truncated"] == 1
 
 
+async def test_a_window_an_answer_proves_smaller_is_told_and_the_next_turn_is_fitted_to_it() -> None:
+    """The server was restarted with a smaller window: an answer's count below any size the prompt
+    can have proves the cut, the report says so, and the next request is fitted to the window the
+    count shows, not to the one believed (the count here as exact as a tokenizer's)."""
+    from contextpaw.core.truncation import EXACT_BOUNDS
+
+    f = fitter(output_reserve=0, forbid_truncation=False, default_ctx=4096)
+    first = state({"model": "m", "messages": chat(turns=1)["messages"]}, OPENAI, OLLAMA)
+    await f.fit(first)
+    assert first.report is not None and not first.report.compacted and first.report.window == 4096
+    first.bounds = EXACT_BOUNDS
+    f.answers.final_report(first, {"usage": {"prompt_tokens": 300, "completion_tokens": 1}, "choices": []})
+    assert first.report.upstream_truncated is not None and "smaller than the 4096 believed" in first.report.upstream_truncated.reason
+    again = state({"model": "m", "messages": chat(turns=1)["messages"]}, OPENAI, OLLAMA)
+    await f.fit(again)
+    assert again.report is not None and again.report.window == 301 and again.report.compacted, again.report
+
+
 async def test_under_policy_off_a_whole_evaluation_is_passed_on_as_it_came() -> None:
     f, s = fitter(policy="off"), state(chat(turns=1, num_ctx=8192))  # a window it cannot reach: surely whole
     await f.fit(s)
