@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from contextpaw.wire import USAGE_HEADER, Kind
+from contextpaw.wire import SESSION_HEADER, USAGE_HEADER, Kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +47,21 @@ class Target:
     token_dir: Path | None = None
     """The proxy's state directory, where `contextpaw mcp` finds its token; None: the server's own
     default (~/.contextpaw, then ~/.mitmproxy)."""
+    session: str = ""
+    """This run's session (`wire.SESSION_HEADER`): sent with the agent's requests and given to its
+    `contextpaw mcp`, whose searches find what this run evicted and no other's ("": none named)."""
 
     @property
     def mcp(self) -> tuple[str, ...]:
         """The command line of the MCP server that reads back from this proxy."""
         where = ("--state-dir", str(self.token_dir)) if self.token_dir else ()
-        return (*self.contextpaw, "mcp", "--url", self.proxy.rstrip("/"), *where)
+        session = (f"--session={self.session}",) if self.session else ()
+        return (*self.contextpaw, "mcp", "--url", self.proxy.rstrip("/"), *where, *session)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every agent that takes headers sends: `USAGE_WHOLE`, and this run's session."""
+        return {**USAGE_WHOLE, **({SESSION_HEADER: self.session} if self.session else {})}
 
     @property
     def num_ctx(self) -> int:
@@ -167,7 +176,7 @@ def claude(target: Target) -> Launch:
         **{name: target.model for name in CLAUDE_MODELS},
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(target.window),
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(target.output),
-        "ANTHROPIC_CUSTOM_HEADERS": "\n".join(f"{name}: {value}" for name, value in USAGE_WHOLE.items()),
+        "ANTHROPIC_CUSTOM_HEADERS": "\n".join(f"{name}: {value}" for name, value in target.headers.items()),
     }
     compacts = target.window - min(target.output, 20_000) - 13_000
     command, *args = target.mcp
@@ -191,7 +200,7 @@ def claude(target: Target) -> Launch:
 def codex(target: Target) -> Launch:
     """Codex: a `contextpaw` provider on the Responses API, and `model_context_window` with
     `model_auto_compact_token_limit`, all as `-c` overrides (its config.toml is left alone)."""
-    headers = ", ".join(f"{json.dumps(name)}={json.dumps(value)}" for name, value in USAGE_WHOLE.items())
+    headers = ", ".join(f"{json.dumps(name)}={json.dumps(value)}" for name, value in target.headers.items())
     provider = f'{{name="ContextPaw", base_url={json.dumps(_v1(target))}, wire_api="responses", http_headers={{{headers}}}}}'
     overrides = {
         "model": json.dumps(target.model),
@@ -229,7 +238,7 @@ def opencode(target: Target) -> Launch:
             "contextpaw": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "ContextPaw",
-                "options": {"baseURL": _v1(target), "headers": dict(USAGE_WHOLE)},
+                "options": {"baseURL": _v1(target), "headers": target.headers},
                 "models": {
                     target.model: {
                         "name": target.model,
@@ -295,7 +304,7 @@ def qwen(target: Target) -> Launch:
     33,000 tokens below it where that is lower and positive."""
     path = _generated(target, "qwen", ".defaults.json")
     settings = {
-        "model": {"generationConfig": {"contextWindowSize": target.window, "customHeaders": dict(USAGE_WHOLE)}},
+        "model": {"generationConfig": {"contextWindowSize": target.window, "customHeaders": target.headers}},
         "mcpServers": {MCP_NAME: {"command": target.mcp[0], "args": list(target.mcp[1:])}},
         # declared up front, not deferred behind its tool_search (a local model seldom searches); a union over scopes
         "tools": {"visible": list(MCP_GRANTS)},

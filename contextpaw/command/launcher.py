@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import sys
 import urllib.error
@@ -148,7 +149,7 @@ def target(ns: argparse.Namespace) -> launch.Target:
     state_dir = (ns.state_dir or Path(DEFAULT_STATE_DIR)).expanduser()
     return launch.Target(
         proxy, model, window, kind, state_dir, served=int(served["window"]) if window != served["window"] else None,
-        contextpaw=contextpaw_command(), token_dir=state_dir if ns.state_dir else None,
+        contextpaw=contextpaw_command(), token_dir=state_dir if ns.state_dir else None, session=secrets.token_hex(8),
     )  # fmt: skip
 
 

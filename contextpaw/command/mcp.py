@@ -9,7 +9,8 @@ registers the server with each):
   the proxy's `GET /contextpaw/evicted/<ref>`; long content comes in parts (`contextpaw.core.parts`:
   every agent cuts a tool result past a limit of its own);
 - `contextpaw_search(query)`: references and snippets of kept content that holds every word, from
-  `GET /contextpaw/search` (needs the token).
+  `GET /contextpaw/search` (needs the token), of this server's session only (`--session`, which
+  `contextpaw launch` gives the agent's requests too): the local token reads no other session's.
 
 The token (`X-ContextPaw-Token`) is `--token`, else `CONTEXTPAW_TOKEN`, else the file
 `contextpaw-token` the proxy makes in its state directory (`--state-dir`; by default ~/.contextpaw,
@@ -34,6 +35,7 @@ from urllib.parse import quote, urlencode
 
 from contextpaw.command.launcher import DEFAULT_PROXIES, DIRECT, proxies
 from contextpaw.core import parts, refs
+from contextpaw.wire import SESSION_HEADER, session_of
 
 ANSWERING = (200, 503)
 """Health statuses of a running ContextPaw: 503 says a backend does not answer, and what it
@@ -77,6 +79,9 @@ class Proxy:
     state_dirs: tuple[Path, ...] = STATE_DIRS
     token: str | None = None
     """`--token` or `CONTEXTPAW_TOKEN`; None: the state directory's token file."""
+    session: str = ""
+    """`--session` or `CONTEXTPAW_SESSION`: the session whose evictions a search finds (`wire.SESSION_HEADER`;
+    `contextpaw launch` names one per agent run; "": the requests that named none)."""
     timeout: float = TIMEOUT_S
     _found: str | None = field(default=None, repr=False)
 
@@ -98,6 +103,8 @@ class Proxy:
         request = urllib.request.Request(url, headers={"Accept": "application/json"})
         if token:
             request.add_header("X-ContextPaw-Token", token)
+        if self.session:
+            request.add_header(SESSION_HEADER, self.session)
         try:
             with DIRECT.open(request, timeout=self.timeout) as answer:
                 return answer.status, json.loads(answer.read() or b"null")
@@ -239,11 +246,14 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the proxy's state directory, where it keeps {TOKEN_FILE} (default {' then '.join(map(str, STATE_DIRS))})")  # fmt: skip
     p.add_argument("--token", default=os.environ.get("CONTEXTPAW_TOKEN") or None,
                    help="the token to send as X-ContextPaw-Token (default: CONTEXTPAW_TOKEN, else the state directory's file)")  # fmt: skip
+    p.add_argument("--session", default=os.environ.get("CONTEXTPAW_SESSION", ""),
+                   help=f"the session whose evictions contextpaw_search finds, the {SESSION_HEADER} its agent's requests send "
+                        "(default: CONTEXTPAW_SESSION; none: the requests that name none)")  # fmt: skip
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     ns = parser().parse_args(list(argv))
-    proxy = Proxy(url=ns.url, state_dirs=(ns.state_dir,) if ns.state_dir else STATE_DIRS, token=ns.token)
+    proxy = Proxy(url=ns.url, state_dirs=(ns.state_dir,) if ns.state_dir else STATE_DIRS, token=ns.token, session=session_of(ns.session))
     server(proxy).run("stdio")
     return 0

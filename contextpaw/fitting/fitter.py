@@ -381,7 +381,7 @@ class Fitter:
         logger.info("%s %s %s: %s, sent on (%.2f s)", state.path, state.route.name, model, report.summary(), time.perf_counter() - started)
         encoded = await off_loop(big, functools.partial(_encoded, report.evicted))
         for marker_id, data in encoded.items():
-            self.store.put(marker_id, data)
+            self.store.put(marker_id, data, state.session)
         if encoded and not await asyncio.to_thread(self.store.flush, WRITTEN_WAIT_S):
             logger.warning("the archive has not written this request's removed content within %g s: it is sent on, "
                            "its references read from memory until the write is done", WRITTEN_WAIT_S)  # fmt: skip

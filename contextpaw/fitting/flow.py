@@ -89,6 +89,8 @@ class FlowState:
     authorization: str | None = None
     proxy_url: str = ""
     """Where the client reached the proxy (`http://host:port`, as it named it; "" when unknown)."""
+    session: str = ""
+    """The session the client named (`wire.SESSION_HEADER`): what it evicts is searched within it."""
     refs: Refs = Refs()
     """How this request's markers name what they stand for (the proxy's secret, `proxy_url`)."""
     report: Report | None = None

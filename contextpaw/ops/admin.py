@@ -162,11 +162,14 @@ class Admin:
         backend: Callable[[], Awaitable[wire.Backend | None]] | None = None,
         *,
         trusted: bool = False,
+        session: str | None = None,
         secret: bytes = b"",
     ) -> Reply:
         """`backend` finds the one behind the port asked, for the endpoint that speaks of one;
-        `trusted`: the caller holds a token, and may read any id and search; `secret` makes and
-        checks the capabilities."""
+        `trusted`: the caller holds the operator's token, and may read any id and search all;
+        `session`: the caller holds the machine's local token (`contextpaw mcp`), and searches what
+        that session evicted, reading back by capability like anyone who saw the marker; `secret`
+        makes and checks the capabilities."""
         if method not in ("GET", "HEAD"):
             return json_reply(405, {"error": f"{method} is not allowed on {path}"})
         name = path.split("?", 1)[0].removeprefix(PREFIX)
@@ -188,7 +191,7 @@ class Admin:
             part = _part(path)
             return await asyncio.to_thread(self.evicted, name.removeprefix("evicted/"), trusted, secret, part)
         if name == "search":
-            return await self.search(path, trusted, secret)
+            return await self.search(path, None if trusted else session, trusted or session is not None, secret)
         return json_reply(404, {"error": f"no such ContextPaw endpoint: {path}"})
 
     async def _kept_figures(self) -> tuple[int, int] | None:
@@ -221,9 +224,10 @@ class Admin:
             return json_reply(400, {"error": str(e)})
         return Reply(200, text.encode(), "text/plain; charset=utf-8")
 
-    async def search(self, path: str, trusted: bool, secret: bytes) -> Reply:
-        """`?q=TEXT&limit=N`: references (with their capabilities) and snippets; token holders only."""
-        if not trusted:
+    async def search(self, path: str, session: str | None, allowed: bool, secret: bytes) -> Reply:
+        """`?q=TEXT&limit=N`: references (with their capabilities) and snippets, of one `session`
+        (None: all); token holders only."""
+        if not allowed:
             return json_reply(403, {"error": "searching the archive needs X-ContextPaw-Token (the admin token or the local one)"})
         query = parse_qs(urlsplit(path).query)
         text = (query.get("q") or [""])[0]
@@ -231,7 +235,7 @@ class Admin:
             limit = min(max(int((query.get("limit") or ["10"])[0]), 1), SEARCH_LIMIT)
         except ValueError:
             return json_reply(400, {"error": f"limit must be a number from 1 to {SEARCH_LIMIT}"})
-        found = await asyncio.to_thread(self.store.search, text, limit)
+        found = await asyncio.to_thread(self.store.search, text, limit, session)
         results = [{"ref": f"{marker_id}.{refs.capability(secret, marker_id)}", "snippet": snippet} for marker_id, snippet in found]
         return json_reply(200, {"results": results})
 

@@ -56,14 +56,14 @@ class Archive(EvictedStore):
     def bytes(self) -> int:
         return self.store.bytes
 
-    def put(self, marker_id: str, data: builtins.bytes) -> None:
-        self.store.put(marker_id, data)
+    def put(self, marker_id: str, data: builtins.bytes, session: str = "") -> None:
+        self.store.put(marker_id, data, session)
 
     def get(self, marker_id: str) -> builtins.bytes | None:
         return self.store.get(marker_id)
 
-    def search(self, query: str, limit: int) -> list[tuple[str, str]]:
-        return self.store.search(query, limit)
+    def search(self, query: str, limit: int, session: str | None = None) -> list[tuple[str, str]]:
+        return self.store.search(query, limit, session)
 
     def shared_secret(self, local: builtins.bytes) -> builtins.bytes:
         return self.store.shared_secret(local)

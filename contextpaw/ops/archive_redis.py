@@ -82,8 +82,8 @@ class RedisStore(EvictedStore):
         self._put = self._client.register_script(PUT)
         self._pending: dict[str, builtins.bytes] = {}
         self._pending_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[str, builtins.bytes] | threading.Event | None] = queue.SimpleQueue()
-        self._unwritten: list[tuple[str, builtins.bytes]] = []
+        self._queue: queue.SimpleQueue[tuple[str, builtins.bytes, str] | threading.Event | None] = queue.SimpleQueue()
+        self._unwritten: list[tuple[str, builtins.bytes, str]] = []
         """Contents a failed write left, held (in `_pending` too) until a write takes them."""
         self._secret: builtins.bytes | None = None
         """The fleet's secret this instance keys with (`shared_secret`), checked on every write."""
@@ -142,7 +142,7 @@ class RedisStore(EvictedStore):
         return check
 
     def put_plan(self, key: str, data: builtins.bytes) -> None:
-        self._queue.put(("plan:" + key, data))
+        self._queue.put(("plan:" + key, data, ""))
 
     def get_plan(self, key: str) -> builtins.bytes | None:
         try:
@@ -152,10 +152,10 @@ class RedisStore(EvictedStore):
             return None
         return bytes(data) if data is not None else None
 
-    def put(self, marker_id: str, data: builtins.bytes) -> None:
+    def put(self, marker_id: str, data: builtins.bytes, session: str = "") -> None:
         with self._pending_lock:
             self._pending[marker_id] = data
-        self._queue.put((marker_id, data))
+        self._queue.put((marker_id, data, session))
 
     def get(self, marker_id: str) -> builtins.bytes | None:
         with self._pending_lock:
@@ -169,7 +169,7 @@ class RedisStore(EvictedStore):
             return None
         return bytes(data) if data is not None else None
 
-    def search(self, query: str, limit: int) -> list[tuple[str, str]]:
+    def search(self, query: str, limit: int, session: str | None = None) -> list[tuple[str, str]]:
         words = query.lower().split()
         if not words or limit < 1:
             return []
@@ -178,8 +178,10 @@ class RedisStore(EvictedStore):
         found: list[tuple[str, str]] = []
         for start in range(0, len(ids), 100):
             chunk = ids[start : start + 100]
-            for marker_id, data in zip(chunk, self._client.mget([self._key("data:" + i) for i in chunk]), strict=True):
-                if data is None:
+            datas = self._client.mget([self._key("data:" + i) for i in chunk])
+            owners = self._client.mget([self._key("session:" + i) for i in chunk]) if session is not None else [None] * len(chunk)
+            for marker_id, data, owner in zip(chunk, datas, owners, strict=True):
+                if data is None or (session is not None and (owner or b"").decode() != session):
                     continue
                 text = searchable(data)
                 if all(w in text.lower() for w in words):
@@ -219,18 +221,20 @@ class RedisStore(EvictedStore):
                     logger.warning("the archive at %s closed with %d contents it could not write: lost", self.url, len(self._unwritten))
                 return
 
-    def _write_or_hold(self, puts: list[tuple[str, builtins.bytes]]) -> None:
+    def _write_or_hold(self, puts: list[tuple[str, builtins.bytes, str]]) -> None:
         """Write `puts` (what a failed write left first); while the server is away, hold them in
         memory, the newest within the archive's byte bound, readable meanwhile, tried again."""
         try:
             pipe = self._client.pipeline(transaction=False)
             check = self._secret_kept(pipe)
-            for marker_id, data in puts:
+            for marker_id, data, session in puts:
                 if marker_id.startswith("plan:"):  # a conversation's plan: the age bound is its TTL
                     pipe.set(self._key(marker_id), data, px=int(self.max_age_s * 1000))
                     continue
                 bounds = (self.max_items, self.max_bytes, self.max_age_s)
                 self._put(args=(self.prefix, marker_id, data, *bounds), client=pipe)
+                if session:  # whose it is, for a search scoped to one session; as long-lived as the content
+                    pipe.set(self._key("session:" + marker_id), session, px=int(self.max_age_s * 1000))
             check(pipe.execute())
         except redis.RedisError as e:
             if not self._unwritten:
@@ -248,8 +252,8 @@ class RedisStore(EvictedStore):
         self._unwritten = []
         self._forget_pending(puts)
 
-    def _forget_pending(self, puts: list[tuple[str, builtins.bytes]]) -> None:
+    def _forget_pending(self, puts: list[tuple[str, builtins.bytes, str]]) -> None:
         with self._pending_lock:
-            for marker_id, data in puts:
+            for marker_id, data, _ in puts:
                 if self._pending.get(marker_id) is data:
                     del self._pending[marker_id]

@@ -45,7 +45,7 @@ ARCHIVE_FILE = "contextpaw-archive.sqlite3"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS items (seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, at REAL NOT NULL,
-                                  size INTEGER NOT NULL, data BLOB NOT NULL);
+                                  size INTEGER NOT NULL, data BLOB NOT NULL, session TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS items_at ON items (at);
 CREATE VIRTUAL TABLE IF NOT EXISTS texts USING fts5 (text);
 CREATE TRIGGER IF NOT EXISTS items_gone AFTER DELETE ON items BEGIN DELETE FROM texts WHERE rowid = old.seq; END;
@@ -63,8 +63,9 @@ TRIM = """DELETE FROM items WHERE seq IN (
 """Drop the oldest until the newest fit both the count and the byte bound."""
 
 
-Put = tuple[str, str, float, "builtins.bytes | str", int]
-"""What the writer is handed: (table, key, when, data, the count its table keeps; 0: the items' bounds)."""
+Put = tuple[str, str, float, "builtins.bytes | str", int, str]
+"""What the writer is handed: (table, key, when, data, the count its table keeps (0: the items'
+bounds), the session an item was evicted from)."""
 
 
 def private_dir(path: Path) -> None:
@@ -102,13 +103,14 @@ def salvage(path: Path) -> tuple[int, Path]:
         old = sqlite3.connect(f"{aside.resolve().as_uri()}?mode=ro", uri=True)
         try:
             new.execute("BEGIN")
+            session = "session" if "session" in {row[1] for row in old.execute("PRAGMA table_info(items)")} else "''"
             for seq in _seqs(old):
                 try:
-                    row = old.execute("SELECT id, at, size, data FROM items WHERE seq = ?", (seq,)).fetchone()
+                    row = old.execute(f"SELECT id, at, size, data, {session} FROM items WHERE seq = ?", (seq,)).fetchone()
                 except sqlite3.DatabaseError:
                     continue
                 if row is not None:
-                    new.execute("INSERT OR IGNORE INTO items (seq, id, at, size, data) VALUES (?, ?, ?, ?, ?)", (seq, *row))
+                    new.execute("INSERT OR IGNORE INTO items (seq, id, at, size, data, session) VALUES (?, ?, ?, ?, ?, ?)", (seq, *row))
                     new.execute("INSERT INTO texts (rowid, text) VALUES (?, ?)", (seq, searchable(bytes(row[3]))))
                     saved += 1
             new.execute("COMMIT")
@@ -186,6 +188,8 @@ class SqliteStore(EvictedStore):
         try:
             if not self.read_only:
                 db.executescript(SCHEMA)
+                if "session" not in {row[1] for row in db.execute("PRAGMA table_info(items)")}:  # an archive of 0.3
+                    db.execute("ALTER TABLE items ADD COLUMN session TEXT NOT NULL DEFAULT ''")
             verdict = db.execute("PRAGMA quick_check").fetchone()[0]
             if verdict != "ok":
                 raise sqlite3.DatabaseError(verdict)
@@ -211,11 +215,11 @@ class SqliteStore(EvictedStore):
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, marker_id: str, data: builtins.bytes) -> None:
+    def put(self, marker_id: str, data: builtins.bytes, session: str = "") -> None:
         at = self._clock()
         with self._pending_lock:
             self._pending[marker_id] = (at, data)
-        self._queue.put(("items", marker_id, at, data, 0))
+        self._queue.put(("items", marker_id, at, data, 0, session))
 
     keeps_plans = True
 
@@ -223,7 +227,7 @@ class SqliteStore(EvictedStore):
         at = self._clock()
         with self._pending_lock:
             self._plans[key] = (at, data)
-        self._queue.put(("plans", key, at, data, self.max_items))
+        self._queue.put(("plans", key, at, data, self.max_items, ""))
 
     def get_plan(self, key: str) -> builtins.bytes | None:
         oldest = self._clock() - self.max_age_s
@@ -236,7 +240,7 @@ class SqliteStore(EvictedStore):
         return bytes(row[0]) if row else None
 
     def put_digest(self, key: str, text: str, keep: int) -> None:
-        self._queue.put(("digests", key, self._clock(), text, keep))
+        self._queue.put(("digests", key, self._clock(), text, keep, ""))
 
     def get_digests(self, limit: int) -> list[tuple[str, str]]:
         sql = "SELECT key, text FROM (SELECT seq, key, text FROM digests WHERE at >= ? ORDER BY seq DESC LIMIT ?) ORDER BY seq"
@@ -253,16 +257,16 @@ class SqliteStore(EvictedStore):
             row = self._read.execute("SELECT data FROM items WHERE id = ? AND at >= ?", (marker_id, oldest)).fetchone()
         return bytes(row[0]) if row else None
 
-    def search(self, query: str, limit: int) -> list[tuple[str, str]]:
+    def search(self, query: str, limit: int, session: str | None = None) -> list[tuple[str, str]]:
         if not query.split() or limit < 1:
             return []
         self.flush(SEARCH_WAIT_S)  # the content just evicted is what an agent looks for first
         sql = (
             "SELECT items.id, snippet(texts, 0, '', '', '…', 24) FROM texts JOIN items ON items.seq = texts.rowid"
-            " WHERE texts MATCH ? AND items.at >= ? ORDER BY rank LIMIT ?"
+            " WHERE texts MATCH ? AND items.at >= ? AND (? IS NULL OR items.session = ?) ORDER BY rank LIMIT ?"
         )
         with self._read_lock:
-            rows = self._read.execute(sql, (fts_query(query), self._clock() - self.max_age_s, limit)).fetchall()
+            rows = self._read.execute(sql, (fts_query(query), self._clock() - self.max_age_s, session, session, limit)).fetchall()
         return [(marker_id, " ".join(text.split())) for marker_id, text in rows]
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -323,7 +327,7 @@ class SqliteStore(EvictedStore):
         db.execute("BEGIN IMMEDIATE")
         try:
             self._write_side(db, puts)
-            for table, marker_id, at, data, _ in puts:
+            for table, marker_id, at, data, _, session in puts:
                 if table != "items":
                     continue
                 assert isinstance(data, builtins.bytes)
@@ -333,7 +337,9 @@ class SqliteStore(EvictedStore):
                     count, size = count - 1, size - old[0]
                 if len(data) > self.max_bytes:
                     continue
-                seq = db.execute("INSERT INTO items (id, at, size, data) VALUES (?, ?, ?, ?)", (marker_id, at, len(data), data)).lastrowid
+                seq = db.execute(
+                    "INSERT INTO items (id, at, size, data, session) VALUES (?, ?, ?, ?, ?)", (marker_id, at, len(data), data, session)
+                ).lastrowid
                 db.execute("INSERT INTO texts (rowid, text) VALUES (?, ?)", (seq, searchable(data)))
                 count, size = count + 1, size + len(data)
             oldest = self._clock() - self.max_age_s
@@ -361,7 +367,7 @@ class SqliteStore(EvictedStore):
             if not mine:
                 continue
             column = "data" if table == "plans" else "text"
-            for _, key, at, data, _ in mine:
+            for _, key, at, data, _, _ in mine:
                 db.execute(f"DELETE FROM {table} WHERE key = ?", (key,))
                 db.execute(f"INSERT INTO {table} (key, at, {column}) VALUES (?, ?, ?)", (key, at, data))
             keep = mine[-1][4]
@@ -370,7 +376,7 @@ class SqliteStore(EvictedStore):
 
     def _forget_pending(self, puts: list[Put]) -> None:
         with self._pending_lock:
-            for table, key, at, data, _ in puts:
+            for table, key, at, data, _, _ in puts:
                 pending = self._pending if table == "items" else self._plans if table == "plans" else None
                 if pending is not None and pending.get(key) == (at, data):
                     del pending[key]

@@ -128,18 +128,20 @@ class EvictedStore(abc.ABC):
         """Bytes of content kept."""
 
     @abc.abstractmethod
-    def put(self, marker_id: str, data: builtins.bytes) -> None:
+    def put(self, marker_id: str, data: builtins.bytes, session: str = "") -> None:
         """Keep `data` (content made with `encode`, off the event loop for a big eviction) under
-        `marker_id`; the same id again refreshes its age."""
+        `marker_id`, for the session whose request it was evicted from (`wire.SESSION_HEADER`; ""
+        where the request named none); the same id again refreshes its age."""
 
     @abc.abstractmethod
     def get(self, marker_id: str) -> builtins.bytes | None:
         """The content as JSON bytes, or None when it was never kept or has been dropped."""
 
     @abc.abstractmethod
-    def search(self, query: str, limit: int) -> list[tuple[str, str]]:
+    def search(self, query: str, limit: int, session: str | None = None) -> list[tuple[str, str]]:
         """(id, snippet) of at most `limit` kept contents whose text holds every word of `query`,
-        what was `put` before the call included (a store that writes later waits for it here)."""
+        of one `session` (None: of all), what was `put` before the call included (a store that
+        writes later waits for it here)."""
 
     keeps_plans = False
     """Whether conversation plans are kept here too: for the next start (SQLite), or for the other
@@ -192,7 +194,7 @@ class MemoryStore(EvictedStore):
     def __init__(self, *, max_items: int, max_bytes: int, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(max_items=max_items, max_bytes=max_bytes, max_age_s=max_age_s)
         self._clock = clock
-        self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -202,11 +204,11 @@ class MemoryStore(EvictedStore):
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, marker_id: str, data: builtins.bytes) -> None:
+    def put(self, marker_id: str, data: builtins.bytes, session: str = "") -> None:
         self._drop(marker_id)
         if len(data) > self.max_bytes:
             return
-        self._items[marker_id] = (self._clock(), data)
+        self._items[marker_id] = (self._clock(), data, session)
         self._bytes += len(data)
         self._expire()
         while len(self._items) > self.max_items or self._bytes > self.max_bytes:
@@ -217,13 +219,15 @@ class MemoryStore(EvictedStore):
         item = self._items.get(marker_id)
         return item[1] if item else None
 
-    def search(self, query: str, limit: int) -> list[tuple[str, str]]:
+    def search(self, query: str, limit: int, session: str | None = None) -> list[tuple[str, str]]:
         self._expire()
         words = query.lower().split()
         found: list[tuple[str, str]] = []
-        for marker_id, (_, data) in reversed(self._items.items()):
+        for marker_id, (_, data, own) in reversed(self._items.items()):
             if len(found) >= limit or not words:
                 break
+            if session is not None and own != session:
+                continue
             text = searchable(data)
             if all(w in text.lower() for w in words):
                 found.append((marker_id, snippet(text, words)))

@@ -196,7 +196,8 @@ class Compactor:
         if (utf8 := wire.as_utf8(raw, content_type)) is not None:  # read by its declared charset, sent as JSON's own
             flow.request.content = raw = utf8
             flow.request.headers["content-type"] = wire.utf8_type(content_type)
-        state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"), proxy_url(flow))
+        state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"), proxy_url(flow),
+                          session=wire.session_of(flow.request.headers.get(wire.SESSION_HEADER)))  # fmt: skip
         self.states[flow] = state
         decision = await self.fitter.fit(state)
         if isinstance(decision, Refuse):

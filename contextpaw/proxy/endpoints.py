@@ -170,15 +170,17 @@ class AdminEndpoints:
         # the state dir's local token (what `contextpaw mcp` reads) is this machine's: good on the loopback only;
         # the operator's admin token is for clients elsewhere
         local = self.local_token if admin.loopback_address(peer) else None
-        trusted = admin.token_matches(token, ctx.options.contextpaw_admin_token, local)
+        trusted = admin.token_matches(token, ctx.options.contextpaw_admin_token)
+        # the local token is a capability too: it searches its own session, and reads back by a marker's capability
+        session = wire.session_of(flow.request.headers.get(wire.SESSION_HEADER)) if admin.token_matches(token, local) else None
         own = tuple(f"{scheme}://{host}".lower() for scheme in ("http", "https")) if host else ()
         if admin.cross_site(flow.request.headers.get("Origin"), flow.request.headers.get("Sec-Fetch-Site"), own):
             answer = admin.json_reply(403, {"error": "ContextPaw endpoints do not answer requests made for another site"})
-        elif trusted or admin.authorized(peer, host, None, None):
+        elif trusted or session is not None or admin.authorized(peer, host, None, None):
             try:
                 backend = functools.partial(self.backends.backend_of, flow)
                 answer = await self.admin.answer(
-                    flow.request.method, flow.request.path, backend, trusted=trusted, secret=self.fitter.secret
+                    flow.request.method, flow.request.path, backend, trusted=trusted, session=session, secret=self.fitter.secret
                 )
             except Exception as e:  # answered here all the same: /contextpaw/* never reaches a backend
                 logger.exception("ContextPaw failed to answer %s", flow.request.path)

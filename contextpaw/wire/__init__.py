@@ -16,6 +16,7 @@ from contextpaw.wire import anthropic, llamacpp, ollama, openai, responses
 from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     MODEL_FIELD,
     REFUSAL_STATUS,
+    SESSION_HEADER,
     USAGE_HEADER,
     Backend,
     Chat,
@@ -40,6 +41,7 @@ from contextpaw.wire.base import (  # noqa: F401  (the package's surface)
     positive,
     prompt_cache,
     read_json,
+    session_of,
     told_usage,
     upstream_overflow,
     usage_whole,

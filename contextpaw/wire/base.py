@@ -425,6 +425,19 @@ def usage_whole(option: bool, header: str | None) -> bool:
     return said == "whole" if said in ("whole", "served") else option
 
 
+SESSION_HEADER = "X-ContextPaw-Session"
+"""The session a request belongs to, named by the client: `contextpaw launch` gives an agent's
+requests and its `contextpaw mcp` the same one, so that the local token searches what that session
+evicted and no other's. Requests that name none are one session together ("")."""
+_SESSION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def session_of(header: str | None) -> str:
+    """The session a `SESSION_HEADER` names ("" for none, or for anything not a plain name)."""
+    said = (header or "").strip()
+    return said if _SESSION.fullmatch(said) else ""
+
+
 def told_usage(record: Mapping[str, Any], added: int, paths: tuple[tuple[str, ...], ...]) -> dict[str, Any] | None:
     """`record` with `added` tokens added to each integer count at `paths` (the answer's prompt
     size, as the client reads it), or None where it has none of them."""

@@ -321,3 +321,22 @@ def test_a_model_name_the_backend_chose_never_becomes_an_argument_of_its_own(age
     plan = launch.plan(agent, dataclasses.replace(target(65536), model="--yolo"))
     assert "--yolo" not in plan.argv
     assert all(not a.endswith(" --yolo") for a in plan.argv)
+
+
+def test_each_agent_run_is_a_session_its_requests_and_its_mcp_server_both_name() -> None:
+    """Issue 56: the local token searched every session's evictions. A launch names one session: the
+    agent's requests send it (where the agent takes headers) and its `contextpaw mcp` searches it."""
+    from dataclasses import replace
+
+    from contextpaw.wire import SESSION_HEADER
+
+    run = replace(target(), session="0123abcd0123abcd")
+    assert "--session=0123abcd0123abcd" in run.mcp
+    claude, codex, opencode, qwen = (launch.PLANS[a](run) for a in ("claude", "codex", "opencode", "qwen"))
+    assert f"{SESSION_HEADER}: 0123abcd0123abcd" in claude.env["ANTHROPIC_CUSTOM_HEADERS"]
+    assert f'"{SESSION_HEADER}"="0123abcd0123abcd"' in overrides(codex)["model_providers.contextpaw"]
+    (config,) = opencode.files.values()
+    assert json.loads(config)["provider"]["contextpaw"]["options"]["headers"][SESSION_HEADER] == "0123abcd0123abcd"
+    (settings,) = qwen.files.values()
+    assert json.loads(settings)["model"]["generationConfig"]["customHeaders"][SESSION_HEADER] == "0123abcd0123abcd"
+    assert all("--session=0123abcd0123abcd" in "".join(p.files.values()) + " ".join(p.argv) for p in (claude, codex, opencode, qwen))

@@ -35,12 +35,13 @@ KEPT: dict[str, Any] = {
 
 class FakeContextPaw:
     """The proxy's archive endpoints, per the contract: a reference with its capability reads
-    without a token, a bare id only with the token, search only with the token; unknown and
+    without a token, a bare id only with the operator's token, search only with a token; unknown and
     forbidden are the same 404."""
 
     def __init__(self) -> None:
         self.tokens: list[str | None] = []
         self.queries: list[dict[str, str]] = []
+        self.sessions: list[str | None] = []
         self.app = web.Application()
         self.app.router.add_get("/contextpaw/health", self.health)
         self.app.router.add_get("/contextpaw/evicted/{ref}", self.evicted)
@@ -60,6 +61,7 @@ class FakeContextPaw:
 
     async def search(self, request: web.Request) -> web.Response:
         self.queries.append(dict(request.query))
+        self.sessions.append(request.headers.get("X-ContextPaw-Session"))
         if request.headers.get("X-ContextPaw-Token") != TOKEN:
             return web.json_response({"error": "searching the archive needs X-ContextPaw-Token"}, status=403)
         words = request.query.get("q", "").lower().split()
@@ -149,6 +151,17 @@ async def test_search_with_the_token_lists_references_and_snippets(proxy: tuple[
     assert SECRET_ONLY not in text(found) and "contextpaw_retrieve" in text(found)
     assert not none.is_error and "Nothing ContextPaw removed matches 'nowhere'" in text(none)
     assert fake.queries[0] == {"q": "hunter2", "limit": "10"}
+
+
+async def test_the_server_searches_as_the_session_launch_named(proxy: tuple[FakeContextPaw, str], tmp_path: Path) -> None:
+    """`contextpaw launch` gives the agent's requests and this server one session: its searches say it,
+    and the proxy answers the local token with that session's evictions only."""
+    fake, url = proxy
+    async with mcp_session("--url", url, "--state-dir", str(tmp_path), "--token", TOKEN, "--session=run-7f3a") as session:
+        await session.call_tool("contextpaw_search", {"query": "hunter2"})
+    async with mcp_session("--url", url, "--state-dir", str(tmp_path), "--token", TOKEN) as session:
+        await session.call_tool("contextpaw_search", {"query": "hunter2"})
+    assert fake.sessions == ["run-7f3a", None]
 
 
 async def test_a_proxy_that_is_not_running_is_a_tool_error_that_says_so(tmp_path: Path, unused_tcp_port: int) -> None:

@@ -13,6 +13,7 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import taddons
 
+from contextpaw import wire
 from contextpaw.core import parts
 from contextpaw.ops import keys
 from contextpaw.proxy.compose import make_addons
@@ -45,9 +46,10 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Proxy]:
         proxy.compactor.done()
 
 
-async def compacted(proxy: Proxy, body: dict | None = None) -> tuple[dict, http.HTTPFlow]:
+async def compacted(proxy: Proxy, body: dict | None = None, **headers: str) -> tuple[dict, http.HTTPFlow]:
     flow = reverse(post("/api/chat", body or long_chat(turns=40, num_ctx=8192)))
     flow.request.headers["Host"] = "127.0.0.1:11435"  # as every HTTP/1.1 client sends it
+    flow.request.headers.update(headers)
     flow.client_conn.timestamp_tls_setup = None  # plain HTTP, as agents reach a local proxy
     await proxy.send(flow)
     sent = json.loads(flow.request.content or b"{}")
@@ -107,11 +109,30 @@ async def test_without_the_capability_the_answer_is_the_unknown_ids(proxy: Proxy
     bare, unknown = await read(proxy, f"/contextpaw/evicted/{ref.split('.')[0]}"), await read(proxy, "/contextpaw/evicted/cp-0")
     assert (bare.status_code, bare.content) == (unknown.status_code, unknown.content) and bare.status_code == 404
     token = keys.local_token(tmp_path)
-    assert (await read(proxy, f"/contextpaw/evicted/{ref.split('.')[0]}", **{"X-ContextPaw-Token": token})).status_code == 200
+    # the local token (what `contextpaw mcp` sends) is a capability too: it reads no bare id (issue 56)
+    assert (await read(proxy, f"/contextpaw/evicted/{ref.split('.')[0]}", **{"X-ContextPaw-Token": token})).status_code == 404
+    assert (await read(proxy, f"/contextpaw/evicted/{ref}", **{"X-ContextPaw-Token": token})).status_code == 200
     found = await read(proxy, "/contextpaw/search?q=log+line&limit=3", **{"X-ContextPaw-Token": token})
     results = json.loads(found.content)["results"]
     assert found.status_code == 200 and 1 <= len(results) <= 3 and all(r["ref"].startswith("cp-") for r in results)
     assert (await read(proxy, "/contextpaw/search?q=log")).status_code == 403  # loopback, but no token
+
+
+async def test_the_local_token_searches_only_its_own_session(proxy: Proxy, tmp_path: Path) -> None:
+    """A session is what a request's X-ContextPaw-Session names (`contextpaw launch` gives the agent's
+    requests and its `contextpaw mcp` the same one): the local token finds that session's evictions,
+    and no other's; requests that name none are one session together."""
+    await compacted(proxy, **{wire.SESSION_HEADER: "run-a"})
+    token = {"X-ContextPaw-Token": keys.local_token(tmp_path)}
+
+    async def found(session: str | None) -> list[str]:
+        headers = {**token, **({wire.SESSION_HEADER: session} if session else {})}
+        answer = await read(proxy, "/contextpaw/search?q=log+line&limit=10", **headers)
+        assert answer.status_code == 200
+        return [r["ref"] for r in json.loads(answer.content)["results"]]
+
+    mine = await found("run-a")
+    assert mine and await found("run-b") == [] and not set(mine) & set(await found(None))
 
 
 async def test_the_local_token_opens_nothing_from_another_machine(proxy: Proxy, tmp_path: Path) -> None:
