@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import re
 import ipaddress
 import secrets
 import weakref
@@ -247,7 +248,8 @@ class Backends:
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Find the flow's backend once (a probe, for a reverse-mode target not seen before; never for
-        a request that went round to ContextPaw itself)."""
+        a request that went round to ContextPaw itself); unfold its obs-folded headers."""
+        unfold(flow.request.headers)
         if self.looped(flow):
             self._found[flow] = self.configured.get(_destination(flow)) or self.probed.get(_destination(flow))
         elif self.serves(flow):
@@ -470,3 +472,16 @@ class Backends:
             {"kind": kind, "url": url, "answers": up, "last_error": self.ledger.last_error.get(f"{host}:{port}")}
             for (kind, url), (host, port), up in zip(rows, places, answers, strict=True)
         ]
+
+
+FOLD = re.compile(rb"\r?\n[ \t]+")
+"""An obs-fold: a header value continued on the next line after spaces (deprecated; RFC 9112 5.2)."""
+
+
+def unfold(headers: http.Headers) -> None:
+    """Each obs-folded header value as one line, its folds a space each, as a proxy must forward it:
+    mitmproxy keeps the fold, and the relay's HTTP library refuses it (a 502 where bare mitmdump
+    forwards it)."""
+    fields = headers.fields
+    if any(b"\n" in value for _, value in fields):
+        headers.fields = tuple((name, FOLD.sub(b" ", value)) for name, value in fields)
