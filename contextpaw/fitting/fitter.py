@@ -378,6 +378,9 @@ class Fitter:
         for content on disk, whatever happens to the proxy next (a `kill -9` lost 2.3% of references
         written behind the answer). It is said when decided (INFO): the answer's own line comes when
         the answer ends, minutes later on a slow server."""
+        if state.left():
+            logger.info("%s %s %s: the client went away while its request was fitted: not sent", state.path, state.route.name, model)
+            return
         logger.info("%s %s %s: %s, sent on (%.2f s)", state.path, state.route.name, model, report.summary(), time.perf_counter() - started)
         encoded = await off_loop(big, functools.partial(_encoded, report.evicted))
         for marker_id, data in encoded.items():

@@ -8,6 +8,7 @@ and where it may go next (in the manner of h11's `_state.py`: every step is in t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -91,6 +92,9 @@ class FlowState:
     """Where the client reached the proxy (`http://host:port`, as it named it; "" when unknown)."""
     session: str = ""
     """The session the client named (`wire.SESSION_HEADER`): what it evicts is searched within it."""
+    left: Callable[[], bool] = field(default=lambda: False)
+    """Whether the client has gone (a fit of megabytes takes long enough for it to leave): a request
+    nobody waits for is neither counted, kept nor sent."""
     refs: Refs = Refs()
     """How this request's markers name what they stand for (the proxy's secret, `proxy_url`)."""
     report: Report | None = None

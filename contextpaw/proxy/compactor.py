@@ -197,9 +197,13 @@ class Compactor:
             flow.request.content = raw = utf8
             flow.request.headers["content-type"] = wire.utf8_type(content_type)
         state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"), proxy_url(flow),
-                          session=wire.session_of(flow.request.headers.get(wire.SESSION_HEADER)))  # fmt: skip
+                          session=wire.session_of(flow.request.headers.get(wire.SESSION_HEADER)),
+                          left=lambda: flow.client_conn.timestamp_end is not None)  # fmt: skip
         self.states[flow] = state
         decision = await self.fitter.fit(state)
+        if state.left():  # a fit of megabytes takes long enough: nobody waits for the answer
+            flow.kill()
+            return
         if isinstance(decision, Refuse):
             reply(flow, decision.status, decision.body)
             flag(flow, REFUSED_MARK, _refusal(state, decision.reason))
