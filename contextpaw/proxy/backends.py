@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import re
 import ipaddress
+import re
 import secrets
 import weakref
 from collections.abc import Sequence
