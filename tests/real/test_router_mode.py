@@ -13,7 +13,7 @@ import pytest
 
 from support.backends import LOOPBACK, Backend, free_port, start_process, start_proxy
 
-PRESETS = {"small": 1024, "big": 4096}
+PRESETS = {"small": 1024, "big": 2048}
 """Two presets of the one SmolLM2 GGUF, each with its own `ctx-size` (a slot each: `parallel = 1`)."""
 
 
@@ -57,7 +57,7 @@ def test_each_models_window_is_learned_from_the_router_without_loading_it(proxy:
 
 
 def test_an_overflow_to_the_small_model_is_fitted_before_it_is_sent_and_the_big_one_takes_it_whole(proxy: Backend) -> None:
-    body = chat("small", 2400)  # about 2,500 tokens: over 1,024, under 4,096
+    body = chat("small", 1400)  # about 1,500 tokens: over 1,024, under 2,048
     small = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=300)
     assert small.status_code == 200, small.text
     report = small.json()["contextpaw"]
@@ -65,7 +65,7 @@ def test_an_overflow_to_the_small_model_is_fitted_before_it_is_sent_and_the_big_
     assert report["counter"] == "backend" and small.json()["usage"]["prompt_tokens"] <= 1024
     big = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "model": "big"}, timeout=300)
     assert big.status_code == 200 and big.headers["X-ContextPaw-Compacted"] == "false", big.text
-    assert 1024 < big.json()["usage"]["prompt_tokens"] <= 4096
+    assert 1024 < big.json()["usage"]["prompt_tokens"] <= 2048
 
 
 def test_the_doctor_names_each_models_window_and_what_is_loaded(router: Backend) -> None:
@@ -79,7 +79,7 @@ def test_the_doctor_names_each_models_window_and_what_is_loaded(router: Backend)
     findings = __import__("json").loads(done.stdout)
     said = {f["subject"]: f for f in (findings["findings"] if isinstance(findings, dict) else findings)}
     router_line = said[f"{router.url} (llama-server, router mode)"]
-    assert router_line["level"] == "ok" and "small 1,024" in router_line["what"] and "big 4,096" in router_line["what"]
+    assert router_line["level"] == "ok" and "small 1,024" in router_line["what"] and "big 2,048" in router_line["what"]
     assert "at most 2 loaded at once" in router_line["what"]
     assert not any("reports no window" in f["what"] for f in said.values())
     small = said[f"{router.url} (llama-server, router mode) model small"]
@@ -160,3 +160,28 @@ def httpx_refused(url: str) -> bool:
     except httpx.ConnectError:
         return True
     return False
+
+
+@pytest.mark.parametrize("model", list(PRESETS))
+def test_the_needle_is_recalled_through_contextpaw_by_each_model_where_the_router_refuses_it(
+    router: Backend, proxy: Backend, model: str
+) -> None:
+    """The proof demo's row, per model of one router: the overflowing needle chat is a 400 straight
+    from the router, and through ContextPaw it is fitted to that model's own window and the secret
+    comes back."""
+    import random
+
+    import openai
+
+    from support.proof import make_secret, needle_chat, openai_trial, overflow_lines
+
+    rng = random.Random(PRESETS[model])
+    secret = make_secret(rng)
+    messages = needle_chat(secret, overflow_lines(PRESETS[model], 0), rng)
+    direct = openai_trial(openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0), "direct", secret, messages, model=model)
+    through = openai_trial(openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=600), "ContextPaw",
+                           secret, messages, model=model)  # fmt: skip
+    assert direct.status == 400 and "exceed_context_size_error" in direct.answer, direct.answer
+    assert through.status == 200 and through.compacted and through.report is not None, through.answer
+    assert through.report["window"] == PRESETS[model] and not through.report["recovered_from_upstream_400"]
+    assert through.recalled, through.answer
