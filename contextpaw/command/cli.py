@@ -635,7 +635,9 @@ def run_doctor(argv: Sequence[str]) -> int:
         backends, notes = fronted(ns, from_environment(argv))
         backends += configured_backends(ns, backends)
         if not backends and not ns.mode and not any(s.startswith("contextpaw_") for s in ns.setoptions):
-            nothing = doctor.Finding("unchecked", "command line", "names no backend, so contextpaw would not start: nothing to check",
+            found = run_probes(doctor.found_at_defaults())
+            seen = f"; at the default ports: {', '.join(found)}" if found else "; nothing answers at the default ports either"
+            nothing = doctor.Finding("unchecked", "command line", f"names no backend, so contextpaw would not start: nothing to check{seen}",
                                      "give --ollama URL, --llamacpp URL or both, as to contextpaw (or contextpaw_ollama / "
                                      f"contextpaw_llamacpp in {Path(ns.confdir or CONFDIR).expanduser() / 'config.yaml'})")  # fmt: skip
             print(doctor.as_json([nothing]) if ns.json else doctor.render([nothing]))

@@ -433,6 +433,24 @@ async def answers_of(backends: Sequence[tuple[wire.Kind | None, str]]) -> list[A
         await session.get().close()
 
 
+DEFAULT_BACKENDS: Mapping[wire.Kind, tuple[str, str]] = {
+    wire.Kind.OLLAMA: ("http://127.0.0.1:11434", "Ollama's default port"),
+    wire.Kind.LLAMACPP: ("http://127.0.0.1:8080", "llama-server's default port, long-standing and the pinned build's alike"),
+}
+"""Where each server listens when started without a port, for a command line that names none."""
+
+
+async def found_at_defaults() -> list[str]:
+    """Each server that answers, as its own kind, at its default address: what a command line that
+    names no backend could front (said with the port it was found on)."""
+    answers = await answers_of([(None, url) for url, _ in DEFAULT_BACKENDS.values()])
+    found = []
+    for kind, (url, port) in DEFAULT_BACKENDS.items():
+        if any(a.answers and a.kind is kind and a.url == url for a in answers):
+            found.append(f"--{kind} {url} ({'Ollama' if kind is wire.Kind.OLLAMA else 'llama-server'} answers there: {port})")
+    return found
+
+
 async def _answer(session: Any, kind: wire.Kind | None, url: str) -> Answer:
     root, props = await asyncio.gather(session.text(url + "/"), session.text(url + "/props"))
     if root is None:

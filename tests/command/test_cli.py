@@ -521,6 +521,22 @@ def test_the_doctor_without_a_backend_says_it_has_nothing_to_check(tmp_path: Pat
     assert "names no backend" in out and "every interface" not in out
 
 
+def test_the_doctor_without_a_backend_says_which_servers_answer_at_their_default_ports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, llamacpp: Any
+) -> None:
+    """A user who started llama-server without `--port` and ran the doctor bare is told where it is
+    and what to give ContextPaw; a default port nothing answers on is not named."""
+    from contextpaw import wire
+    from contextpaw.command import doctor
+
+    monkeypatch.setattr(doctor, "DEFAULT_BACKENDS", {wire.Kind.OLLAMA: ("http://127.0.0.1:9", "Ollama's default port"),
+                                                     wire.Kind.LLAMACPP: (llamacpp.url, "llama-server's default port")})  # fmt: skip
+    assert cli.run_doctor(["--confdir", str(tmp_path)]) == 3
+    out = capsys.readouterr().out
+    assert f"--llamacpp {llamacpp.url} (llama-server answers there: llama-server's default port)" in out
+    assert "127.0.0.1:9" not in out
+
+
 def test_the_doctor_reads_the_backends_config_yaml_fronts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The set-up docs/command.md shows (a backend in config.yaml, nothing on the command line) is
     checked as the command runs it: on the loopback, at the kind's port."""
