@@ -661,6 +661,7 @@ def run_doctor(argv: Sequence[str]) -> int:
         asked_ctx=ns.ctx,
         timeout=ns.timeout,
         proxies=tuple(_own_url(mode, ns) for _, mode in modes if mode.listen_port(ns.listen_port) is not None),
+        fronts=tuple((b.url, _own_url(mode, ns)) for b, (_, mode) in zip(backends, modes, strict=False)),
         clients=tuple(doctor.client_settings(os.environ, Path.home())),
     )
     findings = [doctor.Finding("note", "command line", note) for note in notes]

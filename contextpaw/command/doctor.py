@@ -332,35 +332,54 @@ class ClientSetting:
     answers: bool = True
 
 
+CLIENT_VARIABLES = ("ANTHROPIC_BASE_URL", "OPENAI_BASE_URL", "OLLAMA_HOST", "OLLAMA_API_BASE")
+"""The clients' own settings of where the model is: Claude Code's, the OpenAI SDK's (Codex, Qwen Code,
+aider on llama-server), Ollama's CLI and library's, aider's on Ollama."""
+OLLAMA_SIDE = ("OLLAMA_HOST", "OLLAMA_API_BASE")
+"""Settings only an Ollama-speaking client reads: their fix names the listener that fronts Ollama."""
+
+
 def client_settings(env: Mapping[str, str], home: Path) -> list[ClientSetting]:
-    """ANTHROPIC_BASE_URL, OPENAI_BASE_URL, OLLAMA_HOST where set, and Codex's `base_url` lines in
-    ~/.codex/config.toml (read as text: any table that sets one)."""
-    found = [ClientSetting(name, env[name]) for name in ("ANTHROPIC_BASE_URL", "OPENAI_BASE_URL", "OLLAMA_HOST") if env.get(name)]
+    """`CLIENT_VARIABLES` where set, and Codex's `base_url` lines in its config.toml (under
+    `$CODEX_HOME`, else ~/.codex; read as text: any table that sets one)."""
+    found = [ClientSetting(name, env[name]) for name in CLIENT_VARIABLES if env.get(name)]
+    codex = Path(env["CODEX_HOME"]).expanduser() if env.get("CODEX_HOME") else home / ".codex"
     try:
-        text = (home / ".codex" / "config.toml").read_text(errors="replace")
+        text = (codex / "config.toml").read_text(errors="replace")
     except OSError:
         text = ""
+    shown = "$CODEX_HOME/config.toml" if env.get("CODEX_HOME") else "~/.codex/config.toml"
     for match in re.finditer(r"""^\s*base_url\s*=\s*["']([^"']+)["']""", text, re.MULTILINE):
-        found.append(ClientSetting("~/.codex/config.toml base_url", match.group(1)))
+        found.append(ClientSetting(f"{shown} base_url", match.group(1)))
     return found
 
 
-def check_clients(settings: Sequence[ClientSetting], proxies: Sequence[str], backends: Sequence[str]) -> list[Finding]:
+def check_clients(
+    settings: Sequence[ClientSetting],
+    proxies: Sequence[str],
+    backends: Sequence[str],
+    fronts: Mapping[str, str] | None = None,
+    ollama_side: str | None = None,
+) -> list[Finding]:
     """Each client setting against ContextPaw's listeners (`proxies`) and the backends: one that
-    points straight at a backend goes past ContextPaw; one where nothing answers reaches nothing."""
+    points straight at a backend goes past ContextPaw, and is told the listener that fronts that
+    backend (`fronts`: backend URL -> listener URL); one where nothing answers reaches nothing, and
+    is told the listener that fronts Ollama (`ollama_side`) where only an Ollama client reads it."""
+    fronts = fronts or {}
     mine = {p for url in proxies if (p := _place(url))}
-    theirs = {p for url in backends if (p := _place(url))}
-    to = proxies[0] if proxies else "http://127.0.0.1:PORT"
+    theirs = {p: url for url in backends if (p := _place(url))}
+    first = proxies[0] if proxies else "http://127.0.0.1:PORT"
     findings = []
     for c in settings:
-        place = _place(c.url, 11434 if c.name == "OLLAMA_HOST" else 80)
-        want = to.removeprefix("http://") if c.name == "OLLAMA_HOST" else to + ("/v1" if c.name == "OPENAI_BASE_URL" else "")
+        place = _place(c.url, 11434 if c.name in OLLAMA_SIDE else 80)
+        to = fronts.get(theirs[place], first) if place in theirs else (ollama_side or first) if c.name in OLLAMA_SIDE else first
+        want = {"OLLAMA_HOST": to.removeprefix("http://"), "OPENAI_BASE_URL": to + "/v1"}.get(c.name, to)
         subject = f"{c.name}={c.url}"
         if place in mine:
             findings.append(Finding("ok", subject, "points at ContextPaw"))
         elif place in theirs:
             what = "points past ContextPaw, straight at the backend: its requests are never fitted"
-            fix = f"{c.name}={want}" if not c.name.startswith("~") else f'base_url = "{to}/v1" in ~/.codex/config.toml'
+            fix = f"{c.name}={want}" if not c.name.endswith("base_url") else f'base_url = "{to}/v1" in {c.name.removesuffix(" base_url")}'
             if c.name == "OLLAMA_HOST":
                 fix += " for clients (the shell that runs `ollama serve` keeps the backend's address)"
             findings.append(Finding("problem" if c.name != "OLLAMA_HOST" else "note", subject, what, fix))
@@ -419,6 +438,8 @@ class Setup:
     timeout: float = 60.0
     proxies: tuple[str, ...] = ()
     """ContextPaw's own listen URLs."""
+    fronts: tuple[tuple[str, str], ...] = ()
+    """(backend URL, the listen URL that fronts it), for each backend the command line names."""
     clients: tuple[ClientSetting, ...] = ()
 
 
@@ -499,7 +520,9 @@ async def diagnose(setup: Setup) -> list[Finding]:
     findings += check_listeners(setup.listeners) + check_own_address([url for _, url in setup.backends], setup.proxies)
     findings += [f for r in await asyncio.gather(*(_running(url) for url in setup.proxies)) for f in check_running(r)]
     clients = [ClientSetting(c.name, c.url, await _reaches(c)) for c in setup.clients]
-    return findings + check_clients(clients, setup.proxies, [url for _, url in setup.backends])
+    fronts = dict(setup.fronts)
+    ollama = next((fronts[a.url] for a in answers if (a.found or a.kind) is wire.Kind.OLLAMA and a.url in fronts), None)
+    return findings + check_clients(clients, setup.proxies, [url for _, url in setup.backends], fronts, ollama)
 
 
 async def _running(url: str) -> Running:

@@ -276,3 +276,33 @@ def test_a_backend_at_contextpaws_own_address_is_a_problem_with_the_fix() -> Non
     [finding] = doctor.check_own_address(["http://localhost:11434", "http://127.0.0.1:11435"], ["http://127.0.0.1:11434"])
     assert finding.level == "problem" and finding.subject == "http://localhost:11434" and "own listen address" in finding.what
     assert "OLLAMA_HOST=127.0.0.1:11435" in finding.fix
+
+
+def test_a_client_pointed_past_contextpaw_is_told_the_listener_that_fronts_its_own_backend(tmp_path: Path) -> None:
+    """It always named the first listener: OPENAI_BASE_URL or Codex's base_url at llama-server was
+    told the Ollama port. Now each is told the listener in front of the backend it points at, and an
+    Ollama-only setting (aider's OLLAMA_API_BASE) the one in front of Ollama."""
+    proxies = ["http://127.0.0.1:11434", "http://127.0.0.1:8092"]
+    backends = ["http://127.0.0.1:11435", "http://127.0.0.1:8091"]
+    fronts = dict(zip(backends, proxies, strict=True))
+    settings = [
+        doctor.ClientSetting("OPENAI_BASE_URL", "http://127.0.0.1:8091/v1"),
+        doctor.ClientSetting("$CODEX_HOME/config.toml base_url", "http://127.0.0.1:8091/v1"),
+        doctor.ClientSetting("OLLAMA_API_BASE", "http://127.0.0.1:11435"),
+        doctor.ClientSetting("OLLAMA_API_BASE", "http://127.0.0.1:9", answers=False),
+    ]
+    openai_, codex, aider, nowhere = doctor.check_clients(settings, proxies, backends, fronts, ollama_side="http://127.0.0.1:11434")
+    assert openai_.fix == "OPENAI_BASE_URL=http://127.0.0.1:8092/v1"
+    assert codex.fix == 'base_url = "http://127.0.0.1:8092/v1" in $CODEX_HOME/config.toml'
+    assert aider.level == "problem" and aider.fix == "OLLAMA_API_BASE=http://127.0.0.1:11434"
+    assert nowhere.fix == "OLLAMA_API_BASE=http://127.0.0.1:11434"
+
+
+def test_codex_home_and_aiders_ollama_base_are_read(tmp_path: Path) -> None:
+    (tmp_path / "codex").mkdir()
+    (tmp_path / "codex" / "config.toml").write_text('[model_providers.local]\nbase_url = "http://127.0.0.1:8091/v1"\n')
+    found = doctor.client_settings({"CODEX_HOME": str(tmp_path / "codex"), "OLLAMA_API_BASE": "http://127.0.0.1:11435"}, tmp_path)
+    assert [(c.name, c.url) for c in found] == [
+        ("OLLAMA_API_BASE", "http://127.0.0.1:11435"),
+        ("$CODEX_HOME/config.toml base_url", "http://127.0.0.1:8091/v1"),
+    ]
