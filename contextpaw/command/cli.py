@@ -366,6 +366,18 @@ def presets(ns: argparse.Namespace) -> dict[str, Any]:
     return chosen
 
 
+def web_footer(modes: Sequence[str], given: Collection[str]) -> dict[str, Any]:
+    """mitmweb's status bar shows `listen_host:listen_port` (`*:8080` by default) as the proxy's
+    address; where every mode names its own, the first one's is shown instead (the options are
+    the default of modes that name none, so they change nothing else). Not where the user set them."""
+    from mitmproxy.proxy import mode_specs
+
+    parsed = [mode_specs.ProxyMode.parse(spec) for spec in modes]
+    if not parsed or any(m.custom_listen_port is None for m in parsed) or {"listen_host", "listen_port"} & set(given):
+        return {}
+    return {"listen_host": parsed[0].custom_listen_host or "", "listen_port": parsed[0].custom_listen_port}
+
+
 def mitmdump_filters(args: argparse.Namespace) -> dict[str, str]:
     """A filter expression on the command line, applied as mitmdump applies it."""
     if not args.filter_args:
@@ -576,7 +588,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.rfile and not ns.web and getattr(args, "flow_detail", None) is None and "flow_detail" not in given
             else {}
         )
-        return {**mitmdump_filters(args), **quiet, **shown}
+        listen = {"listen_host", "listen_port"} if args.listen_host is not None or args.listen_port is not None else set()
+        footer = web_footer(opts.mode, given | listen) if ns.web else {}
+        return {**mitmdump_filters(args), **quiet, **shown, **footer}
 
     try:
         run(WithContextPaw, functools.partial(command_parser, mitmproxy_parser), [*mitmproxy_args(backends), *argv], extra)

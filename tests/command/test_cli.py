@@ -588,3 +588,13 @@ def test_a_port_another_program_holds_is_said_with_the_flag_that_chose_it(capsys
             cli.main(["--llamacpp", URL, "--llamacpp-port", str(port), "--port", str(free_port())])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and f"port {port} on 127.0.0.1 (--llamacpp-port" in err and "Errno" not in err
+
+
+def test_mitmwebs_status_bar_names_the_listener_contextpaw_opened() -> None:
+    """It showed `*:8080`, mitmproxy's default, for a proxy listening elsewhere: where every mode
+    names its own address, the first one's is the options' too; not where the user set them, nor
+    where a mode of theirs listens at the options' address."""
+    modes = ["reverse:http://127.0.0.1:11435@127.0.0.1:11434", "reverse:http://127.0.0.1:8091@127.0.0.1:8092"]
+    assert cli.web_footer(modes, set()) == {"listen_host": "127.0.0.1", "listen_port": 11434}
+    assert cli.web_footer(modes, {"listen_port"}) == {}
+    assert cli.web_footer([*modes, "regular"], set()) == {}
