@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from urllib.parse import quote
 from contextpaw.core.caches import SizedLRU
 from contextpaw.fitting.services import Fetch, InFlight
 from contextpaw.wire import Backend, Kind, positive
+from contextpaw.wire.ollama import ollama_model_file, ollama_show_windows
 
 
 class WindowSource(Protocol):
@@ -267,27 +267,3 @@ def ollama_loaded_window(ps: Any, model: str) -> int | None:
         if isinstance(entry, dict) and _same_model(str(entry.get("name") or entry.get("model") or ""), model):
             return positive(entry.get("context_length"))
     return None
-
-
-FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
-
-
-def ollama_model_file(show: Any) -> str | None:
-    """From `/api/show`: the file its Modelfile's FROM names (a GGUF blob path, or a model name)."""
-    found = FROM_LINE.search(str(show.get("modelfile", ""))) if isinstance(show, dict) else None
-    return found.group(1) if found else None
-
-
-def ollama_show_windows(show: Any) -> tuple[int | None, int | None]:
-    """From `/api/show`: the Modelfile `num_ctx` (its `parameters` lines are `name  value`) and the
-    trained length."""
-    if not isinstance(show, dict):
-        return None, None
-    configured = None
-    for line in str(show.get("parameters") or "").splitlines():
-        name, _, value = line.strip().partition(" ")
-        if name == "num_ctx" and value.strip().isdigit():
-            configured = int(value.strip())
-    info = show["model_info"] if isinstance(show.get("model_info"), dict) else {}
-    arch = info.get("general.architecture")
-    return configured, positive(info.get(f"{arch}.context_length"))

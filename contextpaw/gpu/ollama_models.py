@@ -15,10 +15,10 @@ from typing import Any
 import aiohttp
 
 from contextpaw.core.caches import LRU
-from contextpaw.fitting.windows import ollama_model_file, ollama_show_windows
 from contextpaw.gpu.nvml import GpuProbe, NoVram, poll_until, sample
 from contextpaw.gpu.placement import Release, SwitchFailed
 from contextpaw.gpu.vram import estimate, read_shape
+from contextpaw.wire.ollama import ollama_model_file, ollama_show_windows
 
 OLLAMA_DEFAULT_CTX = 4096
 """The window Ollama loads a model with when neither its Modelfile nor the server's setting says."""

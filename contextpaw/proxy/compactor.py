@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.flow import Error as FlowError
 
 from contextpaw import wire
@@ -198,7 +198,7 @@ class Compactor:
             flow.request.headers["content-type"] = wire.utf8_type(content_type)
         state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"), proxy_url(flow),
                           session=wire.session_of(flow.request.headers.get(wire.SESSION_HEADER)),
-                          left=lambda: flow.client_conn.timestamp_end is not None)  # fmt: skip
+                          left=functools.partial(gone, flow.client_conn))  # fmt: skip
         self.states[flow] = state
         decision = await self.fitter.fit(state)
         if state.left():  # a fit of megabytes takes long enough: nobody waits for the answer
@@ -456,3 +456,9 @@ def _refusal(state: FlowState, otherwise: str) -> str:
     if state.overflow is None:
         return f"{state.route.name} refused: {otherwise}"
     return overflow_comment(state.route.name, state.overflow, state.backend.kind)
+
+
+def gone(client: connection.Client) -> bool:
+    """Whether the client has disconnected: its connection ended and is no longer open (a test's
+    made-up connection has an end time but stays open)."""
+    return client.timestamp_end is not None and not client.connected

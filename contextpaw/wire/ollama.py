@@ -185,3 +185,29 @@ def refused_count(answer: Any) -> int | None:
     error = answer.get("error") if isinstance(answer, Mapping) else None
     found = REFUSED_COUNT.search(error) if isinstance(error, str) else None
     return int(found.group(1)) if found else None
+
+
+# -- /api/show: what the server says of a model -------------------------------------------------
+
+FROM_LINE = re.compile(r"^FROM\s+(\S+)", re.MULTILINE)
+
+
+def ollama_model_file(show: Any) -> str | None:
+    """From `/api/show`: the file its Modelfile's FROM names (a GGUF blob path, or a model name)."""
+    found = FROM_LINE.search(str(show.get("modelfile", ""))) if isinstance(show, dict) else None
+    return found.group(1) if found else None
+
+
+def ollama_show_windows(show: Any) -> tuple[int | None, int | None]:
+    """From `/api/show`: the Modelfile `num_ctx` (its `parameters` lines are `name  value`) and the
+    trained length."""
+    if not isinstance(show, dict):
+        return None, None
+    configured = None
+    for line in str(show.get("parameters") or "").splitlines():
+        name, _, value = line.strip().partition(" ")
+        if name == "num_ctx" and value.strip().isdigit():
+            configured = int(value.strip())
+    info = show["model_info"] if isinstance(show.get("model_info"), dict) else {}
+    arch = info.get("general.architecture")
+    return configured, positive(info.get(f"{arch}.context_length"))
