@@ -25,7 +25,7 @@ Sections (each in the JSON, the markdown table and, where it helps, a PNG):
 10. sessions: 50 sessions of 20 turns at once, nothing overflowing (load_test.py's): requests per second.
 Sections 8-10 set bare mitmdump and ContextPaw side by side in the same run, taking turns.
 Each section is a module of scripts/bench/sections/; report.py there writes the tables and plots.
-The goals of this round, each beside its floor, head the markdown (and, with --docs, the README).
+The goals of this round, each beside its floor, head the markdown (and, with --docs, docs/results.md).
 Real-backend parts need llama-server and the SmolLM2 model; they are skipped, saying why, when
 either is missing or with --skip-real. --docs copies the markdown and plots into docs/, and the JSON
 to docs/bench.json; a whole run takes hours on 2 cores, so `--reuse docs/bench.json --only ...`

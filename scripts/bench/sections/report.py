@@ -18,7 +18,7 @@ from sections.overhead import OVERHEAD_GOAL, PATHS, STREAM_PATHS
 from sections.scaling import SCALING_ROUNDS
 
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
-"""Where --docs writes the goals table into the README."""
+"""Where --docs writes the goals table into docs/results.md."""
 CEILING_SLACK = 0.02
 """A turn within this share of the prompt of its ceiling is at it (the last few tokens of a prompt are
 evaluated again whatever is cached: llama-server re-evaluates the last token)."""
@@ -683,8 +683,8 @@ def markdown(result: dict[str, Any], images: list[str]) -> str:
 
 
 def report(result: dict[str, Any], out: Path, docs: bool) -> int:
-    """Plots and markdown for a result; with `docs`, into docs/benchmarks.md and docs/img/ (the
-    README's short table links there)."""
+    """Plots and markdown for a result; with `docs`, into docs/benchmarks.md and docs/img/, and the
+    goals table into docs/results.md (the README links there)."""
     images = plots(result, out / "img")
     text = markdown(result, images)
     (out / "bench.md").write_text(text)
@@ -693,7 +693,7 @@ def report(result: dict[str, Any], out: Path, docs: bool) -> int:
         (REPO / "docs" / "img").mkdir(parents=True, exist_ok=True)
         (REPO / "docs" / "benchmarks.md").write_text(text)
         (REPO / "docs" / "bench.json").write_text(json.dumps(result, indent=2))  # what a later --reuse starts from
-        readme = REPO / "README.md"
+        readme = REPO / "docs" / "results.md"
         before, start, rest = readme.read_text().partition(README_START)
         _, end, after = rest.partition(README_END)
         if start and end:
