@@ -197,60 +197,75 @@ def _with_field_defaults(**options: Option) -> dict[str, Option]:
 
 
 FIT_OPTIONS = _with_field_defaults(
-    policy=Option(str,
+    policy=Option(
+        str,
         "compact: fit overflowing requests and report it; strict: refuse them in the API's own overflow error; off: pass through.",
-        choices=POLICIES),
+        choices=POLICIES,
+    ),
     keep_recent=Option(int, "Most recent messages that are never evicted.", least=0),
-    headroom=Option(str,
+    headroom=Option(
+        str,
         "Room a cut leaves below the budget so the next turns append to the cached prompt: auto (what one of "
         "the latest turns adds, up to 20% of the budget; 10% for bigger turns, which cut every turn anyway) or a "
         "percentage of the budget (0-50).",
-        read=_headroom, default="auto"),
+        read=_headroom,
+        default="auto",
+    ),
     default_ctx=Option(int, "Context window when neither the request nor the backend says.", least=1),
-    output_reserve=Option(int,
+    output_reserve=Option(
+        int,
         "Tokens left for the answer when a request must be cut anyway (the smaller of this and the request's own "
         "cap, at most half the window); a request the backend would serve whole is never cut to make this room.",
-        least=0),
+        least=0,
+    ),
     margin=Option(int, "Tokens kept for the chat template and counting error.", least=0),
     conversations=Option(int, "Conversations whose eviction plan is remembered (LRU).", least=1),
     evicted_items=Option(int, "Evicted contents kept for /contextpaw/evicted/<id>.", least=1),
     evicted_mb=Option(int, "Megabytes of evicted content kept.", least=1),
     evicted_ttl=Option(int, "Seconds evicted content is kept (at most ten years).", least=1, most=MAX_TTL_S),
-    discover_window=Option(bool,
-        "Ask the backend for the model's real window (llama-server /props; Ollama /api/ps, /api/show)."),
-    tokenizer=Option(str,
+    discover_window=Option(bool, "Ask the backend for the model's real window (llama-server /props; Ollama /api/ps, /api/show)."),
+    tokenizer=Option(
+        str,
         "A tokenizer.json or GGUF file to count with, for every model (default: ask llama-server, "
         "or the GGUF Ollama names, else a calibrated estimate).",
-        read=_tokenizer_file),
-    forbid_truncation=Option(bool,
+        read=_tokenizer_file,
+    ),
+    forbid_truncation=Option(
+        bool,
         "Send truncate:false on Ollama's native routes when a request could exceed the window given the "
         "error bounds of its count, so a residual overflow comes back as a 400 that ContextPaw rescues "
-        "instead of a silent cut."),
+        "instead of a silent cut.",
+    ),
     summarize=Option(bool, "Put a digest of what was evicted where its marker goes (map-reduce over the whole span)."),
     summarizer_url=Option(str, "The server that writes digests (default: the request's).", read=_summarizer_url),
     summarizer_model=Option(str, "The model that writes digests (default: the request's)."),
     summarizer_timeout=Option(int, "Seconds one summarizer call may take.", least=1),
     summary_tokens=Option(int, "The most tokens all digests of one request may take.", least=32),
-    calibrate=Option(bool,
-        "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model."),
-    usage_whole=Option(bool,
+    calibrate=Option(bool, "Learn from the prompt counts servers report how the estimate must be scaled, per backend and model."),
+    usage_whole=Option(
+        bool,
         "After a cut, tell the client the prompt size of its whole history in the answer's usage (the server's "
         "count plus what ContextPaw removed; the report's usage_told names both), so that an agent that compacts "
-        "from usage, such as opencode, learns its history overflowed. Off: usage is the server's count."),
-    ask_ollama=Option(bool,
+        "from usage, such as opencode, learns its history overflowed. Off: usage is the server's count.",
+    ),
+    ask_ollama=Option(
+        bool,
         "On Ollama's /v1 and Anthropic routes, which cannot ask it to refuse instead of cutting, and without a "
         "tokenizer for the model: where the estimate cannot tell whether a request fits, ask Ollama's native "
         "/api/chat to count it (truncate:false, one token) before cutting. What fits goes out unchanged; the "
-        "prompt's prefix is then in the server's cache for the request itself. Never under policy off."),
+        "prompt's prefix is then in the server's cache for the request itself. Never under policy off.",
+    ),
     state_dir=Option(str, "Where the calibration and the archive are kept across restarts (default: confdir).", default=""),
     archive=Option(
         str, "Where evicted content is kept: sqlite (in the state dir), memory, or redis://host:port/db (shared).", read=_archive
     ),
-    ollama_context_length=Option(int,
+    ollama_context_length=Option(
+        int,
         "The Ollama server's OLLAMA_CONTEXT_LENGTH, the window of requests without num_ctx (all of /v1); "
         "0: learn it from the server (by loading the model as such a request would).",
-        least=0),
-)  # fmt: skip
+        least=0,
+    ),
+)
 """ContextPaw's fit options: each option's name, type, help, least value or choices, and how its
 value is read, in one place; its default is its `FitSettings` field's."""
 
@@ -258,16 +273,21 @@ value is read, in one place; its default is its `FitSettings` field's."""
 BACKEND_OPTIONS = {
     "contextpaw_ollama": Option(Sequence[str], "Ollama backend URL (repeatable).", default=[]),
     "contextpaw_llamacpp": Option(Sequence[str], "llama-server backend URL (repeatable).", default=[]),
-    "contextpaw_max_body_mb": Option(int,
+    "contextpaw_max_body_mb": Option(
+        int,
         "Model requests (chat, generate, completions) above this many megabytes are refused with a 413, "
         "and answers above it are passed on unread.",
-        least=1, default=MAX_BODY_MB),
-    "contextpaw_relay": Option(bool,
+        least=1,
+        default=MAX_BODY_MB,
+    ),
+    "contextpaw_relay": Option(
+        bool,
         "Send handled requests through ContextPaw's own exchange (from the request hook for a buffered "
         "answer, through its loopback relay for a stream), which answers a failing backend "
         "in the caller's API (JSON 502/504, or an error record in a stream).",
-        default=True),
-}  # fmt: skip
+        default=True,
+    ),
+}
 """`Backends`' options."""
 
 
@@ -294,13 +314,17 @@ class BackendSettings:
 
 
 RELAY_OPTIONS = {
-    "contextpaw_header_timeout": Option(int,
+    "contextpaw_header_timeout": Option(
+        int,
         "Seconds a backend may take to start its answer (a long prompt or a long buffered "
         "answer needs this long on a slow machine); then the client gets a 504.",
-        least=1, default=RELAY_TIMEOUT_S),
-    "contextpaw_idle_timeout": Option(int, "Seconds a backend may fall silent in the middle of its answer.",
-        least=1, default=RELAY_TIMEOUT_S),
-}  # fmt: skip
+        least=1,
+        default=RELAY_TIMEOUT_S,
+    ),
+    "contextpaw_idle_timeout": Option(
+        int, "Seconds a backend may fall silent in the middle of its answer.", least=1, default=RELAY_TIMEOUT_S
+    ),
+}
 """`Upstream`'s options: the relay's timeouts."""
 
 

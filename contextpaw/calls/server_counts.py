@@ -218,7 +218,7 @@ class LlamaCppCounting:
             keyed = await asyncio.to_thread(_keyed, texts) if big else _keyed(texts)
             missing = [t for t, key in keyed.items() if (base_url, model, key) not in self.texts]
             counts = await self._count_each(base_url, missing, model)
-            for text, n in zip(missing, counts):
+            for text, n in zip(missing, counts, strict=False):  # a short answer counts what it counts
                 self.texts.put((base_url, model, keyed[text]), n)
             known = {t: self.texts[(base_url, model, key)] for t, key in keyed.items() if (base_url, model, key) in self.texts}
         except FAILURES as e:
@@ -312,8 +312,9 @@ class OllamaCounting:
         started = time.perf_counter()
         self.calls += 1
         try:
-            async with self.session.post(base_url.rstrip("/") + "/api/chat", timeout=self.timeout, data=bodies.as_upload(data),
-                                         headers=JSON_HEADERS) as resp:  # fmt: skip
+            async with self.session.post(
+                base_url.rstrip("/") + "/api/chat", timeout=self.timeout, data=bodies.as_upload(data), headers=JSON_HEADERS
+            ) as resp:
                 answer = orjson.loads(await resp.read())
                 if resp.status == 200:
                     counted = OllamaCount(int(answer["prompt_eval_count"]), True)

@@ -110,9 +110,13 @@ def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None 
     own.add_argument("--llamacpp", metavar="URL", help="the llama-server to front, e.g. http://127.0.0.1:8091")
     own.add_argument("--llamacpp-port", type=int, default=8092, help="where clients reach llama-server (default 8092)")
     own.add_argument("--host", default="127.0.0.1", help="where both listen (default 127.0.0.1: loopback only)")
-    own.add_argument("--policy", dest="contextpaw_policy", choices=POLICIES,
-                     help="compact (default): cut an overflowing request to fit and report what went; strict: "
-                          "refuse it in the API's own overflow error; off: pass everything through (contextpaw_policy)")  # fmt: skip
+    own.add_argument(
+        "--policy",
+        dest="contextpaw_policy",
+        choices=POLICIES,
+        help="compact (default): cut an overflowing request to fit and report what went; strict: "
+        "refuse it in the API's own overflow error; off: pass everything through (contextpaw_policy)",
+    )
     own.add_argument("--confdir", metavar="DIR", help=f"mitmproxy's state, its CA and config.yaml (default {CONFDIR})")
     own.add_argument("--web", action="store_true", help="run mitmweb, to inspect flows in a browser, instead of mitmdump")
     old = p.add_argument_group(OWN_GROUPS[1], "each sets the contextpaw_* option it names")
@@ -120,8 +124,7 @@ def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None 
         if kind is None:
             old.add_argument(flag, dest=option, action="store_true", default=None, help=f"{text} ({option})")
         else:
-            old.add_argument(flag, dest=option, type=kind, metavar=flag.strip("-").split("-")[-1].upper(),
-                             help=f"{text} ({option})")  # fmt: skip
+            old.add_argument(flag, dest=option, type=kind, metavar=flag.strip("-").split("-")[-1].upper(), help=f"{text} ({option})")
     environ = os.environ if environ is None else environ
     for action in own_actions(p):
         variable = env_name(action)
@@ -208,7 +211,7 @@ def backend_url(flag: str, text: str) -> tuple[str, str | None]:
         text = f"http://{text}"
     parts = urlsplit(text)
     try:
-        parts.port
+        _ = parts.port  # read for its error: a port that is not a number
     except ValueError:
         raise ValueError(f"{flag} {text!r}: the port is not a number; write http://HOST:PORT") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -265,8 +268,12 @@ def command_parser(mitmproxy_parser: Callable[[Any], argparse.ArgumentParser], o
 
 
 WRONG_TYPE = re.compile(r"Expected (?P<expected>.+) for (?P<option>\w+), but got <class '(?P<got>\w+)'>\.?")
-TYPE_WORDS = {"<class 'int'>": "a whole number", "<class 'bool'>": "true or false", "<class 'str'>": "a text",
-              "collections.abc.Sequence[str]": "a list ([a, b], or one '- a' a line)"}  # fmt: skip
+TYPE_WORDS = {
+    "<class 'int'>": "a whole number",
+    "<class 'bool'>": "true or false",
+    "<class 'str'>": "a text",
+    "collections.abc.Sequence[str]": "a list ([a, b], or one '- a' a line)",
+}
 
 
 def wrong_type(error: str) -> str | None:
@@ -389,9 +396,14 @@ def mitmdump_filters(args: argparse.Namespace) -> dict[str, str]:
 def has_work(args: argparse.Namespace, options: Any) -> bool:
     """Whether mitmproxy has something to do: a backend, a mode of the user's, or flows to read or replay."""
     return bool(
-        options.contextpaw_ollama or options.contextpaw_llamacpp or args.mode or args.rfile
-        or args.client_replay or args.server_replay or args.server is False
-    )  # fmt: skip
+        options.contextpaw_ollama
+        or options.contextpaw_llamacpp
+        or args.mode
+        or args.rfile
+        or args.client_replay
+        or args.server_replay
+        or args.server is False
+    )
 
 
 CHATTER = ("mitmproxy.proxy.server",)
@@ -467,8 +479,7 @@ def startup_line(options: Any) -> str:
             served.append(f"{mode.type_name} proxy at {where}")
     line = f"contextpaw {package_version()}, policy {options.contextpaw_policy}: {'; '.join(served) or 'no proxy server (-n)'}"
     if "web_port" in options:
-        line += (f"; mitmweb at http://{options.web_host}:{options.web_port}/ (open it with the ?token= "
-                 "address mitmweb prints)")  # fmt: skip
+        line += f"; mitmweb at http://{options.web_host}:{options.web_port}/ (open it with the ?token= address mitmweb prints)"
     return line + ("; /contextpaw/health on each" if served else "")
 
 
@@ -619,12 +630,18 @@ def doctor_parser() -> argparse.ArgumentParser:
     mitm.add_argument("--listen-port", "-p", type=int, default=8080)
     mitm.add_argument("--set", dest="setoptions", action="append", default=[], metavar="NAME=VALUE")
     asked = p.add_argument_group("doctor")
-    asked.add_argument("--model", action="append", default=[],
-                       help="an Ollama model to check (repeatable; default: the loaded ones, else the first listed)")  # fmt: skip
-    asked.add_argument("--ctx", type=int, metavar="N",
-                       help="the -c llama-server was started with (default: the model's trained length, as -c 0 asks)")  # fmt: skip
-    asked.add_argument("--timeout", type=float, default=60.0,
-                       help="seconds a backend may take to answer, loading a model included (default 60)")  # fmt: skip
+    asked.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help="an Ollama model to check (repeatable; default: the loaded ones, else the first listed)",
+    )
+    asked.add_argument(
+        "--ctx", type=int, metavar="N", help="the -c llama-server was started with (default: the model's trained length, as -c 0 asks)"
+    )
+    asked.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds a backend may take to answer, loading a model included (default 60)"
+    )
     asked.add_argument("--json", action="store_true", help="print the findings as JSON (level, subject, what, fix)")
     p.epilog = "exit status: 0 no problems, 1 problems found, 2 usage, 3 could not check"
     return p
@@ -651,9 +668,13 @@ def run_doctor(argv: Sequence[str]) -> int:
         if not backends and not ns.mode and not any(s.startswith("contextpaw_") for s in ns.setoptions):
             found = run_probes(doctor.found_at_defaults())
             seen = f"; at the default ports: {', '.join(found)}" if found else "; nothing answers at the default ports either"
-            nothing = doctor.Finding("unchecked", "command line", f"names no backend, so contextpaw would not start: nothing to check{seen}",
-                                     "give --ollama URL, --llamacpp URL or both, as to contextpaw (or contextpaw_ollama / "
-                                     f"contextpaw_llamacpp in {Path(ns.confdir or CONFDIR).expanduser() / 'config.yaml'})")  # fmt: skip
+            nothing = doctor.Finding(
+                "unchecked",
+                "command line",
+                f"names no backend, so contextpaw would not start: nothing to check{seen}",
+                "give --ollama URL, --llamacpp URL or both, as to contextpaw (or contextpaw_ollama / "
+                f"contextpaw_llamacpp in {Path(ns.confdir or CONFDIR).expanduser() / 'config.yaml'})",
+            )
             print(doctor.as_json([nothing]) if ns.json else doctor.render([nothing]))
             return doctor.exit_status([nothing])
         specs = [*(f"reverse:{b.url}@{b.listen[0]}:{b.listen[1]}" for b in backends), *ns.mode]
@@ -707,8 +728,10 @@ def taken_ports(backends: Sequence[Fronted]) -> str | None:
                 probe.bind((host, port))
             except OSError:
                 flag = "--port" if b.kind == wire.Kind.OLLAMA else "--llamacpp-port"
-                return (f"port {port} on {host} ({flag}, where clients reach {b.kind}) is taken by another program: give "
-                        f"{flag} another port, or stop what holds it (`ss -ltnp 'sport = :{port}'` names it)")  # fmt: skip
+                return (
+                    f"port {port} on {host} ({flag}, where clients reach {b.kind}) is taken by another program: give "
+                    f"{flag} another port, or stop what holds it (`ss -ltnp 'sport = :{port}'` names it)"
+                )
     return None
 
 

@@ -98,19 +98,36 @@ class Answer:
 def check_answer(a: Answer) -> list[Finding]:
     if a.answers and a.found and a.kind and a.found != a.kind:
         name = {wire.Kind.OLLAMA: "an Ollama", wire.Kind.LLAMACPP: "a llama-server"}[a.found]
-        return [Finding("problem", a.url, f"--{a.kind} points at {name}: ContextPaw would read its window the wrong way "
-                                          "and fall back to a default one",
-                        f"give it as --{a.found} {a.url}")]  # fmt: skip
+        return [
+            Finding(
+                "problem",
+                a.url,
+                f"--{a.kind} points at {name}: ContextPaw would read its window the wrong way and fall back to a default one",
+                f"give it as --{a.found} {a.url}",
+            )
+        ]
     if a.answers:
         return [Finding("ok", a.url, f"answers ({a.kind or 'kind unknown'})", facts={"answers": True, "kind": a.kind})]
     if a.plain_http:
         plain = "http://" + a.url.removeprefix("https://")
-        return [Finding("problem", a.url, "the server speaks plain HTTP, not TLS",
-                        f"write {plain} (mitmproxy would send it TLS, and every request would get a 502)")]  # fmt: skip
+        return [
+            Finding(
+                "problem",
+                a.url,
+                "the server speaks plain HTTP, not TLS",
+                f"write {plain} (mitmproxy would send it TLS, and every request would get a 502)",
+            )
+        ]
     flag = f"--{a.kind}" if a.kind else "--mode reverse:"
-    return [Finding("problem", a.url, "does not answer",
-                    f"start the server, or point {flag} at where it listens (ContextPaw answers 502 meanwhile)",
-                    {"answers": False, "kind": a.kind})]  # fmt: skip
+    return [
+        Finding(
+            "problem",
+            a.url,
+            "does not answer",
+            f"start the server, or point {flag} at where it listens (ContextPaw answers 502 meanwhile)",
+            {"answers": False, "kind": a.kind},
+        )
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +152,15 @@ def check_ollama_window(m: OllamaModel) -> list[Finding]:
         return [Finding("problem", subject, f"no such model ({have})", f"ollama pull {m.name}, or name one it has with --model")]
     facts = {"kind": "ollama", "model": m.name, "window": m.window, "trained": m.trained, "modelfile_num_ctx": m.modelfile_ctx}
     if m.window is None:
-        return [Finding("unchecked", subject, "its window for /v1 requests could not be learned (the model did not load in time)",
-                        "run the doctor again with a longer --timeout, or check `ollama ps`", facts)]  # fmt: skip
+        return [
+            Finding(
+                "unchecked",
+                subject,
+                "its window for /v1 requests could not be learned (the model did not load in time)",
+                "run the doctor again with a longer --timeout, or check `ollama ps`",
+                facts,
+            )
+        ]
     of = f" of the {m.trained:,} it was trained on" if m.trained else ""
     if not m.trained or m.window * FAR_BELOW > m.trained or m.window >= SUGGESTED_WINDOW:
         return [Finding("ok", subject, f"requests without num_ctx (all of /v1) get {m.window:,} tokens{of}", facts=facts)]
@@ -148,12 +172,16 @@ def check_ollama_window(m: OllamaModel) -> list[Finding]:
 def _ollama_raise(m: OllamaModel, want: int) -> str:
     """How to give the model a window of `want` on every request: the Modelfile where it sets the
     window, else Ollama's default for every model."""
-    copy = (f"a Modelfile with `FROM {m.name}` and `PARAMETER num_ctx {want}`, "
-            f"then `ollama create {m.name.split(':')[0]}-{want // 1024}k -f Modelfile`")  # fmt: skip
+    copy = (
+        f"a Modelfile with `FROM {m.name}` and `PARAMETER num_ctx {want}`, "
+        f"then `ollama create {m.name.split(':')[0]}-{want // 1024}k -f Modelfile`"
+    )
     if m.modelfile_ctx is not None:
         return f"its Modelfile sets num_ctx {m.modelfile_ctx}, which OLLAMA_CONTEXT_LENGTH does not override: make {copy}"
-    return (f"start Ollama with OLLAMA_CONTEXT_LENGTH={want} (every model's default), or give this model its own: "
-            f"{copy}; then tell ContextPaw with --set contextpaw_ollama_context_length={want}")  # fmt: skip
+    return (
+        f"start Ollama with OLLAMA_CONTEXT_LENGTH={want} (every model's default), or give this model its own: "
+        f"{copy}; then tell ContextPaw with --set contextpaw_ollama_context_length={want}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +202,14 @@ def check_llamacpp_window(s: LlamaServer, asked: int | None) -> list[Finding]:
     `-c 0` asks): split among `-np` slots, or lowered by `--fit` to fit the device's memory."""
     subject = f"{s.url} (llama-server)"
     if not s.slot_ctx:
-        return [Finding("problem", subject, "reports no window in /props (router mode, or no model loaded)",
-                        "start it with -m MODEL, or run one llama-server per model")]  # fmt: skip
+        return [
+            Finding(
+                "problem",
+                subject,
+                "reports no window in /props (router mode, or no model loaded)",
+                "start it with -m MODEL, or run one llama-server per model",
+            )
+        ]
     slots = max(s.slots, len(s.slot_windows), 1)
     uneven = [w for w in s.slot_windows if w != s.slot_ctx]
     per = min([s.slot_ctx, *s.slot_windows])
@@ -199,12 +233,16 @@ def check_llamacpp_window(s: LlamaServer, asked: int | None) -> list[Finding]:
     asked_text = f"the -c {asked:,} asked" if asked else "the context llama-server was given"
     if split:
         what = f"{shape}: -np {slots} divides {asked_text} among the slots"
-        fix = (f"for {target:,} per request: -c {target * slots} -np {slots}, or -np 1 (one request at a time), "
-               f"or --kv-unified (the slots share one pool of {target:,})")  # fmt: skip
+        fix = (
+            f"for {target:,} per request: -c {target * slots} -np {slots}, or -np 1 (one request at a time), "
+            f"or --kv-unified (the slots share one pool of {target:,})"
+        )
     else:
         what = f"{shape}, below {asked_text}: --fit lowered the context to fit the device's memory"
-        fix = ("free memory (fewer layers on the GPU with -ngl, other models unloaded), quantize the KV cache "
-               f"(-ctk q8_0 -ctv q8_0), or ask for what fits (-c {per * slots}); --fit off fails instead of shrinking")  # fmt: skip
+        fix = (
+            "free memory (fewer layers on the GPU with -ngl, other models unloaded), quantize the KV cache "
+            f"(-ctk q8_0 -ctv q8_0), or ask for what fits (-c {per * slots}); --fit off fails instead of shrinking"
+        )
     if not asked:
         fix += "; if you gave llama-server -c, tell the doctor with --ctx N"
     return [*findings, Finding(level, subject, what, fix, facts)]
@@ -226,11 +264,19 @@ def check_agents(subject: str, window: int | None, trained: int | None, raise_to
     short = agents_short_of(window)
     if not short:
         most = max(launch.FIXED_TOKENS, key=lambda agent: launch.living_window(agent, window))
-        return [Finding("ok", subject, f"{window:,} tokens are enough for every agent `contextpaw launch` starts to work on its "
-                                       f"own compaction ({most}, the most demanding, needs {launch.living_window(most, 0):,})")]  # fmt: skip
-    what = (f"{window:,} tokens are too few for {_names([f'{a} ({n:,})' for a, n in short.items()])} to keep working on "
-            "their own compaction (their tools and instructions, their summary, the files they read again and an answer "
-            "need that window): `contextpaw launch` refuses to start them there")  # fmt: skip
+        return [
+            Finding(
+                "ok",
+                subject,
+                f"{window:,} tokens are enough for every agent `contextpaw launch` starts to work on its "
+                f"own compaction ({most}, the most demanding, needs {launch.living_window(most, 0):,})",
+            )
+        ]
+    what = (
+        f"{window:,} tokens are too few for {_names([f'{a} ({n:,})' for a, n in short.items()])} to keep working on "
+        "their own compaction (their tools and instructions, their summary, the files they read again and an answer "
+        "need that window): `contextpaw launch` refuses to start them there"
+    )
     reachable = {agent: need for agent, need in short.items() if not trained or need <= trained}
     beyond = [agent for agent in short if agent not in reachable]
     fixes = []
@@ -238,8 +284,10 @@ def check_agents(subject: str, window: int | None, trained: int | None, raise_to
         want = max(reachable.values())
         fixes.append(f"for {'all of them' if not beyond else _names(list(reachable))}, a window of {want:,}: {raise_to(want)}")
     if beyond:
-        fixes.append(f"{_names(beyond)} need{'s' * (len(beyond) == 1)} more than the {trained:,} tokens the model was "
-                     "trained on: a model trained on a longer context")  # fmt: skip
+        fixes.append(
+            f"{_names(beyond)} need{'s' * (len(beyond) == 1)} more than the {trained:,} tokens the model was "
+            "trained on: a model trained on a longer context"
+        )
     return [Finding("note", subject, what, "; ".join(fixes))]
 
 
@@ -275,8 +323,10 @@ class TokenizerFile:
 def check_tokenizer(t: TokenizerFile, models: Sequence[tuple[str, int | None]]) -> list[Finding]:
     """`contextpaw_tokenizer` against each model's vocabulary size, (name, size or None) each."""
     subject = f"contextpaw_tokenizer {t.path}"
-    fix = ("point --tokenizer at the model's own tokenizer.json or GGUF file, or leave it unset "
-           "(llama-server counts with its own, and Ollama's GGUF is read where it lies)")  # fmt: skip
+    fix = (
+        "point --tokenizer at the model's own tokenizer.json or GGUF file, or leave it unset "
+        "(llama-server counts with its own, and Ollama's GGUF is read where it lies)"
+    )
     if t.vocab is None:
         return [Finding("problem", subject, f"cannot be used: {t.error}; ContextPaw counts with an estimate instead", fix)]
     findings = []
@@ -299,11 +349,15 @@ def check_listeners(listeners: Sequence[tuple[str, str]]) -> list[Finding]:
         if loopback_address(host) or host == "localhost":
             findings.append(Finding("ok", f"listener {spec}", f"on the loopback ({host})"))
         else:
-            findings.append(Finding(
-                "problem", f"listener {spec}", f"listens on {host or 'every interface'}: other machines can use your models through it",
-                "listen on the loopback (--host 127.0.0.1, or @127.0.0.1 in --mode); if others must reach it, "
-                "firewall it and set contextpaw_admin_token",
-            ))  # fmt: skip
+            findings.append(
+                Finding(
+                    "problem",
+                    f"listener {spec}",
+                    f"listens on {host or 'every interface'}: other machines can use your models through it",
+                    "listen on the loopback (--host 127.0.0.1, or @127.0.0.1 in --mode); if others must reach it, "
+                    "firewall it and set contextpaw_admin_token",
+                )
+            )
     return findings
 
 
@@ -395,11 +449,16 @@ def check_own_address(backends: Sequence[str], proxies: Sequence[str]) -> list[F
     ContextPaw itself (the proxy refuses to start so)."""
     mine = {p: url for url in proxies if (p := _place(url))}
     return [
-        Finding("problem", url, f"is ContextPaw's own listen address ({mine[place]}): every request would be sent back to ContextPaw itself",
-                "move the backend to another port (Ollama: OLLAMA_HOST=127.0.0.1:11435 ollama serve) and point ContextPaw there, "
-                "or give ContextPaw another --port")
-        for url in backends if (place := _place(url)) in mine
-    ]  # fmt: skip
+        Finding(
+            "problem",
+            url,
+            f"is ContextPaw's own listen address ({mine[place]}): every request would be sent back to ContextPaw itself",
+            "move the backend to another port (Ollama: OLLAMA_HOST=127.0.0.1:11435 ollama serve) and point ContextPaw there, "
+            "or give ContextPaw another --port",
+        )
+        for url in backends
+        if (place := _place(url)) in mine
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,8 +476,14 @@ def check_running(r: Running) -> list[Finding]:
     if r.status is None:
         return [Finding("note", subject, "does not answer (not started yet?)", "start it: contextpaw with these same arguments")]
     if not r.contextpaw:
-        return [Finding("problem", subject, f"something else answers there (/contextpaw/health: {r.status}), perhaps the backend itself",
-                        "move the backend off this port (Ollama: OLLAMA_HOST=127.0.0.1:11435), or give ContextPaw another --port")]  # fmt: skip
+        return [
+            Finding(
+                "problem",
+                subject,
+                f"something else answers there (/contextpaw/health: {r.status}), perhaps the backend itself",
+                "move the backend off this port (Ollama: OLLAMA_HOST=127.0.0.1:11435), or give ContextPaw another --port",
+            )
+        ]
     return [Finding("ok", subject, f"answers (/contextpaw/health: {r.status})")]
 
 
@@ -503,8 +568,14 @@ async def diagnose(setup: Setup) -> list[Finding]:
                     findings += check_ollama_window(model) + check_ollama_agents(model)
                     vocabularies.append((f"{model.name} at {a.url}", model.vocab))
                 if not vocabularies and await fetch("GET", backend.url + "/api/tags", None) is None:
-                    findings.append(Finding("unchecked", a.url, f"did not list its models within {setup.timeout:g} s (/api/tags)",
-                                            "run the doctor again with a longer --timeout (a model may be loading)"))  # fmt: skip
+                    findings.append(
+                        Finding(
+                            "unchecked",
+                            a.url,
+                            f"did not list its models within {setup.timeout:g} s (/api/tags)",
+                            "run the doctor again with a longer --timeout (a model may be loading)",
+                        )
+                    )
                 elif not vocabularies:
                     findings.append(Finding("note", a.url, "has no model to check", "ollama pull MODEL, or name one with --model"))
             elif backend and (router := await read_router(fetch, backend)) is not None:
@@ -631,14 +702,24 @@ def check_router(r: Router) -> list[Finding]:
         return [Finding("problem", subject, "lists no model (/models)", "give it --models-dir DIR or --models-preset FILE.ini")]
     shown = ", ".join(f"{m.name} {m.window:,} ({m.status})" if m.window else f"{m.name} ? ({m.status})" for m in r.models)
     most = f"; at most {r.max_loaded} loaded at once (--models-max)" if r.max_loaded else ""
-    facts = {"kind": "llamacpp", "router": True, "max_loaded": r.max_loaded,
-             "models": [{"model": m.name, "status": m.status, "window": m.window} for m in r.models]}  # fmt: skip
+    facts = {
+        "kind": "llamacpp",
+        "router": True,
+        "max_loaded": r.max_loaded,
+        "models": [{"model": m.name, "status": m.status, "window": m.window} for m in r.models],
+    }
     findings = [Finding("ok", subject, f"{len(r.models)} model(s), each fitted to its own window: {shown}{most}", facts=facts)]
     for m in r.models:
         if m.window is None:
-            findings.append(Finding("note", f"{subject} model {m.name}", "names no ctx-size: its window is known once it is loaded "
-                                    "(the model's own length, until then ContextPaw fits to contextpaw_default_ctx)",
-                                    f"set ctx-size in its [{m.name}] preset, or load it first"))  # fmt: skip
+            findings.append(
+                Finding(
+                    "note",
+                    f"{subject} model {m.name}",
+                    "names no ctx-size: its window is known once it is loaded "
+                    "(the model's own length, until then ContextPaw fits to contextpaw_default_ctx)",
+                    f"set ctx-size in its [{m.name}] preset, or load it first",
+                )
+            )
             continue
 
         def raise_to(n: int, name: str = m.name) -> str:
@@ -660,9 +741,13 @@ async def read_llamacpp(fetch: Any, backend: wire.Backend) -> LlamaServer:
     meta = data[0].get("meta", {}) if isinstance(data, list) and data and isinstance(data[0], dict) else {}
     windows = tuple(w for s in slots if (w := _count(s, "n_ctx"))) if isinstance(slots, list) else ()
     return LlamaServer(
-        backend.url, llamacpp_window(props), _count(props, "total_slots") or len(windows) or 1,
-        _count(meta, "n_ctx_train"), _count(meta, "n_vocab"), windows,
-    )  # fmt: skip
+        backend.url,
+        llamacpp_window(props),
+        _count(props, "total_slots") or len(windows) or 1,
+        _count(meta, "n_ctx_train"),
+        _count(meta, "n_vocab"),
+        windows,
+    )
 
 
 def _count(container: Any, name: str) -> int | None:

@@ -160,8 +160,13 @@ def _mcp_note(agent: str, how: str) -> str:
     return f"{agent}: contextpaw_retrieve and contextpaw_search (`contextpaw mcp`, MCP server {MCP_NAME!r}) through {how}"
 
 
-CLAUDE_MODELS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-                 "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")  # fmt: skip
+CLAUDE_MODELS = (
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    "CLAUDE_CODE_SUBAGENT_MODEL",
+)
 """Every model name Claude Code may pick (its main model, the aliases, the one for its background
 tasks and subagents): all the one local model."""
 
@@ -184,13 +189,15 @@ def claude(target: Target) -> Launch:
     servers = {"mcpServers": {MCP_NAME: {"type": "stdio", "command": command, "args": args, "alwaysLoad": True}}}
     notes = (
         f"Claude Code: window {target.window} (CLAUDE_CODE_MAX_CONTEXT_TOKENS), answers up to {target.output} tokens; "
-        + (f"it compacts its history from {compacts} tokens" if compacts > 0 else
-           "it keeps 13,000 tokens for a summary, more than the window leaves: raise the window"),
+        + (
+            f"it compacts its history from {compacts} tokens"
+            if compacts > 0
+            else "it keeps 13,000 tokens for a summary, more than the window leaves: raise the window"
+        ),
         _usage_note("Claude Code", "ANTHROPIC_CUSTOM_HEADERS"),
         _mcp_note("Claude Code", "--mcp-config (this session only, beside your own servers)"),
-        f"Claude Code: {' and '.join(MCP_GRANTS)} run without asking (--allowedTools; "
-        "your own --allowedTools add to it)",
-    )  # fmt: skip
+        f"Claude Code: {' and '.join(MCP_GRANTS)} run without asking (--allowedTools; your own --allowedTools add to it)",
+    )
     # One argument each, `--flag=VALUE`: both flags take several values, and would take the user's prompt after them
     # too. Claude Code adds up the values of a flag given again, so the user's own `--allowedTools` keeps ours.
     argv = ("claude", "--mcp-config=" + json.dumps(servers, separators=(",", ":")), "--allowedTools=" + ",".join(MCP_GRANTS))
@@ -216,12 +223,13 @@ def codex(target: Target) -> Launch:
         **{f"mcp_servers.{MCP_NAME}.tools.{tool}.approval_mode": '"approve"' for tool in MCP_TOOLS},
     }
     argv = ("codex", *(a for key, value in overrides.items() for a in ("-c", f"{key}={value}")))
-    notes = (f"Codex: window {target.window} (model_context_window); it compacts its history from "
-             f"{target.compact_at} tokens (model_auto_compact_token_limit)",
-             _usage_note("Codex", "the provider's http_headers"),
-             _mcp_note("Codex", f"-c mcp_servers.{MCP_NAME}.*"),
-             f"Codex: {' and '.join(MCP_TOOLS)} run without asking "
-             f"(-c mcp_servers.{MCP_NAME}.tools.<tool>.approval_mode=\"approve\")")  # fmt: skip
+    notes = (
+        f"Codex: window {target.window} (model_context_window); it compacts its history from "
+        f"{target.compact_at} tokens (model_auto_compact_token_limit)",
+        _usage_note("Codex", "the provider's http_headers"),
+        _mcp_note("Codex", f"-c mcp_servers.{MCP_NAME}.*"),
+        f'Codex: {" and ".join(MCP_TOOLS)} run without asking (-c mcp_servers.{MCP_NAME}.tools.<tool>.approval_mode="approve")',
+    )
     return Launch("codex", argv, notes=notes)
 
 
@@ -255,15 +263,22 @@ def opencode(target: Target) -> Launch:
         # run without asking: `opencode run` rejects what it would ask for; the user's other rules stay (merged)
         "permission": {f"{MCP_NAME}_{tool}": "allow" for tool in MCP_TOOLS},
     }
-    notes = (f"opencode: window {target.window}, answers up to {target.output} (limit.context, limit.input, limit.output) "
-             f"in {path}, through OPENCODE_CONFIG; it compacts its history from "
-             f"{target.window - target.output - target.read_room} tokens (compaction.reserved)",
-             _usage_note("opencode", "the provider's options.headers in the same file"),
-             _mcp_note("opencode", f"mcp.{MCP_NAME} in the same file"),
-             f"opencode: {' and '.join(f'{MCP_NAME}_{tool}' for tool in MCP_TOOLS)} run without asking (permission in "
-             "the same file, over your own rules)")  # fmt: skip
-    return Launch("opencode", ("opencode",), _frozen({"OPENCODE_CONFIG": str(path)}),
-                  files=MappingProxyType({path: json.dumps(config, indent=2) + "\n"}), notes=notes)  # fmt: skip
+    notes = (
+        f"opencode: window {target.window}, answers up to {target.output} (limit.context, limit.input, limit.output) "
+        f"in {path}, through OPENCODE_CONFIG; it compacts its history from "
+        f"{target.window - target.output - target.read_room} tokens (compaction.reserved)",
+        _usage_note("opencode", "the provider's options.headers in the same file"),
+        _mcp_note("opencode", f"mcp.{MCP_NAME} in the same file"),
+        f"opencode: {' and '.join(f'{MCP_NAME}_{tool}' for tool in MCP_TOOLS)} run without asking (permission in "
+        "the same file, over your own rules)",
+    )
+    return Launch(
+        "opencode",
+        ("opencode",),
+        _frozen({"OPENCODE_CONFIG": str(path)}),
+        files=MappingProxyType({path: json.dumps(config, indent=2) + "\n"}),
+        notes=notes,
+    )
 
 
 def aider(target: Target) -> Launch:
@@ -273,9 +288,17 @@ def aider(target: Target) -> Launch:
     size); Ollama's native API, or llama-server's OpenAI one."""
     name = f"ollama_chat/{target.model}" if target.kind == Kind.OLLAMA else f"openai/{target.model}"
     metadata_path = _generated(target, "aider", ".metadata.json")
-    metadata = {name: {"max_input_tokens": target.window, "max_output_tokens": target.output, "max_tokens": target.output,
-                       "input_cost_per_token": 0, "output_cost_per_token": 0,
-                       "litellm_provider": name.split("/")[0], "mode": "chat"}}  # fmt: skip
+    metadata = {
+        name: {
+            "max_input_tokens": target.window,
+            "max_output_tokens": target.output,
+            "max_tokens": target.output,
+            "input_cost_per_token": 0,
+            "output_cost_per_token": 0,
+            "litellm_provider": name.split("/")[0],
+            "mode": "chat",
+        }
+    }
     files = {metadata_path: json.dumps(metadata, indent=2) + "\n"}
     # `--flag=VALUE` wherever a value comes from the backend (the model's name): a name such as `--yes-always`
     # is then a value, never a flag of the agent's own
@@ -289,10 +312,11 @@ def aider(target: Target) -> Launch:
     else:
         env = {"OPENAI_API_BASE": _v1(target)}
         defaults = {"OPENAI_API_KEY": "contextpaw"}
-    notes = (f"aider: window {target.window} (max_input_tokens in {metadata_path})"
-             + (f", num_ctx {target.num_ctx} on every request" if target.kind == Kind.OLLAMA else ""),
-             "aider: no MCP, so no contextpaw_retrieve; what ContextPaw evicts is read back with the curl command "
-             "its marker names")  # fmt: skip
+    notes = (
+        f"aider: window {target.window} (max_input_tokens in {metadata_path})"
+        + (f", num_ctx {target.num_ctx} on every request" if target.kind == Kind.OLLAMA else ""),
+        "aider: no MCP, so no contextpaw_retrieve; what ContextPaw evicts is read back with the curl command its marker names",
+    )
     return Launch("aider", tuple(argv), _frozen(env), _frozen(defaults), MappingProxyType(files), notes)
 
 
@@ -312,22 +336,38 @@ def qwen(target: Target) -> Launch:
         # scopes, under the user's own deny and ask rules
         "permissions": {"allow": list(MCP_GRANTS)},
     }
-    env = {"OPENAI_BASE_URL": _v1(target), "OPENAI_MODEL": target.model, "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(path),
-           "QWEN_CODE_MAX_OUTPUT_TOKENS": str(target.output)}  # fmt: skip
-    notes = (f"Qwen Code: window {target.window} (model.generationConfig.contextWindowSize in {path}, through "
-             f"QWEN_CODE_SYSTEM_DEFAULTS_PATH), answers up to {target.output} (QWEN_CODE_MAX_OUTPUT_TOKENS)",
-             _usage_note("Qwen Code", "model.generationConfig.customHeaders in the same file"),
-             _mcp_note("Qwen Code", f"mcpServers.{MCP_NAME} in the same file"),
-             f"Qwen Code: {' and '.join(MCP_GRANTS)} run without asking (permissions.allow in the same file, beside "
-             "your own rules)")  # fmt: skip
-    return Launch("qwen", ("qwen", "--auth-type", "openai", f"--model={target.model}"), _frozen(env),
-                  _frozen({"OPENAI_API_KEY": "contextpaw"}), MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}), notes)  # fmt: skip
+    env = {
+        "OPENAI_BASE_URL": _v1(target),
+        "OPENAI_MODEL": target.model,
+        "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(path),
+        "QWEN_CODE_MAX_OUTPUT_TOKENS": str(target.output),
+    }
+    notes = (
+        f"Qwen Code: window {target.window} (model.generationConfig.contextWindowSize in {path}, through "
+        f"QWEN_CODE_SYSTEM_DEFAULTS_PATH), answers up to {target.output} (QWEN_CODE_MAX_OUTPUT_TOKENS)",
+        _usage_note("Qwen Code", "model.generationConfig.customHeaders in the same file"),
+        _mcp_note("Qwen Code", f"mcpServers.{MCP_NAME} in the same file"),
+        f"Qwen Code: {' and '.join(MCP_GRANTS)} run without asking (permissions.allow in the same file, beside your own rules)",
+    )
+    return Launch(
+        "qwen",
+        ("qwen", "--auth-type", "openai", f"--model={target.model}"),
+        _frozen(env),
+        _frozen({"OPENAI_API_KEY": "contextpaw"}),
+        MappingProxyType({path: json.dumps(settings, indent=2) + "\n"}),
+        notes,
+    )
 
 
-INSTALL: Mapping[str, str] = MappingProxyType({
-    "claude": "npm install -g @anthropic-ai/claude-code", "codex": "npm install -g @openai/codex",
-    "opencode": "npm install -g opencode-ai", "qwen": "npm install -g @qwen-code/qwen-code", "aider": "pipx install aider-chat",
-})  # fmt: skip
+INSTALL: Mapping[str, str] = MappingProxyType(
+    {
+        "claude": "npm install -g @anthropic-ai/claude-code",
+        "codex": "npm install -g @openai/codex",
+        "opencode": "npm install -g opencode-ai",
+        "qwen": "npm install -g @qwen-code/qwen-code",
+        "aider": "pipx install aider-chat",
+    }
+)
 """How each agent is installed, for launch to say where one is missing (the versions tested are in docs/agents.md)."""
 
 
@@ -383,13 +423,18 @@ def too_small(agent: str, target: Target) -> str | None:
     need = living_window(agent, target.window)
     if target.num_ctx >= need:
         return None
-    how = (f"start llama-server with -c {need}" if target.kind == Kind.LLAMACPP else
-           f"start Ollama with OLLAMA_CONTEXT_LENGTH={need}, or give {target.model} a Modelfile with PARAMETER num_ctx {need} "
-           "(`contextpaw doctor` says which applies)")  # fmt: skip
+    how = (
+        f"start llama-server with -c {need}"
+        if target.kind == Kind.LLAMACPP
+        else f"start Ollama with OLLAMA_CONTEXT_LENGTH={need}, or give {target.model} a Modelfile with PARAMETER num_ctx {need} "
+        "(`contextpaw doctor` says which applies)"
+    )
     fixed = FIXED_TOKENS[agent]
-    return (f"{agent} needs a window of at least {need:,} to keep working through a long session on its own compaction "
-            f"(its tools and instructions take about {fixed:,} tokens, then its summary, the files it reads again and an "
-            f"answer); {target.model} is served at {target.num_ctx:,}. To serve it at {need:,}: {how}")  # fmt: skip
+    return (
+        f"{agent} needs a window of at least {need:,} to keep working through a long session on its own compaction "
+        f"(its tools and instructions take about {fixed:,} tokens, then its summary, the files it reads again and an "
+        f"answer); {target.model} is served at {target.num_ctx:,}. To serve it at {need:,}: {how}"
+    )
 
 
 def plan(agent: str, target: Target) -> Launch:
@@ -399,6 +444,8 @@ def plan(agent: str, target: Target) -> Launch:
     least = least_window(agent, target.window)
     if target.window >= least:
         return chosen
-    warning = (f"the agent's tools and instructions alone take about {FIXED_TOKENS[agent]:,} tokens: at a window of "
-               f"{target.window:,} ContextPaw refuses every request; give the model a window of at least {least:,}")  # fmt: skip
+    warning = (
+        f"the agent's tools and instructions alone take about {FIXED_TOKENS[agent]:,} tokens: at a window of "
+        f"{target.window:,} ContextPaw refuses every request; give the model a window of at least {least:,}"
+    )
     return dataclasses.replace(chosen, notes=(*chosen.notes, warning))

@@ -54,10 +54,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="contextpaw launch",
         description="Start an agent pointed at a running ContextPaw and told the window it serves the model at, in "
-                    "the agent's own setting, so that the agent compacts its own history before the window. "
-                    "No config file of yours is changed; --print shows what is set.",
+        "the agent's own setting, so that the agent compacts its own history before the window. "
+        "No config file of yours is changed; --print shows what is set.",
         epilog="Everything after -- goes to the agent: contextpaw launch codex -- exec 'fix the tests'",
-    )  # fmt: skip
+    )
     p.add_argument("agent", choices=sorted(launch.PLANS), help="the agent to start")
     p.add_argument(
         "--url",
@@ -66,12 +66,19 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="the model (default: the one the backend lists, when it lists one)")
     p.add_argument("--window", type=int, metavar="N", help="tell the agent this window instead of the one ContextPaw serves")
-    p.add_argument("--state-dir", type=Path, metavar="DIR",
-                   help="ContextPaw's state directory: the generated files go under launch/, and `contextpaw mcp` reads the "
-                        "proxy's token there (default ~/.contextpaw, ContextPaw's own)")  # fmt: skip
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="ContextPaw's state directory: the generated files go under launch/, and `contextpaw mcp` reads the "
+        "proxy's token there (default ~/.contextpaw, ContextPaw's own)",
+    )
     p.add_argument("--print", action="store_true", help="show what would be set and written, as a shell script; start nothing")
-    p.add_argument("--force", action="store_true",
-                   help="start the agent even where the window served is less than it needs to live on its own compaction")  # fmt: skip
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start the agent even where the window served is less than it needs to live on its own compaction",
+    )
     return p
 
 
@@ -98,8 +105,11 @@ def proxy_url(given: str | None, environ: Mapping[str, str] | None = None) -> st
         if status == 200 or (status == 503 and isinstance(health, dict) and "backends" in health):
             for down in [b for b in health["backends"] if isinstance(b, dict) and not b.get("answers")]:
                 why = f" ({down['last_error']})" if down.get("last_error") else ""
-                print(f"contextpaw launch: ContextPaw at {url.rstrip('/')} answers, but its backend {down.get('kind') or ''} "
-                      f"at {down.get('url')} does not{why}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"contextpaw launch: ContextPaw at {url.rstrip('/')} answers, but its backend {down.get('kind') or ''} "
+                    f"at {down.get('url')} does not{why}",
+                    file=sys.stderr,
+                )
             return url.rstrip("/")
     where = " or ".join(candidates)
     raise LaunchError(f"no ContextPaw answers at {where}: start `contextpaw --ollama URL` or `--llamacpp URL`, or give --url")
@@ -129,15 +139,21 @@ def chosen_model(proxy: str, given: str | None) -> str:
 def target(ns: argparse.Namespace) -> launch.Target:
     proxy = proxy_url(ns.url)
     model = chosen_model(proxy, ns.model)
-    print(f"contextpaw launch: asking ContextPaw at {proxy} for the window of {model} (a model not loaded yet may take up "
-          f"to {ASK_TIMEOUT_S:.0f} s to load)", file=sys.stderr)  # fmt: skip
+    print(
+        f"contextpaw launch: asking ContextPaw at {proxy} for the window of {model} (a model not loaded yet may take up "
+        f"to {ASK_TIMEOUT_S:.0f} s to load)",
+        file=sys.stderr,
+    )
     status, served = ask(f"{proxy}/contextpaw/window?model={quote(model, safe='')}")
     if status != 200 or not isinstance(served, dict):
         reason = served.get("error") if isinstance(served, dict) else f"status {status}"
         raise LaunchError(f"ContextPaw at {proxy} did not say the window of {model}: {reason}")
     if served["source"] != "backend" and ns.window is None:
-        print(f"contextpaw launch: the backend did not say the window of {model}; ContextPaw fits to its default "
-              f"({served['window']}, contextpaw_default_ctx); give --window N to tell the agent another", file=sys.stderr)  # fmt: skip
+        print(
+            f"contextpaw launch: the backend did not say the window of {model}; ContextPaw fits to its default "
+            f"({served['window']}, contextpaw_default_ctx); give --window N to tell the agent another",
+            file=sys.stderr,
+        )
     told = int(served["agent_window"] if "agent_window" in served else served["window"])
     if ns.window is None and told != served["window"]:
         print(
@@ -148,9 +164,16 @@ def target(ns: argparse.Namespace) -> launch.Target:
     kind = wire.Kind(served["backend"]["kind"])
     state_dir = (ns.state_dir or Path(DEFAULT_STATE_DIR)).expanduser()
     return launch.Target(
-        proxy, model, window, kind, state_dir, served=int(served["window"]) if window != served["window"] else None,
-        contextpaw=contextpaw_command(), token_dir=state_dir if ns.state_dir else None, session=secrets.token_hex(8),
-    )  # fmt: skip
+        proxy,
+        model,
+        window,
+        kind,
+        state_dir,
+        served=int(served["window"]) if window != served["window"] else None,
+        contextpaw=contextpaw_command(),
+        token_dir=state_dir if ns.state_dir else None,
+        session=secrets.token_hex(8),
+    )
 
 
 def contextpaw_command() -> tuple[str, ...]:
@@ -182,8 +205,11 @@ def main(argv: Sequence[str]) -> int:
         return 0
     binary = shutil.which(chosen.argv[0])
     if binary is None:
-        print(f"contextpaw launch: {chosen.argv[0]} is not on PATH: install it with `{launch.INSTALL[ns.agent]}` "
-              "(--print shows what it would be started with)", file=sys.stderr)  # fmt: skip
+        print(
+            f"contextpaw launch: {chosen.argv[0]} is not on PATH: install it with `{launch.INSTALL[ns.agent]}` "
+            "(--print shows what it would be started with)",
+            file=sys.stderr,
+        )
         return 2
     for path, text in chosen.files.items():
         path.parent.mkdir(parents=True, exist_ok=True)

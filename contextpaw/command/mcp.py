@@ -238,17 +238,30 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="contextpaw mcp",
         description="An MCP server on stdin and stdout that gives an agent back what ContextPaw evicted from its "
-                    "context: contextpaw_retrieve(ref, part) and contextpaw_search(query). `contextpaw launch` registers it.",
-    )  # fmt: skip
-    p.add_argument("--url", default=os.environ.get("CONTEXTPAW_URL") or None,
-                   help=f"where ContextPaw listens (default: CONTEXTPAW_URL, else the first of {', '.join(DEFAULT_PROXIES)} that answers, as for contextpaw launch)")  # fmt: skip
-    p.add_argument("--state-dir", type=Path, metavar="DIR",
-                   help=f"the proxy's state directory, where it keeps {TOKEN_FILE} (default {' then '.join(map(str, STATE_DIRS))})")  # fmt: skip
-    p.add_argument("--token", default=os.environ.get("CONTEXTPAW_TOKEN") or None,
-                   help="the token to send as X-ContextPaw-Token (default: CONTEXTPAW_TOKEN, else the state directory's file)")  # fmt: skip
-    p.add_argument("--session", default=os.environ.get("CONTEXTPAW_SESSION", ""),
-                   help=f"the session whose evictions contextpaw_search finds, the {SESSION_HEADER} its agent's requests send "
-                        "(default: CONTEXTPAW_SESSION; none: the requests that name none)")  # fmt: skip
+        "context: contextpaw_retrieve(ref, part) and contextpaw_search(query). `contextpaw launch` registers it.",
+    )
+    p.add_argument(
+        "--url",
+        default=os.environ.get("CONTEXTPAW_URL") or None,
+        help=f"where ContextPaw listens (default: CONTEXTPAW_URL, else the first of {', '.join(DEFAULT_PROXIES)} that answers, as for contextpaw launch)",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"the proxy's state directory, where it keeps {TOKEN_FILE} (default {' then '.join(map(str, STATE_DIRS))})",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("CONTEXTPAW_TOKEN") or None,
+        help="the token to send as X-ContextPaw-Token (default: CONTEXTPAW_TOKEN, else the state directory's file)",
+    )
+    p.add_argument(
+        "--session",
+        default=os.environ.get("CONTEXTPAW_SESSION", ""),
+        help=f"the session whose evictions contextpaw_search finds, the {SESSION_HEADER} its agent's requests send "
+        "(default: CONTEXTPAW_SESSION; none: the requests that name none)",
+    )
     return p
 
 

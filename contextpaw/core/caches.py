@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-class LRU(OrderedDict):
+class LRU(OrderedDict[Any, Any]):
     """A bounded mapping that drops the least recently used entry first: every cache here is bounded."""
 
     def __init__(self, limit: int) -> None:

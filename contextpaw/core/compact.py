@@ -413,16 +413,20 @@ class _ChatCompaction:
 
         sent = render(self.msgs, self.cost, self.shrunk, self.holes, written=self.previous.notes, fixed=self.fixed, counter=self.counter)
         if unkept := [ref for ref in sent.evicted if not kept(ref)]:
-            notes.append(f"{len(unkept)} removed part{'s' if len(unkept) > 1 else ''} over the archive's bound of {self.refs.most_bytes:,} "
-                         "bytes: not kept, and their markers say so instead of naming a reference")  # fmt: skip
+            notes.append(
+                f"{len(unkept)} removed part{'s' if len(unkept) > 1 else ''} over the archive's bound of {self.refs.most_bytes:,} "
+                "bytes: not kept, and their markers say so instead of naming a reference"
+            )
         headroom = room = self.headroom if cut else self.previous.headroom
         held = cut and self.total() > self.target and self.evicted.issuperset(self.evictable)
         if held:  # all that could go is gone: the room left is what the kept part leaves, and the target is said so
             room = max(self.budget - sent.tokens, 0) / self.budget
             newest = "shrunk to fit" if self.fresh.intersection(self.shrunk) else "whole"
-            notes.append(f"what must be kept (the head, the latest turns and the file just read, {newest}) takes "
-                         f"{sent.tokens} of the budget's {self.budget} tokens: the cut leaves "
-                         f"{room:.0%} of it free, less than its headroom of {self.headroom:.0%}")  # fmt: skip
+            notes.append(
+                f"what must be kept (the head, the latest turns and the file just read, {newest}) takes "
+                f"{sent.tokens} of the budget's {self.budget} tokens: the cut leaves "
+                f"{room:.0%} of it free, less than its headroom of {self.headroom:.0%}"
+            )
         report = replace(sent.told(as_sent(original, self.budget, self.counter)), headroom=room, notes=tuple(notes))
         starts = {h[0] for h in self.holes}
         plan = Plan(
@@ -761,8 +765,10 @@ class _ChatCompaction:
             self.readmit(unit)
         if len(self.holes.starts) == 1:  # the room left takes the hole's newest unit, shrunk
             self.fill(self.target, [self.unit_of[self.holes.end[self.holes.starts[0]]]])
-        return (f"{MERGED}: {len(holes) + len(cut)} markers took {tokens} tokens, over {MARKER_SHARE:.0%} of the budget "
-                f"({self.cap}); their holes are one now, with what lay between them")  # fmt: skip
+        return (
+            f"{MERGED}: {len(holes) + len(cut)} markers took {tokens} tokens, over {MARKER_SHARE:.0%} of the budget "
+            f"({self.cap}); their holes are one now, with what lay between them"
+        )
 
     def unshrink_for_markers(self) -> None:
         """Take back this turn's cuts into kept messages that only made room for the next turns
@@ -806,7 +812,9 @@ class _ChatCompaction:
         of them whose hole's marker costs more than the unit did (a small unit between kept ones)."""
         # Markers only add tokens, so the kept sum is a cheap lower bound for the full total.
         measure = size or self.total
-        fits = (lambda: measure() <= limit) if size else (lambda: self.fixed + self.kept <= limit and self.total() <= limit)
+        fits: Callable[[], bool] = (
+            (lambda: measure() <= limit) if size else (lambda: self.fixed + self.kept <= limit and self.total() <= limit)
+        )
         evicted = []
         for unit in order:
             if fits():

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import Enum
-from typing import TypeVar
-
-State = TypeVar("State", bound=Enum)
 
 
 class IllegalTransition(RuntimeError):
@@ -27,7 +24,7 @@ class IllegalTransition(RuntimeError):
         return f"{current!r} cannot go to {to!r}"
 
 
-def advance(
+def advance[State: Enum](
     table: Mapping[State, frozenset[State]], current: State, to: State, illegal: type[IllegalTransition] = IllegalTransition
 ) -> State:
     """`to`, when `table` lists it among the steps from `current`; else `illegal`."""
@@ -36,6 +33,6 @@ def advance(
     return to
 
 
-def staying(table: Mapping[State, frozenset[State]]) -> dict[State, frozenset[State]]:
+def staying[State: Enum](table: Mapping[State, frozenset[State]]) -> dict[State, frozenset[State]]:
     """`table` with each state also allowed to stay where it is."""
     return {state: steps | {state} for state, steps in table.items()}

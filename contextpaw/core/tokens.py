@@ -230,8 +230,16 @@ def read_vocabulary(path: str) -> Vocabulary:
         field = fields.get(f"tokenizer.ggml.{key}")
         return default if field is None else field.contents()
 
-    return Vocabulary(value("model"), value("pre") or "default", value("tokens", []), value("merges", []), value("token_type", []),
-                      value("scores", []), value("unknown_token_id"), bool(value("add_space_prefix", True)))  # fmt: skip
+    return Vocabulary(
+        value("model"),
+        value("pre") or "default",
+        value("tokens", []),
+        value("merges", []),
+        value("token_type", []),
+        value("scores", []),
+        value("unknown_token_id"),
+        bool(value("add_space_prefix", True)),
+    )
 
 
 def tokenizer_from_gguf(path: str) -> Any:

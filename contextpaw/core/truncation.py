@@ -81,8 +81,9 @@ def told(sent_tokens: int, evaluated_tokens: int, window: int, reason: str, cut:
     if sent_tokens >= evaluated_tokens:
         return Truncation(sent_tokens, evaluated_tokens, window, reason)
     least = max(evaluated_tokens, window) if cut else evaluated_tokens
-    why = (f"a cut means the prompt was longer than the server's {window}-token window" if cut
-           else f"the server evaluated {evaluated_tokens}")  # fmt: skip
+    why = (
+        f"a cut means the prompt was longer than the server's {window}-token window" if cut else f"the server evaluated {evaluated_tokens}"
+    )
     note = f"ContextPaw counted about {sent_tokens} prompt tokens, but {why}: the server's count is trusted"
     return Truncation(least, evaluated_tokens, window, reason, note)
 

@@ -234,8 +234,13 @@ class AnswerCheck:
             report = replace(report, upstream_truncation_possible=possible, notes=_noted(report.notes, possible.note))
             state.watched = report
             self.stats.add("upstream_truncation_possible", where=state.where)
-            logger.warning("%s: the server may have cut a prompt counted at %d in a %d-token window (%s)",
-                           state.path, possible.sent_tokens, report.window or 0, possible.reason)  # fmt: skip
+            logger.warning(
+                "%s: the server may have cut a prompt counted at %d in a %d-token window (%s)",
+                state.path,
+                possible.sent_tokens,
+                report.window or 0,
+                possible.reason,
+            )
         if verdict.evaluation is Evaluation.CUT and (truncation := verdict.truncation) is not None and report.upstream_truncated is None:
             report = replace(
                 report, upstream_truncated=truncation, recovered_from_upstream_400=False, notes=_noted(report.notes, truncation.note)
@@ -244,13 +249,21 @@ class AnswerCheck:
             self.stats.add("upstream_truncated", where=state.where)
             logger.warning(
                 "%s: the server evaluated %s of the %d prompt tokens it was sent (%s): silent truncation",
-                state.path, evaluated if evaluated is not None else "an unknown number", truncation.sent_tokens, truncation.reason,
-            )  # fmt: skip
+                state.path,
+                evaluated if evaluated is not None else "an unknown number",
+                truncation.sent_tokens,
+                truncation.reason,
+            )
             if verdict.window_at_most is not None and self.learn_window is not None:
                 model = wire.model_of(state.original) or state.where.model
                 self.learn_window(state.backend, model, verdict.window_at_most)
-                logger.warning("%s: %s's window is at most %d tokens, not %s: the next requests are fitted to it",
-                               state.path, model, verdict.window_at_most, report.window)  # fmt: skip
+                logger.warning(
+                    "%s: %s's window is at most %d tokens, not %s: the next requests are fitted to it",
+                    state.path,
+                    model,
+                    verdict.window_at_most,
+                    report.window,
+                )
         first = state.phase is not Phase.JUDGED
         state.advance(Phase.JUDGED)
         if first and evaluated is not None:

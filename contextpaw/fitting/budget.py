@@ -56,8 +56,10 @@ class Budget:
         fits are no reason to refuse."""
         if required <= self.admits and bound is not None and bound > 1:
             upper = math.ceil(required * bound)
-            cause = (f"the request counts {required} tokens by an estimate that may run {bound:.2f} times low, so up to "
-                     f"{upper}, and only {self.admits} fit; policy strict refuses to compact it")  # fmt: skip
+            cause = (
+                f"the request counts {required} tokens by an estimate that may run {bound:.2f} times low, so up to "
+                f"{upper}, and only {self.admits} fit; policy strict refuses to compact it"
+            )
             return Overflow(upper, self.admits, self.window, cause, required, strict=True)
         cause = f"the request needs {required} tokens but only {self.admits} fit, and policy strict refuses to compact it"
         return Overflow(required, self.admits, self.window, cause, required, strict=True)

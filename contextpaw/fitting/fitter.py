@@ -83,9 +83,11 @@ def _refusable(state: FlowState, parsed: wire.Chat | wire.Prompt, settings: FitS
     There the fit may count by shape (closer, but with no physical bound): a miss costs a rescue,
     never a silent cut."""
     return (
-        settings.forbid_truncation and state.backend.kind == wire.Kind.OLLAMA and state.route.name in NATIVE_OLLAMA
+        settings.forbid_truncation
+        and state.backend.kind == wire.Kind.OLLAMA
+        and state.route.name in NATIVE_OLLAMA
         and "truncate" not in parsed.body
-    )  # fmt: skip
+    )
 
 
 def _uncapped(state: FlowState) -> bool:
@@ -279,8 +281,14 @@ class Fitter:
         body = fitted.body if fitted.body is not None else state.original
 
         def sized() -> Sample:
-            return Sample(key, rough_size(sent, self.estimate), rough_size(sent, self.shape), kind or content_kind(body),
-                          least_kept(sent, self.estimate), biggest_droppable(sent, self.estimate))  # fmt: skip
+            return Sample(
+                key,
+                rough_size(sent, self.estimate),
+                rough_size(sent, self.shape),
+                kind or content_kind(body),
+                least_kept(sent, self.estimate),
+                biggest_droppable(sent, self.estimate),
+            )
 
         state.calibration = await off_loop(big, sized)
 
@@ -386,8 +394,11 @@ class Fitter:
         for marker_id, data in encoded.items():
             self.store.put(marker_id, data, state.session)
         if encoded and not await asyncio.to_thread(self.store.flush, WRITTEN_WAIT_S):
-            logger.warning("the archive has not written this request's removed content within %g s: it is sent on, "
-                           "its references read from memory until the write is done", WRITTEN_WAIT_S)  # fmt: skip
+            logger.warning(
+                "the archive has not written this request's removed content within %g s: it is sent on, "
+                "its references read from memory until the write is done",
+                WRITTEN_WAIT_S,
+            )
         self.stats.compaction(state.where, time.perf_counter() - started, report.evicted_tokens)
 
     # -- the rescue after an upstream overflow -------------------------------------------------
@@ -464,6 +475,5 @@ class Fitter:
         if recovered:
             state.headers["X-ContextPaw-Recovered"] = "upstream-400"
         elif not relay_failed:  # the relay says so itself when the backend failed
-            logger.warning("%s: the backend refused the compacted retry too (%d); its answer is passed on",
-                           state.path, status)  # fmt: skip
+            logger.warning("%s: the backend refused the compacted retry too (%d); its answer is passed on", state.path, status)
         return recovered

@@ -142,8 +142,10 @@ class Sizer:
             counted = await off_loop(big, functools.partial(parsed.tokens, counter, fixed)) if isinstance(parsed, wire.Chat) else None
             if counted is not None and self._opening(parsed, counted, proved, budget, guard):
                 bound = self.calibration.bounds(calibration_key(backend, parsed.params.model))[1]
-                opening = ("the conversation's opening goes out whole: its count fits the window at the estimate's own "
-                           "rate, and the server's count of it says whether it was cut")  # fmt: skip
+                opening = (
+                    "the conversation's opening goes out whole: its count fits the window at the estimate's own "
+                    "rate, and the server's count of it says whether it was cut"
+                )
             else:
                 guarded, bound, why = self._guarded(parsed, budget, backend, proved, guard)
                 asked = await self._asked(parsed, counted, proved, guarded, budget, backend, big, guard)
@@ -157,9 +159,17 @@ class Sizer:
 
         def with_fixed(fixed: int) -> Fit:
             if isinstance(parsed, wire.Chat):
-                return functools.partial(fit_chat, parsed, counter=counter, fixed_tokens=fixed,
-                                         keep_recent=self.keep_recent, previous=previous, digests=digests,
-                                         headroom=self.headroom, refs=refs)  # fmt: skip
+                return functools.partial(
+                    fit_chat,
+                    parsed,
+                    counter=counter,
+                    fixed_tokens=fixed,
+                    keep_recent=self.keep_recent,
+                    previous=previous,
+                    digests=digests,
+                    headroom=self.headroom,
+                    refs=refs,
+                )
             return functools.partial(fit_prompt, parsed, counter=counter, fixed_tokens=fixed, refs=refs)
 
         fit = with_fixed(fixed)
@@ -181,8 +191,10 @@ class Sizer:
                     # the reserve is room for an answer to a request that must be cut: one whose
                     # least fits the window without it goes out so, and the answer is judged
                     budget = start = guarded = Budget(budget.window, 0, budget.margin, limit=budget.limit)
-                    reserve_note = (f"what must be kept needs {e.required} of the window's {budget.admits} tokens: "
-                                    f"cut to that, with less room for the answer than its reserve, rather than refused")  # fmt: skip
+                    reserve_note = (
+                        f"what must be kept needs {e.required} of the window's {budget.admits} tokens: "
+                        f"cut to that, with less room for the answer than its reserve, rather than refused"
+                    )
                     continue
                 # what must be kept needs more than the guard leaves: as close to the guard as it
                 # fits, else the full budget, and the check after the answer says what happened
@@ -274,8 +286,9 @@ class Sizer:
         said = f"Ollama counted it at {asked.tokens} tokens, asked on /api/chat with truncate:false in {took:.2f}s"
         if asked.fits and asked.tokens <= budget.admits:
             note = f"{said}: it fits the {budget.admits} the window admits, and goes out unchanged"
-            report = Report(False, "none", asked.tokens, asked.tokens, budget.admits, counter="backend", exact=True,
-                            window=budget.window, notes=(note,))  # fmt: skip
+            report = Report(
+                False, "none", asked.tokens, asked.tokens, budget.admits, counter="backend", exact=True, window=budget.window, notes=(note,)
+            )
             return Fitted(None, report)
         return CalibratedCounter(self.estimate, max(rate, guard.floor)), f"{said}, over the window: cut at its rate"
 

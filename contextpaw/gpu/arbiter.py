@@ -150,16 +150,32 @@ class DecisionLog:
             return
         self._last[entry["wanted"]] = entry
         self.entries.append({"at": time.time(), **entry})
-        logger.info("contextpaw runtime: %s for %s%s%s%s; need %s, free %s, held %s", entry["decision"], wanted, f" ({model})" if model else "",
-                 f", evicting {entry['evict']}" if entry["evict"] else "", f" ({entry['reason']})" if entry["reason"] else "",
-                 _mib(need), _mib(entry["free_bytes"]), {k: _mib(v) for k, v in (entry["held_bytes"] or {}).items()})  # fmt: skip
+        logger.info(
+            "contextpaw runtime: %s for %s%s%s%s; need %s, free %s, held %s",
+            entry["decision"],
+            wanted,
+            f" ({model})" if model else "",
+            f", evicting {entry['evict']}" if entry["evict"] else "",
+            f" ({entry['reason']})" if entry["reason"] else "",
+            _mib(need),
+            _mib(entry["free_bytes"]),
+            {k: _mib(v) for k, v in (entry["held_bytes"] or {}).items()},
+        )
 
 
 def card_for(settings: ArbiterSettings, gpu: GpuProbe, session: Callable[[], aiohttp.ClientSession]) -> Card:
     """The card and the two runtimes on it, as ``settings`` describe them."""
     waits = {"release_timeout": settings.release_timeout, "poll_interval": settings.poll_interval}
-    process = Supervisor(settings.llamacpp_cmd, settings.llamacpp_url, settings.llamacpp_log, session, gpu,
-                         health_timeout=settings.health_timeout, stop_grace=settings.stop_grace, poll_interval=settings.poll_interval)  # fmt: skip
+    process = Supervisor(
+        settings.llamacpp_cmd,
+        settings.llamacpp_url,
+        settings.llamacpp_log,
+        session,
+        gpu,
+        health_timeout=settings.health_timeout,
+        stop_grace=settings.stop_grace,
+        poll_interval=settings.poll_interval,
+    )
     server: Supervisor | RouterServer = process
     if is_router_command(settings.llamacpp_cmd):
         server = RouterServer(process, session, gpu, load_timeout=settings.health_timeout, **waits)
@@ -234,8 +250,17 @@ class Arbiter:
                         self._resident[Kind.OLLAMA] = -math.inf  # loaded by another client: owed no hold
                     if self._resident:
                         need, room = await self.card.need(wanted, model), await self.card.room(self._resident)
-                decision = decide(self._resident, self._pending, wanted, cannot_start, now=loop.time(),
-                                  min_hold=self.settings.min_hold, need=need, room=room, serving=serving)  # fmt: skip
+                decision = decide(
+                    self._resident,
+                    self._pending,
+                    wanted,
+                    cannot_start,
+                    now=loop.time(),
+                    min_hold=self.settings.min_hold,
+                    need=need,
+                    room=room,
+                    serving=serving,
+                )
                 match decision:
                     case Admit():
                         self._in_flight[wanted] += 1

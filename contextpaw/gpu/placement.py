@@ -149,8 +149,9 @@ def _swap_model(
             return Load(wanted)
         others = [kind for kind in resident if kind is not wanted]
         if others and need > room.free_bytes + room.held_bytes.get(wanted, 0):
-            return decide({k: v for k, v in resident.items() if k is not wanted}, None, wanted, None,
-                          now=now, min_hold=min_hold, need=need, room=room)  # fmt: skip
+            return decide(
+                {k: v for k, v in resident.items() if k is not wanted}, None, wanted, None, now=now, min_hold=min_hold, need=need, room=room
+            )
     held_until = resident[wanted] + min_hold
     if now < held_until:
         return Wait(f"{wanted}'s models keep the GPU until their {min_hold:g}s hold is over (contextpaw_min_hold)", held_until)
@@ -228,7 +229,7 @@ PHASES: Mapping[Phase, frozenset[Phase]] = staying(
         Phase.DRAINING: frozenset(
             {Phase.UNLOADING_OLLAMA, Phase.STOPPING_SERVER, Phase.UNLOADING_MODELS, Phase.STARTING_SERVER, Phase.LOADING_MODEL}
         )
-        | _SETTLED,  # fmt: skip
+        | _SETTLED,
         Phase.UNLOADING_OLLAMA: frozenset({Phase.RELEASING_OLLAMA, Phase.STARTING_SERVER, Phase.LOADING_MODEL}) | _SETTLED,
         Phase.RELEASING_OLLAMA: frozenset({Phase.STARTING_SERVER, Phase.LOADING_MODEL}) | _SETTLED,
         Phase.STOPPING_SERVER: frozenset({Phase.RELEASING_SERVER}) | _SETTLED,

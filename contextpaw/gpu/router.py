@@ -210,8 +210,9 @@ class RouterServer:
             return not await self.loaded()
 
         if not await poll_until(unloaded, self.release_timeout, self.poll_interval):
-            raise SwitchFailed(f"llama-server's router still holds {', '.join(sorted(await self.loaded()))} "
-                               f"{self.release_timeout:g}s after unloading")  # fmt: skip
+            raise SwitchFailed(
+                f"llama-server's router still holds {', '.join(sorted(await self.loaded()))} {self.release_timeout:g}s after unloading"
+            )
         self.loads.clear()
         logger.info("contextpaw runtime: llama-server's router unloaded %s", ", ".join(sorted(held)))
         return release if release is not None and release.held_bytes else None

@@ -96,8 +96,17 @@ def server_plan(command: str) -> ServerPlan | None:
     except ValueError:
         return None
     values: dict[str, str] = {}
-    names = {"-m": "model", "--model": "model", "-c": "ctx", "--ctx-size": "ctx", "-ngl": "ngl", "--n-gpu-layers": "ngl",
-             "--gpu-layers": "ngl", "-ctk": "kv", "--cache-type-k": "kv"}  # fmt: skip
+    names = {
+        "-m": "model",
+        "--model": "model",
+        "-c": "ctx",
+        "--ctx-size": "ctx",
+        "-ngl": "ngl",
+        "--n-gpu-layers": "ngl",
+        "--gpu-layers": "ngl",
+        "-ctk": "kv",
+        "--cache-type-k": "kv",
+    }
     for i, arg in enumerate(argv):
         name, eq, inline = arg.partition("=")
         if name in names:

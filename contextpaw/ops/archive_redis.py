@@ -131,13 +131,19 @@ class RedisStore(EvictedStore):
         def check(results: list[Any]) -> None:
             reset, held = results[0], results[1]
             if reset:
-                logger.warning("Redis at %s had lost the fleet's secret (restarted empty, or flushed): this instance set it "
-                               "again, so instances that start now join this one", self.url)  # fmt: skip
+                logger.warning(
+                    "Redis at %s had lost the fleet's secret (restarted empty, or flushed): this instance set it "
+                    "again, so instances that start now join this one",
+                    self.url,
+                )
             if held is not None and bytes(held) != secret and not self._split:
                 self._split = True
-                logger.error("the fleet is split: Redis at %s holds another secret than this instance's (another instance set "
-                             "it after Redis lost this one's); references made here are unreadable through the others, and "
-                             "theirs here: restart this instance to join them", self.url)  # fmt: skip
+                logger.error(
+                    "the fleet is split: Redis at %s holds another secret than this instance's (another instance set "
+                    "it after Redis lost this one's); references made here are unreadable through the others, and "
+                    "theirs here: restart this instance to join them",
+                    self.url,
+                )
 
         return check
 
@@ -238,8 +244,13 @@ class RedisStore(EvictedStore):
             check(pipe.execute())
         except redis.RedisError as e:
             if not self._unwritten:
-                logger.warning("the archive at %s cannot be written (%s): what it is given is held in memory (at most %d bytes) "
-                               "and written once it can be", self.url, e, self.max_bytes)  # fmt: skip
+                logger.warning(
+                    "the archive at %s cannot be written (%s): what it is given is held in memory (at most %d bytes) "
+                    "and written once it can be",
+                    self.url,
+                    e,
+                    self.max_bytes,
+                )
             self._unwritten, lost = newest_within(puts, lambda put: len(put[1]), self.max_bytes)
             if lost:
                 logger.warning(

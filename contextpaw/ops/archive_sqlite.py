@@ -201,8 +201,9 @@ class SqliteStore(EvictedStore):
 
     def _connect(self) -> sqlite3.Connection:
         if self.read_only:  # no journal to write beside it: read as it lies
-            return sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, check_same_thread=False,
-                                   isolation_level=None)  # fmt: skip
+            return sqlite3.connect(
+                f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, check_same_thread=False, isolation_level=None
+            )
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
@@ -309,8 +310,13 @@ class SqliteStore(EvictedStore):
             self._write(db, todo)
         except sqlite3.Error as e:
             if not self._unwritten:
-                logger.warning("the archive %s cannot be written (%s): what it is given is held in memory (at most %d bytes) "
-                               "and written once it can be", self.path, e, self.max_bytes)  # fmt: skip
+                logger.warning(
+                    "the archive %s cannot be written (%s): what it is given is held in memory (at most %d bytes) "
+                    "and written once it can be",
+                    self.path,
+                    e,
+                    self.max_bytes,
+                )
             self._unwritten, lost = newest_within(todo, lambda put: len(put[3]) if put[0] == "items" else 0, self.max_bytes)
             if lost:
                 self._forget_pending(lost)

@@ -15,7 +15,7 @@ import queue
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
@@ -31,8 +31,6 @@ BATCH = 256
 """Writes a store's writer thread makes in one go at most."""
 RETRY_S = 5.0
 """How often a writer tries again what a failed write left in memory (a full disk, a Redis away)."""
-
-Item = TypeVar("Item")
 
 
 def next_batch(writes: queue.SimpleQueue[Any], holding: bool) -> list[Any]:
@@ -51,7 +49,7 @@ def next_batch(writes: queue.SimpleQueue[Any], holding: bool) -> list[Any]:
     return batch
 
 
-def newest_within(puts: Sequence[Item], size: Callable[[Item], int], most: int) -> tuple[list[Item], list[Item]]:
+def newest_within[Item](puts: Sequence[Item], size: Callable[[Item], int], most: int) -> tuple[list[Item], list[Item]]:
     """(the newest `puts` whose sizes fit `most` bytes together, the older ones that do not): what a
     store holds in memory while it cannot write, bounded as the archive itself is."""
     total = 0

@@ -265,8 +265,11 @@ class Stats(Collector):
         for kind, url, answers in self.answering:
             up.add_metric((label(kind) if kind else UNKNOWN, label(url)), float(answers))
         yield up
-        yield GaugeMetricFamily("contextpaw_evicted_store_up", "1 if the evicted archive said what it keeps when this scrape asked, else 0",
-                                value=float(self.kept is not None))  # fmt: skip
+        yield GaugeMetricFamily(
+            "contextpaw_evicted_store_up",
+            "1 if the evicted archive said what it keeps when this scrape asked, else 0",
+            value=float(self.kept is not None),
+        )
         if self.kept is not None:
             items, size = self.kept
             yield GaugeMetricFamily("contextpaw_evicted_store_items", "Evicted contents kept for /contextpaw/evicted/<id>", value=items)

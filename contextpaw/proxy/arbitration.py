@@ -65,16 +65,19 @@ TIMEOUTS = {
 """Whole seconds: mitmproxy cannot set float options from the command line."""
 
 SWITCHES = {
-    "contextpaw_arbitrate": Option(bool,
+    "contextpaw_arbitrate": Option(
+        bool,
         "Give the GPU to one runtime at a time: unload Ollama's models before starting llama-server "
         "(contextpaw_llamacpp_cmd), stop llama-server before Ollama runs again.",
-        default=False),
-    "contextpaw_llamacpp_cmd": Option(str,
-        "Command that starts llama-server listening at the first contextpaw_llamacpp URL (for contextpaw_arbitrate).",
-        default=""),
-    "contextpaw_llamacpp_log": Option(str,
-        f"File for the output of the llama-server ContextPaw starts (default {default_log_path()}).", default=""),
-}  # fmt: skip
+        default=False,
+    ),
+    "contextpaw_llamacpp_cmd": Option(
+        str, "Command that starts llama-server listening at the first contextpaw_llamacpp URL (for contextpaw_arbitrate).", default=""
+    ),
+    "contextpaw_llamacpp_log": Option(
+        str, f"File for the output of the llama-server ContextPaw starts (default {default_log_path()}).", default=""
+    ),
+}
 """Whether the arbiter runs, and the llama-server it starts."""
 
 ARBITER_OPTIONS = frozenset({*SWITCHES, *TIMEOUTS} | {f"contextpaw_{kind}" for kind in wire.Kind})

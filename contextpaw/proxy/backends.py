@@ -90,8 +90,10 @@ def scheme_conflict(configured: dict[tuple[str, int], wire.Backend], reverse_tar
     for address, url in reverse_targets.items():
         backend = configured.get(address)
         if backend is not None and urlsplit(url).scheme != urlsplit(backend.url).scheme:
-            return (f"--mode reverse:{url} (a reverse spec without a scheme is https) reaches the backend "
-                    f"contextpaw_{backend.kind} names {backend.url}; write --mode reverse:{backend.url}")  # fmt: skip
+            return (
+                f"--mode reverse:{url} (a reverse spec without a scheme is https) reaches the backend "
+                f"contextpaw_{backend.kind} names {backend.url}; write --mode reverse:{backend.url}"
+            )
     return None
 
 
@@ -138,10 +140,12 @@ def self_loop(targets: Sequence[tuple[str, str]], listens: Sequence[tuple[str, i
         if (address := own_address(host, port, listens)) is None:
             continue
         listen = f"{address[0] or 'every interface'}:{address[1]}"
-        return (f"{name} {url} is ContextPaw's own listen address ({listen}): every request would be sent back to "
-                "ContextPaw itself. Move the backend to another port (Ollama: OLLAMA_HOST=127.0.0.1:11435 ollama serve, "
-                "then --ollama http://127.0.0.1:11435; llama-server: --port 8091) and point ContextPaw there, or have "
-                "ContextPaw listen elsewhere (--port, or @PORT in --mode)")  # fmt: skip
+        return (
+            f"{name} {url} is ContextPaw's own listen address ({listen}): every request would be sent back to "
+            "ContextPaw itself. Move the backend to another port (Ollama: OLLAMA_HOST=127.0.0.1:11435 ollama serve, "
+            "then --ollama http://127.0.0.1:11435; llama-server: --port 8091) and point ContextPaw there, or have "
+            "ContextPaw listen elsewhere (--port, or @PORT in --mode)"
+        )
     return None
 
 
@@ -264,9 +268,11 @@ class Backends:
         if flow.response or flow.error or not flow.live:
             return
         if self.looped(flow):
-            reason = (f"ContextPaw: this request came back to ContextPaw from itself: its backend {flow.request.host}:"
-                      f"{flow.request.port} is ContextPaw's own address; move the backend to another port "
-                      "(Ollama: OLLAMA_HOST=127.0.0.1:11435) and point ContextPaw there")  # fmt: skip
+            reason = (
+                f"ContextPaw: this request came back to ContextPaw from itself: its backend {flow.request.host}:"
+                f"{flow.request.port} is ContextPaw's own address; move the backend to another port "
+                "(Ollama: OLLAMA_HOST=127.0.0.1:11435) and point ContextPaw there"
+            )
             await self._refuse(
                 flow,
                 508,
@@ -385,10 +391,14 @@ class Backends:
         address = _destination(flow)
         known = address in self.configured or address in self.probed
         return (
-            self.relay is not None and self.relay.address is not None
-            and self.settings.relay and flow.request.scheme == "http" and flow.server_conn.via is None
-            and (known or BACKEND_HEADER in flow.request.headers) and model_request(flow)
-        )  # fmt: skip
+            self.relay is not None
+            and self.relay.address is not None
+            and self.settings.relay
+            and flow.request.scheme == "http"
+            and flow.server_conn.via is None
+            and (known or BACKEND_HEADER in flow.request.headers)
+            and model_request(flow)
+        )
 
     def kind_at(self, target: str) -> wire.Kind | None:
         """The kind of the backend at "host:port", where it is configured or was identified."""

@@ -132,8 +132,9 @@ class Compactor:
             try:
                 self.secret = keys.secret(settings.state_dir)
             except OSError as e:  # a read-only state dir: references hold until the next start only
-                logger.warning("the secret cannot be kept in %s (%s): markers of this run are not readable after a restart",
-                               settings.state_dir, e)  # fmt: skip
+                logger.warning(
+                    "the secret cannot be kept in %s (%s): markers of this run are not readable after a restart", settings.state_dir, e
+                )
                 self.secret = secrets.token_bytes(keys.SECRET_BYTES)
             self.kept = KeptCalibration(settings.state_dir / CALIBRATION_FILE)
             if self.kept.restore(self.fitter.calibration) is False:
@@ -196,9 +197,16 @@ class Compactor:
         if (utf8 := wire.as_utf8(raw, content_type)) is not None:  # read by its declared charset, sent as JSON's own
             flow.request.content = raw = utf8
             flow.request.headers["content-type"] = wire.utf8_type(content_type)
-        state = FlowState(backend, route, raw, flow.request.path, flow.request.headers.get("Authorization"), proxy_url(flow),
-                          session=wire.session_of(flow.request.headers.get(wire.SESSION_HEADER)),
-                          left=functools.partial(gone, flow.client_conn))  # fmt: skip
+        state = FlowState(
+            backend,
+            route,
+            raw,
+            flow.request.path,
+            flow.request.headers.get("Authorization"),
+            proxy_url(flow),
+            session=wire.session_of(flow.request.headers.get(wire.SESSION_HEADER)),
+            left=functools.partial(gone, flow.client_conn),
+        )
         self.states[flow] = state
         decision = await self.fitter.fit(state)
         if state.left():  # a fit of megabytes takes long enough: nobody waits for the answer
@@ -420,8 +428,11 @@ class Compactor:
             cut = watched.upstream_truncated or watched.upstream_truncation_possible
             if cut is not None and TRUNCATION_FLAGGED not in flow.metadata:  # a stream may ask twice
                 flow.metadata[TRUNCATION_FLAGGED] = True
-                told = (f"cut the prompt: {cut.evaluated_tokens} of {cut.sent_tokens} tokens evaluated" if cut is watched.upstream_truncated
-                        else f"may have cut the prompt: {cut.evaluated_tokens} evaluated of about {cut.sent_tokens}")  # fmt: skip
+                told = (
+                    f"cut the prompt: {cut.evaluated_tokens} of {cut.sent_tokens} tokens evaluated"
+                    if cut is watched.upstream_truncated
+                    else f"may have cut the prompt: {cut.evaluated_tokens} evaluated of about {cut.sent_tokens}"
+                )
                 flag(flow, TRUNCATED_MARK, f"the server {told}" if flow.comment else f"{state.route.name}: the server {told}")
         if self.kept is not None:
             self.kept.save(self.fitter.calibration)

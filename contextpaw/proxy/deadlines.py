@@ -58,9 +58,13 @@ class RequestDeadlines:
         self.clients: dict[str, _Client] = {}
 
     def load(self, loader: Any) -> None:
-        loader.add_option(OPTION, int, DEFAULT_S,
+        loader.add_option(
+            OPTION,
+            int,
+            DEFAULT_S,
             "Seconds a client connection may take to send a whole request (headers and body, and the idle wait "
-            "before them on a kept-alive connection); then it is closed. Answers, streamed or not, are not timed.")  # fmt: skip
+            "before them on a kept-alive connection); then it is closed. Answers, streamed or not, are not timed.",
+        )
 
     def configure(self, updated: set[str]) -> None:
         if OPTION in updated:
@@ -138,6 +142,7 @@ class RequestDeadlines:
         handler = ctx.master.addons.get("proxyserver").connections.get(client.id)
         if handler is None or client not in handler.transports:
             return  # closing already
-        logger.warning("closed the connection of %s: no whole request in %d s (%s)",
-                       human.format_address(client.peername), self.timeout_s, OPTION)  # fmt: skip
+        logger.warning(
+            "closed the connection of %s: no whole request in %d s (%s)", human.format_address(client.peername), self.timeout_s, OPTION
+        )
         handler.close_connection(client)

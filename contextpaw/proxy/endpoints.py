@@ -112,9 +112,11 @@ class AdminEndpoints:
 
     def load(self, loader: Any) -> None:
         loader.add_option(
-            "contextpaw_admin_token", str | None, None,
+            "contextpaw_admin_token",
+            str | None,
+            None,
             "Token (header X-ContextPaw-Token) that lets non-loopback clients use /contextpaw/*.",
-        )  # fmt: skip
+        )
 
     def running(self) -> None:
         """Warn of listeners off the loopback; and see the Host each client sent, which reverse mode
@@ -125,8 +127,11 @@ class AdminEndpoints:
         for spec in ctx.options.mode if listening else ():
             host = mode_specs.ProxyMode.parse(spec).listen_host(ctx.options.listen_host)
             if not admin.loopback_address(host) and host != "localhost":
-                logger.warning("listening on %s (%s), not on the loopback: other machines can reach the backends through it",
-                               host or "every interface", spec)  # fmt: skip
+                logger.warning(
+                    "listening on %s (%s), not on the loopback: other machines can reach the backends through it",
+                    host or "every interface",
+                    spec,
+                )
         if "keep_host_header" in ctx.options and not ctx.options.keep_host_header:  # a proxy's option (not in taddons)
             self.rewrites_host = True
             ctx.options.update(keep_host_header=True)
@@ -148,8 +153,15 @@ class AdminEndpoints:
         for backend in self.backends.configured_backends():
             found = await self.backends.kind_found(backend.url) if backend.url in answering else None
             if found is not None and found != backend.kind:
-                logger.warning("the %s backend %s is a %s: its window is read the %s way and found wrong; give it as --%s %s",
-                               backend.kind, backend.url, found, backend.kind, found, backend.url)  # fmt: skip
+                logger.warning(
+                    "the %s backend %s is a %s: its window is read the %s way and found wrong; give it as --%s %s",
+                    backend.kind,
+                    backend.url,
+                    found,
+                    backend.kind,
+                    found,
+                    backend.url,
+                )
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if self.rewrites_host and isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):
@@ -225,8 +237,10 @@ class AdminEndpoints:
         if exact or backend.kind != wire.Kind.OLLAMA:
             return {**served, "agent_window": window}
         told = math.floor(budgeter.for_window(window, wire.Params(model, False)).admits / ANCHOR_MARGIN)
-        note = (f"no tokenizer for {model}: a turn is counted at its conversation's rate with {ANCHOR_MARGIN - 1:.0%} for "
-                f"the count's error, so an agent told {told} compacts itself before ContextPaw would cut")  # fmt: skip
+        note = (
+            f"no tokenizer for {model}: a turn is counted at its conversation's rate with {ANCHOR_MARGIN - 1:.0%} for "
+            f"the count's error, so an agent told {told} compacts itself before ContextPaw would cut"
+        )
         return {**served, "agent_window": told, "note": note}
 
     async def _backends(self) -> list[dict[str, Any]]:

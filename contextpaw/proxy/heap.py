@@ -122,8 +122,12 @@ class ReturnedMemory:
                 collected = time.perf_counter()
                 await asyncio.to_thread(self.libc.malloc_trim, 0)
                 self.trimmed_at = time.monotonic()
-                logger.debug("%d objects collected in %.1f ms, memory trimmed in %.1f ms", found,
-                             (collected - started) * 1000, (time.perf_counter() - collected) * 1000)  # fmt: skip
+                logger.debug(
+                    "%d objects collected in %.1f ms, memory trimmed in %.1f ms",
+                    found,
+                    (collected - started) * 1000,
+                    (time.perf_counter() - collected) * 1000,
+                )
         finally:
             self.trimming = None
 

@@ -81,8 +81,10 @@ def details(report: Mapping[str, Any]) -> list[str]:
         for marker_id, rows in holes.items():
             lines.append(f"  {marker_id}  {_hole(rows)}")
         lines.append(f"  (each hole's content: GET {EVICTED_PATH}<id>)")
-    for key, what in (("upstream_truncated", "the server cut the prompt"),
-                      ("upstream_truncation_possible", "the server may have cut the prompt")):  # fmt: skip
+    for key, what in (
+        ("upstream_truncated", "the server cut the prompt"),
+        ("upstream_truncation_possible", "the server may have cut the prompt"),
+    ):
         cut = report.get(key)
         if isinstance(cut, Mapping):
             lines.append(f"{what}: {cut.get('evaluated_tokens')} of {cut.get('sent_tokens')} tokens evaluated")

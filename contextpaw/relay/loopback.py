@@ -113,8 +113,7 @@ class Relay:
             target = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
             if target is not None:
                 await self._serve(target, reader, writer)
-        except (OSError, TimeoutError, ValueError, ClientGone, h11.ProtocolError, asyncio.IncompleteReadError,
-                asyncio.LimitOverrunError):  # fmt: skip
+        except (OSError, TimeoutError, ValueError, ClientGone, h11.ProtocolError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass  # the tunnel ends; a request in it was answered or its client is gone
         except asyncio.CancelledError:
             pass  # the relay closes: the tunnel ends with it

@@ -540,10 +540,10 @@ def dumps(value: Any, **options: Any) -> str:
     the same text, but the interpreter's lock is let go between items; one call for a hole of
     several megabytes held every other client for 0.2-0.4 s."""
     if isinstance(value, list) and value and options.keys() <= {"separators"}:
-        comma = options.get("separators", (", ", ": "))[0]
+        comma: str = options.get("separators", (", ", ": "))[0]
         return "[" + comma.join(dumps(item, **options) for item in value) + "]"
     text = json.dumps(_placeholders(value), ensure_ascii=False, **options)
-    return _LITERAL.sub(lambda found: found.group(1), text)
+    return _LITERAL.sub(lambda found: str(found.group(1)), text)
 
 
 MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([A-Za-z0-9._:/@+-]{1,256})"')

@@ -125,6 +125,12 @@ def _bz2(raw: bytes) -> Iterator[bytes]:
 
 
 _STEPS: dict[str, Callable[[bytes], Iterator[bytes]]] = {
-    "gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "deflateraw": _deflate, "zlib": lambda raw: _zlib(raw, 15),
-    "br": _brotli, "zstd": _zstd, "bz2": _bz2,
-}  # fmt: skip
+    "gzip": _gzip,
+    "x-gzip": _gzip,
+    "deflate": _deflate,
+    "deflateraw": _deflate,
+    "zlib": lambda raw: _zlib(raw, 15),
+    "br": _brotli,
+    "zstd": _zstd,
+    "bz2": _bz2,
+}

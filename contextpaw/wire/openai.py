@@ -183,4 +183,4 @@ def models_with_windows(body: dict[str, Any], windows: Mapping[str, int]) -> dic
     data = body.get("data")
     if isinstance(data, list):
         return {**body, "data": [fitted(e) for e in data]}
-    return fitted(body)
+    return dict(fitted(body))

@@ -16,7 +16,7 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import pytest
 from mitmproxy import connection, exceptions, hooks, http
@@ -41,11 +41,9 @@ from contextpaw.wire.streams import StreamReport
 from support.flows import CLOSED_PORT, LLAMACPP, OLLAMA, get, long_chat, ok_json, post, reverse, streamed, to_ollama
 from support.inprocess import Proxy
 
-A = TypeVar("A")
-
 
 @dataclass
-class Alone(Generic[A]):
+class Alone[A]:
     """One addon loaded alone on taddons' master, with its hooks run as mitmproxy runs them."""
 
     tctx: taddons.context
@@ -70,7 +68,7 @@ class Alone(Generic[A]):
 
 
 @contextlib.contextmanager
-def alone(kind: type[A]) -> Iterator[Alone[A]]:
+def alone[A](kind: type[A]) -> Iterator[Alone[A]]:
     """The addon of class `kind`, wired to what it shares as `make_addons` wires it; the other
     addons are built but not loaded."""
     addon = next(a for a in make_addons() if isinstance(a, kind))
