@@ -205,8 +205,6 @@ class SqliteStore(EvictedStore):
                 f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, check_same_thread=False, isolation_level=None
             )
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-        if self.path.stat().st_size == 0:  # a new archive gives back the pages it frees (set before anything is written)
-            db.execute("PRAGMA auto_vacuum = INCREMENTAL")
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         return db
@@ -358,7 +356,6 @@ class SqliteStore(EvictedStore):
             if count > self.max_items or size > self.max_bytes:
                 db.execute(TRIM, (self.max_bytes, self.max_items))
                 count, size = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM items").fetchone()
-            db.execute("PRAGMA incremental_vacuum").fetchall()  # what was dropped leaves the file (a page a row stepped)
             db.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
