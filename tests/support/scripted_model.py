@@ -408,10 +408,12 @@ def retrieved(conversation: Conversation) -> list[dict[str, str]]:
     return out
 
 
-def next_part(result: str) -> int | None:
-    """The part to ask for after a retrieval's result that comes in parts; None: it was the last, or whole."""
+def next_part(result: str, ref: str) -> int | None:
+    """The part to ask for after a retrieval of `ref` whose result comes in parts; None: it was the
+    last, or whole. The note must name `ref` itself: a whole result (a hole's messages) may begin
+    with an older retrieval's part note, of another reference."""
     note = PART_NOTE.search(result[:400])
-    return int(note[1]) + 1 if note is not None and int(note[1]) < int(note[2]) else None
+    return int(note[1]) + 1 if note is not None and note[3] == ref and int(note[1]) < int(note[2]) else None
 
 
 def read_tool(tools: list[Any]) -> tuple[str, Any] | None:
@@ -484,7 +486,7 @@ class Script:
         retrieval = retrieve_tool(conversation.tools) if self.retrieve else None
         newest = next((m for m in reversed(conversation.messages) if m.role == "tool"), None)
         last = next((r for r in retrieved(conversation) if newest is not None and r["call"] == newest.result_of), None)
-        if retrieval is not None and last is not None and (part := next_part(last["text"])) is not None:
+        if retrieval is not None and last is not None and (part := next_part(last["text"], last["ref"])) is not None:
             # a result that comes in parts: the next part, at once
             call = Call(f"call_{uuid.uuid4().hex[:20]}", retrieval[1], compact_json({"ref": last["ref"], "part": part}), retrieval[0])
             return Reply(call=call, kind="retrieve")
