@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from contextpaw.core import logs
-from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, newest_within, next_batch, searchable, snippet
+from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, Held, next_batch, searchable, snippet
 
 logger = logs.get(__name__)
 
@@ -83,8 +83,8 @@ class RedisStore(EvictedStore):
         self._pending: dict[str, builtins.bytes] = {}
         self._pending_lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[str, builtins.bytes, str] | threading.Event | None] = queue.SimpleQueue()
-        self._unwritten: list[tuple[str, builtins.bytes, str]] = []
-        """Contents a failed write left, held (in `_pending` too) until a write takes them."""
+        self._held: Held[tuple[str, builtins.bytes, str]] = Held(f"at {url}", lambda put: len(put[1]))
+        """Contents a failed write left (in `_pending` too) until a write takes them."""
         self._secret: builtins.bytes | None = None
         """The fleet's secret this instance keys with (`shared_secret`), checked on every write."""
         self._split = False
@@ -215,52 +215,30 @@ class RedisStore(EvictedStore):
 
     def _write_loop(self) -> None:
         while True:
-            batch = next_batch(self._queue, bool(self._unwritten))
+            batch = next_batch(self._queue, bool(self._held.puts))
             puts = [item for item in batch if isinstance(item, tuple)]
-            if puts or self._unwritten:
-                self._write_or_hold([*self._unwritten, *puts])
+            if puts or self._held.puts:
+                self._forget_pending(self._held.write(self._send, puts, self.max_bytes, (redis.RedisError,)))
             for item in batch:
                 if isinstance(item, threading.Event):
                     item.set()
             if batch and batch[-1] is None:
-                if self._unwritten:
-                    logger.warning("the archive at %s closed with %d contents it could not write: lost", self.url, len(self._unwritten))
+                self._held.closed()
                 return
 
-    def _write_or_hold(self, puts: list[tuple[str, builtins.bytes, str]]) -> None:
-        """Write `puts` (what a failed write left first); while the server is away, hold them in
-        memory, the newest within the archive's byte bound, readable meanwhile, tried again."""
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            check = self._secret_kept(pipe)
-            for marker_id, data, session in puts:
-                if marker_id.startswith("plan:"):  # a conversation's plan: the age bound is its TTL
-                    pipe.set(self._key(marker_id), data, px=int(self.max_age_s * 1000))
-                    continue
-                bounds = (self.max_items, self.max_bytes, self.max_age_s)
-                self._put(args=(self.prefix, marker_id, data, *bounds), client=pipe)
-                if session:  # whose it is, for a search scoped to one session; as long-lived as the content
-                    pipe.set(self._key("session:" + marker_id), session, px=int(self.max_age_s * 1000))
-            check(pipe.execute())
-        except redis.RedisError as e:
-            if not self._unwritten:
-                logger.warning(
-                    "the archive at %s cannot be written (%s): what it is given is held in memory (at most %d bytes) "
-                    "and written once it can be",
-                    self.url,
-                    e,
-                    self.max_bytes,
-                )
-            self._unwritten, lost = newest_within(puts, lambda put: len(put[1]), self.max_bytes)
-            if lost:
-                logger.warning(
-                    "the archive at %s: %d held contents over its bound of %d bytes are lost", self.url, len(lost), self.max_bytes
-                )
-            self._forget_pending(lost)
-            return
-        if self._unwritten:
-            logger.warning("the archive at %s is written again: %d held contents are there", self.url, len(self._unwritten))
-        self._unwritten = []
+    def _send(self, puts: list[tuple[str, builtins.bytes, str]]) -> None:
+        """One pipeline for `puts`; what it wrote is no longer read from the pending copy."""
+        pipe = self._client.pipeline(transaction=False)
+        check = self._secret_kept(pipe)
+        for marker_id, data, session in puts:
+            if marker_id.startswith("plan:"):  # a conversation's plan: the age bound is its TTL
+                pipe.set(self._key(marker_id), data, px=int(self.max_age_s * 1000))
+                continue
+            bounds = (self.max_items, self.max_bytes, self.max_age_s)
+            self._put(args=(self.prefix, marker_id, data, *bounds), client=pipe)
+            if session:  # whose it is, for a search scoped to one session; as long-lived as the content
+                pipe.set(self._key("session:" + marker_id), session, px=int(self.max_age_s * 1000))
+        check(pipe.execute())
         self._forget_pending(puts)
 
     def _forget_pending(self, puts: list[tuple[str, builtins.bytes, str]]) -> None:

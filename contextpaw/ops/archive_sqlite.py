@@ -27,6 +27,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import functools
 import os
 import queue
 import sqlite3
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from contextpaw.core import logs
-from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, newest_within, next_batch, searchable
+from contextpaw.ops.evicted import SEARCH_WAIT_S, EvictedStore, Held, next_batch, searchable
 
 logger = logs.get(__name__)
 
@@ -176,8 +177,8 @@ class SqliteStore(EvictedStore):
         """Plans handed to the writer and not yet committed, by conversation key."""
         self._pending_lock = threading.Lock()
         self._queue: queue.SimpleQueue[Put | threading.Event | None] = queue.SimpleQueue()
-        self._unwritten: list[Put] = []
-        """Puts a failed write left, held (in `_pending` too) until a write takes them."""
+        self._held: Held[Put] = Held(str(path), lambda put: len(put[3]) if put[0] == "items" else 0)
+        """Puts a failed write left (in `_pending` too) until a write takes them."""
         self._writer = threading.Thread(target=self._write_loop, name="contextpaw-archive", daemon=True)
         self._writer.start()
 
@@ -288,43 +289,18 @@ class SqliteStore(EvictedStore):
         db = self._connect()
         try:
             while True:
-                batch = next_batch(self._queue, bool(self._unwritten))
+                batch = next_batch(self._queue, bool(self._held.puts))
                 puts = [item for item in batch if isinstance(item, tuple)]
-                if puts or self._unwritten:
-                    self._write_or_hold(db, puts)
+                if puts or self._held.puts:
+                    self._forget_pending(self._held.write(functools.partial(self._write, db), puts, self.max_bytes, (sqlite3.Error,)))
                 for item in batch:
                     if isinstance(item, threading.Event):
                         item.set()
                 if batch and batch[-1] is None:
-                    if self._unwritten:
-                        logger.warning("the archive %s closed with %d entries it could not write: lost", self.path, len(self._unwritten))
+                    self._held.closed()
                     return
         finally:
             db.close()
-
-    def _write_or_hold(self, db: sqlite3.Connection, puts: list[Put]) -> None:
-        """Write what a failed write left, then `puts`; if this fails too, hold them all in memory,
-        the newest within the archive's byte bound."""
-        todo = [*self._unwritten, *puts]
-        try:
-            self._write(db, todo)
-        except sqlite3.Error as e:
-            if not self._unwritten:
-                logger.warning(
-                    "the archive %s cannot be written (%s): what it is given is held in memory (at most %d bytes) "
-                    "and written once it can be",
-                    self.path,
-                    e,
-                    self.max_bytes,
-                )
-            self._unwritten, lost = newest_within(todo, lambda put: len(put[3]) if put[0] == "items" else 0, self.max_bytes)
-            if lost:
-                self._forget_pending(lost)
-                logger.warning("the archive %s: %d held entries over its bound of %d bytes are lost", self.path, len(lost), self.max_bytes)
-            return
-        if self._unwritten:
-            logger.warning("the archive %s is written again: %d held entries are on disk", self.path, len(self._unwritten))
-        self._unwritten = []
 
     def _write(self, db: sqlite3.Connection, puts: list[Put]) -> None:
         """One transaction for a batch of puts; the count and the bytes are kept up to date as it

@@ -20,6 +20,9 @@ from typing import Any
 import orjson
 
 from contextpaw import wire
+from contextpaw.core import logs
+
+logger = logs.get(__name__)
 
 SNIPPET_CHARS = 160
 """Characters of context a search result shows around what matched."""
@@ -58,6 +61,44 @@ def newest_within[Item](puts: Sequence[Item], size: Callable[[Item], int], most:
         if total > most:
             return list(puts[at + 1 :]), list(puts[: at + 1])
     return list(puts), []
+
+
+class Held[P]:
+    """What a store's writer thread could not write (a full disk, a server away), held for its next
+    try: the newest within the archive's bytes (`size` of each), each readable meanwhile from the
+    store's own pending copy. `where` names the store in the log. One for SQLite and Redis alike."""
+
+    def __init__(self, where: str, size: Callable[[P], int]) -> None:
+        self.where, self.size = where, size
+        self.puts: list[P] = []
+
+    def write(self, write: Callable[[list[P]], None], puts: list[P], most: int, failures: tuple[type[Exception], ...]) -> list[P]:
+        """`write` what is held, then `puts`; where that fails, hold them all, the newest within
+        `most` bytes. Returns what is lost past it (the store forgets its pending copy of those)."""
+        todo = [*self.puts, *puts]
+        try:
+            write(todo)
+        except failures as e:
+            if not self.puts:
+                logger.warning(
+                    "the archive %s cannot be written (%s): what it is given is held in memory (at most %d bytes) and written once it can be",
+                    self.where,
+                    e,
+                    most,
+                )
+            self.puts, lost = newest_within(todo, self.size, most)
+            if lost:
+                logger.warning("the archive %s: %d held entries over its bound of %d bytes are lost", self.where, len(lost), most)
+            return lost
+        if self.puts:
+            logger.warning("the archive %s is written again: %d held entries are there", self.where, len(self.puts))
+        self.puts = []
+        return []
+
+    def closed(self) -> None:
+        """Said when the store closes with entries still held: they are lost."""
+        if self.puts:
+            logger.warning("the archive %s closed with %d entries it could not write: lost", self.where, len(self.puts))
 
 
 def encode(content: Any) -> bytes:
